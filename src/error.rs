@@ -1,0 +1,92 @@
+//! Typed errors for the library. Each variant carries the context a user needs to fix the
+//! input: the file, the key, the tensor name, expected vs got. Only `main` turns these into
+//! `anyhow` and prints the chain (once, without backtraces).
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A recipe problem: `key` is the dotted TOML key (`train.lr`), `msg` says what was expected.
+    #[error("recipe {file}: key `{key}`: {msg}")]
+    Recipe { file: String, key: String, msg: String },
+
+    #[error("{path}: {msg}")]
+    Config { path: PathBuf, msg: String },
+
+    #[error("model {what}: {msg}")]
+    Model { what: String, msg: String },
+
+    #[error("{file}: not a valid safetensors file: {msg}")]
+    Safetensors { file: PathBuf, msg: String },
+
+    #[error("tensor `{name}` missing (looked in {files})")]
+    MissingTensor { name: String, files: String },
+
+    #[error("tensor `{name}` in {file}: expected shape {expected:?}, got {got:?}")]
+    Shape { name: String, file: String, expected: Vec<usize>, got: Vec<usize> },
+
+    #[error("adapter {dir}: {msg}")]
+    Adapter { dir: PathBuf, msg: String },
+
+    #[error("dataset {path}: {msg}")]
+    Data { path: PathBuf, msg: String },
+
+    #[error("tokenizer {path}: {msg}")]
+    Tokenizer { path: PathBuf, msg: String },
+
+    #[error("training: {0}")]
+    Train(String),
+
+    /// A candle error with its backtrace stripped (RUST_BACKTRACE=1 makes candle attach one;
+    /// users want the message, not 60 frames).
+    #[error("tensor op `{op}`: {msg}")]
+    Candle { op: String, msg: String },
+}
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+    pub fn data(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Data { path: path.into(), msg: msg.into() }
+    }
+    pub fn model(what: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Model { what: what.into(), msg: msg.into() }
+    }
+}
+
+/// Message of a candle error without its backtrace wrapper.
+pub fn candle_msg(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => candle_msg(inner),
+        candle_core::Error::WithPath { inner, path } => format!("{}: {}", path.display(), candle_msg(inner)),
+        candle_core::Error::Context { inner, context } => format!("{context}: {}", candle_msg(inner)),
+        other => other.to_string(),
+    }
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Candle { op: "compute".into(), msg: candle_msg(&e) }
+    }
+}
+
+/// Attach the name of what was being computed to a candle error.
+pub trait CandleContext<T> {
+    fn ctx(self, op: &str) -> Result<T>;
+}
+
+impl<T> CandleContext<T> for std::result::Result<T, candle_core::Error> {
+    fn ctx(self, op: &str) -> Result<T> {
+        self.map_err(|e| Error::Candle { op: op.to_string(), msg: candle_msg(&e) })
+    }
+}

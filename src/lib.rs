@@ -1,0 +1,20 @@
+//! finetune: LoRA fine-tuning of DeepSeek-style (Llama / Qwen2) checkpoints on candle.
+//! See ARCHITECTURE.md for the map.
+
+pub mod config;
+pub mod data;
+pub mod device;
+pub mod error;
+pub mod fsutil;
+pub mod lora;
+pub mod loss;
+pub mod model;
+pub mod ops;
+pub mod optim;
+pub mod progress;
+pub mod recipe;
+pub mod rng;
+pub mod train;
+pub mod weights;
+
+pub use error::{Error, Result};

@@ -1,0 +1,250 @@
+//! LoRA adapters: y = W x + b + (alpha / r) * B (A (dropout(x))).
+//!
+//! Init contract (as PEFT's default `init_lora_weights=True`): A ~ kaiming_uniform(a = sqrt(5)),
+//! i.e. U(-1/sqrt(in), 1/sqrt(in)), and B = 0, so a fresh adapter leaves the model's output
+//! unchanged. A and B are the only `Var`s in the program; the frozen W never is.
+//!
+//! [`LoraLinear`] wraps a frozen linear with an optional adapter so model code calls one
+//! `forward` whether or not a module is targeted.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::rng::{dropout_mask, stream, Rng};
+use candle_core::{DType, Device, Tensor, Var};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// Module names in the order PEFT-style keys and our parameter list use.
+pub const MODULES: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+pub fn module_parent(m: &str) -> &'static str {
+    match m {
+        "q_proj" | "k_proj" | "v_proj" | "o_proj" => "self_attn",
+        _ => "mlp",
+    }
+}
+
+pub struct LoraAdapter {
+    /// [R, in]
+    pub a: Var,
+    /// [out, R]
+    pub b: Var,
+}
+
+/// Settings shared by every adapter.
+#[derive(Clone, Debug)]
+pub struct LoraSpec {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Targeted modules, in [`MODULES`] order.
+    pub targets: Vec<String>,
+}
+
+impl LoraSpec {
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+}
+
+/// All adapters of a model: `layers[i][m]` for module index m in [`MODULES`].
+pub struct Adapters {
+    pub spec: LoraSpec,
+    pub layers: Vec<[Option<LoraAdapter>; 7]>,
+}
+
+/// Dropout context of one forward: which micro-batch, so masks are reproducible.
+#[derive(Clone, Copy, Debug)]
+pub struct DropoutCtx {
+    pub seed: u64,
+    pub micro_batch: u64,
+}
+
+impl Adapters {
+    /// Fresh adapters: A kaiming-uniform from a seeded RNG, B = 0.
+    pub fn init(cfg: &ModelConfig, spec: LoraSpec, seed: u64, device: &Device) -> Result<Self> {
+        let mut rng = Rng::new(seed);
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for _ in 0..cfg.num_hidden_layers {
+            let mut row: [Option<LoraAdapter>; 7] = Default::default();
+            for (mi, m) in MODULES.iter().enumerate() {
+                if !spec.targets.iter().any(|t| t == m) {
+                    continue;
+                }
+                let (fan_in, out) = cfg.proj_shape(m);
+                let bound = 1.0 / (fan_in as f64).sqrt();
+                let a: Vec<f32> = (0..spec.rank * fan_in).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect();
+                let a = Var::from_vec(a, (spec.rank, fan_in), device)?;
+                let b = Var::zeros((out, spec.rank), DType::F32, device)?;
+                row[mi] = Some(LoraAdapter { a, b });
+            }
+            layers.push(row);
+        }
+        Ok(Adapters { spec, layers })
+    }
+
+    /// The trainable tensors in a fixed order (layer, module, A then B) with their PEFT keys.
+    pub fn params(&self) -> Vec<(String, &Var)> {
+        let mut out = Vec::new();
+        for (i, row) in self.layers.iter().enumerate() {
+            for (mi, ad) in row.iter().enumerate() {
+                if let Some(ad) = ad {
+                    let base = peft_prefix(i, MODULES[mi]);
+                    out.push((format!("{base}.lora_A.weight"), &ad.a));
+                    out.push((format!("{base}.lora_B.weight"), &ad.b));
+                }
+            }
+        }
+        out
+    }
+
+    pub fn num_params(&self) -> u64 {
+        self.params().iter().map(|(_, v)| v.elem_count() as u64).sum()
+    }
+
+    /// Load A and B from a PEFT adapter folder (`adapter_model.safetensors`), strictly: every
+    /// expected key present with the right shape, no unexpected keys, and r / lora_alpha in
+    /// `adapter_config.json` equal to the recipe's.
+    pub fn load_peft(&self, dir: &Path) -> Result<()> {
+        let err = |msg: String| Error::Adapter { dir: dir.to_path_buf(), msg };
+        let cfg_path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let cfg: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| err(format!("adapter_config.json is not valid JSON: {e}")))?;
+        if let Some(r) = cfg.get("r").and_then(|v| v.as_u64()) {
+            if r as usize != self.spec.rank {
+                return Err(err(format!("adapter has r = {r} but lora.rank = {}; set lora.rank = {r}", self.spec.rank)));
+            }
+        }
+        if let Some(a) = cfg.get("lora_alpha").and_then(|v| v.as_f64()) {
+            if a != self.spec.alpha {
+                return Err(err(format!("adapter has lora_alpha = {a} but lora.alpha = {}; set lora.alpha = {a}", self.spec.alpha)));
+            }
+        }
+        let file = dir.join("adapter_model.safetensors");
+        if !file.is_file() {
+            return Err(err("no adapter_model.safetensors (adapter_model.bin pickles are not read)".into()));
+        }
+        let tensors = candle_core::safetensors::load(&file, &Device::Cpu)
+            .map_err(|e| Error::Safetensors { file: file.clone(), msg: crate::error::candle_msg(&e) })?;
+        // PEFT may save keys with the adapter name (".default") in some versions; accept both.
+        let tensors: HashMap<String, Tensor> =
+            tensors.into_iter().map(|(k, v)| (k.replace(".default.weight", ".weight"), v)).collect();
+        let params = self.params();
+        let mut missing = Vec::new();
+        for (key, var) in &params {
+            match tensors.get(key) {
+                None => missing.push(key.clone()),
+                Some(t) => {
+                    if t.dims() != var.dims() {
+                        return Err(Error::Shape {
+                            name: key.clone(),
+                            file: file.display().to_string(),
+                            expected: var.dims().to_vec(),
+                            got: t.dims().to_vec(),
+                        });
+                    }
+                    var.set(&t.to_dtype(DType::F32)?.to_device(var.device())?)?;
+                }
+            }
+        }
+        if !missing.is_empty() {
+            return Err(err(format!(
+                "{} expected tensor(s) missing, e.g. `{}` (do lora.targets match the adapter's target_modules?)",
+                missing.len(),
+                missing[0]
+            )));
+        }
+        let expected: std::collections::HashSet<&String> = params.iter().map(|(k, _)| k).collect();
+        let mut unexpected: Vec<&String> = tensors.keys().filter(|k| !expected.contains(k)).collect();
+        unexpected.sort();
+        if !unexpected.is_empty() {
+            return Err(err(format!(
+                "{} unexpected tensor(s), e.g. `{}` (the adapter targets modules lora.targets does not list)",
+                unexpected.len(),
+                unexpected[0]
+            )));
+        }
+        Ok(())
+    }
+
+    /// Write a PEFT adapter folder: `adapter_model.safetensors` (f32) and `adapter_config.json`.
+    /// Each file is written to a temporary name and renamed, so a reader never sees half a file.
+    pub fn save_peft(&self, dir: &Path, base_model: &str) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut map: BTreeMap<String, Tensor> = BTreeMap::new();
+        for (k, v) in self.params() {
+            map.insert(k, v.as_tensor().to_device(&Device::Cpu)?);
+        }
+        let file = dir.join("adapter_model.safetensors");
+        let tmp = dir.join(".adapter_model.safetensors.tmp");
+        let data: Vec<(&String, &Tensor)> = map.iter().collect();
+        safetensors::serialize_to_file(data, None, &tmp)
+            .map_err(|e| Error::Safetensors { file: tmp.clone(), msg: e.to_string() })?;
+        crate::fsutil::rename_durable(&tmp, &file)?;
+        let config = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.spec.rank,
+            "lora_alpha": self.spec.alpha,
+            "lora_dropout": self.spec.dropout,
+            "target_modules": self.spec.targets,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "modules_to_save": null,
+            "layers_to_transform": null,
+            "layers_pattern": null,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "use_rslora": false,
+            "use_dora": false,
+            "revision": null,
+        });
+        let text = serde_json::to_string_pretty(&config).map_err(|e| Error::Train(e.to_string()))?;
+        crate::fsutil::write_atomic(&dir.join("adapter_config.json"), text.as_bytes())
+    }
+}
+
+/// `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}`: PEFT's key prefix.
+pub fn peft_prefix(layer: usize, module: &str) -> String {
+    format!("base_model.model.model.layers.{layer}.{}.{module}", module_parent(module))
+}
+
+/// A frozen linear (W [out, in], optional bias [out]) with an optional LoRA adapter.
+pub struct LoraLinear<'a> {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub lora: Option<&'a LoraAdapter>,
+    pub scale: f64,
+    pub dropout: f64,
+    /// Identifies this module for dropout masks: (layer, module index).
+    pub site: (usize, usize),
+}
+
+impl LoraLinear<'_> {
+    /// x [N, in] -> [N, out]
+    pub fn forward(&self, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
+        let mut y = x.matmul(&self.weight.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        let Some(ad) = self.lora else { return Ok(y) };
+        let xd = match drop {
+            Some(ctx) if self.dropout > 0.0 => {
+                let id = stream(&[ctx.seed, ctx.micro_batch, self.site.0 as u64, self.site.1 as u64]);
+                let mask = dropout_mask(id, x.elem_count(), self.dropout);
+                let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+                (x * mask)?
+            }
+            _ => x.clone(),
+        };
+        let xd = xd.to_dtype(DType::F32)?;
+        // [N, in] x [in, R] -> [N, R] x [R, out] -> [N, out]
+        let l = xd.matmul(&ad.a.t()?)?.matmul(&ad.b.t()?)?;
+        let l = (l * self.scale)?.to_dtype(y.dtype())?;
+        Ok((y + l)?)
+    }
+}

@@ -1,0 +1,233 @@
+//! Llama / Qwen2 decoder for LoRA training (transformers' `modeling_llama.py`, eager attention).
+//!
+//! Dimension legend:
+//!   B  micro-batch rows            S  sequence length (padded)
+//!   H  hidden_size                 I  intermediate_size
+//!   NH num_attention_heads         KV num_key_value_heads      R = NH / KV (query heads per kv head)
+//!   D  head_dim                    V  vocab_size               N = B * S (flattened tokens)
+//!
+//! The model holds no frozen tensors of its own: each block is built by `load(vb, cfg, ..)`
+//! from a [`Frozen`] view just before it runs, so a sharded weight source can gather one
+//! layer at a time. Fields are named after the HF keys. All ops used here have correct
+//! gradients in candle (see `ops.rs`).
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::lora::{Adapters, DropoutCtx, LoraAdapter, LoraLinear, MODULES};
+use crate::ops;
+use crate::weights::{Frozen, WeightSource};
+use candle_core::{DType, Tensor};
+use std::sync::Arc;
+
+/// Per-forward inputs shared by all layers.
+pub struct ForwardCtx {
+    /// [B, 1, S, D]
+    pub cos: Tensor,
+    /// [B, 1, S, D]
+    pub sin: Tensor,
+    /// Additive attention mask, 0 or -inf: [B or 1, 1, S, S].
+    pub mask: Tensor,
+    /// Dropout masks are drawn only when training.
+    pub dropout: Option<DropoutCtx>,
+}
+
+fn linear<'a>(
+    vb: &Frozen,
+    cfg: &ModelConfig,
+    layer: usize,
+    module: &str,
+    adapters: &'a [Option<LoraAdapter>; 7],
+    lora: &Adapters,
+) -> Result<LoraLinear<'a>> {
+    let (i, o) = cfg.proj_shape(module);
+    let weight = vb.get(&[o, i], &format!("{module}.weight"))?;
+    let bias = if cfg.proj_has_bias(module) { Some(vb.get(&[o], &format!("{module}.bias"))?) } else { None };
+    let mi = MODULES.iter().position(|m| *m == module).unwrap_or(0);
+    Ok(LoraLinear {
+        weight,
+        bias,
+        lora: adapters[mi].as_ref(),
+        scale: lora.spec.scale(),
+        dropout: lora.spec.dropout,
+        site: (layer, mi),
+    })
+}
+
+pub struct Attention<'a> {
+    q_proj: LoraLinear<'a>,
+    k_proj: LoraLinear<'a>,
+    v_proj: LoraLinear<'a>,
+    o_proj: LoraLinear<'a>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+impl<'a> Attention<'a> {
+    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
+        let ad = &lora.layers[layer];
+        Ok(Attention {
+            q_proj: linear(vb, cfg, layer, "q_proj", ad, lora)?,
+            k_proj: linear(vb, cfg, layer, "k_proj", ad, lora)?,
+            v_proj: linear(vb, cfg, layer, "v_proj", ad, lora)?,
+            o_proj: linear(vb, cfg, layer, "o_proj", ad, lora)?,
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+        })
+    }
+
+    /// x [B, S, H] -> [B, S, H]
+    pub fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let (nh, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let x2 = x.reshape((b * s, h))?; // [N, H]
+        let q = self.q_proj.forward(&x2, ctx.dropout)?; // [N, NH*D]
+        let k = self.k_proj.forward(&x2, ctx.dropout)?; // [N, KV*D]
+        let v = self.v_proj.forward(&x2, ctx.dropout)?; // [N, KV*D]
+        let q = q.reshape((b, s, nh, d))?.transpose(1, 2)?.contiguous()?; // [B, NH, S, D]
+        let k = k.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
+        let v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
+        let q = ops::rope(&q, &ctx.cos, &ctx.sin)?;
+        let k = ops::rope(&k, &ctx.cos, &ctx.sin)?;
+        // GQA without copying k/v (transformers' repeat_kv): query head h uses kv head h / R,
+        // so the R query heads of a kv head are contiguous and fold into the row dim.
+        let r = nh / kv;
+        let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?; // [B, KV, R*S, S]
+        let scores = scores.reshape((b, nh, s, s))?.broadcast_add(&ctx.mask)?; // [B, NH, S, S]
+        let probs = ops::softmax_last(&scores.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
+        let probs = probs.reshape((b, kv, r * s, s))?; // [B, KV, R*S, S]
+        let out = probs.matmul(&v)?; // [B, KV, R*S, D]
+        let out = out.reshape((b, nh, s, d))?.transpose(1, 2)?.reshape((b * s, nh * d))?; // [N, NH*D]
+        let y = self.o_proj.forward(&out, ctx.dropout)?; // [N, H]
+        Ok(y.reshape((b, s, h))?)
+    }
+}
+
+pub struct Mlp<'a> {
+    gate_proj: LoraLinear<'a>,
+    up_proj: LoraLinear<'a>,
+    down_proj: LoraLinear<'a>,
+}
+
+impl<'a> Mlp<'a> {
+    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
+        let ad = &lora.layers[layer];
+        Ok(Mlp {
+            gate_proj: linear(vb, cfg, layer, "gate_proj", ad, lora)?,
+            up_proj: linear(vb, cfg, layer, "up_proj", ad, lora)?,
+            down_proj: linear(vb, cfg, layer, "down_proj", ad, lora)?,
+        })
+    }
+
+    /// x [N, H] -> [N, H]
+    pub fn forward(&self, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
+        let g = self.gate_proj.forward(x, drop)?.silu()?; // [N, I]
+        let u = self.up_proj.forward(x, drop)?; // [N, I]
+        self.down_proj.forward(&(g * u)?, drop)
+    }
+}
+
+pub struct DecoderLayer<'a> {
+    self_attn: Attention<'a>,
+    mlp: Mlp<'a>,
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    eps: f64,
+}
+
+impl<'a> DecoderLayer<'a> {
+    /// Build layer `layer` from `model.layers.{layer}.*` in `vb`.
+    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
+        let h = cfg.hidden_size;
+        Ok(DecoderLayer {
+            self_attn: Attention::load(&vb.pp("self_attn"), cfg, layer, lora)?,
+            mlp: Mlp::load(&vb.pp("mlp"), cfg, layer, lora)?,
+            input_layernorm: vb.get(&[h], "input_layernorm.weight")?,
+            post_attention_layernorm: vb.get(&[h], "post_attention_layernorm.weight")?,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// x [B, S, H] -> [B, S, H]
+    pub fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let a = self.self_attn.forward(&ops::rms_norm(x, &self.input_layernorm, self.eps)?, ctx)?;
+        let x = (x + a)?;
+        let n = ops::rms_norm(&x, &self.post_attention_layernorm, self.eps)?.reshape((b * s, h))?; // [N, H]
+        let m = self.mlp.forward(&n, ctx.dropout)?.reshape((b, s, h))?; // [B, S, H]
+        Ok((x + m)?)
+    }
+}
+
+/// The whole decoder: a weight source, the config, and nothing else frozen.
+pub struct Llama {
+    pub cfg: ModelConfig,
+    src: Arc<dyn WeightSource>,
+    inv_freq: Vec<f64>,
+}
+
+impl Llama {
+    /// Check every frozen tensor exists with the right shape (so a bad checkpoint fails
+    /// before training starts, naming the tensor), and keep the source.
+    pub fn load(src: Arc<dyn WeightSource>, cfg: ModelConfig, lora: &Adapters) -> Result<Self> {
+        let m = Llama { inv_freq: cfg.inv_freq(), cfg, src };
+        m.embed_tokens()?;
+        m.norm_weight()?;
+        m.lm_head()?;
+        let vb = Frozen::new(&*m.src);
+        for i in 0..m.cfg.num_hidden_layers {
+            DecoderLayer::load(&vb.pp(format!("model.layers.{i}")), &m.cfg, i, lora)?;
+        }
+        Ok(m)
+    }
+
+    pub fn source(&self) -> &dyn WeightSource {
+        &*self.src
+    }
+
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+
+    /// [V, H]
+    pub fn embed_tokens(&self) -> Result<Tensor> {
+        let c = &self.cfg;
+        Frozen::new(&*self.src).get(&[c.vocab_size, c.hidden_size], "model.embed_tokens.weight")
+    }
+
+    /// [H]
+    pub fn norm_weight(&self) -> Result<Tensor> {
+        Frozen::new(&*self.src).get(&[self.cfg.hidden_size], "model.norm.weight")
+    }
+
+    /// The output projection [V, H]: `lm_head.weight`, or the embedding when tied (some tied
+    /// checkpoints still store lm_head.weight; a tied config always reads the embedding).
+    pub fn lm_head(&self) -> Result<Tensor> {
+        let c = &self.cfg;
+        if c.tie_word_embeddings {
+            self.embed_tokens()
+        } else {
+            Frozen::new(&*self.src).get(&[c.vocab_size, c.hidden_size], "lm_head.weight")
+        }
+    }
+
+    /// ids [B, S] (u32) -> [B, S, H]
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, s) = ids.dims2()?;
+        let e = self.embed_tokens()?.index_select(&ids.flatten_all()?, 0)?; // [N, H]
+        Ok(e.reshape((b, s, self.cfg.hidden_size))?)
+    }
+
+    /// Run decoder layer `i`: its frozen weights are fetched now and dropped after.
+    pub fn layer_forward(&self, i: usize, x: &Tensor, ctx: &ForwardCtx, lora: &Adapters) -> Result<Tensor> {
+        let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
+        DecoderLayer::load(&vb, &self.cfg, i, lora)?.forward(x, ctx)
+    }
+
+    /// Final RMSNorm: [.., H] -> [.., H]
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(ops::rms_norm(x, &self.norm_weight()?, self.cfg.rms_norm_eps)?)
+    }
+}

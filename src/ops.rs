@@ -1,0 +1,113 @@
+//! Differentiable building blocks. candle's fused `softmax_last_dim`, `rms_norm` and
+//! `rotary_emb::rope` have no backward (autograd silently treats them as constants, see
+//! shared/CANDLE-FACTS.md), so training code must use these instead.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+
+/// RMSNorm as transformers' LlamaRMSNorm: `x * rsqrt(mean(x^2) + eps) * weight`, in f32.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?; // [.., 1]
+    let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    normed.to_dtype(dtype)?.broadcast_mul(weight)
+}
+
+/// Softmax over the last dim. The max is detached: subtracting it does not change the
+/// result, so it needs no gradient (saves a backward through `max`).
+pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&s)
+}
+
+/// cos/sin tables for rotate-half RoPE: positions [B, S] (u32) -> cos, sin [B, 1, S, D].
+/// Computed in f64 from `inv_freq` (already scaled per the config's rope_scaling).
+pub fn rope_tables(positions: &[Vec<u32>], inv_freq: &[f64], device: &Device, dtype: DType) -> Result<(Tensor, Tensor)> {
+    let b = positions.len();
+    let s = positions.first().map_or(0, |p| p.len());
+    let half = inv_freq.len();
+    let d = 2 * half;
+    let mut cos = Vec::with_capacity(b * s * d);
+    let mut sin = Vec::with_capacity(b * s * d);
+    for row in positions {
+        for &p in row {
+            // emb = cat(freqs, freqs): the same angle for element i and i + D/2.
+            for _ in 0..2 {
+                for f in inv_freq {
+                    let a = p as f64 * f;
+                    cos.push(a.cos() as f32);
+                    sin.push(a.sin() as f32);
+                }
+            }
+        }
+    }
+    let cos = Tensor::from_vec(cos, (b, 1, s, d), device)?.to_dtype(dtype)?;
+    let sin = Tensor::from_vec(sin, (b, 1, s, d), device)?.to_dtype(dtype)?;
+    Ok((cos, sin))
+}
+
+/// Rotate-half RoPE (transformers' `apply_rotary_pos_emb`): x [B, N, S, D], cos/sin [B, 1, S, D].
+/// Pairs are (i, i + D/2), not interleaved (i, i+1) as in the original paper.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?; // [B, N, S, D]
+    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    /// The fused candle op silently drops gradients; ours must not. Finite differences in f64.
+    #[test]
+    fn rms_norm_gradient_matches_finite_differences() -> Result<()> {
+        let dev = Device::Cpu;
+        let x0: Vec<f64> = (0..8).map(|i| ((i * 7 % 5) as f64 - 2.0) * 0.3 + 0.1).collect();
+        let w = Tensor::new(&[1.1f64, 0.9, 1.2, 0.8], &dev)?;
+        let g = Tensor::new(&[0.3f64, -0.2, 0.5, 0.1, -0.4, 0.2, 0.7, -0.1], &dev)?.reshape((2, 4))?;
+        let f = |x: &Tensor| -> Result<f64> {
+            // mean_keepdim/sqrt path only; rms_norm casts to f32, so test the f64 math directly.
+            let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+            let y = x.broadcast_div(&(ms + 1e-6)?.sqrt()?)?.broadcast_mul(&w)?;
+            (y * &g)?.sum_all()?.to_scalar::<f64>()
+        };
+        let xv = Var::from_vec(x0.clone(), (2, 4), &dev)?;
+        let ms = xv.sqr()?.mean_keepdim(D::Minus1)?;
+        let y = xv.broadcast_div(&(ms + 1e-6)?.sqrt()?)?.broadcast_mul(&w)?;
+        let grads = (y * &g)?.sum_all()?.backward()?;
+        let an: Vec<f64> = grads.get(&xv).expect("grad").flatten_all()?.to_vec1()?;
+        for i in 0..8 {
+            let mut p = x0.clone();
+            p[i] += 1e-6;
+            let mut m = x0.clone();
+            m[i] -= 1e-6;
+            let num = (f(&Tensor::from_vec(p, (2, 4), &dev)?)? - f(&Tensor::from_vec(m, (2, 4), &dev)?)?) / 2e-6;
+            assert!((num - an[i]).abs() < 1e-6, "elem {i}: numeric {num} analytic {}", an[i]);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_identity() -> Result<()> {
+        let dev = Device::Cpu;
+        let (cos, sin) = rope_tables(&[vec![0, 1]], &[1.0, 0.01], &dev, DType::F32)?;
+        let x = Tensor::arange(0f32, 8.0, &dev)?.reshape((1, 1, 2, 4))?;
+        let y = rope(&x, &cos, &sin)?;
+        let row0: Vec<f32> = y.get(0)?.get(0)?.get(0)?.to_vec1()?;
+        assert_eq!(row0, vec![0.0, 1.0, 2.0, 3.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn softmax_last_rows_sum_to_one() -> Result<()> {
+        let x = Tensor::new(&[[1f32, 2.0, f32::NEG_INFINITY], [0.5, 0.5, 0.5]], &Device::Cpu)?;
+        let s: Vec<f32> = softmax_last(&x)?.sum(D::Minus1)?.to_vec1()?;
+        assert!(s.iter().all(|v| (v - 1.0).abs() < 1e-6));
+        Ok(())
+    }
+}

@@ -1,0 +1,165 @@
+//! AdamW, learning-rate schedules and gradient clipping, written to match PyTorch exactly:
+//! `torch.optim.AdamW` (decoupled weight decay, bias correction, eps after the correction),
+//! transformers' `get_{constant,linear,cosine}_schedule_with_warmup`, and
+//! `torch.nn.utils.clip_grad_norm_`. Our own optimizer (not candle's) because resume needs the
+//! moments and step count, which candle keeps private.
+//!
+//! State lives in host memory as f32 vectors, one per parameter.
+
+/// One parameter's AdamW state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Moments {
+    pub exp_avg: Vec<f32>,
+    pub exp_avg_sq: Vec<f32>,
+}
+
+#[derive(Clone, Debug)]
+pub struct AdamW {
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Optimizer steps taken (torch's `state["step"]`, shared by all params here).
+    pub step: u64,
+    pub state: Vec<Moments>,
+}
+
+impl AdamW {
+    pub fn new(sizes: &[usize], betas: (f64, f64), eps: f64, weight_decay: f64) -> Self {
+        let state = sizes.iter().map(|&n| Moments { exp_avg: vec![0.0; n], exp_avg_sq: vec![0.0; n] }).collect();
+        AdamW { betas, eps, weight_decay, step: 0, state }
+    }
+
+    /// One update of every parameter in place with learning rate `lr`.
+    /// Mirrors torch's single-tensor `_single_tensor_adamw` op by op (f32 arithmetic on the
+    /// tensors, Python-float scalars computed in f64).
+    pub fn step(&mut self, params: &mut [Vec<f32>], grads: &[Vec<f32>], lr: f64) {
+        self.step += 1;
+        let (b1, b2) = self.betas;
+        let t = self.step as i32;
+        let bias1 = 1.0 - b1.powi(t);
+        let bias2 = 1.0 - b2.powi(t);
+        let step_size = (lr / bias1) as f32;
+        let bias2_sqrt = bias2.sqrt() as f32;
+        let decay = (1.0 - lr * self.weight_decay) as f32;
+        let (w1, w2) = ((1.0 - b1) as f32, (1.0 - b2) as f32);
+        let (b2f, eps) = (b2 as f32, self.eps as f32);
+        for ((p, g), st) in params.iter_mut().zip(grads).zip(self.state.iter_mut()) {
+            for i in 0..p.len() {
+                let gi = g[i];
+                p[i] *= decay;
+                // exp_avg.lerp_(grad, 1 - beta1)
+                let m = st.exp_avg[i] + w1 * (gi - st.exp_avg[i]);
+                // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                let v = st.exp_avg_sq[i] * b2f + w2 * gi * gi;
+                st.exp_avg[i] = m;
+                st.exp_avg_sq[i] = v;
+                let denom = v.sqrt() / bias2_sqrt + eps;
+                p[i] -= step_size * (m / denom);
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Schedule {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+impl Schedule {
+    pub fn parse(s: &str) -> Schedule {
+        match s {
+            "linear" => Schedule::Linear,
+            "cosine" => Schedule::Cosine,
+            _ => Schedule::Constant,
+        }
+    }
+
+    /// The multiplier transformers' LambdaLR gives after `done` scheduler steps (so the lr of
+    /// optimizer step i, 1-based, is `base * lambda(i - 1)`).
+    pub fn lambda(self, done: usize, warmup: usize, total: usize) -> f64 {
+        if done < warmup {
+            return done as f64 / warmup.max(1) as f64;
+        }
+        match self {
+            Schedule::Constant => 1.0,
+            Schedule::Linear => (0f64).max((total as f64 - done as f64) / (total.saturating_sub(warmup)).max(1) as f64),
+            Schedule::Cosine => {
+                let progress = (done - warmup) as f64 / (total.saturating_sub(warmup)).max(1) as f64;
+                // num_cycles = 0.5: half a cosine from 1 to 0.
+                (0f64).max(0.5 * (1.0 + (std::f64::consts::PI * 2.0 * 0.5 * progress).cos()))
+            }
+        }
+    }
+}
+
+/// Global L2 norm over all gradients (torch: the norm of the per-tensor norms).
+pub fn global_norm(grads: &[Vec<f32>]) -> f64 {
+    grads
+        .iter()
+        .map(|g| {
+            let n = g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>().sqrt();
+            n * n
+        })
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// `clip_grad_norm_`: scale grads by min(1, max_norm / (norm + 1e-6)). Returns the norm
+/// before clipping.
+pub fn clip_grad_norm(grads: &mut [Vec<f32>], max_norm: f64) -> f64 {
+    let norm = global_norm(grads);
+    if max_norm > 0.0 {
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            let c = coef as f32;
+            for g in grads.iter_mut() {
+                g.iter_mut().for_each(|x| *x *= c);
+            }
+        }
+    }
+    norm
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmup_then_cosine_matches_transformers() {
+        // get_cosine_schedule_with_warmup(warmup=1, total=4): 0, 1, 0.75, 0.25 (parity fixture)
+        let l: Vec<f64> = (0..4).map(|i| Schedule::Cosine.lambda(i, 1, 4)).collect();
+        assert_eq!(l[0], 0.0);
+        assert!((l[1] - 1.0).abs() < 1e-15 && (l[2] - 0.75).abs() < 1e-15 && (l[3] - 0.25).abs() < 1e-15, "{l:?}");
+        let lin: Vec<f64> = (0..4).map(|i| Schedule::Linear.lambda(i, 0, 4)).collect();
+        assert_eq!(lin, vec![1.0, 0.75, 0.5, 0.25]);
+    }
+
+    #[test]
+    fn zero_lr_step_moves_moments_not_params() {
+        let mut opt = AdamW::new(&[2], (0.9, 0.999), 1e-8, 0.01);
+        let mut p = vec![vec![1.0f32, -2.0]];
+        opt.step(&mut p, &[vec![0.5, 0.5]], 0.0);
+        assert_eq!(p[0], vec![1.0, -2.0]);
+        assert_eq!(opt.step, 1);
+        assert!(opt.state[0].exp_avg[0] > 0.0);
+    }
+
+    #[test]
+    fn first_adam_step_moves_each_param_by_lr() {
+        // With bias correction the first update is lr * g / (|g| + eps') = ~lr * sign(g).
+        let mut opt = AdamW::new(&[2], (0.9, 0.999), 1e-8, 0.0);
+        let mut p = vec![vec![0.0f32, 0.0]];
+        opt.step(&mut p, &[vec![3.0, -0.1]], 0.01);
+        assert!((p[0][0] + 0.01).abs() < 1e-6 && (p[0][1] - 0.01).abs() < 1e-6, "{:?}", p[0]);
+    }
+
+    #[test]
+    fn clipping_scales_to_max_norm() {
+        let mut g = vec![vec![3.0f32], vec![4.0]];
+        let n = clip_grad_norm(&mut g, 1.0);
+        assert_eq!(n, 5.0);
+        assert!((global_norm(&g) - 1.0).abs() < 1e-5);
+    }
+}

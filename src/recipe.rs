@@ -1,0 +1,544 @@
+//! The TOML recipe: one file names model, LoRA, data, training and output.
+//!
+//! Parsing is two passes. First the raw TOML (with `--set section.key=value` overrides applied)
+//! is checked against [`SCHEMA`]: unknown sections/keys (with the closest valid name suggested),
+//! wrong types and missing required keys are errors naming the dotted key. Then serde fills the
+//! typed [`Recipe`] (with `deny_unknown_fields` as a backstop; a test keeps both in step).
+//! Relative paths resolve against the recipe file's folder.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Str,
+    Int,
+    Float,
+    Bool,
+    StrList,
+    FloatPair,
+}
+
+impl Kind {
+    fn describe(self) -> &'static str {
+        match self {
+            Kind::Str => "a string",
+            Kind::Int => "a non-negative integer",
+            Kind::Float => "a number",
+            Kind::Bool => "true or false",
+            Kind::StrList => "a list of strings",
+            Kind::FloatPair => "a list of two numbers",
+        }
+    }
+    fn accepts(self, v: &toml::Value) -> bool {
+        use toml::Value as V;
+        match (self, v) {
+            (Kind::Str, V::String(_)) | (Kind::Bool, V::Boolean(_)) => true,
+            (Kind::Int, V::Integer(i)) => *i >= 0,
+            (Kind::Float, V::Float(_) | V::Integer(_)) => true,
+            (Kind::StrList, V::Array(a)) => a.iter().all(|x| x.is_str()),
+            (Kind::FloatPair, V::Array(a)) => {
+                a.len() == 2 && a.iter().all(|x| x.is_float() || x.is_integer())
+            }
+            _ => false,
+        }
+    }
+}
+
+struct KeySpec {
+    name: &'static str,
+    kind: Kind,
+    required: bool,
+    /// For string keys with a closed set of values.
+    choices: &'static [&'static str],
+}
+
+const fn key(name: &'static str, kind: Kind) -> KeySpec {
+    KeySpec { name, kind, required: false, choices: &[] }
+}
+const fn req(name: &'static str, kind: Kind) -> KeySpec {
+    KeySpec { name, kind, required: true, choices: &[] }
+}
+const fn one_of(name: &'static str, choices: &'static [&'static str]) -> KeySpec {
+    KeySpec { name, kind: Kind::Str, required: false, choices }
+}
+
+pub const LORA_TARGETS: &[&str] =
+    &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// Every section and key the recipe accepts. Later issues add sections here.
+const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
+    (
+        "model",
+        true,
+        &[req("path", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str)],
+    ),
+    (
+        "lora",
+        true,
+        &[
+            req("rank", Kind::Int),
+            req("alpha", Kind::Float),
+            key("dropout", Kind::Float),
+            key("targets", Kind::StrList),
+            key("init_from", Kind::Str),
+        ],
+    ),
+    (
+        "data",
+        true,
+        &[
+            req("train", Kind::Str),
+            one_of("format", &["tokenized", "alpaca"]),
+            key("shuffle", Kind::Bool),
+            key("shuffle_buffer", Kind::Int),
+            key("max_seq_len", Kind::Int),
+        ],
+    ),
+    (
+        "train",
+        true,
+        &[
+            key("seed", Kind::Int),
+            key("micro_batch_size", Kind::Int),
+            key("grad_accum_steps", Kind::Int),
+            req("max_steps", Kind::Int),
+            req("lr", Kind::Float),
+            one_of("lr_scheduler", &["constant", "linear", "cosine"]),
+            key("warmup_steps", Kind::Int),
+            key("weight_decay", Kind::Float),
+            key("adam_betas", Kind::FloatPair),
+            key("adam_eps", Kind::Float),
+            key("max_grad_norm", Kind::Float),
+            key("log_every", Kind::Int),
+            key("activation_checkpointing", Kind::Bool),
+        ],
+    ),
+    ("output", true, &[req("dir", Kind::Str)]),
+];
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    pub model: ModelSection,
+    pub lora: LoraSection,
+    pub data: DataSection,
+    pub train: TrainSection,
+    pub output: OutputSection,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// Local HF folder (resolved against the recipe folder) or a repo id in the hf-hub cache.
+    pub path: String,
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+    #[serde(default = "default_device")]
+    pub device: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraSection {
+    pub rank: usize,
+    pub alpha: f64,
+    #[serde(default)]
+    pub dropout: f64,
+    #[serde(default = "default_targets")]
+    pub targets: Vec<String>,
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    pub train: PathBuf,
+    #[serde(default = "default_format")]
+    pub format: String,
+    #[serde(default)]
+    pub shuffle: bool,
+    #[serde(default = "default_shuffle_buffer")]
+    pub shuffle_buffer: usize,
+    #[serde(default = "default_max_seq_len")]
+    pub max_seq_len: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default = "one")]
+    pub micro_batch_size: usize,
+    #[serde(default = "one")]
+    pub grad_accum_steps: usize,
+    pub max_steps: usize,
+    pub lr: f64,
+    #[serde(default = "default_scheduler")]
+    pub lr_scheduler: String,
+    #[serde(default)]
+    pub warmup_steps: usize,
+    #[serde(default)]
+    pub weight_decay: f64,
+    #[serde(default = "default_betas")]
+    pub adam_betas: [f64; 2],
+    #[serde(default = "default_eps")]
+    pub adam_eps: f64,
+    #[serde(default = "default_clip")]
+    pub max_grad_norm: f64,
+    #[serde(default = "one")]
+    pub log_every: usize,
+    #[serde(default = "yes")]
+    pub activation_checkpointing: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    pub dir: PathBuf,
+}
+
+fn default_dtype() -> String {
+    "f32".into()
+}
+fn default_device() -> String {
+    "cpu".into()
+}
+fn default_targets() -> Vec<String> {
+    ["q_proj", "k_proj", "v_proj", "o_proj"].iter().map(|s| s.to_string()).collect()
+}
+fn default_format() -> String {
+    "tokenized".into()
+}
+fn default_shuffle_buffer() -> usize {
+    10_000
+}
+fn default_max_seq_len() -> usize {
+    2048
+}
+fn default_scheduler() -> String {
+    "constant".into()
+}
+fn default_betas() -> [f64; 2] {
+    [0.9, 0.999]
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+fn default_clip() -> f64 {
+    1.0
+}
+fn one() -> usize {
+    1
+}
+fn yes() -> bool {
+    true
+}
+
+/// A recipe as loaded: the typed sections plus where it came from.
+#[derive(Clone, Debug)]
+pub struct LoadedRecipe {
+    pub recipe: Recipe,
+    /// The recipe file (for error messages).
+    pub file: PathBuf,
+    /// Folder that relative paths resolve against.
+    pub dir: PathBuf,
+}
+
+impl LoadedRecipe {
+    /// Read a recipe file and apply `section.key=value` overrides.
+    pub fn load(file: &Path, overrides: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
+        let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+        let dir = if dir.as_os_str().is_empty() { PathBuf::from(".") } else { dir };
+        Self::from_str(&text, file, &dir, overrides)
+    }
+
+    pub fn from_str(text: &str, file: &Path, dir: &Path, overrides: &[String]) -> Result<Self> {
+        let fname = file.display().to_string();
+        let mut value: toml::Table = toml::from_str(text).map_err(|e| Error::Recipe {
+            file: fname.clone(),
+            key: "(syntax)".into(),
+            msg: e.to_string(),
+        })?;
+        for o in overrides {
+            apply_override(&mut value, o, &fname)?;
+        }
+        check_schema(&value, &fname)?;
+        let recipe: Recipe = toml::Value::Table(value).try_into().map_err(|e: toml::de::Error| {
+            Error::Recipe { file: fname.clone(), key: "(structure)".into(), msg: e.message().to_string() }
+        })?;
+        let loaded = LoadedRecipe { recipe, file: file.to_path_buf(), dir: dir.to_path_buf() };
+        loaded.check_values()?;
+        Ok(loaded)
+    }
+
+    /// Resolve a path from the recipe against the recipe's folder.
+    pub fn resolve(&self, p: &Path) -> PathBuf {
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.dir.join(p)
+        }
+    }
+
+    fn err(&self, key: &str, msg: impl Into<String>) -> Error {
+        Error::Recipe { file: self.file.display().to_string(), key: key.into(), msg: msg.into() }
+    }
+
+    /// Checks that need more than one key or a value range.
+    fn check_values(&self) -> Result<()> {
+        let r = &self.recipe;
+        if r.lora.rank == 0 {
+            return Err(self.err("lora.rank", "must be at least 1"));
+        }
+        if !(0.0..1.0).contains(&r.lora.dropout) {
+            return Err(self.err("lora.dropout", "must be in [0, 1)"));
+        }
+        if r.lora.targets.is_empty() {
+            return Err(self.err("lora.targets", "needs at least one module"));
+        }
+        for t in &r.lora.targets {
+            if !LORA_TARGETS.contains(&t.as_str()) {
+                return Err(self.err(
+                    "lora.targets",
+                    format!("unknown module \"{t}\"{}; valid: {}", suggest(t, LORA_TARGETS), LORA_TARGETS.join(", ")),
+                ));
+            }
+        }
+        for (k, v) in [
+            ("train.micro_batch_size", r.train.micro_batch_size),
+            ("train.grad_accum_steps", r.train.grad_accum_steps),
+            ("train.max_steps", r.train.max_steps),
+            ("train.log_every", r.train.log_every),
+            ("data.max_seq_len", r.data.max_seq_len),
+        ] {
+            if v == 0 {
+                return Err(self.err(k, "must be at least 1"));
+            }
+        }
+        if r.data.max_seq_len < 2 {
+            return Err(self.err("data.max_seq_len", "must be at least 2 (one input, one target)"));
+        }
+        if r.train.lr < 0.0 || !r.train.lr.is_finite() {
+            return Err(self.err("train.lr", "must be a finite number >= 0"));
+        }
+        let [b1, b2] = r.train.adam_betas;
+        if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
+            return Err(self.err("train.adam_betas", "both betas must be in [0, 1)"));
+        }
+        if r.train.max_grad_norm < 0.0 {
+            return Err(self.err("train.max_grad_norm", "must be >= 0 (0 turns clipping off)"));
+        }
+        crate::device::parse_device(&r.model.device).map_err(|m| self.err("model.device", m))?;
+        Ok(())
+    }
+}
+
+fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
+    let bad = |msg: String| Error::Recipe { file: file.into(), key: format!("--set {o}"), msg };
+    let (k, v) = o
+        .split_once('=')
+        .ok_or_else(|| bad("expected section.key=value, e.g. --set train.lr=2e-4".into()))?;
+    let (section, key) = k
+        .trim()
+        .split_once('.')
+        .ok_or_else(|| bad("expected section.key=value, e.g. --set train.lr=2e-4".into()))?;
+    // A value is TOML (numbers, bools, lists, quoted strings); anything that does not parse as
+    // TOML is taken as a bare string so `--set model.path=/models/x` needs no quotes.
+    let value = toml::from_str::<toml::Table>(&format!("v = {v}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(v.to_string()));
+    let sec = table
+        .entry(section.to_string())
+        .or_insert_with(|| toml::Value::Table(Default::default()));
+    match sec {
+        toml::Value::Table(t) => {
+            t.insert(key.to_string(), value);
+            Ok(())
+        }
+        _ => Err(bad(format!("`{section}` is not a section"))),
+    }
+}
+
+fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
+    let err = |key: String, msg: String| Error::Recipe { file: file.into(), key, msg };
+    let sections: Vec<&str> = SCHEMA.iter().map(|s| s.0).collect();
+    for (name, v) in t {
+        let Some((_, _, keys)) = SCHEMA.iter().find(|s| s.0 == name) else {
+            return Err(err(name.clone(), format!("unknown section{}; valid: {}", suggest(name, &sections), sections.join(", "))));
+        };
+        let toml::Value::Table(tab) = v else {
+            return Err(err(name.clone(), format!("expected a [{name}] section")));
+        };
+        let names: Vec<&str> = keys.iter().map(|k| k.name).collect();
+        for (k, val) in tab {
+            let dotted = format!("{name}.{k}");
+            let Some(spec) = keys.iter().find(|s| s.name == k) else {
+                return Err(err(dotted, format!("unknown key{}; valid keys in [{name}]: {}", suggest(k, &names), names.join(", "))));
+            };
+            if !spec.kind.accepts(val) {
+                return Err(err(dotted, format!("expected {}, got {}", spec.kind.describe(), show(val))));
+            }
+            if !spec.choices.is_empty() {
+                let s = val.as_str().unwrap_or_default();
+                if !spec.choices.contains(&s) {
+                    return Err(err(
+                        dotted,
+                        format!("\"{s}\" is not one of {}{}", spec.choices.join(", "), suggest(s, spec.choices)),
+                    ));
+                }
+            }
+        }
+    }
+    for (name, required, keys) in SCHEMA {
+        let tab = t.get(*name).and_then(|v| v.as_table());
+        if tab.is_none() && *required {
+            return Err(err(name.to_string(), format!("missing section [{name}]")));
+        }
+        for spec in keys.iter().filter(|k| k.required) {
+            if tab.map_or(true, |t| !t.contains_key(spec.name)) {
+                return Err(err(format!("{name}.{}", spec.name), format!("missing required key ({})", spec.kind.describe())));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn show(v: &toml::Value) -> String {
+    let s = v.to_string();
+    let kind = v.type_str();
+    if s.len() > 40 {
+        kind.to_string()
+    } else {
+        format!("{kind} {s}")
+    }
+}
+
+/// ` (did you mean "x"?)` for the closest candidate within a small edit distance.
+pub fn suggest(word: &str, candidates: &[&str]) -> String {
+    candidates
+        .iter()
+        .map(|c| (edit_distance(word, c), *c))
+        .filter(|(d, c)| *d <= 3.max(c.len() / 3))
+        .min()
+        .map(|(_, c)| format!(" (did you mean \"{c}\"?)"))
+        .unwrap_or_default()
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[model]
+path = "m"
+[lora]
+rank = 8
+alpha = 16
+[data]
+train = "d"
+[train]
+max_steps = 3
+lr = 1e-3
+[output]
+dir = "out"
+"#;
+
+    fn load(text: &str, overrides: &[&str]) -> Result<LoadedRecipe> {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        LoadedRecipe::from_str(text, Path::new("r.toml"), Path::new("/recipes"), &o)
+    }
+
+    fn err_text(text: &str, overrides: &[&str]) -> String {
+        load(text, overrides).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn minimal_recipe_fills_defaults() {
+        let r = load(MINIMAL, &[]).unwrap().recipe;
+        assert_eq!(r.model.dtype, "f32");
+        assert_eq!(r.lora.targets, default_targets());
+        assert_eq!(r.train.adam_betas, [0.9, 0.999]);
+        assert_eq!(r.train.lr_scheduler, "constant");
+    }
+
+    #[test]
+    fn unknown_key_is_named_with_suggestion() {
+        let e = err_text(MINIMAL, &["train.lrr=0.1"]);
+        assert!(e.contains("`train.lrr`") && e.contains("did you mean \"lr\""), "{e}");
+        let e = err_text(&MINIMAL.replace("[output]", "[outptu]"), &[]);
+        assert!(e.contains("did you mean \"output\""), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_key_and_expectation() {
+        let e = err_text(MINIMAL, &["train.lr=\"fast\""]);
+        assert!(e.contains("`train.lr`") && e.contains("expected a number"), "{e}");
+        let e = err_text(MINIMAL, &["model.dtype=fp32"]);
+        assert!(e.contains("`model.dtype`") && e.contains("did you mean \"f32\""), "{e}");
+    }
+
+    #[test]
+    fn missing_required_key_is_named() {
+        let e = err_text(&MINIMAL.replace("lr = 1e-3", ""), &[]);
+        assert!(e.contains("`train.lr`") && e.contains("missing required key"), "{e}");
+    }
+
+    #[test]
+    fn overrides_replace_values_and_parse_bare_strings() {
+        let r = load(MINIMAL, &["train.lr=2e-4", "model.path=/abs/model", "lora.targets=[\"q_proj\"]"]).unwrap();
+        assert_eq!(r.recipe.train.lr, 2e-4);
+        assert_eq!(r.recipe.model.path, "/abs/model");
+        assert_eq!(r.recipe.lora.targets, vec!["q_proj".to_string()]);
+        assert_eq!(r.resolve(&r.recipe.output.dir), PathBuf::from("/recipes/out"));
+    }
+
+    #[test]
+    fn unknown_lora_target_is_rejected() {
+        let e = err_text(MINIMAL, &["lora.targets=[\"q_prj\"]"]);
+        assert!(e.contains("did you mean \"q_proj\""), "{e}");
+    }
+
+    /// Every key in SCHEMA must be accepted by the serde structs (and vice versa via
+    /// deny_unknown_fields): write a recipe with every key set and parse it.
+    #[test]
+    fn schema_and_structs_agree() {
+        let mut t = toml::Table::new();
+        for (sec, _, keys) in SCHEMA {
+            let mut s = toml::Table::new();
+            for k in keys.iter() {
+                let v = match (k.kind, k.choices.first()) {
+                    (Kind::Str, Some(c)) => toml::Value::String(c.to_string()),
+                    (Kind::Str, None) => toml::Value::String(if k.name == "device" { "cpu".into() } else { "x".into() }),
+                    (Kind::Int, _) => toml::Value::Integer(4),
+                    (Kind::Float, _) => toml::Value::Float(0.5),
+                    (Kind::Bool, _) => toml::Value::Boolean(true),
+                    (Kind::StrList, _) => toml::Value::Array(vec![toml::Value::String("q_proj".into())]),
+                    (Kind::FloatPair, _) => toml::Value::Array(vec![toml::Value::Float(0.5), toml::Value::Float(0.5)]),
+                };
+                s.insert(k.name.to_string(), v);
+            }
+            t.insert(sec.to_string(), toml::Value::Table(s));
+        }
+        load(&toml::to_string(&t).unwrap(), &[]).unwrap();
+    }
+}

@@ -1,0 +1,300 @@
+//! The training loop, as one visible function: setup, train, cleanup. No trainer framework.
+//!
+//! Data flow of one optimizer step (see ARCHITECTURE.md):
+//!   rows -> micro-batches (padded) -> count the step's targets
+//!   per micro-batch: embed -> layers (LoRA) -> final norm -> target rows -> chunked CE
+//!                    -> dLoss/dhidden -> backward through the layers (recomputed per layer
+//!                    when activation checkpointing is on) -> LoRA grads accumulated
+//!   grads -> global norm, clip -> AdamW (host f32) -> write back to the Vars -> metrics line
+
+use crate::config::ModelConfig;
+use crate::data::{AlpacaFormatter, Format, Loader, LoaderOptions, MicroBatch, IGNORE};
+use crate::error::{CandleContext, Error, Result};
+use crate::lora::{Adapters, DropoutCtx, LoraSpec, MODULES};
+use crate::model::llama::{ForwardCtx, Llama};
+use crate::ops;
+use crate::optim::{clip_grad_norm, AdamW, Schedule};
+use crate::recipe::LoadedRecipe;
+use crate::weights::{parse_dtype, ModelDir, ResidentWeights, SafetensorsFiles};
+use candle_core::{DType, Device, Tensor, Var};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What PEFT's `print_trainable_parameters` reports, from the config alone.
+pub fn trainable_parameters(cfg: &ModelConfig, rank: usize, targets: &[String]) -> (u64, u64) {
+    let per_layer: u64 = MODULES
+        .iter()
+        .filter(|m| targets.iter().any(|t| t == *m))
+        .map(|m| {
+            let (i, o) = cfg.proj_shape(m);
+            (rank * (i + o)) as u64
+        })
+        .sum();
+    let trainable = per_layer * cfg.num_hidden_layers as u64;
+    (trainable, trainable + cfg.base_param_count())
+}
+
+pub fn format_trainable(trainable: u64, all: u64) -> String {
+    let pct = 100.0 * trainable as f64 / all as f64;
+    format!("trainable params: {} || all params: {} || trainable%: {pct:.4}", commas(trainable), commas(all))
+}
+
+fn commas(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// One line of metrics.jsonl.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct StepMetrics {
+    pub step: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Target tokens (labels != -100) in the step.
+    pub tokens: usize,
+    /// Non-padding input tokens processed per second of the step.
+    pub tokens_per_s: f64,
+}
+
+pub struct RunSummary {
+    pub steps: Vec<StepMetrics>,
+    pub output_dir: PathBuf,
+}
+
+/// Train as the recipe says. Everything that can be wrong with the input (model, adapter,
+/// data) is checked before the output folder is touched.
+pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
+    // ---------------------------------------------------------------- setup
+    let r = &loaded.recipe;
+    let t = &r.train;
+    let spec = crate::device::parse_device(&r.model.device).map_err(|m| Error::model("device", m))?;
+    let device = crate::device::open(spec).map_err(|m| Error::model("device", m))?;
+    let model_dir = ModelDir::resolve(&r.model.path, &loaded.dir)?;
+    let cfg = ModelConfig::from_file(&model_dir.config_path())?;
+    let files = SafetensorsFiles::open(&model_dir.weight_files()?)?;
+    let storage_dtype = parse_dtype(&r.model.dtype);
+    // CPUs have no fast half-precision matmul (candle converts to f32 anyway), so compute in
+    // f32 there and keep bf16/f16 only as the storage format of the frozen base.
+    let compute_dtype = if device.is_cpu() { DType::F32 } else { storage_dtype };
+    let src = Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()));
+    let mut targets: Vec<String> = MODULES.iter().filter(|m| r.lora.targets.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+    targets.dedup();
+    let lora_spec = LoraSpec { rank: r.lora.rank, alpha: r.lora.alpha, dropout: r.lora.dropout, targets };
+    let adapters = Adapters::init(&cfg, lora_spec, t.seed, &device)?;
+    if let Some(init) = &r.lora.init_from {
+        adapters.load_peft(&loaded.resolve(init))?;
+    }
+    let model = Llama::load(src, cfg, &adapters)?;
+    let format = match r.data.format.as_str() {
+        "alpaca" => Format::Alpaca(Box::new(AlpacaFormatter::load(&model_dir.dir)?)),
+        _ => Format::Tokenized,
+    };
+    let opts = LoaderOptions {
+        max_seq_len: r.data.max_seq_len,
+        vocab_size: model.cfg.vocab_size,
+        shuffle: r.data.shuffle,
+        shuffle_buffer: r.data.shuffle_buffer,
+        seed: t.seed,
+    };
+    let mut loader = Loader::open(&loaded.resolve(&r.data.train), format, opts)?;
+    let (trainable, all) = trainable_parameters(&model.cfg, r.lora.rank, &adapters.spec.targets);
+    eprintln!("{}", format_trainable(trainable, all));
+
+    let vars: Vec<Var> = adapters.params().into_iter().map(|(_, v)| v.clone()).collect();
+    let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+    let mut opt = AdamW::new(&sizes, (t.adam_betas[0], t.adam_betas[1]), t.adam_eps, t.weight_decay);
+    let schedule = Schedule::parse(&t.lr_scheduler);
+
+    let out_dir = loaded.resolve(&r.output.dir);
+    std::fs::create_dir_all(&out_dir).map_err(|e| Error::io(&out_dir, e))?;
+    let resolved = toml::to_string(r).map_err(|e| Error::Train(e.to_string()))?;
+    crate::fsutil::write_atomic(&out_dir.join("recipe.resolved.toml"), resolved.as_bytes())?;
+    let metrics_path = out_dir.join("metrics.jsonl");
+    let mut metrics = std::fs::File::create(&metrics_path).map_err(|e| Error::io(&metrics_path, e))?;
+    let progress = crate::progress::Progress::new(t.max_steps as u64, t.log_every);
+
+    // ---------------------------------------------------------------- train
+    let mut history = Vec::with_capacity(t.max_steps);
+    let mut micro_index = 0u64;
+    for step in 1..=t.max_steps {
+        let started = Instant::now();
+        let mut batches = Vec::with_capacity(t.grad_accum_steps);
+        for _ in 0..t.grad_accum_steps {
+            let mut rows = Vec::with_capacity(t.micro_batch_size);
+            for _ in 0..t.micro_batch_size {
+                rows.push(loader.next_example()?);
+            }
+            batches.push(MicroBatch::collate(&rows));
+        }
+        // Token-normalised across accumulation: the divisor is the whole step's target count.
+        let count: usize = batches.iter().map(|b| b.num_targets()).sum();
+        if count == 0 {
+            return Err(Error::Train(format!(
+                "step {step}: no target tokens (every label is -100 after truncation to data.max_seq_len = {})",
+                r.data.max_seq_len
+            )));
+        }
+        let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
+        let mut loss_sum = 0.0;
+        let mut real_tokens = 0;
+        for mb in &batches {
+            let drop = (r.lora.dropout > 0.0).then_some(DropoutCtx { seed: t.seed, micro_batch: micro_index });
+            micro_index += 1;
+            loss_sum += forward_backward(&model, &adapters, &vars, mb, 1.0 / count as f64, drop, t.activation_checkpointing, &mut grads)?;
+            real_tokens += mb.real_tokens;
+        }
+        let loss = loss_sum / count as f64;
+        if !loss.is_finite() {
+            return Err(Error::Train(format!("step {step}: loss is {loss}; stopping (try a lower train.lr)")));
+        }
+        let mut g: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
+        for (gi, v) in grads.iter().zip(&vars) {
+            g.push(match gi {
+                Some(t) => t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?,
+                None => vec![0.0; v.elem_count()],
+            });
+        }
+        let grad_norm = clip_grad_norm(&mut g, t.max_grad_norm);
+        let lr = t.lr * schedule.lambda(step - 1, t.warmup_steps, t.max_steps);
+        let mut p: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
+        for v in &vars {
+            p.push(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
+        }
+        opt.step(&mut p, &g, lr);
+        for (v, new) in vars.iter().zip(p) {
+            v.set(&Tensor::from_vec(new, v.shape(), &device)?.to_dtype(v.dtype())?)?;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let m = StepMetrics { step, loss, lr, grad_norm, tokens: count, tokens_per_s: real_tokens as f64 / secs.max(1e-9) };
+        let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
+        writeln!(metrics, "{line}").and_then(|_| metrics.flush()).map_err(|e| Error::io(&metrics_path, e))?;
+        progress.step(&m, t.max_steps);
+        history.push(m);
+    }
+
+    // ---------------------------------------------------------------- cleanup
+    progress.finish();
+    if loader.truncated > 0 {
+        eprintln!("note: {} example(s) were longer than data.max_seq_len = {} and were truncated", loader.truncated, r.data.max_seq_len);
+    }
+    metrics.sync_all().map_err(|e| Error::io(&metrics_path, e))?;
+    save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
+    eprintln!("adapter written to {}", out_dir.join("adapter").display());
+    Ok(RunSummary { steps: history, output_dir: out_dir })
+}
+
+/// Write the adapter into `<dir>.tmp` and swap it in, so `dir` is always a complete adapter.
+pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) -> Result<()> {
+    let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let tmp = dir.with_file_name(format!(".{name}.tmp"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    adapters.save_peft(&tmp, base)?;
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    crate::fsutil::rename_durable(&tmp, dir)
+}
+
+/// Additive causal mask [1, 1, S, S]: 0 on and below the diagonal, -inf above.
+fn causal_mask(s: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let m: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 }).collect();
+    Tensor::from_vec(m, (1, 1, s, s), device)
+}
+
+/// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` and
+/// returns the micro-batch's CE sum.
+#[allow(clippy::too_many_arguments)]
+fn forward_backward(
+    model: &Llama,
+    adapters: &Adapters,
+    vars: &[Var],
+    mb: &MicroBatch,
+    scale: f64,
+    dropout: Option<DropoutCtx>,
+    checkpointing: bool,
+    grads: &mut [Option<Tensor>],
+) -> Result<f64> {
+    let device = model.embed_tokens()?.device().clone();
+    let (b, s) = (mb.rows, mb.seq);
+    let positions: Vec<Vec<u32>> = (0..b).map(|_| (0..s as u32).collect()).collect();
+    let (cos, sin) = ops::rope_tables(&positions, model.inv_freq(), &device, DType::F32).ctx("rope tables")?;
+    let ctx = ForwardCtx { cos, sin, mask: causal_mask(s, &device)?, dropout };
+    let ids = Tensor::from_slice(&mb.input_ids, (b, s), &device)?;
+    let x0 = model.embed(&ids)?; // [B, S, H]
+
+    // Rows of the flattened [N, H] hidden states that have a target, and those targets.
+    let (idx, tgt): (Vec<u32>, Vec<u32>) =
+        mb.targets.iter().enumerate().filter(|(_, &t)| t != IGNORE).map(|(i, &t)| (i as u32, t as u32)).unzip();
+    let idx = Tensor::from_vec(idx, tgt.len(), &device)?;
+    let head = model.lm_head()?;
+    let h = model.cfg.hidden_size;
+
+    // Loss through final norm + head for hidden states `x`; returns (CE sum, the scalar whose
+    // backward gives the gradient of scale * CE sum).
+    let head_loss = |x: &Tensor| -> Result<(f64, Tensor)> {
+        let rows = model.final_norm(x)?.reshape((b * s, h))?.index_select(&idx, 0)?; // [M, H]
+        let (ce, g_rows) = crate::loss::cross_entropy_sum_and_grad(&rows, &head, &tgt, scale).ctx("cross-entropy")?;
+        Ok((ce, (rows * g_rows.detach())?.sum_all()?))
+    };
+    let mut add = |store: &candle_core::backprop::GradStore| -> Result<()> {
+        for (slot, v) in grads.iter_mut().zip(vars) {
+            if let Some(g) = store.get(v) {
+                *slot = Some(match slot.take() {
+                    Some(acc) => (acc + g)?,
+                    None => g.clone(),
+                });
+            }
+        }
+        Ok(())
+    };
+
+    if !checkpointing {
+        let mut x = x0;
+        for i in 0..model.cfg.num_hidden_layers {
+            x = model.layer_forward(i, &x, &ctx, adapters)?;
+        }
+        let (ce, surrogate) = head_loss(&x)?;
+        add(&surrogate.backward().ctx("backward")?)?;
+        return Ok(ce);
+    }
+
+    // Activation checkpointing: keep each layer's input only; in backward, recompute one layer
+    // at a time on its saved input and backpropagate the upstream gradient through it.
+    let n_layers = model.cfg.num_hidden_layers;
+    let mut inputs = Vec::with_capacity(n_layers + 1);
+    inputs.push(x0);
+    for i in 0..n_layers {
+        let y = model.layer_forward(i, &inputs[i], &ctx, adapters)?.detach();
+        inputs.push(y);
+    }
+    let last = Var::from_tensor(&inputs[n_layers])?;
+    let (ce, surrogate) = head_loss(last.as_tensor())?;
+    let store = surrogate.backward().ctx("backward (head)")?;
+    let mut g_out = store.get(&last).cloned().ok_or_else(|| Error::Train("no gradient reached the last hidden state".into()))?;
+    drop(store);
+    for i in (0..n_layers).rev() {
+        // Layer 0's input (the frozen embedding) needs no gradient: keep it a plain tensor.
+        let input = if i > 0 { Some(Var::from_tensor(&inputs[i])?) } else { None };
+        let x_in = input.as_ref().map_or(&inputs[i], |v| v.as_tensor());
+        let y = model.layer_forward(i, x_in, &ctx, adapters)?;
+        let store = (y * &g_out)?.sum_all()?.backward().ctx("backward (layer)")?;
+        add(&store)?;
+        if let Some(v) = &input {
+            g_out = store.get(v).cloned().ok_or_else(|| Error::Train(format!("no gradient reached layer {i}'s input")))?;
+        }
+        inputs.pop();
+    }
+    Ok(ce)
+}

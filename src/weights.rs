@@ -1,0 +1,258 @@
+//! Frozen base weights: finding a checkpoint, reading safetensors (one file or sharded),
+//! and the provider interface model code reads them through.
+//!
+//! Invariant: frozen weights are plain tensors, never `Var`s, so autograd never makes them a
+//! leaf it owes a gradient to. Model code asks a [`WeightSource`] for tensors by HF name; the
+//! resident source here holds the whole base, and the ZeRO-3 source (a later layer) gathers
+//! shards just in time. Model code cannot tell the difference.
+
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Where frozen tensors come from. `get` returns the tensor named `name` (full HF key) with the
+/// given shape in the compute dtype, or an error naming the tensor and the files searched.
+pub trait WeightSource: Send + Sync {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// Whether a tensor exists (for optional tensors such as a tied lm_head).
+    fn contains(&self, name: &str) -> bool;
+}
+
+/// A view of a [`WeightSource`] under a name prefix, like candle's `VarBuilder::pp`.
+#[derive(Clone)]
+pub struct Frozen<'a> {
+    src: &'a dyn WeightSource,
+    prefix: String,
+}
+
+impl<'a> Frozen<'a> {
+    pub fn new(src: &'a dyn WeightSource) -> Self {
+        Frozen { src, prefix: String::new() }
+    }
+    pub fn pp(&self, name: impl AsRef<str>) -> Self {
+        let name = name.as_ref();
+        let prefix = if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        Frozen { src: self.src, prefix }
+    }
+    fn full(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+    pub fn get(&self, shape: &[usize], name: &str) -> Result<Tensor> {
+        self.src.get(&self.full(name), shape)
+    }
+    pub fn contains(&self, name: &str) -> bool {
+        self.src.contains(&self.full(name))
+    }
+}
+
+/// A model folder on disk: config.json plus safetensors weights (and maybe a tokenizer).
+#[derive(Clone, Debug)]
+pub struct ModelDir {
+    pub dir: PathBuf,
+    /// What the user wrote (repo id or path), for adapter_config's base_model_name_or_path.
+    pub name: String,
+}
+
+impl ModelDir {
+    /// Resolve `model.path`: a local folder (relative to the recipe folder), or a repo id
+    /// (`org/name`) looked up in the hf-hub cache (`HF_HOME` / `HF_HUB_CACHE`). No network.
+    pub fn resolve(path: &str, recipe_dir: &Path) -> Result<Self> {
+        let local = recipe_dir.join(path);
+        if local.is_dir() {
+            let abs = local.canonicalize().map_err(|e| Error::io(&local, e))?;
+            return Ok(ModelDir { name: abs.display().to_string(), dir: abs });
+        }
+        let looks_like_repo = !path.starts_with('.')
+            && !path.starts_with('/')
+            && path.matches('/').count() == 1
+            && !path.ends_with('/');
+        if looks_like_repo {
+            let cache = hf_hub::Cache::from_env();
+            if let Some(cfg) = cache.model(path.to_string()).get("config.json") {
+                let dir = cfg.parent().map(Path::to_path_buf).unwrap_or_default();
+                return Ok(ModelDir { dir, name: path.to_string() });
+            }
+            return Err(Error::model(
+                path,
+                format!(
+                    "not a local folder ({}), and not found in the hf-hub cache at {} \
+                     (download it there first, or point model.path at a local folder)",
+                    local.display(),
+                    cache.path().display()
+                ),
+            ));
+        }
+        Err(Error::model(path, format!("folder {} does not exist (check model.path)", local.display())))
+    }
+
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.join("config.json")
+    }
+
+    /// The safetensors files: `model.safetensors`, or the shards listed in
+    /// `model.safetensors.index.json` (in order of first appearance).
+    pub fn weight_files(&self) -> Result<Vec<PathBuf>> {
+        let index = self.dir.join("model.safetensors.index.json");
+        if index.is_file() {
+            let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::Config { path: index.clone(), msg: format!("not valid JSON: {e}") })?;
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Config {
+                path: index.clone(),
+                msg: "expected a `weight_map` object".into(),
+            })?;
+            let mut files: Vec<PathBuf> = Vec::new();
+            for f in map.values() {
+                let f = f.as_str().ok_or_else(|| Error::Config {
+                    path: index.clone(),
+                    msg: "weight_map values must be file names".into(),
+                })?;
+                let p = self.dir.join(f);
+                if !files.contains(&p) {
+                    files.push(p);
+                }
+            }
+            return Ok(files);
+        }
+        let single = self.dir.join("model.safetensors");
+        if single.is_file() {
+            return Ok(vec![single]);
+        }
+        Err(Error::model(
+            self.dir.display().to_string(),
+            "no model.safetensors or model.safetensors.index.json (PyTorch .bin checkpoints are not read; \
+             convert them to safetensors)",
+        ))
+    }
+}
+
+/// Parse a dtype name from the recipe.
+pub fn parse_dtype(s: &str) -> DType {
+    match s {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        _ => DType::F32,
+    }
+}
+
+/// Memory-mapped safetensors files with a name -> file routing table.
+pub struct SafetensorsFiles {
+    files: Vec<(PathBuf, candle_core::safetensors::MmapedSafetensors)>,
+    routing: HashMap<String, usize>,
+}
+
+impl SafetensorsFiles {
+    pub fn open(paths: &[PathBuf]) -> Result<Self> {
+        let mut files = Vec::new();
+        let mut routing = HashMap::new();
+        for (i, p) in paths.iter().enumerate() {
+            if !p.is_file() {
+                return Err(Error::io(p, std::io::Error::new(std::io::ErrorKind::NotFound, "weight file not found")));
+            }
+            // SAFETY: the file is mapped read-only; we never write to it while mapped.
+            let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(p) }
+                .map_err(|e| Error::Safetensors { file: p.clone(), msg: crate::error::candle_msg(&e) })?;
+            for (name, _) in st.tensors() {
+                routing.insert(name, i);
+            }
+            files.push((p.clone(), st));
+        }
+        Ok(SafetensorsFiles { files, routing })
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.routing.keys()
+    }
+
+    pub fn file_of(&self, name: &str) -> Option<&Path> {
+        self.routing.get(name).map(|&i| self.files[i].0.as_path())
+    }
+
+    fn file_list(&self) -> String {
+        self.files.iter().map(|(p, _)| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    }
+
+    /// Shape of a stored tensor without reading its data.
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        let &i = self.routing.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file_list() })?;
+        let view = self.files[i].1.get(name).map_err(|e| Error::Safetensors {
+            file: self.files[i].0.clone(),
+            msg: crate::error::candle_msg(&e),
+        })?;
+        Ok(view.shape().to_vec())
+    }
+
+    /// Read one tensor (copied out of the map), checking its shape.
+    pub fn load(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
+        let got = self.shape(name)?;
+        let &i = self.routing.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file_list() })?;
+        let file = &self.files[i].0;
+        if got != shape {
+            return Err(Error::Shape { name: name.into(), file: file.display().to_string(), expected: shape.to_vec(), got });
+        }
+        self.files[i]
+            .1
+            .load(name, device)
+            .map_err(|e| Error::Safetensors { file: file.clone(), msg: crate::error::candle_msg(&e) })
+    }
+}
+
+/// All frozen tensors resident on one device in the storage dtype; converted to the compute
+/// dtype when handed out. Only the tensors the model asks for at load are kept.
+pub struct ResidentWeights {
+    files: SafetensorsFiles,
+    tensors: std::sync::RwLock<HashMap<String, Tensor>>,
+    storage_dtype: DType,
+    compute_dtype: DType,
+    device: Device,
+}
+
+impl ResidentWeights {
+    pub fn new(files: SafetensorsFiles, storage_dtype: DType, compute_dtype: DType, device: Device) -> Self {
+        ResidentWeights { files, tensors: Default::default(), storage_dtype, compute_dtype, device }
+    }
+
+    pub fn files(&self) -> &SafetensorsFiles {
+        &self.files
+    }
+
+    /// Bytes of frozen tensors held.
+    pub fn resident_bytes(&self) -> usize {
+        let t = self.tensors.read().unwrap_or_else(|e| e.into_inner());
+        t.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+}
+
+impl WeightSource for ResidentWeights {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let cached = self.tensors.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned();
+        let t = match cached {
+            Some(t) => {
+                if t.dims() != shape {
+                    return Err(Error::Shape {
+                        name: name.into(),
+                        file: self.files.file_of(name).map(|p| p.display().to_string()).unwrap_or_default(),
+                        expected: shape.to_vec(),
+                        got: t.dims().to_vec(),
+                    });
+                }
+                t
+            }
+            None => {
+                let t = self.files.load(name, shape, &self.device)?.to_dtype(self.storage_dtype)?;
+                self.tensors.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), t.clone());
+                t
+            }
+        };
+        Ok(t.to_dtype(self.compute_dtype)?)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.files.file_of(name).is_some()
+    }
+}

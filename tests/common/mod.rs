@@ -1,0 +1,44 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use candle_core::{Device, Tensor};
+use finetune::recipe::LoadedRecipe;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// Load a fixture's recipe with its output redirected to `out` plus extra overrides.
+pub fn recipe(name: &str, out: &Path, extra: &[&str]) -> LoadedRecipe {
+    let mut o = vec![format!("output.dir={}", out.display())];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    LoadedRecipe::load(&fixture(name).join("recipe.toml"), &o).expect("fixture recipe loads")
+}
+
+pub fn read_metrics(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect()
+}
+
+pub fn load_tensors(file: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(file, &Device::Cpu).expect("safetensors loads")
+}
+
+/// Max |a - b| over two tensors of the same shape.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+pub fn rel(a: f64, b: f64) -> f64 {
+    if b == 0.0 {
+        a.abs()
+    } else {
+        ((a - b) / b).abs()
+    }
+}
