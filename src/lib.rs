@@ -14,6 +14,7 @@ pub mod optim;
 pub mod progress;
 pub mod recipe;
 pub mod rng;
+pub mod synth;
 pub mod train;
 pub mod weights;
 

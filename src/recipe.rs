@@ -281,7 +281,7 @@ impl LoadedRecipe {
         if p.is_absolute() {
             p.to_path_buf()
         } else {
-            self.dir.join(p)
+            clean(&self.dir.join(p))
         }
     }
 
@@ -335,6 +335,30 @@ impl LoadedRecipe {
         }
         crate::device::parse_device(&r.model.device).map_err(|m| self.err("model.device", m))?;
         Ok(())
+    }
+}
+
+/// Lexically drop `.` and fold `dir/..` so printed paths read as users expect.
+fn clean(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::new();
+    for c in p.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                if matches!(out.components().next_back(), Some(Component::Normal(_))) {
+                    out.pop();
+                } else {
+                    out.push("..");
+                }
+            }
+            other => out.push(other),
+        }
+    }
+    if out.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        out
     }
 }
 

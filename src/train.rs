@@ -115,12 +115,11 @@ pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
     let mut opt = AdamW::new(&sizes, (t.adam_betas[0], t.adam_betas[1]), t.adam_eps, t.weight_decay);
     let schedule = Schedule::parse(&t.lr_scheduler);
 
+    // The output folder is created only once the first step has run, so input that fails on
+    // its first rows (bad data, a model that does not fit) leaves nothing behind.
     let out_dir = loaded.resolve(&r.output.dir);
-    std::fs::create_dir_all(&out_dir).map_err(|e| Error::io(&out_dir, e))?;
-    let resolved = toml::to_string(r).map_err(|e| Error::Train(e.to_string()))?;
-    crate::fsutil::write_atomic(&out_dir.join("recipe.resolved.toml"), resolved.as_bytes())?;
     let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics = std::fs::File::create(&metrics_path).map_err(|e| Error::io(&metrics_path, e))?;
+    let mut metrics: Option<std::fs::File> = None;
     let progress = crate::progress::Progress::new(t.max_steps as u64, t.log_every);
 
     // ---------------------------------------------------------------- train
@@ -177,7 +176,11 @@ pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
         let secs = started.elapsed().as_secs_f64();
         let m = StepMetrics { step, loss, lr, grad_norm, tokens: count, tokens_per_s: real_tokens as f64 / secs.max(1e-9) };
         let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
-        writeln!(metrics, "{line}").and_then(|_| metrics.flush()).map_err(|e| Error::io(&metrics_path, e))?;
+        let file = match metrics.as_mut() {
+            Some(f) => f,
+            None => metrics.insert(create_output(&out_dir, r)?),
+        };
+        writeln!(file, "{line}").and_then(|_| file.flush()).map_err(|e| Error::io(&metrics_path, e))?;
         progress.step(&m, t.max_steps);
         history.push(m);
     }
@@ -187,10 +190,21 @@ pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
     if loader.truncated > 0 {
         eprintln!("note: {} example(s) were longer than data.max_seq_len = {} and were truncated", loader.truncated, r.data.max_seq_len);
     }
-    metrics.sync_all().map_err(|e| Error::io(&metrics_path, e))?;
+    if let Some(f) = &metrics {
+        f.sync_all().map_err(|e| Error::io(&metrics_path, e))?;
+    }
     save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
     eprintln!("adapter written to {}", out_dir.join("adapter").display());
     Ok(RunSummary { steps: history, output_dir: out_dir })
+}
+
+/// Create the output folder with the resolved recipe, and a fresh metrics.jsonl.
+fn create_output(out_dir: &std::path::Path, r: &crate::recipe::Recipe) -> Result<std::fs::File> {
+    std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, e))?;
+    let resolved = toml::to_string(r).map_err(|e| Error::Train(e.to_string()))?;
+    crate::fsutil::write_atomic(&out_dir.join("recipe.resolved.toml"), resolved.as_bytes())?;
+    let path = out_dir.join("metrics.jsonl");
+    std::fs::File::create(&path).map_err(|e| Error::io(&path, e))
 }
 
 /// Write the adapter into `<dir>.tmp` and swap it in, so `dir` is always a complete adapter.

@@ -72,7 +72,11 @@ impl ModelDir {
             && path.matches('/').count() == 1
             && !path.ends_with('/');
         if looks_like_repo {
-            let cache = hf_hub::Cache::from_env();
+            // HF_HUB_CACHE wins over HF_HOME/hub, as in huggingface_hub.
+            let cache = match std::env::var_os("HF_HUB_CACHE") {
+                Some(p) => hf_hub::Cache::new(PathBuf::from(p)),
+                None => hf_hub::Cache::from_env(),
+            };
             if let Some(cfg) = cache.model(path.to_string()).get("config.json") {
                 let dir = cfg.parent().map(Path::to_path_buf).unwrap_or_default();
                 return Ok(ModelDir { dir, name: path.to_string() });

@@ -1,0 +1,148 @@
+//! The command line on bad input: each case exits non-zero with one clear message naming the
+//! file or key, no panic, no backtrace, and no output folder.
+
+mod common;
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+const RECIPE: &str = r#"
+[model]
+path = "model"
+[lora]
+rank = 4
+alpha = 8
+[data]
+train = "data"
+[train]
+max_steps = 2
+micro_batch_size = 2
+lr = 1e-3
+[output]
+dir = "out"
+"#;
+
+/// A tiny model + dataset + recipe in a temp folder.
+fn setup() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("model"), &TinyShape::default(), 0, 1).unwrap();
+    write_tokenized_dataset(&d.path().join("data"), &counting_rows(8, 256, 1, 4, 12)).unwrap();
+    std::fs::write(d.path().join("recipe.toml"), RECIPE).unwrap();
+    d
+}
+
+fn run(dir: &Path, extra: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .arg("--recipe")
+        .arg(dir.join("recipe.toml"))
+        .args(extra.iter().flat_map(|s| ["--set", s]))
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+/// Fails cleanly: non-zero, names `needles`, no panic/backtrace, nothing written.
+fn assert_clean_failure(dir: &Path, extra: &[&str], needles: &[&str]) {
+    let (ok, err) = run(dir, extra);
+    assert!(!ok, "expected failure, got success; stderr:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr should mention {n:?}:\n{err}");
+    }
+    assert_eq!(err.lines().filter(|l| l.starts_with("error: ")).count(), 1, "one clear message:\n{err}");
+    for bad in ["panicked", "stack backtrace", "RUST_BACKTRACE", "   0: "] {
+        assert!(!err.contains(bad), "stderr contains {bad:?}:\n{err}");
+    }
+    assert!(!dir.join("out").exists(), "output folder was created on bad input");
+}
+
+#[test]
+fn the_setup_itself_trains() {
+    let d = setup();
+    let (ok, err) = run(d.path(), &[]);
+    assert!(ok, "{err}");
+    assert!(d.path().join("out/adapter/adapter_model.safetensors").is_file());
+    assert!(err.contains("trainable params: "), "{err}");
+}
+
+#[test]
+fn missing_model_dir_is_named() {
+    let d = setup();
+    assert_clean_failure(d.path(), &["model.path=no-such-model"], &["no-such-model", "does not exist"]);
+}
+
+#[test]
+fn unsupported_architecture_names_config_and_arch() {
+    let d = setup();
+    let cfg = d.path().join("model/config.json");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("LlamaForCausalLM", "GPT2LMHeadModel");
+    std::fs::write(&cfg, text).unwrap();
+    assert_clean_failure(d.path(), &[], &["config.json", "GPT2LMHeadModel", "LlamaForCausalLM"]);
+}
+
+#[test]
+fn truncated_safetensors_names_the_file() {
+    let d = setup();
+    let f = d.path().join("model/model.safetensors");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    assert_clean_failure(d.path(), &[], &["model.safetensors", "not a valid safetensors file"]);
+}
+
+#[test]
+fn wrong_shape_tensor_names_tensor_and_shapes() {
+    let d = setup();
+    // Weights with intermediate 96 under a config that says 128.
+    let other = tempfile::tempdir().unwrap();
+    write_model(other.path(), &TinyShape { inter: 96, ..Default::default() }, 0, 1).unwrap();
+    std::fs::copy(other.path().join("model.safetensors"), d.path().join("model/model.safetensors")).unwrap();
+    assert_clean_failure(d.path(), &[], &["mlp.gate_proj.weight", "expected shape [128, 64], got [96, 64]"]);
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let d = setup();
+    let cfg = d.path().join("model/config.json");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3");
+    std::fs::write(&cfg, text).unwrap();
+    assert_clean_failure(d.path(), &[], &["model.layers.2.", "missing"]);
+}
+
+#[test]
+fn dataset_without_input_ids_names_the_column() {
+    let d = setup();
+    let data = d.path().join("data");
+    std::fs::remove_dir_all(&data).unwrap();
+    std::fs::create_dir_all(&data).unwrap();
+    let col: ArrayRef = Arc::new(StringArray::from(vec!["hello", "world"]));
+    let batch = RecordBatch::try_from_iter(vec![("text", col)]).unwrap();
+    finetune::synth::write_arrow_stream(&data.join("train.arrow"), &[batch]).unwrap();
+    assert_clean_failure(d.path(), &[], &["train.arrow", "no `input_ids` column", "text"]);
+}
+
+#[test]
+fn unknown_recipe_key_is_named_with_suggestion() {
+    let d = setup();
+    assert_clean_failure(d.path(), &["train.lrr=0.1"], &["`train.lrr`", "did you mean \"lr\""]);
+}
+
+#[test]
+fn token_id_outside_vocab_names_the_row() {
+    let d = setup();
+    let data = d.path().join("data");
+    std::fs::remove_dir_all(&data).unwrap();
+    write_tokenized_dataset(&data, &[(vec![1, 2, 3], vec![1, 2, 3]), (vec![1, 999], vec![1, 999])]).unwrap();
+    assert_clean_failure(d.path(), &[], &["row 1", "999", "outside the vocabulary"]);
+}
+
+#[test]
+fn init_adapter_with_wrong_rank_is_named() {
+    let d = setup();
+    let (ok, err) = run(d.path(), &[]);
+    assert!(ok, "{err}");
+    std::fs::rename(d.path().join("out/adapter"), d.path().join("adapter-r4")).unwrap();
+    std::fs::remove_dir_all(d.path().join("out")).unwrap();
+    assert_clean_failure(d.path(), &["lora.init_from=adapter-r4", "lora.rank=8"], &["adapter-r4", "r = 4", "lora.rank"]);
+}

@@ -1,0 +1,203 @@
+//! Loading checkpoints and data the ways users have them: sharded, bf16, from the hf-hub
+//! cache, alpaca records with a tokenizer; and the reproducibility claims of training.
+
+mod common;
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
+use common::*;
+use finetune::config::ModelConfig;
+use finetune::data::{alpaca_prompt, AlpacaFormatter, IGNORE};
+use finetune::recipe::LoadedRecipe;
+use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+use std::path::Path;
+use std::sync::Arc;
+
+#[test]
+fn deepseek_7b_rank64_qkvo_has_62_914_560_trainable_params() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let recipe = LoadedRecipe::load(&root.join("recipes/deepseek-7b-lora.toml"), &[]).unwrap().recipe;
+    assert_eq!(recipe.model.path, "deepseek-ai/deepseek-llm-7b-base");
+    let cfg = ModelConfig::from_file(&root.join("recipes/models/deepseek-llm-7b-base/config.json")).unwrap();
+    let (trainable, all) = finetune::train::trainable_parameters(&cfg, recipe.lora.rank, &recipe.lora.targets);
+    assert_eq!(trainable, 62_914_560);
+    assert_eq!(all, 6_973_280_256);
+    assert_eq!(
+        finetune::train::format_trainable(trainable, all),
+        "trainable params: 62,914,560 || all params: 6,973,280,256 || trainable%: 0.9022"
+    );
+}
+
+const RECIPE: &str = r#"
+[model]
+path = "model"
+[lora]
+rank = 4
+alpha = 8
+targets = ["q_proj", "v_proj", "down_proj"]
+[data]
+train = "data"
+[train]
+max_steps = 3
+micro_batch_size = 2
+grad_accum_steps = 2
+lr = 1e-2
+[output]
+dir = "out"
+"#;
+
+fn workspace(shape: &TinyShape, shards: usize) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("model"), shape, 7, shards).unwrap();
+    write_tokenized_dataset(&d.path().join("data"), &counting_rows(16, shape.vocab, 3, 5, 20)).unwrap();
+    std::fs::write(d.path().join("recipe.toml"), RECIPE).unwrap();
+    d
+}
+
+fn train(dir: &Path, extra: &[&str]) -> Vec<finetune::train::StepMetrics> {
+    let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let r = LoadedRecipe::load(&dir.join("recipe.toml"), &o).unwrap();
+    finetune::train::run(&r).unwrap().steps
+}
+
+fn losses(m: &[finetune::train::StepMetrics]) -> Vec<f64> {
+    m.iter().map(|s| s.loss).collect()
+}
+
+#[test]
+fn sharded_checkpoint_trains_exactly_like_single_file() {
+    let single = workspace(&TinyShape::default(), 1);
+    let sharded = workspace(&TinyShape::default(), 3);
+    assert!(sharded.path().join("model/model.safetensors.index.json").is_file());
+    assert_eq!(losses(&train(single.path(), &[])), losses(&train(sharded.path(), &[])));
+}
+
+#[test]
+fn bf16_base_trains_close_to_f32() {
+    let f32_ws = workspace(&TinyShape::default(), 1);
+    let bf16_ws = workspace(&TinyShape { dtype: candle_core::DType::BF16, ..Default::default() }, 1);
+    let a = losses(&train(f32_ws.path(), &[]));
+    let b = losses(&train(bf16_ws.path(), &["model.dtype=\"bf16\""]));
+    for (x, y) in a.iter().zip(&b) {
+        assert!(rel(*y, *x) < 1e-2, "f32 {x} vs bf16 {y}");
+    }
+}
+
+#[test]
+fn qwen2_tied_without_lm_head_tensor_loads() {
+    let ws = workspace(&TinyShape { arch: "Qwen2ForCausalLM", tie: true, ..Default::default() }, 1);
+    let st = load_tensors(&ws.path().join("model/model.safetensors"));
+    assert!(!st.contains_key("lm_head.weight"));
+    assert!(st.contains_key("model.layers.0.self_attn.q_proj.bias"));
+    assert_eq!(train(ws.path(), &[]).len(), 3);
+}
+
+#[test]
+fn repo_id_resolves_through_the_hf_hub_cache() {
+    let ws = workspace(&TinyShape::default(), 1);
+    let cache = tempfile::tempdir().unwrap();
+    let repo = cache.path().join("models--acme--tiny-llama");
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "abc123").unwrap();
+    std::fs::create_dir_all(repo.join("snapshots")).unwrap();
+    std::fs::rename(ws.path().join("model"), repo.join("snapshots/abc123")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .args(["--recipe", &ws.path().join("recipe.toml").display().to_string(), "--set", "model.path=acme/tiny-llama"])
+        .env("HF_HUB_CACHE", cache.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ws.path().join("out/adapter/adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["base_model_name_or_path"], "acme/tiny-llama");
+}
+
+#[test]
+fn training_is_deterministic_with_dropout_and_shuffle() {
+    let ws = workspace(&TinyShape::default(), 1);
+    let args = ["lora.dropout=0.1", "data.shuffle=true", "data.shuffle_buffer=5", "train.seed=9"];
+    let a = train(ws.path(), &args);
+    let b = train(ws.path(), &args);
+    assert_eq!(losses(&a), losses(&b));
+    let c = train(ws.path(), &["lora.dropout=0.1", "data.shuffle=true", "data.shuffle_buffer=5", "train.seed=10"]);
+    assert_ne!(losses(&a), losses(&c), "the seed must matter");
+}
+
+#[test]
+fn activation_checkpointing_changes_nothing_even_with_dropout() {
+    let ws = workspace(&TinyShape::default(), 1);
+    let a = train(ws.path(), &["lora.dropout=0.2", "train.activation_checkpointing=true"]);
+    let adapter_a = load_tensors(&ws.path().join("out/adapter/adapter_model.safetensors"));
+    let b = train(ws.path(), &["lora.dropout=0.2", "train.activation_checkpointing=false"]);
+    let adapter_b = load_tensors(&ws.path().join("out/adapter/adapter_model.safetensors"));
+    for (x, y) in a.iter().zip(&b) {
+        assert!(rel(x.loss, y.loss) < 1e-6 && rel(x.grad_norm, y.grad_norm) < 1e-5, "{x:?} vs {y:?}");
+    }
+    for (k, t) in &adapter_a {
+        assert!(max_abs_diff(t, &adapter_b[k]) < 1e-6, "{k}");
+    }
+}
+
+#[test]
+fn fresh_adapter_leaves_the_model_unchanged() {
+    // B = 0 at init: the step-1 loss with LoRA equals the loss with LoRA on other modules.
+    let ws = workspace(&TinyShape::default(), 1);
+    let a = train(ws.path(), &["train.max_steps=1"]);
+    let b = train(ws.path(), &["train.max_steps=1", "lora.targets=[\"o_proj\"]"]);
+    assert_eq!(a[0].loss, b[0].loss);
+}
+
+/// A word-level tokenizer.json over the words of the alpaca prompt and the records, with
+/// <s> prepended by its post-processor (as Llama tokenizers do).
+fn write_word_tokenizer(dir: &Path, texts: &[&str]) {
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+        vocab.insert(t.to_string(), i.into());
+    }
+    let all: String = texts.join(" ") + &alpaca_prompt("x", "") + &alpaca_prompt("x", "y");
+    for w in all.split(|c: char| !c.is_alphanumeric()).chain(all.split(|c: char| c.is_alphanumeric() || c.is_whitespace())) {
+        if !w.is_empty() && !vocab.contains_key(w) {
+            let n = vocab.len();
+            vocab.insert(w.to_string(), n.into());
+        }
+    }
+    let special = |id: u32, c: &str| serde_json::json!({"id": id, "content": c, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "</s>", "bos_token": "<s>"}"#).unwrap();
+}
+
+#[test]
+fn alpaca_records_train_only_on_the_response() {
+    let ws = workspace(&TinyShape::default(), 1);
+    let (ins, inp, outp) = (["Add two numbers", "Name a color"], ["2 and 3", ""], ["The sum is 5", "Blue"]);
+    let texts: Vec<&str> = ins.iter().chain(&inp).chain(&outp).copied().collect();
+    write_word_tokenizer(&ws.path().join("model"), &texts);
+    let f = AlpacaFormatter::load(&ws.path().join("model")).unwrap();
+    let ex = f.format(ins[0], inp[0], outp[0]).unwrap();
+    assert_eq!(ex.input_ids[0], 1, "BOS from the tokenizer's post-processor");
+    assert_eq!(*ex.input_ids.last().unwrap(), 2, "EOS appended");
+    let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+    assert_eq!(trained.len(), 4 + 1, "\"The sum is 5\" and EOS are trained, nothing of the prompt");
+    for (t, l) in ex.input_ids.iter().zip(&ex.labels) {
+        assert!(*l == IGNORE || *l == *t as i64);
+    }
+
+    let data = ws.path().join("alpaca");
+    std::fs::create_dir_all(&data).unwrap();
+    let col = |v: [&str; 2]| -> ArrayRef { Arc::new(StringArray::from(v.to_vec())) };
+    let batch = RecordBatch::try_from_iter(vec![("instruction", col(ins)), ("input", col(inp)), ("output", col(outp))]).unwrap();
+    finetune::synth::write_arrow_stream(&data.join("data.arrow"), &[batch]).unwrap();
+    let m = train(ws.path(), &["data.train=alpaca", "data.format=alpaca", "train.grad_accum_steps=1"]);
+    assert_eq!(m[0].tokens, 5 + 2, "targets: the two responses plus their EOS tokens");
+}
