@@ -227,7 +227,7 @@ pub struct LoraLinear<'a> {
 impl LoraLinear<'_> {
     /// x [N, in] -> [N, out]
     pub fn forward(&self, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
-        let mut y = x.matmul(&self.weight.t()?)?;
+        let mut y = crate::ops::frozen_linear(x, &self.weight)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }

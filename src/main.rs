@@ -49,6 +49,11 @@ enum Command {
         /// Dataset rows.
         #[arg(long, default_value_t = 256)]
         rows: usize,
+        /// Shortest and longest row, in tokens.
+        #[arg(long, default_value_t = 8)]
+        seq_min: usize,
+        #[arg(long, default_value_t = 48)]
+        seq_max: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
@@ -71,8 +76,8 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
     }
 }
 
-fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, seed: u64) -> anyhow::Result<()> {
-    use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, len: (usize, usize), seed: u64) -> anyhow::Result<()> {
+    use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, write_tokenizer, TinyShape};
     let mut s = match shape {
         "tiny" => TinyShape::default(),
         "smollm2-135m" => TinyShape::smollm2_135m(),
@@ -83,28 +88,61 @@ fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, seed: u64)
         "qwen2" => "Qwen2ForCausalLM",
         other => anyhow::bail!("--arch {other}: expected llama or qwen2"),
     };
+    if len.0 < 2 || len.0 > len.1 {
+        anyhow::bail!("--seq-min/--seq-max: need 2 <= min <= max");
+    }
     write_model(&out.join("model"), &s, seed, 1)?;
-    write_tokenized_dataset(&out.join("data"), &counting_rows(rows, s.vocab, seed + 1, 8, 48))?;
+    write_tokenizer(&out.join("model"), s.vocab)?;
+    write_tokenized_dataset(&out.join("data"), &counting_rows(rows, s.vocab, seed + 1, len.0, len.1))?;
     eprintln!("wrote {}/model and {}/data", out.display(), out.display());
     Ok(())
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match (cli.command, cli.train) {
         (Some(Command::Train(t)), _) | (None, Some(t)) => {
             let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
-            finetune::train::run(&recipe)?;
+            let stop = install_signal_handlers()?;
+            let summary = finetune::train::run_with(&recipe, &finetune::train::RunOptions { stop: Some(stop) })?;
+            if let Some(sig) = summary.interrupted {
+                let (name, code) = if sig == 15 { ("SIGTERM", 143) } else { ("SIGINT", 130) };
+                let at = summary.checkpoint.map(|d| d.display().to_string()).unwrap_or_default();
+                eprintln!(
+                    "stopped by {name}; checkpoint saved at {at}.\nresume with the same command \
+                     (checkpoint.resume = \"auto\" continues from the newest valid checkpoint)"
+                );
+                return Ok(ExitCode::from(code));
+            }
         }
-        (Some(Command::Synth { out, shape, arch, rows, seed }), _) => synth(&out, &shape, &arch, rows, seed)?,
+        (Some(Command::Synth { out, shape, arch, rows, seq_min, seq_max, seed }), _) => {
+            synth(&out, &shape, &arch, rows, (seq_min, seq_max), seed)?
+        }
         (None, None) => anyhow::bail!("nothing to do: try `finetune --recipe recipes/tiny-lora.toml` or `finetune --help`"),
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
+}
+
+/// First SIGINT/SIGTERM: ask the loop to finish its step and checkpoint. A second one exits
+/// at once (the last complete checkpoint still stands).
+fn install_signal_handlers() -> anyhow::Result<std::sync::Arc<std::sync::atomic::AtomicUsize>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    use std::sync::Arc;
+    let which = Arc::new(AtomicUsize::new(0));
+    let stopping = Arc::new(AtomicBool::new(false));
+    for (sig, code) in [(SIGINT, 130), (SIGTERM, 143)] {
+        // Registered before the flag: on the first signal it sees `false` and does nothing.
+        signal_hook::flag::register_conditional_shutdown(sig, code, stopping.clone())?;
+        signal_hook::flag::register(sig, stopping.clone())?;
+        signal_hook::flag::register_usize(sig, which.clone(), sig as usize)?;
+    }
+    Ok(which)
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");
             for cause in e.chain().skip(1) {

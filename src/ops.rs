@@ -111,3 +111,92 @@ mod tests {
         Ok(())
     }
 }
+
+/// `x @ W^T` for a frozen W, as a custom op whose backward returns only the input gradient.
+///
+/// candle's matmul backward always computes the weight gradient too (a full [out, in] GEMM
+/// per linear, a third of all training FLOPs) even when W is a constant. This op calls the
+/// same gemm kernel candle uses for the forward, and `grad @ W` for the backward, nothing else.
+struct FrozenMatmul {
+    /// [out, in], contiguous f32 (CPU path only).
+    w: Tensor,
+}
+
+impl candle_core::CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::{CpuStorage, Storage};
+        let (n, k) = layout.shape().dims2()?;
+        let (out, k2) = self.w.dims2()?;
+        if k != k2 {
+            candle_core::bail!("frozen-matmul: input has {k} features, weight expects {k2}");
+        }
+        let Some((xs, xe)) = layout.contiguous_offsets() else {
+            candle_core::bail!("frozen-matmul: input must be contiguous")
+        };
+        let CpuStorage::F32(x) = storage else { candle_core::bail!("frozen-matmul: f32 only") };
+        let x = &x[xs..xe];
+        let (wst, wl) = self.w.storage_and_layout();
+        let Storage::Cpu(CpuStorage::F32(w)) = &*wst else { candle_core::bail!("frozen-matmul: weight must be f32 on cpu") };
+        let Some((ws, we)) = wl.contiguous_offsets() else { candle_core::bail!("frozen-matmul: weight must be contiguous") };
+        let w = &w[ws..we];
+        let mut dst = vec![0f32; n * out];
+        let threads = candle_core::utils::get_num_threads();
+        let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+        // SAFETY: dst is [n, out] row-major, x is [n, k] row-major, and W^T is read from the
+        // [out, k] row-major W with row stride 1 and column stride k; all bounds match the
+        // dims checked above.
+        unsafe {
+            gemm::gemm(
+                n, out, k,
+                dst.as_mut_ptr(), 1, out as isize, false,
+                x.as_ptr(), 1, k as isize,
+                w.as_ptr(), k as isize, 1,
+                0.0, 1.0, false, false, false, par,
+            );
+        }
+        Ok((CpuStorage::F32(dst), candle_core::Shape::from((n, out))))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        // d(x W^T)/dx applied to g: g [N, out] @ W [out, in] -> [N, in]
+        Ok(Some(grad_res.matmul(&self.w)?))
+    }
+}
+
+/// x [N, in] @ W^T for a frozen W [out, in] -> [N, out], with no weight gradient.
+/// Falls back to candle's matmul off the CPU f32 path.
+pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
+        let w = w.contiguous()?;
+        x.contiguous()?.apply_op1(FrozenMatmul { w })
+    } else {
+        x.matmul(&w.t()?)
+    }
+}
+
+#[cfg(test)]
+mod frozen_tests {
+    use super::*;
+    use candle_core::Var;
+
+    #[test]
+    fn frozen_linear_matches_matmul_in_value_and_input_gradient() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_vec((0..35).map(|i| ((i * 17 % 13) as f32 - 6.0) * 0.1).collect(), (5, 7), &dev)?;
+        let w = Tensor::from_vec((0..21).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.1).collect(), (3, 7), &dev)?;
+        let g = Tensor::from_vec((0..15).map(|i| (i as f32 - 7.0) * 0.05).collect(), (5, 3), &dev)?;
+        let a = frozen_linear(x.as_tensor(), &w)?;
+        let b = x.matmul(&w.t()?)?;
+        let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "forward differs by {diff}");
+        let ga = (a * &g)?.sum_all()?.backward()?.get(&x).expect("grad").clone();
+        let gb = (b * &g)?.sum_all()?.backward()?.get(&x).expect("grad").clone();
+        let diff = (ga - gb)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "input gradient differs by {diff}");
+        Ok(())
+    }
+}

@@ -116,6 +116,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
         ],
     ),
     ("output", true, &[req("dir", Kind::Str)]),
+    ("checkpoint", false, &[key("every_steps", Kind::Int), key("keep_last", Kind::Int), key("resume", Kind::Str)]),
 ];
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -126,6 +127,38 @@ pub struct Recipe {
     pub data: DataSection,
     pub train: TrainSection,
     pub output: OutputSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Save every N optimizer steps (0: only at the end and on SIGINT/SIGTERM).
+    #[serde(default = "default_every")]
+    pub every_steps: usize,
+    /// Checkpoints kept (0 keeps all).
+    #[serde(default = "default_keep")]
+    pub keep_last: usize,
+    /// "auto" (newest valid checkpoint in output.dir, if any), "never", or a checkpoint folder.
+    #[serde(default = "default_resume")]
+    pub resume: String,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection { every_steps: default_every(), keep_last: default_keep(), resume: default_resume() }
+    }
+}
+
+fn default_every() -> usize {
+    100
+}
+fn default_keep() -> usize {
+    3
+}
+fn default_resume() -> String {
+    "auto".into()
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

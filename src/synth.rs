@@ -142,6 +142,34 @@ pub fn write_model(dir: &Path, shape: &TinyShape, seed: u64, shards: usize) -> R
     Ok(())
 }
 
+/// A word-level `tokenizer.json` whose tokens are `<unk>`, `<s>`, `</s>`, then `w3` .. `w{V-1}`,
+/// with `tokenizer_config.json`, so tools that insist on a tokenizer (transformers'
+/// AutoTokenizer) can open a synthetic model folder.
+pub fn write_tokenizer(dir: &Path, vocab: usize) -> Result<()> {
+    let mut v = serde_json::Map::new();
+    for i in 0..vocab {
+        let t = match i {
+            0 => "<unk>".to_string(),
+            1 => "<s>".to_string(),
+            2 => "</s>".to_string(),
+            _ => format!("w{i}"),
+        };
+        v.insert(t, i.into());
+    }
+    let special = |id: usize, c: &str| serde_json::json!({"id": id, "content": c, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": v, "unk_token": "<unk>"}
+    });
+    let p = dir.join("tokenizer.json");
+    std::fs::write(&p, tok.to_string()).map_err(|e| Error::io(&p, e))?;
+    let cfg = serde_json::json!({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"});
+    let p = dir.join("tokenizer_config.json");
+    std::fs::write(&p, cfg.to_string()).map_err(|e| Error::io(&p, e))
+}
+
 /// Write an HF `datasets` save_to_disk folder (one Arrow IPC stream shard + state.json) with
 /// columns `input_ids` list<int32> and `labels` list<int64>.
 pub fn write_tokenized_dataset(dir: &Path, rows: &[(Vec<i32>, Vec<i64>)]) -> Result<()> {

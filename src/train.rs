@@ -19,6 +19,7 @@ use crate::weights::{parse_dtype, ModelDir, ResidentWeights, SafetensorsFiles};
 use candle_core::{DType, Device, Tensor, Var};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -67,13 +68,33 @@ pub struct StepMetrics {
 }
 
 pub struct RunSummary {
+    /// Metrics of the steps run in this invocation.
     pub steps: Vec<StepMetrics>,
     pub output_dir: PathBuf,
+    /// Set when a stop was requested (SIGINT = 2, SIGTERM = 15): the run saved a checkpoint
+    /// after the current step and returned early.
+    pub interrupted: Option<usize>,
+    /// The last checkpoint written or resumed from.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// How the caller talks to a running training loop.
+#[derive(Clone, Default)]
+pub struct RunOptions {
+    /// Non-zero: finish the current optimizer step, checkpoint, and return (the value is the
+    /// signal number that asked for it).
+    pub stop: Option<Arc<AtomicUsize>>,
+}
+
+/// Train as the recipe says (see [`run_with`]).
+pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
+    run_with(loaded, &RunOptions::default())
 }
 
 /// Train as the recipe says. Everything that can be wrong with the input (model, adapter,
-/// data) is checked before the output folder is touched.
-pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
+/// data) is checked before the output folder is touched. With `checkpoint.resume = "auto"`
+/// the newest valid checkpoint in the output folder is continued exactly.
+pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSummary> {
     // ---------------------------------------------------------------- setup
     let r = &loaded.recipe;
     let t = &r.train;
@@ -120,12 +141,41 @@ pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
     let out_dir = loaded.resolve(&r.output.dir);
     let metrics_path = out_dir.join("metrics.jsonl");
     let mut metrics: Option<std::fs::File> = None;
+    let recipe_text = toml::to_string(r).map_err(|e| Error::Train(e.to_string()))?;
+
+    // ---------------------------------------------------------------- resume
+    let mut start_step = 0;
+    let mut micro_index = 0u64;
+    let mut last_checkpoint = None;
+    let resume_from = match r.checkpoint.resume.as_str() {
+        "never" => None,
+        "auto" => {
+            crate::checkpoint::clean_temporaries(&out_dir);
+            crate::checkpoint::latest_valid(&out_dir)
+        }
+        path => Some(loaded.resolve(std::path::Path::new(path))),
+    };
+    if let Some(dir) = resume_from {
+        let l = crate::checkpoint::load(&dir, &adapters, &mut opt)?;
+        let warnings = crate::checkpoint::check_recipe_change(&l.recipe, &recipe_text)
+            .map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: "(resume)".into(), msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
+        for w in warnings {
+            eprintln!("warning: {w}");
+        }
+        loader.restore(&l.state.loader)?;
+        start_step = l.state.step;
+        micro_index = l.state.micro_index;
+        metrics = Some(reopen_metrics(&metrics_path, start_step)?);
+        eprintln!("resuming from {} (step {start_step})", dir.display());
+        last_checkpoint = Some(dir);
+    }
     let progress = crate::progress::Progress::new(t.max_steps as u64, t.log_every);
+    let stop_requested = || run_opts.stop.as_ref().map_or(0, |s| s.load(Ordering::SeqCst));
 
     // ---------------------------------------------------------------- train
     let mut history = Vec::with_capacity(t.max_steps);
-    let mut micro_index = 0u64;
-    for step in 1..=t.max_steps {
+    let mut interrupted = None;
+    for step in start_step + 1..=t.max_steps {
         let started = Instant::now();
         let mut batches = Vec::with_capacity(t.grad_accum_steps);
         for _ in 0..t.grad_accum_steps {
@@ -183,6 +233,24 @@ pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
         writeln!(file, "{line}").and_then(|_| file.flush()).map_err(|e| Error::io(&metrics_path, e))?;
         progress.step(&m, t.max_steps);
         history.push(m);
+
+        // Checkpoints only at optimizer-step boundaries: mid-accumulation gradients are never
+        // saved, so a resume is always at a clean step.
+        let stop = stop_requested();
+        let every = r.checkpoint.every_steps;
+        if (every > 0 && step % every == 0) || step == t.max_steps || stop != 0 {
+            let state = crate::checkpoint::TrainState { step, micro_index, loader: loader.state() };
+            let dir = crate::checkpoint::save(&out_dir, &adapters, &opt, &state, &recipe_text, &model_dir.name)?;
+            crate::checkpoint::prune(&out_dir, r.checkpoint.keep_last)?;
+            last_checkpoint = Some(dir);
+        }
+        if stop != 0 {
+            interrupted = Some(stop);
+            break;
+        }
+    }
+    if interrupted.is_none() && start_step >= t.max_steps {
+        eprintln!("already complete: the checkpoint is at step {start_step} of train.max_steps = {}", t.max_steps);
     }
 
     // ---------------------------------------------------------------- cleanup
@@ -193,9 +261,24 @@ pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
     if let Some(f) = &metrics {
         f.sync_all().map_err(|e| Error::io(&metrics_path, e))?;
     }
-    save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
-    eprintln!("adapter written to {}", out_dir.join("adapter").display());
-    Ok(RunSummary { steps: history, output_dir: out_dir })
+    if interrupted.is_none() {
+        save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
+        eprintln!("adapter written to {}", out_dir.join("adapter").display());
+    }
+    Ok(RunSummary { steps: history, output_dir: out_dir, interrupted, checkpoint: last_checkpoint })
+}
+
+/// Keep the metrics lines of steps up to `step` (what the checkpoint covers) and reopen the
+/// file for appending, so a resumed run's metrics.jsonl reads as one uninterrupted run.
+fn reopen_metrics(path: &std::path::Path, step: usize) -> Result<std::fs::File> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let kept: String = text
+        .lines()
+        .filter(|l| serde_json::from_str::<StepMetrics>(l).is_ok_and(|m| m.step <= step))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    crate::fsutil::write_atomic(path, kept.as_bytes())?;
+    std::fs::OpenOptions::new().append(true).open(path).map_err(|e| Error::io(path, e))
 }
 
 /// Create the output folder with the resolved recipe, and a fresh metrics.jsonl.

@@ -52,8 +52,10 @@ fn workspace(shape: &TinyShape, shards: usize) -> tempfile::TempDir {
     d
 }
 
+/// Train from scratch (these tests rerun in the same folder with other settings).
 fn train(dir: &Path, extra: &[&str]) -> Vec<finetune::train::StepMetrics> {
-    let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let mut o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    o.push("checkpoint.resume=never".into());
     let r = LoadedRecipe::load(&dir.join("recipe.toml"), &o).unwrap();
     finetune::train::run(&r).unwrap().steps
 }

@@ -1,17 +1,22 @@
-//! Streaming Arrow rows: an HF `datasets` save_to_disk folder (IPC *stream* shards listed in
-//! `state.json`) or a single `.arrow` file (stream or file format). One record batch is held
-//! at a time; at the end of the last shard the stream wraps to the first row (epochs).
+//! Arrow rows with random access: an HF `datasets` save_to_disk folder (IPC *stream* shards
+//! listed in `state.json`) or a single `.arrow` file (stream or file format).
+//!
+//! Each shard is memory-mapped and its IPC message framing is scanned once at open (headers
+//! only, no data decoded) to find every record batch's byte range and row count. A batch is
+//! decoded only when a row of it is needed, straight from the map. So memory stays at one
+//! decoded batch however large the data, and a saved [`Cursor`] is reached directly on resume
+//! without re-reading what came before.
 
 use crate::error::{Error, Result};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type, UInt64Type, UInt8Type};
 use arrow_array::{Array, RecordBatch};
-use arrow_schema::{ArrowError, DataType};
-use std::fs::File;
-use std::io::{BufReader, Read};
+use arrow_buffer::Buffer;
+use arrow_ipc::MessageHeader;
+use arrow_schema::DataType;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-
-type Batches = Box<dyn Iterator<Item = std::result::Result<RecordBatch, ArrowError>> + Send>;
+use std::sync::Arc;
 
 /// The shard files of a dataset path, in order.
 pub fn shard_files(path: &Path) -> Result<Vec<PathBuf>> {
@@ -58,24 +63,104 @@ pub fn shard_files(path: &Path) -> Result<Vec<PathBuf>> {
     Ok(arrows)
 }
 
-fn open_batches(path: &Path) -> Result<Batches> {
-    let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut magic = [0u8; 6];
-    let n = f.read(&mut magic).map_err(|e| Error::io(path, e))?;
-    drop(f);
-    let f = File::open(path).map_err(|e| Error::io(path, e))?;
-    let bad = |e: ArrowError| Error::data(path, format!("not a readable Arrow IPC file: {e}"));
-    if n == 6 && &magic == b"ARROW1" {
-        let r = arrow_ipc::reader::FileReader::try_new(BufReader::new(f), None).map_err(bad)?;
-        Ok(Box::new(r))
-    } else {
-        let r = arrow_ipc::reader::StreamReader::try_new(BufReader::new(f), None).map_err(bad)?;
-        Ok(Box::new(r))
+/// One memory-mapped Arrow IPC file with the byte ranges of its messages.
+struct Shard {
+    path: PathBuf,
+    map: Arc<memmap2::Mmap>,
+    schema: Range<usize>,
+    /// (byte range of the whole message, rows)
+    batches: Vec<(Range<usize>, usize)>,
+}
+
+fn read_u32(b: &[u8], at: usize) -> Option<u32> {
+    b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+}
+
+impl Shard {
+    fn open(path: &Path) -> Result<Shard> {
+        let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only map; datasets files are not modified while we train on them.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
+        let bad = |msg: String| Error::data(path, format!("not a readable Arrow IPC file: {msg}"));
+        let b: &[u8] = &map;
+        // The file format is "ARROW1\0\0" + an IPC stream + footer; the stream format is the
+        // stream alone. Either way the messages are scanned the same.
+        let mut pos = if b.starts_with(b"ARROW1") { 8 } else { 0 };
+        let mut schema = None;
+        let mut batches = Vec::new();
+        while pos < b.len() {
+            let start = pos;
+            let first = read_u32(b, pos).ok_or_else(|| bad(format!("truncated message header at byte {pos}")))?;
+            let (len, header) = if first == 0xFFFF_FFFF {
+                (read_u32(b, pos + 4).ok_or_else(|| bad(format!("truncated message header at byte {pos}")))? as usize, 8)
+            } else {
+                (first as usize, 4)
+            };
+            if len == 0 {
+                break; // end-of-stream marker
+            }
+            let meta = b.get(pos + header..pos + header + len).ok_or_else(|| bad(format!("truncated message at byte {pos}")))?;
+            let msg = arrow_ipc::root_as_message(meta).map_err(|e| bad(format!("bad message at byte {pos}: {e}")))?;
+            let body = usize::try_from(msg.bodyLength()).map_err(|_| bad("negative body length".into()))?;
+            let end = pos + header + len + body;
+            if end > b.len() {
+                return Err(bad(format!("message at byte {pos} runs past the end of the file (truncated?)")));
+            }
+            match msg.header_type() {
+                MessageHeader::Schema => schema = Some(start..end),
+                MessageHeader::RecordBatch => {
+                    let rows = msg.header_as_record_batch().map(|r| r.length()).unwrap_or(0);
+                    batches.push((start..end, usize::try_from(rows).unwrap_or(0)));
+                }
+                MessageHeader::DictionaryBatch => return Err(bad("dictionary-encoded columns are not supported".into())),
+                _ => {}
+            }
+            pos = end;
+        }
+        let schema = schema.ok_or_else(|| bad("no schema message".into()))?;
+        Ok(Shard { path: path.to_path_buf(), map: Arc::new(map), schema, batches })
+    }
+
+    fn buffer(&self, r: &Range<usize>) -> Buffer {
+        Buffer::from_slice_ref(&self.map[r.clone()])
+    }
+
+    fn decode(&self, batch: usize) -> Result<RecordBatch> {
+        let mut dec = arrow_ipc::reader::StreamDecoder::new();
+        let bad = |e: arrow_schema::ArrowError| Error::data(&self.path, format!("corrupt record batch {batch}: {e}"));
+        let mut s = self.buffer(&self.schema);
+        dec.decode(&mut s).map_err(bad)?;
+        let mut b = self.buffer(&self.batches[batch].0);
+        while !b.is_empty() {
+            if let Some(rb) = dec.decode(&mut b).map_err(bad)? {
+                return Ok(rb);
+            }
+        }
+        Err(Error::data(&self.path, format!("record batch {batch} did not decode")))
     }
 }
 
-/// A row in the stream: its batch (shared, cheap to clone), its index in the batch, and where
-/// it came from for error messages.
+/// Position of the next row: enough to resume without reading anything before it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Cursor {
+    pub epoch: u64,
+    pub file: usize,
+    pub batch: usize,
+    pub row: usize,
+    /// 0-based index of the row in the dataset (across shards).
+    pub index: u64,
+}
+
+/// Where a row lives (for error messages and for re-fetching it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RowPos {
+    pub file: usize,
+    pub batch: usize,
+    pub row: usize,
+    pub index: u64,
+}
+
+/// A row: its batch, its index in the batch, and where it came from.
 pub struct RowRef<'a> {
     pub batch: &'a RecordBatch,
     pub row: usize,
@@ -85,85 +170,110 @@ pub struct RowRef<'a> {
 }
 
 pub struct ArrowRows {
-    files: Vec<PathBuf>,
-    file_idx: usize,
-    batches: Option<Batches>,
-    batch: Option<RecordBatch>,
-    row: usize,
-    index: u64,
-    pub epoch: u64,
+    shards: Vec<Shard>,
+    cur: Cursor,
+    /// The decoded batch kept: (file, batch, data).
+    cached: Option<(usize, usize, RecordBatch)>,
+    /// First dataset index of each (file, batch), for random access by position.
+    pub total_rows: u64,
 }
 
 impl ArrowRows {
     pub fn open(path: &Path) -> Result<Self> {
         let files = shard_files(path)?;
+        let mut shards = Vec::with_capacity(files.len());
         for f in &files {
             if !f.is_file() {
                 return Err(Error::data(f, "listed in state.json but missing"));
             }
+            shards.push(Shard::open(f)?);
         }
-        let batches = Some(open_batches(&files[0])?);
-        Ok(ArrowRows { files, file_idx: 0, batches, batch: None, row: 0, index: 0, epoch: 0 })
+        let total_rows = shards.iter().flat_map(|s| s.batches.iter().map(|b| b.1 as u64)).sum();
+        if total_rows == 0 {
+            return Err(Error::data(&files[0], "dataset has no rows"));
+        }
+        Ok(ArrowRows { shards, cur: Cursor::default(), cached: None, total_rows })
     }
 
     pub fn first_file(&self) -> &Path {
-        &self.files[0]
+        &self.shards[0].path
     }
 
-    /// Schema column names of the first shard (for validating a format before training).
+    /// Column names and types (from the first non-empty batch).
     pub fn peek_columns(&mut self) -> Result<Vec<(String, DataType)>> {
-        self.fill()?;
-        let b = self.batch.as_ref().ok_or_else(|| Error::data(&self.files[0], "dataset has no rows"))?;
-        Ok(b.schema().fields().iter().map(|f| (f.name().clone(), f.data_type().clone())).collect())
+        let (f, b) = self.normalise(Cursor::default()).map(|c| (c.file, c.batch))?;
+        let rb = self.batch(f, b)?;
+        Ok(rb.schema().fields().iter().map(|f| (f.name().clone(), f.data_type().clone())).collect())
     }
 
-    /// Make `self.batch` hold a batch with `self.row` in range, wrapping at the end.
-    fn fill(&mut self) -> Result<()> {
-        let mut wrapped_empty = false;
+    pub fn cursor(&self) -> Cursor {
+        self.cur
+    }
+
+    /// Continue from a saved cursor (checked against this dataset's shape).
+    pub fn seek(&mut self, c: Cursor) -> Result<()> {
+        let ok = c.file < self.shards.len()
+            && c.batch <= self.shards[c.file].batches.len()
+            && self.shards[c.file].batches.get(c.batch).is_none_or(|b| c.row <= b.1);
+        if !ok {
+            return Err(Error::data(&self.shards[0].path, format!("saved data position {c:?} does not exist in this dataset (did it change?)")));
+        }
+        self.cur = c;
+        Ok(())
+    }
+
+    /// Move `c` forward past exhausted batches/files (wrapping to the next epoch).
+    fn normalise(&self, mut c: Cursor) -> Result<Cursor> {
         loop {
-            if let Some(b) = &self.batch {
-                if self.row < b.num_rows() {
-                    return Ok(());
-                }
+            let shard = &self.shards[c.file];
+            if c.batch < shard.batches.len() && c.row < shard.batches[c.batch].1 {
+                return Ok(c);
             }
-            self.batch = None;
-            self.row = 0;
-            let file = self.files[self.file_idx].clone();
-            let next = match self.batches.as_mut() {
-                Some(it) => it.next(),
-                None => None,
-            };
-            match next {
-                Some(Ok(b)) => self.batch = Some(b),
-                Some(Err(e)) => return Err(Error::data(&file, format!("corrupt record batch: {e}"))),
-                None => {
-                    self.file_idx += 1;
-                    if self.file_idx == self.files.len() {
-                        if self.index == 0 {
-                            if wrapped_empty {
-                                return Err(Error::data(&self.files[0], "dataset has no rows"));
-                            }
-                            wrapped_empty = true;
-                        }
-                        self.file_idx = 0;
-                        self.index = 0;
-                        self.epoch += 1;
-                    }
-                    self.batches = Some(open_batches(&self.files[self.file_idx])?);
+            c.row = 0;
+            c.batch += 1;
+            if c.batch >= shard.batches.len() {
+                c.batch = 0;
+                c.file += 1;
+                if c.file == self.shards.len() {
+                    c.file = 0;
+                    c.epoch += 1;
+                    c.index = 0;
                 }
             }
         }
     }
 
-    /// The next row (wrapping to the first after the last).
-    pub fn next_row(&mut self) -> Result<RowRef<'_>> {
-        self.fill()?;
-        let row = self.row;
-        let index = self.index;
-        self.row += 1;
-        self.index += 1;
-        let batch = self.batch.as_ref().ok_or_else(|| Error::data(&self.files[0], "dataset has no rows"))?;
-        Ok(RowRef { batch, row, file: &self.files[self.file_idx], index })
+    fn batch(&mut self, file: usize, batch: usize) -> Result<&RecordBatch> {
+        let hit = matches!(&self.cached, Some((f, b, _)) if *f == file && *b == batch);
+        if !hit {
+            let rb = self.shards[file].decode(batch)?;
+            self.cached = Some((file, batch, rb));
+        }
+        match &self.cached {
+            Some((_, _, rb)) => Ok(rb),
+            None => Err(Error::data(&self.shards[file].path, "internal: batch cache empty")),
+        }
+    }
+
+    /// The next row (wrapping to the first after the last) and its position.
+    pub fn next_row(&mut self) -> Result<(RowRef<'_>, RowPos)> {
+        let c = self.normalise(self.cur)?;
+        self.cur = Cursor { row: c.row + 1, index: c.index + 1, ..c };
+        let pos = RowPos { file: c.file, batch: c.batch, row: c.row, index: c.index };
+        Ok((self.row_at(pos)?, pos))
+    }
+
+    /// Random access to a row by position.
+    pub fn row_at(&mut self, pos: RowPos) -> Result<RowRef<'_>> {
+        if pos.file >= self.shards.len() || pos.batch >= self.shards[pos.file].batches.len() {
+            return Err(Error::data(&self.shards[0].path, format!("row position {pos:?} does not exist in this dataset")));
+        }
+        self.batch(pos.file, pos.batch)?;
+        let batch = match &self.cached {
+            Some((_, _, rb)) => rb,
+            None => return Err(Error::data(&self.shards[pos.file].path, "internal: batch cache empty")),
+        };
+        Ok(RowRef { batch, row: pos.row, file: &self.shards[pos.file].path, index: pos.index })
     }
 }
 

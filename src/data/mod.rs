@@ -10,7 +10,7 @@ pub mod arrow;
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
-use arrow::{int_list, string_cell, ArrowRows, RowRef};
+use arrow::{int_list, string_cell, ArrowRows, Cursor, RowPos, RowRef};
 use std::path::{Path, PathBuf};
 
 /// Label value that contributes no loss (PyTorch's ignore_index).
@@ -118,8 +118,19 @@ pub struct Loader {
     rows: ArrowRows,
     format: Format,
     opts: LoaderOptions,
-    buffer: Vec<Example>,
+    /// Shuffle buffer: examples with the position they were read from (saved in checkpoints
+    /// as positions only and re-read on resume).
+    buffer: Vec<(Example, RowPos)>,
     rng: Rng,
+    pub truncated: u64,
+}
+
+/// Everything needed to continue the example stream exactly where it was.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LoaderState {
+    pub cursor: Cursor,
+    pub rng: u64,
+    pub buffer: Vec<RowPos>,
     pub truncated: u64,
 }
 
@@ -148,41 +159,72 @@ impl Loader {
         Ok(Loader { rows, format, opts, buffer: Vec::new(), rng, truncated: 0 })
     }
 
-    fn read_one(&mut self) -> Result<Example> {
-        let r = self.rows.next_row()?;
-        let mut ex = match &self.format {
-            Format::Tokenized => tokenized(&r, self.opts.vocab_size)?,
-            Format::Alpaca(f) => {
-                let get = |c: &str| string_cell(&r, c);
-                let instruction = get("instruction")?
-                    .ok_or_else(|| Error::data(r.file, format!("row {}: `instruction` is null", r.index)))?;
-                let output =
-                    get("output")?.ok_or_else(|| Error::data(r.file, format!("row {}: `output` is null", r.index)))?;
-                let input = get("input")?.unwrap_or_default();
-                f.format(&instruction, &input, &output)?
-            }
-        };
-        if ex.input_ids.len() > self.opts.max_seq_len {
-            ex.input_ids.truncate(self.opts.max_seq_len);
-            ex.labels.truncate(self.opts.max_seq_len);
-            self.truncated += 1;
+    pub fn state(&self) -> LoaderState {
+        LoaderState {
+            cursor: self.rows.cursor(),
+            rng: self.rng.state(),
+            buffer: self.buffer.iter().map(|(_, p)| *p).collect(),
+            truncated: self.truncated,
         }
-        Ok(ex)
+    }
+
+    /// Continue from a saved state: jump to the cursor and re-read the buffered rows by
+    /// position (nothing before them is read).
+    pub fn restore(&mut self, st: &LoaderState) -> Result<()> {
+        self.rows.seek(st.cursor)?;
+        self.rng = Rng::new(st.rng);
+        self.buffer.clear();
+        for &pos in &st.buffer {
+            let r = self.rows.row_at(pos)?;
+            let ex = format_row(&self.format, &r, &self.opts)?.0;
+            self.buffer.push((ex, pos));
+        }
+        self.rows.seek(st.cursor)?;
+        self.truncated = st.truncated;
+        Ok(())
+    }
+
+    fn read_one(&mut self) -> Result<(Example, RowPos)> {
+        let (r, pos) = self.rows.next_row()?;
+        let (ex, truncated) = format_row(&self.format, &r, &self.opts)?;
+        self.truncated += u64::from(truncated);
+        Ok((ex, pos))
     }
 
     /// The next example: in dataset order, or drawn from a seeded shuffle buffer of
     /// `shuffle_buffer` examples (memory bounded by the buffer, not the dataset).
     pub fn next_example(&mut self) -> Result<Example> {
         if !self.opts.shuffle {
-            return self.read_one();
+            return Ok(self.read_one()?.0);
         }
         while self.buffer.len() < self.opts.shuffle_buffer.max(1) {
-            let ex = self.read_one()?;
-            self.buffer.push(ex);
+            let item = self.read_one()?;
+            self.buffer.push(item);
         }
         let i = self.rng.below(self.buffer.len() as u64) as usize;
-        Ok(self.buffer.swap_remove(i))
+        Ok(self.buffer.swap_remove(i).0)
     }
+}
+
+/// A row as an example, truncated to `max_seq_len` (the flag says whether it was).
+fn format_row(format: &Format, r: &RowRef, opts: &LoaderOptions) -> Result<(Example, bool)> {
+    let mut ex = match format {
+        Format::Tokenized => tokenized(r, opts.vocab_size)?,
+        Format::Alpaca(f) => {
+            let get = |c: &str| string_cell(r, c);
+            let instruction =
+                get("instruction")?.ok_or_else(|| Error::data(r.file, format!("row {}: `instruction` is null", r.index)))?;
+            let output = get("output")?.ok_or_else(|| Error::data(r.file, format!("row {}: `output` is null", r.index)))?;
+            let input = get("input")?.unwrap_or_default();
+            f.format(&instruction, &input, &output)?
+        }
+    };
+    let truncated = ex.input_ids.len() > opts.max_seq_len;
+    if truncated {
+        ex.input_ids.truncate(opts.max_seq_len);
+        ex.labels.truncate(opts.max_seq_len);
+    }
+    Ok((ex, truncated))
 }
 
 fn tokenized(r: &RowRef, vocab: usize) -> Result<Example> {

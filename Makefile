@@ -1,0 +1,30 @@
+# finetune: common tasks. `make test` is what CI runs (via .ci/run).
+CARGO ?= cargo
+PYTHON ?= python3
+
+.PHONY: build test demo bench venv clean-runs
+
+build:
+	$(CARGO) build --release
+
+## The whole test suite (unit, parity against PEFT fixtures, CLI, loading).
+test:
+	$(CARGO) test --release
+
+## The bundled default job: a tiny random Llama learning a toy task (no downloads).
+demo: build
+	./target/release/finetune synth --out runs/tiny
+	./target/release/finetune --recipe recipes/tiny-lora.toml
+
+## Python reference (PyTorch + PEFT) for benchmarks and fixture scripts.
+venv: .venv/bin/python
+.venv/bin/python:
+	$(PYTHON) -m venv .venv
+	.venv/bin/pip install --quiet torch transformers peft datasets safetensors
+
+## Training-step speed and memory beside PyTorch + PEFT (ratios from one run).
+bench: build venv
+	$(PYTHON) bench/bench.py
+
+clean-runs:
+	rm -rf runs .cache/bench

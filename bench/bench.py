@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Side-by-side training-step benchmark: finetune vs PyTorch + PEFT on the same model shape,
+threads and batch, measured in one run so only ratios matter.
+
+  make bench                      # builds, prepares .venv and the model, runs everything
+  python3 bench/bench.py --quick  # fewer steps
+
+The model is a random-weight SmolLM2-135M-shaped Llama written by `finetune synth` (HF layout,
+so PEFT loads the very same files). LoRA rank 16 on q/k/v/o, f32, 2 threads.
+Peak RSS is each process's own ru_maxrss (a fresh child per measurement).
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release", "finetune")
+VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
+PEFT_BENCH = os.path.join(ROOT, "bench", "reference", "peft_bench.py")
+
+RECIPE = """
+[model]
+path = "{model}"
+dtype = "{dtype}"
+[lora]
+rank = 16
+alpha = 32
+targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+[data]
+train = "{data}"
+max_seq_len = {seq}
+[train]
+max_steps = {steps}
+micro_batch_size = {batch}
+lr = 1e-4
+weight_decay = 0.0
+max_grad_norm = 0.0
+activation_checkpointing = {ckpt}
+[output]
+dir = "{out}"
+"""
+
+
+def peak_rss_of(cmd, env=None):
+    """Run cmd in a fresh python child that reports the grandchild's max RSS (MB)."""
+    wrapper = ("import resource,subprocess,sys;"
+               "r=subprocess.run(sys.argv[1:],stdout=subprocess.PIPE,stderr=sys.stderr);"
+               "sys.stdout.write(r.stdout.decode());"
+               "print('RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss);"
+               "sys.exit(r.returncode)")
+    p = subprocess.run([sys.executable, "-c", wrapper] + cmd, stdout=subprocess.PIPE, env=env, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"benchmark command failed: {' '.join(cmd)}")
+    lines = p.stdout.strip().splitlines()
+    rss_kb = int([l for l in lines if l.startswith("RSS_KB")][-1].split()[1])
+    return [l for l in lines if not l.startswith("RSS_KB")], rss_kb / 1024.0
+
+
+def ensure_model(cache, seq):
+    model = os.path.join(cache, "smol", "model")
+    data = os.path.join(cache, f"data-{seq}")
+    if not os.path.isfile(os.path.join(model, "model.safetensors")):
+        subprocess.run([BIN, "synth", "--out", os.path.join(cache, "smol"), "--shape", "smollm2-135m", "--rows", "8"], check=True)
+    if not os.path.isdir(data):
+        tmp = tempfile.mkdtemp(dir=cache)
+        subprocess.run([BIN, "synth", "--out", tmp, "--shape", "tiny", "--rows", "16",
+                        "--seq-min", str(seq), "--seq-max", str(seq)], check=True)
+        # tiny's vocab (256) ids are valid for the 49152 vocab too.
+        os.rename(os.path.join(tmp, "data"), data)
+    return model, data
+
+
+def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32"):
+    out = tempfile.mkdtemp(prefix="ft-bench-")
+    recipe = os.path.join(out, "bench.toml")
+    with open(recipe, "w") as f:
+        f.write(RECIPE.format(model=model, data=data, seq=seq, steps=steps + warmup, batch=batch,
+                              ckpt=str(ckpt).lower(), out=os.path.join(out, "run"), dtype=dtype))
+    env = dict(os.environ, RAYON_NUM_THREADS="2", CANDLE_NUM_THREADS="2")
+    _, rss = peak_rss_of([BIN, "--recipe", recipe], env=env)
+    with open(os.path.join(out, "run", "metrics.jsonl")) as f:
+        m = [json.loads(l) for l in f]
+    secs = [batch * seq / s["tokens_per_s"] for s in m[warmup:]]
+    med = statistics.median(secs)
+    return {"tokens_per_s": batch * seq / med, "s_per_step": med, "peak_rss_mb": rss,
+            "losses": [s["loss"] for s in m]}
+
+
+def peft(model, batch, seq, steps, warmup, ckpt, dtype="f32"):
+    cmd = [VENV_PY, PEFT_BENCH, "--model", model, "--batch", str(batch), "--seq", str(seq),
+           "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", "--dtype", dtype,
+           "--weight-decay", "0.0"]
+    if ckpt:
+        cmd.append("--grad-ckpt")
+    lines, rss = peak_rss_of(cmd)
+    res = json.loads(lines[-1])
+    res["peak_rss_mb"] = max(rss, res["peak_rss_mb"])
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed step")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    a = ap.parse_args()
+    steps, warmup = (1, 1) if a.quick else (2, 1)
+    cache = os.path.join(ROOT, ".cache", "bench")
+    os.makedirs(cache, exist_ok=True)
+    model, data = ensure_model(cache, a.seq)
+    rows = []
+    for name, fn in [
+        ("finetune f32, activation ckpt", lambda: ours(model, data, a.batch, a.seq, steps, warmup, True)),
+        ("finetune f32, no ckpt", lambda: ours(model, data, a.batch, a.seq, steps, warmup, False)),
+        ("PEFT f32, no ckpt", lambda: peft(model, a.batch, a.seq, steps, warmup, False)),
+        ("PEFT f32, grad ckpt", lambda: peft(model, a.batch, a.seq, steps, warmup, True)),
+    ]:
+        print(f"running: {name} ...", file=sys.stderr, flush=True)
+        r = fn()
+        rows.append((name, r))
+    peft_fast = max(r["tokens_per_s"] for n, r in rows if n.startswith("PEFT"))
+    peft_lean = min(r["peak_rss_mb"] for n, r in rows if n.startswith("PEFT"))
+    print(f"\nbatch {a.batch} x seq {a.seq}, SmolLM2-135M shape, LoRA r16 q/k/v/o, 2 threads, machine: {os.uname().nodename} ({os.cpu_count()} cpus)")
+    print(f"| configuration | tokens/s | s/step | peak RSS (MB) | speed vs PEFT fastest | RSS vs PEFT leanest |")
+    print(f"|---|---|---|---|---|---|")
+    for name, r in rows:
+        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['s_per_step']:.2f} | {r['peak_rss_mb']:.0f} | "
+              f"{r['tokens_per_s'] / peft_fast:.2f}x | {r['peak_rss_mb'] / peft_lean:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

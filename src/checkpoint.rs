@@ -1,0 +1,248 @@
+//! Checkpoints that never lose a run.
+//!
+//! A checkpoint is `<output.dir>/checkpoints/step-NNNNNN/` holding the adapter (PEFT format),
+//! the AdamW moments (`optimizer.safetensors`), the training state (`state.json`: step, AdamW
+//! step count, dropout counter, data cursor and shuffle buffer, RNG state), the resolved recipe,
+//! and `manifest.json` with the size and SHA-256 of every other file.
+//!
+//! Saving is atomic: everything is written into `checkpoints/.tmp-step-NNNNNN/`, fsynced, the
+//! manifest last, then the folder is renamed into place and the parent fsynced. A checkpoint
+//! folder without a verifying manifest is never used, so a crash or a full disk at any moment
+//! leaves the previous checkpoint as the newest valid one. Older checkpoints are pruned only
+//! after the new one is in place.
+
+use crate::data::LoaderState;
+use crate::error::{Error, Result};
+use crate::lora::Adapters;
+use crate::optim::{AdamW, Moments};
+use candle_core::{Device, Tensor};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+const MANIFEST: &str = "manifest.json";
+
+/// Scalars of the training state saved with every checkpoint.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainState {
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// Micro-batches consumed (the dropout-mask counter).
+    pub micro_index: u64,
+    pub loader: LoaderState,
+}
+
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub state: TrainState,
+    /// The resolved recipe the checkpoint was written with.
+    pub recipe: String,
+}
+
+pub fn root(out_dir: &Path) -> PathBuf {
+    out_dir.join("checkpoints")
+}
+
+fn step_name(step: usize) -> String {
+    format!("step-{step:06}")
+}
+
+fn sha256_file(path: &Path) -> Result<(u64, String)> {
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut h = Sha256::new();
+    let n = std::io::copy(&mut f, &mut h).map_err(|e| Error::io(path, e))?;
+    Ok((n, h.finalize().iter().map(|b| format!("{b:02x}")).collect()))
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| Error::io(path, e))
+}
+
+/// Write a checkpoint for `state.step`; returns its folder.
+pub fn save(out_dir: &Path, adapters: &Adapters, opt: &AdamW, state: &TrainState, recipe: &str, base_model: &str) -> Result<PathBuf> {
+    let root = root(out_dir);
+    std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
+    let name = step_name(state.step);
+    let tmp = root.join(format!(".tmp-{name}"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+
+    adapters.save_peft(&tmp.join("adapter"), base_model)?;
+    let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
+    for ((key, var), m) in adapters.params().iter().zip(&opt.state) {
+        moments.insert(format!("{key}.exp_avg"), Tensor::from_slice(&m.exp_avg, var.shape(), &Device::Cpu)?);
+        moments.insert(format!("{key}.exp_avg_sq"), Tensor::from_slice(&m.exp_avg_sq, var.shape(), &Device::Cpu)?);
+    }
+    let meta: std::collections::HashMap<String, String> = [("adam_step".to_string(), opt.step.to_string())].into();
+    let opt_path = tmp.join("optimizer.safetensors");
+    safetensors::serialize_to_file(moments.iter().collect::<Vec<_>>(), Some(meta), &opt_path)
+        .map_err(|e| Error::Safetensors { file: opt_path.clone(), msg: e.to_string() })?;
+    std::fs::File::open(&opt_path).and_then(|f| f.sync_all()).map_err(|e| Error::io(&opt_path, e))?;
+    let st = serde_json::to_vec_pretty(state).map_err(|e| Error::Train(e.to_string()))?;
+    write_file(&tmp.join("state.json"), &st)?;
+    write_file(&tmp.join("recipe.toml"), recipe.as_bytes())?;
+
+    let mut files = BTreeMap::new();
+    for rel in ["adapter/adapter_model.safetensors", "adapter/adapter_config.json", "optimizer.safetensors", "state.json", "recipe.toml"] {
+        let (bytes, sha) = sha256_file(&tmp.join(rel))?;
+        files.insert(rel.to_string(), serde_json::json!({"bytes": bytes, "sha256": sha}));
+    }
+    let manifest = serde_json::json!({"format": 1, "step": state.step, "files": files});
+    write_file(&tmp.join(MANIFEST), manifest.to_string().as_bytes())?;
+    for d in [tmp.join("adapter"), tmp.clone()] {
+        if let Ok(f) = std::fs::File::open(&d) {
+            let _ = f.sync_all();
+        }
+    }
+    let dst = root.join(&name);
+    if dst.exists() {
+        // Same step saved again (e.g. a signal right after a scheduled save): replace it.
+        std::fs::remove_dir_all(&dst).map_err(|e| Error::io(&dst, e))?;
+    }
+    crate::fsutil::rename_durable(&tmp, &dst)?;
+    Ok(dst)
+}
+
+/// Verify a checkpoint folder against its manifest; the error says what is wrong.
+pub fn verify(dir: &Path) -> std::result::Result<usize, String> {
+    let text = std::fs::read_to_string(dir.join(MANIFEST)).map_err(|e| format!("no readable {MANIFEST}: {e}"))?;
+    let m: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{MANIFEST} is not valid JSON: {e}"))?;
+    let files = m.get("files").and_then(|f| f.as_object()).ok_or(format!("{MANIFEST} lists no files"))?;
+    for (rel, want) in files {
+        let (bytes, sha) = sha256_file(&dir.join(rel)).map_err(|e| e.to_string())?;
+        if Some(bytes) != want.get("bytes").and_then(|b| b.as_u64()) || Some(sha.as_str()) != want.get("sha256").and_then(|s| s.as_str()) {
+            return Err(format!("{rel} does not match its checksum"));
+        }
+    }
+    m.get("step").and_then(|s| s.as_u64()).map(|s| s as usize).ok_or(format!("{MANIFEST} has no step"))
+}
+
+/// Checkpoint folders under `out_dir`, newest first.
+pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {
+    let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(root(out_dir))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            name.strip_prefix("step-").and_then(|n| n.parse().ok()).map(|n| (n, e.path()))
+        })
+        .collect();
+    v.sort_by(|a, b| b.0.cmp(&a.0));
+    v
+}
+
+/// The newest checkpoint whose manifest verifies; damaged ones are reported and skipped.
+pub fn latest_valid(out_dir: &Path) -> Option<PathBuf> {
+    for (_, dir) in list(out_dir) {
+        match verify(&dir) {
+            Ok(_) => return Some(dir),
+            Err(why) => eprintln!("warning: skipping damaged checkpoint {}: {why}", dir.display()),
+        }
+    }
+    None
+}
+
+/// Load a verified checkpoint into `adapters` and `opt`.
+pub fn load(dir: &Path, adapters: &Adapters, opt: &mut AdamW) -> Result<Loaded> {
+    let bad = |msg: String| Error::Train(format!("checkpoint {}: {msg}", dir.display()));
+    verify(dir).map_err(bad)?;
+    adapters.load_peft(&dir.join("adapter"))?;
+    let opt_path = dir.join("optimizer.safetensors");
+    let bytes = std::fs::read(&opt_path).map_err(|e| Error::io(&opt_path, e))?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| Error::Safetensors { file: opt_path.clone(), msg: e.to_string() })?;
+    let adam_step = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("adam_step"))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("optimizer.safetensors has no adam_step".into()))?;
+    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+        .map_err(|e| Error::Safetensors { file: opt_path.clone(), msg: crate::error::candle_msg(&e) })?;
+    let mut state = Vec::new();
+    for (key, var) in adapters.params() {
+        let get = |suffix: &str| -> Result<Vec<f32>> {
+            let t = tensors.get(&format!("{key}.{suffix}")).ok_or_else(|| bad(format!("optimizer state for {key} missing")))?;
+            if t.dims() != var.dims() {
+                return Err(bad(format!("optimizer state for {key} has shape {:?}, expected {:?}", t.dims(), var.dims())));
+            }
+            Ok(t.flatten_all()?.to_vec1()?)
+        };
+        state.push(Moments { exp_avg: get("exp_avg")?, exp_avg_sq: get("exp_avg_sq")? });
+    }
+    opt.state = state;
+    opt.step = adam_step;
+    let st_path = dir.join("state.json");
+    let text = std::fs::read_to_string(&st_path).map_err(|e| Error::io(&st_path, e))?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|e| bad(format!("state.json: {e}")))?;
+    let rp = dir.join("recipe.toml");
+    let recipe = std::fs::read_to_string(&rp).map_err(|e| Error::io(&rp, e))?;
+    Ok(Loaded { dir: dir.to_path_buf(), state, recipe })
+}
+
+/// Keep the newest `keep_last` checkpoints (0 keeps all) and remove stale temporaries.
+pub fn prune(out_dir: &Path, keep_last: usize) -> Result<()> {
+    if keep_last > 0 {
+        for (_, dir) in list(out_dir).into_iter().skip(keep_last) {
+            std::fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// Remove half-written `.tmp-*` folders a crash left behind.
+pub fn clean_temporaries(out_dir: &Path) {
+    for e in std::fs::read_dir(root(out_dir)).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// Keys that may change between a checkpoint and its resume (with a warning).
+const MAY_CHANGE: &[&str] = &["train.max_steps", "train.warmup_steps", "train.log_every", "output.dir"];
+
+/// Compare the recipe a checkpoint was written with against the current one. Returns the
+/// warnings for allowed changes, or an error naming the first key that may not change.
+pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Vec<String>, String> {
+    let parse = |s: &str| toml::from_str::<toml::Table>(s).map_err(|e| format!("saved recipe unreadable: {e}"));
+    let (a, b) = (parse(saved)?, parse(current)?);
+    let mut keys = std::collections::BTreeSet::new();
+    for t in [&a, &b] {
+        for (sec, v) in t {
+            if let Some(tab) = v.as_table() {
+                for k in tab.keys() {
+                    keys.insert(format!("{sec}.{k}"));
+                }
+            }
+        }
+    }
+    let get = |t: &toml::Table, dotted: &str| {
+        let (s, k) = dotted.split_once('.').unwrap_or((dotted, ""));
+        t.get(s).and_then(|v| v.get(k)).cloned()
+    };
+    let mut warnings = Vec::new();
+    for key in keys {
+        let (old, new) = (get(&a, &key), get(&b, &key));
+        if old == new {
+            continue;
+        }
+        let show = |v: &Option<toml::Value>| v.as_ref().map_or("(unset)".to_string(), |v| v.to_string());
+        if key.starts_with("checkpoint.") || MAY_CHANGE.contains(&key.as_str()) {
+            warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
+        } else {
+            return Err(format!(
+                "`{key}` changed since the checkpoint ({} -> {}); resuming would not continue the same run. \
+                 Restore it, or start over with checkpoint.resume = \"never\" or a new output.dir",
+                show(&old),
+                show(&new)
+            ));
+        }
+    }
+    Ok(warnings)
+}
