@@ -156,12 +156,15 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
         path => Some(loaded.resolve(std::path::Path::new(path))),
     };
     if let Some(dir) = resume_from {
-        let l = crate::checkpoint::load(&dir, &adapters, &mut opt)?;
-        let warnings = crate::checkpoint::check_recipe_change(&l.recipe, &recipe_text)
+        // Recipe rules first: a changed LoRA shape should be reported as the key that changed,
+        // not as a tensor that no longer fits.
+        let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
+        let warnings = crate::checkpoint::check_recipe_change(&saved, &recipe_text)
             .map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: "(resume)".into(), msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
         for w in warnings {
             eprintln!("warning: {w}");
         }
+        let l = crate::checkpoint::load(&dir, &adapters, &mut opt)?;
         loader.restore(&l.state.loader)?;
         start_step = l.state.step;
         micro_index = l.state.micro_index;
@@ -220,6 +223,9 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
             p.push(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
         }
         opt.step(&mut p, &g, lr);
+        if p.iter().flatten().any(|x| !x.is_finite()) {
+            return Err(Error::Train(format!("step {step}: the update made LoRA weights non-finite; stopping before saving them (try a lower train.lr)")));
+        }
         for (v, new) in vars.iter().zip(p) {
             v.set(&Tensor::from_vec(new, v.shape(), &device)?.to_dtype(v.dtype())?)?;
         }

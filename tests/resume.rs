@@ -1,0 +1,269 @@
+//! Checkpoints: exact resume, atomicity under SIGKILL, signals, NaN, recipe-change rules.
+
+mod common;
+use common::*;
+use finetune::recipe::LoadedRecipe;
+use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const RECIPE: &str = r#"
+[model]
+path = "../model"
+[lora]
+rank = 4
+alpha = 8
+dropout = 0.1
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]
+[data]
+train = "../data"
+shuffle = true
+shuffle_buffer = 7
+[train]
+max_steps = 8
+micro_batch_size = 2
+grad_accum_steps = 2
+lr = 5e-3
+lr_scheduler = "cosine"
+warmup_steps = 2
+weight_decay = 0.01
+seed = 3
+[checkpoint]
+every_steps = 1
+keep_last = 0
+[output]
+dir = "out"
+"#;
+
+/// <tmp>/model, <tmp>/data, and run folders <tmp>/<name>/recipe.toml.
+fn setup() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("model"), &TinyShape::default(), 0, 1).unwrap();
+    write_tokenized_dataset(&d.path().join("data"), &counting_rows(23, 256, 1, 4, 18)).unwrap();
+    d
+}
+
+fn run_dir(root: &Path, name: &str, recipe: &str) -> PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("recipe.toml"), recipe).unwrap();
+    dir
+}
+
+fn train(dir: &Path, extra: &[&str]) -> finetune::Result<finetune::train::RunSummary> {
+    let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    finetune::train::run(&LoadedRecipe::load(&dir.join("recipe.toml"), &o)?)
+}
+
+/// (step, loss, lr, grad_norm) of each metrics line.
+fn metric_lines(dir: &Path) -> Vec<(u64, f64, f64, f64)> {
+    read_metrics(&dir.join("out/metrics.jsonl"))
+        .iter()
+        .map(|m| (m["step"].as_u64().unwrap(), m["loss"].as_f64().unwrap(), m["lr"].as_f64().unwrap(), m["grad_norm"].as_f64().unwrap()))
+        .collect()
+}
+
+fn adapter_bytes(dir: &Path) -> Vec<u8> {
+    std::fs::read(dir.join("out/adapter/adapter_model.safetensors")).unwrap()
+}
+
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+#[test]
+fn resume_from_any_step_reproduces_the_uninterrupted_run_bit_for_bit() {
+    let root = setup();
+    let full = run_dir(root.path(), "full", RECIPE);
+    train(&full, &[]).unwrap();
+    let want = metric_lines(&full);
+    assert_eq!(want.len(), 8);
+    for k in [1, 2, 5, 7] {
+        let part = run_dir(root.path(), &format!("resume-{k}"), RECIPE);
+        let ck = format!("out/checkpoints/step-{k:06}");
+        copy_dir(&full.join(&ck), &part.join(&ck));
+        // The metrics of the steps before the checkpoint, as the stopped run left them.
+        let lines: String = std::fs::read_to_string(full.join("out/metrics.jsonl")).unwrap().lines().take(k).map(|l| format!("{l}\n")).collect();
+        std::fs::write(part.join("out/metrics.jsonl"), lines).unwrap();
+        let s = train(&part, &[]).unwrap();
+        assert_eq!(s.steps.len(), 8 - k, "resumed at step {k}");
+        assert_eq!(metric_lines(&part), want, "metrics after resuming at step {k}");
+        assert_eq!(adapter_bytes(&part), adapter_bytes(&full), "adapter bytes after resuming at step {k}");
+    }
+}
+
+#[test]
+fn resume_restores_optimizer_moments() {
+    let root = setup();
+    let full = run_dir(root.path(), "full", RECIPE);
+    train(&full, &["train.max_steps=3"]).unwrap();
+    let ck = full.join("out/checkpoints/step-000003");
+    let saved = load_tensors(&ck.join("optimizer.safetensors"));
+    assert!(saved.keys().any(|k| k.ends_with("lora_A.weight.exp_avg_sq")));
+    let cfg = finetune::config::ModelConfig::from_file(&root.path().join("model/config.json")).unwrap();
+    let spec = finetune::lora::LoraSpec { rank: 4, alpha: 8.0, dropout: 0.1, targets: vec!["q_proj".into(), "k_proj".into(), "v_proj".into(), "o_proj".into(), "up_proj".into()] };
+    let adapters = finetune::lora::Adapters::init(&cfg, spec, 0, &candle_core::Device::Cpu).unwrap();
+    let sizes: Vec<usize> = adapters.params().iter().map(|(_, v)| v.elem_count()).collect();
+    let mut opt = finetune::optim::AdamW::new(&sizes, (0.9, 0.999), 1e-8, 0.01);
+    let l = finetune::checkpoint::load(&ck, &adapters, &mut opt).unwrap();
+    assert_eq!(opt.step, 3);
+    assert_eq!(l.state.step, 3);
+    for ((key, _), m) in adapters.params().iter().zip(&opt.state) {
+        let want: Vec<f32> = saved[&format!("{key}.exp_avg")].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(m.exp_avg, want, "{key}");
+        assert!(m.exp_avg_sq.iter().any(|&v| v > 0.0));
+    }
+}
+
+#[test]
+fn auto_resume_skips_a_damaged_checkpoint_and_ignores_half_written_ones() {
+    let root = setup();
+    let full = run_dir(root.path(), "full", RECIPE);
+    train(&full, &["train.max_steps=4"]).unwrap();
+    let cks = full.join("out/checkpoints");
+    // Newest is damaged; a crash left a temporary and a folder without a manifest.
+    let f = cks.join("step-000004/optimizer.safetensors");
+    let mut b = std::fs::read(&f).unwrap();
+    let n = b.len();
+    b[n - 1] ^= 0xFF;
+    std::fs::write(&f, b).unwrap();
+    std::fs::create_dir_all(cks.join(".tmp-step-000005/adapter")).unwrap();
+    std::fs::create_dir_all(cks.join("step-000006")).unwrap();
+    let s = train(&full, &["train.max_steps=8"]).unwrap();
+    assert!(s.checkpoint.is_some());
+    assert_eq!(s.steps.first().map(|m| m.step), Some(4), "resumed from step 3, the newest valid");
+    assert!(!cks.join(".tmp-step-000005").exists(), "stale temporary removed");
+}
+
+#[test]
+fn changing_the_model_shape_on_resume_is_an_error_naming_the_key() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=2"]).unwrap();
+    let e = train(&dir, &["lora.rank=8"]).err().expect("rank change must fail").to_string();
+    assert!(e.contains("`lora.rank`") && e.contains("checkpoint.resume = \"never\""), "{e}");
+    let e = train(&dir, &["train.seed=4"]).err().expect("seed change must fail").to_string();
+    assert!(e.contains("`train.seed`"), "{e}");
+    // max_steps may change (with a warning): the run continues.
+    let s = train(&dir, &["train.max_steps=4"]).unwrap();
+    assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![3, 4]);
+}
+
+#[test]
+fn a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    let e = train(&dir, &["train.lr=1e30", "train.warmup_steps=0", "train.max_grad_norm=0.0"]).err().expect("must stop").to_string();
+    assert!(e.contains("non-finite") || e.contains("loss is"), "{e}");
+    for (_, ck) in finetune::checkpoint::list(&dir.join("out")) {
+        finetune::checkpoint::verify(&ck).unwrap();
+        for (k, t) in load_tensors(&ck.join("adapter/adapter_model.safetensors")) {
+            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            assert!(v.iter().all(|x| x.is_finite()), "{k} in {} is not finite", ck.display());
+        }
+    }
+}
+
+fn spawn(dir: &Path, extra: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .arg("--recipe")
+        .arg(dir.join("recipe.toml"))
+        .args(extra.iter().flat_map(|s| ["--set", s]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_for_steps(dir: &Path, n: usize, child: &mut std::process::Child) {
+    let start = Instant::now();
+    while std::fs::read_to_string(dir.join("out/metrics.jsonl")).map_or(0, |t| t.lines().count()) < n {
+        assert!(child.try_wait().unwrap().is_none(), "run ended early");
+        assert!(start.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn signal(child: &std::process::Child, sig: i32) {
+    let ok = Command::new("kill").arg(format!("-{sig}")).arg(child.id().to_string()).status().unwrap();
+    assert!(ok.success());
+}
+
+#[test]
+fn sigint_finishes_the_step_checkpoints_and_exits_130_then_resume_completes() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    let long = ["train.max_steps=100000", "checkpoint.every_steps=0"];
+    let mut child = spawn(&dir, &long);
+    wait_for_steps(&dir, 3, &mut child);
+    signal(&child, 2);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("stopped by SIGINT") && err.contains("resume"), "{err}");
+    let steps = metric_lines(&dir).len();
+    let newest = finetune::checkpoint::list(&dir.join("out"))[0].clone();
+    assert_eq!(newest.0, steps, "checkpoint at the last finished step");
+    finetune::checkpoint::verify(&newest.1).unwrap();
+
+    let mut child = spawn(&dir, &long);
+    wait_for_steps(&dir, steps + 2, &mut child);
+    signal(&child, 15);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(143), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines = metric_lines(&dir);
+    let numbers: Vec<u64> = lines.iter().map(|l| l.0).collect();
+    assert_eq!(numbers, (1..=lines.len() as u64).collect::<Vec<_>>(), "one uninterrupted sequence of steps");
+}
+
+#[test]
+fn a_second_sigint_aborts_at_once_and_the_last_checkpoint_stands() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    let mut child = spawn(&dir, &["train.max_steps=100000"]);
+    wait_for_steps(&dir, 3, &mut child);
+    signal(&child, 2);
+    signal(&child, 2);
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    let newest = finetune::checkpoint::latest_valid(&dir.join("out")).expect("a valid checkpoint");
+    finetune::checkpoint::verify(&newest).unwrap();
+}
+
+/// SIGKILL at random moments (including during saves), resume each time; the final adapter
+/// must equal the uninterrupted run's byte for byte.
+#[test]
+fn twenty_sigkills_in_a_row_lose_nothing() {
+    let root = setup();
+    let steps = ["train.max_steps=300", "checkpoint.keep_last=2"];
+    let full = run_dir(root.path(), "full", RECIPE);
+    train(&full, &steps).unwrap();
+    let dir = run_dir(root.path(), "killed", RECIPE);
+    let mut rng = finetune::rng::Rng::new(12345);
+    let mut survived = 0;
+    for _ in 0..20 {
+        let mut child = spawn(&dir, &steps);
+        let delay = 30 + rng.below(250);
+        std::thread::sleep(Duration::from_millis(delay));
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            survived += 1;
+        }
+        child.wait().unwrap();
+    }
+    let out = spawn(&dir, &steps).wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    println!("survived {survived} SIGKILLs");
+    assert!(survived >= 10, "only {survived} kills landed mid-run; the test is not exercising anything");
+    assert_eq!(adapter_bytes(&dir), adapter_bytes(&full));
+    assert_eq!(metric_lines(&dir), metric_lines(&full));
+}
