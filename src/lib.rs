@@ -6,6 +6,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod export;
 pub mod fsutil;
 pub mod lora;
 pub mod loss;

@@ -35,6 +35,8 @@ struct TrainArgs {
 enum Command {
     /// Train LoRA adapters as a recipe says.
     Train(TrainArgs),
+    /// Export a run's adapter (PEFT format) or merge it into the base model (HF safetensors).
+    Export(ExportArgs),
     /// Write a random-weight model and a toy tokenized dataset (for trying the tool and tests).
     Synth {
         /// Output folder: <out>/model and <out>/data are written.
@@ -57,6 +59,89 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// A training output folder (holds adapter/ and checkpoints/).
+    #[arg(long, conflicts_with = "adapter", required_unless_present = "adapter")]
+    run: Option<PathBuf>,
+    /// With --run: export this checkpoint (e.g. step-000100) instead of the final adapter.
+    #[arg(long, requires = "run")]
+    checkpoint: Option<String>,
+    /// A PEFT adapter folder (trained by us, PEFT, or anyone).
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// The base model (local folder or cached repo id); default: the adapter's base_model_name_or_path.
+    #[arg(long)]
+    base: Option<String>,
+    /// Merge the adapter into the base and write a full model.
+    #[arg(long)]
+    merge: bool,
+    /// Dtype of the merged model (default: the base's): f32, bf16, f16.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Cut merged shards at this size (e.g. 5GB); default: the base's shard layout.
+    #[arg(long)]
+    max_shard_size: Option<String>,
+    /// Skip the logits check of the merged model.
+    #[arg(long)]
+    no_verify: bool,
+    /// Output folder (must not exist or be empty).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn export(a: &ExportArgs) -> anyhow::Result<()> {
+    use finetune::export::{export_adapter_only, merge, parse_size, ExportOptions, PeftAdapter};
+    let adapter_dir = match (&a.run, &a.adapter) {
+        (Some(run), _) => match &a.checkpoint {
+            Some(c) => run.join("checkpoints").join(c).join("adapter"),
+            None => run.join("adapter"),
+        },
+        (None, Some(ad)) => ad.clone(),
+        (None, None) => anyhow::bail!("give --run DIR or --adapter DIR"),
+    };
+    if !adapter_dir.is_dir() {
+        anyhow::bail!("adapter folder {} does not exist (check --run/--checkpoint/--adapter)", adapter_dir.display());
+    }
+    let adapter = PeftAdapter::open(&adapter_dir)?;
+    let base_name = a.base.clone().or(adapter.base_model.clone()).ok_or_else(|| {
+        anyhow::anyhow!("the adapter names no base model; pass --base MODEL")
+    })?;
+    let base = finetune::weights::ModelDir::resolve(&base_name, std::path::Path::new("."))?;
+    let dtype = match a.dtype.as_deref() {
+        None => None,
+        Some("f32") => Some(candle_core::DType::F32),
+        Some("bf16") => Some(candle_core::DType::BF16),
+        Some("f16") => Some(candle_core::DType::F16),
+        Some(other) => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
+    };
+    let max_shard_size = a.max_shard_size.as_deref().map(parse_size).transpose().map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
+    if !a.merge {
+        let r = export_adapter_only(&adapter, &base, &a.out)?;
+        eprintln!("adapter (PEFT format) written to {} ({} bytes)", r.out.display(), r.total_bytes);
+        return Ok(());
+    }
+    let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify };
+    let r = merge(&base, &adapter, &a.out, &opts)?;
+    print_merge_report(&r);
+    Ok(())
+}
+
+fn print_merge_report(r: &finetune::export::ExportReport) {
+    eprintln!(
+        "merged model written to {}: {} tensor(s) merged, {} shard(s), {:.1} MB; peak tensor memory {:.1} MB (one shard)",
+        r.out.display(),
+        r.merged_tensors,
+        r.shards,
+        r.total_bytes as f64 / 1e6,
+        r.peak_buffered_bytes as f64 / 1e6
+    );
+    match r.max_logit_diff {
+        Some(d) => eprintln!("verified: max |logits(merged) - logits(base + adapter)| = {d:e}"),
+        None => eprintln!("not verified (--no-verify)"),
+    }
 }
 
 fn hint(e: &finetune::Error) -> Option<&'static str> {
@@ -104,6 +189,23 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
             let stop = install_signal_handlers()?;
             let summary = finetune::train::run_with(&recipe, &finetune::train::RunOptions { stop: Some(stop) })?;
+            if summary.interrupted.is_none() && recipe.recipe.export.merged {
+                let e = &recipe.recipe.export;
+                let run = &summary.output_dir;
+                let adapter = finetune::export::PeftAdapter::open(&run.join("adapter"))?;
+                let base = finetune::weights::ModelDir::resolve(&recipe.recipe.model.path, &recipe.dir)?;
+                let out = run.join("merged");
+                if out.exists() {
+                    std::fs::remove_dir_all(&out)?;
+                }
+                let opts = finetune::export::ExportOptions {
+                    merge: true,
+                    dtype: e.dtype.as_deref().map(finetune::weights::parse_dtype),
+                    max_shard_size: e.max_shard_size.as_deref().map(finetune::export::parse_size).transpose().map_err(|m| anyhow::anyhow!("export.max_shard_size: {m}"))?,
+                    no_verify: false,
+                };
+                print_merge_report(&finetune::export::merge(&base, &adapter, &out, &opts)?);
+            }
             if let Some(sig) = summary.interrupted {
                 let (name, code) = if sig == 15 { ("SIGTERM", 143) } else { ("SIGINT", 130) };
                 let at = summary.checkpoint.map(|d| d.display().to_string()).unwrap_or_default();
@@ -114,6 +216,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::from(code));
             }
         }
+        (Some(Command::Export(a)), _) => export(&a)?,
         (Some(Command::Synth { out, shape, arch, rows, seq_min, seq_max, seed }), _) => {
             synth(&out, &shape, &arch, rows, (seq_min, seq_max), seed)?
         }

@@ -93,6 +93,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
             one_of("format", &["tokenized", "alpaca"]),
             key("shuffle", Kind::Bool),
             key("shuffle_buffer", Kind::Int),
+            key("packing", Kind::Bool),
             key("max_seq_len", Kind::Int),
         ],
     ),
@@ -117,6 +118,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
     ),
     ("output", true, &[req("dir", Kind::Str)]),
     ("checkpoint", false, &[key("every_steps", Kind::Int), key("keep_last", Kind::Int), key("resume", Kind::Str)]),
+    ("export", false, &[key("merged", Kind::Bool), one_of("dtype", &["f32", "bf16", "f16"]), key("max_shard_size", Kind::Str)]),
 ];
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -129,6 +131,23 @@ pub struct Recipe {
     pub output: OutputSection,
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    #[serde(default)]
+    pub export: ExportSection,
+}
+
+/// What to export at the end of training, besides the adapter (always written).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportSection {
+    /// Also write `<output.dir>/merged`: the base with the adapter merged in.
+    #[serde(default)]
+    pub merged: bool,
+    /// Dtype of the merged model (default: the base's).
+    #[serde(default)]
+    pub dtype: Option<String>,
+    /// Cut merged shards at this size, e.g. "5GB" (default: the base's layout).
+    #[serde(default)]
+    pub max_shard_size: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -197,6 +216,9 @@ pub struct DataSection {
     pub shuffle_buffer: usize,
     #[serde(default = "default_max_seq_len")]
     pub max_seq_len: usize,
+    /// Pack several records into each max_seq_len row (attention and positions per record).
+    #[serde(default)]
+    pub packing: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -367,6 +389,9 @@ impl LoadedRecipe {
             return Err(self.err("train.max_grad_norm", "must be >= 0 (0 turns clipping off)"));
         }
         crate::device::parse_device(&r.model.device).map_err(|m| self.err("model.device", m))?;
+        if let Some(s) = &r.export.max_shard_size {
+            crate::export::parse_size(s).map_err(|m| self.err("export.max_shard_size", m))?;
+        }
         Ok(())
     }
 }
@@ -585,7 +610,11 @@ dir = "out"
             for k in keys.iter() {
                 let v = match (k.kind, k.choices.first()) {
                     (Kind::Str, Some(c)) => toml::Value::String(c.to_string()),
-                    (Kind::Str, None) => toml::Value::String(if k.name == "device" { "cpu".into() } else { "x".into() }),
+                    (Kind::Str, None) => toml::Value::String(match k.name {
+                        "device" => "cpu".into(),
+                        "max_shard_size" => "5GB".into(),
+                        _ => "x".into(),
+                    }),
                     (Kind::Int, _) => toml::Value::Integer(4),
                     (Kind::Float, _) => toml::Value::Float(0.5),
                     (Kind::Bool, _) => toml::Value::Boolean(true),

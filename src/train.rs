@@ -12,11 +12,10 @@ use crate::data::{AlpacaFormatter, Format, Loader, LoaderOptions, MicroBatch, IG
 use crate::error::{CandleContext, Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraSpec, MODULES};
 use crate::model::llama::{ForwardCtx, Llama};
-use crate::ops;
 use crate::optim::{clip_grad_norm, AdamW, Schedule};
 use crate::recipe::LoadedRecipe;
 use crate::weights::{parse_dtype, ModelDir, ResidentWeights, SafetensorsFiles};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -126,6 +125,7 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
         shuffle: r.data.shuffle,
         shuffle_buffer: r.data.shuffle_buffer,
         seed: t.seed,
+        packing: r.data.packing,
     };
     let mut loader = Loader::open(&loaded.resolve(&r.data.train), format, opts)?;
     let (trainable, all) = trainable_parameters(&model.cfg, r.lora.rank, &adapters.spec.targets);
@@ -184,7 +184,7 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
         for _ in 0..t.grad_accum_steps {
             let mut rows = Vec::with_capacity(t.micro_batch_size);
             for _ in 0..t.micro_batch_size {
-                rows.push(loader.next_example()?);
+                rows.push(loader.next_row()?);
             }
             batches.push(MicroBatch::collate(&rows));
         }
@@ -310,16 +310,10 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
     crate::fsutil::rename_durable(&tmp, dir)
 }
 
-/// Additive causal mask [1, 1, S, S]: 0 on and below the diagonal, -inf above.
-fn causal_mask(s: usize, device: &Device) -> candle_core::Result<Tensor> {
-    let m: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 }).collect();
-    Tensor::from_vec(m, (1, 1, s, s), device)
-}
-
 /// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` and
 /// returns the micro-batch's CE sum.
 #[allow(clippy::too_many_arguments)]
-fn forward_backward(
+pub fn forward_backward(
     model: &Llama,
     adapters: &Adapters,
     vars: &[Var],
@@ -331,9 +325,7 @@ fn forward_backward(
 ) -> Result<f64> {
     let device = model.embed_tokens()?.device().clone();
     let (b, s) = (mb.rows, mb.seq);
-    let positions: Vec<Vec<u32>> = (0..b).map(|_| (0..s as u32).collect()).collect();
-    let (cos, sin) = ops::rope_tables(&positions, model.inv_freq(), &device, DType::F32).ctx("rope tables")?;
-    let ctx = ForwardCtx { cos, sin, mask: causal_mask(s, &device)?, dropout };
+    let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), dropout, &device)?;
     let ids = Tensor::from_slice(&mb.input_ids, (b, s), &device)?;
     let x0 = model.embed(&ids)?; // [B, S, H]
 

@@ -191,6 +191,25 @@ impl SafetensorsFiles {
         Ok(view.shape().to_vec())
     }
 
+    /// The stored tensor as a zero-copy view into the map.
+    pub fn view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
+        let &i = self.routing.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file_list() })?;
+        self.files[i].1.get(name).map_err(|e| Error::Safetensors { file: self.files[i].0.clone(), msg: crate::error::candle_msg(&e) })
+    }
+
+    /// Tensor names per file, in file order (names sorted within a file).
+    pub fn names_by_file(&self) -> Vec<(PathBuf, Vec<String>)> {
+        self.files
+            .iter()
+            .enumerate()
+            .map(|(i, (p, _))| {
+                let mut names: Vec<String> = self.routing.iter().filter(|(_, &f)| f == i).map(|(n, _)| n.clone()).collect();
+                names.sort();
+                (p.clone(), names)
+            })
+            .collect()
+    }
+
     /// Read one tensor (copied out of the map), checking its shape.
     pub fn load(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
         let got = self.shape(name)?;
@@ -256,6 +275,29 @@ impl WeightSource for ResidentWeights {
         Ok(t.to_dtype(self.compute_dtype)?)
     }
 
+    fn contains(&self, name: &str) -> bool {
+        self.files.file_of(name).is_some()
+    }
+}
+
+/// Frozen tensors read from the memory map on every request and never kept: peak memory is
+/// one layer's weights. For one-off passes over a model (merge verification), not training.
+pub struct StreamingWeights {
+    files: SafetensorsFiles,
+    compute_dtype: DType,
+    device: Device,
+}
+
+impl StreamingWeights {
+    pub fn new(files: SafetensorsFiles, compute_dtype: DType, device: Device) -> Self {
+        StreamingWeights { files, compute_dtype, device }
+    }
+}
+
+impl WeightSource for StreamingWeights {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.files.load(name, shape, &self.device)?.to_dtype(self.compute_dtype)?)
+    }
     fn contains(&self, name: &str) -> bool {
         self.files.file_of(name).is_some()
     }

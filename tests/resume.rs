@@ -20,6 +20,8 @@ targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]
 train = "../data"
 shuffle = true
 shuffle_buffer = 7
+packing = true
+max_seq_len = 32
 [train]
 max_steps = 8
 micro_batch_size = 2

@@ -21,6 +21,17 @@ pub struct Example {
     pub input_ids: Vec<u32>,
     /// Same length as `input_ids`; IGNORE where no loss is taken.
     pub labels: Vec<i64>,
+    /// Position ids (0.. per record; restart at each packed record).
+    pub positions: Vec<u32>,
+    /// Record index within a packed row (all 0 when unpacked): attention never crosses it.
+    pub segments: Vec<u32>,
+}
+
+impl Example {
+    pub fn new(input_ids: Vec<u32>, labels: Vec<i64>) -> Self {
+        let n = input_ids.len() as u32;
+        Example { input_ids, labels, positions: (0..n).collect(), segments: vec![0; n as usize] }
+    }
 }
 
 /// Turns alpaca records into token ids with the prompt masked out.
@@ -95,7 +106,7 @@ impl AlpacaFormatter {
         labels.extend(response.iter().map(|&t| t as i64));
         let mut input_ids = prompt;
         input_ids.extend(response);
-        Ok(Example { input_ids, labels })
+        Ok(Example::new(input_ids, labels))
     }
 }
 
@@ -111,6 +122,7 @@ pub struct LoaderOptions {
     pub shuffle: bool,
     pub shuffle_buffer: usize,
     pub seed: u64,
+    pub packing: bool,
 }
 
 /// An endless stream of examples.
@@ -121,6 +133,8 @@ pub struct Loader {
     /// Shuffle buffer: examples with the position they were read from (saved in checkpoints
     /// as positions only and re-read on resume).
     buffer: Vec<(Example, RowPos)>,
+    /// With packing: the example that did not fit in the last row, first in the next.
+    carry: Option<(Example, RowPos)>,
     rng: Rng,
     pub truncated: u64,
 }
@@ -131,6 +145,8 @@ pub struct LoaderState {
     pub cursor: Cursor,
     pub rng: u64,
     pub buffer: Vec<RowPos>,
+    #[serde(default)]
+    pub carry: Option<RowPos>,
     pub truncated: u64,
 }
 
@@ -156,7 +172,7 @@ impl Loader {
             }
         }
         let rng = Rng::new(opts.seed ^ 0xDA7A);
-        Ok(Loader { rows, format, opts, buffer: Vec::new(), rng, truncated: 0 })
+        Ok(Loader { rows, format, opts, buffer: Vec::new(), carry: None, rng, truncated: 0 })
     }
 
     pub fn state(&self) -> LoaderState {
@@ -164,6 +180,7 @@ impl Loader {
             cursor: self.rows.cursor(),
             rng: self.rng.state(),
             buffer: self.buffer.iter().map(|(_, p)| *p).collect(),
+            carry: self.carry.as_ref().map(|(_, p)| *p),
             truncated: self.truncated,
         }
     }
@@ -179,6 +196,13 @@ impl Loader {
             let ex = format_row(&self.format, &r, &self.opts)?.0;
             self.buffer.push((ex, pos));
         }
+        self.carry = match st.carry {
+            Some(pos) => {
+                let r = self.rows.row_at(pos)?;
+                Some((format_row(&self.format, &r, &self.opts)?.0, pos))
+            }
+            None => None,
+        };
         self.rows.seek(st.cursor)?;
         self.truncated = st.truncated;
         Ok(())
@@ -194,15 +218,45 @@ impl Loader {
     /// The next example: in dataset order, or drawn from a seeded shuffle buffer of
     /// `shuffle_buffer` examples (memory bounded by the buffer, not the dataset).
     pub fn next_example(&mut self) -> Result<Example> {
+        Ok(self.next_with_pos()?.0)
+    }
+
+    fn next_with_pos(&mut self) -> Result<(Example, RowPos)> {
+        if let Some(item) = self.carry.take() {
+            return Ok(item);
+        }
         if !self.opts.shuffle {
-            return Ok(self.read_one()?.0);
+            return self.read_one();
         }
         while self.buffer.len() < self.opts.shuffle_buffer.max(1) {
             let item = self.read_one()?;
             self.buffer.push(item);
         }
         let i = self.rng.below(self.buffer.len() as u64) as usize;
-        Ok(self.buffer.swap_remove(i).0)
+        Ok(self.buffer.swap_remove(i))
+    }
+
+    /// The next training row: one example, or with `packing` several whole examples packed
+    /// greedily into at most `max_seq_len` tokens (an example that does not fit starts the
+    /// next row; examples are never split).
+    pub fn next_row(&mut self) -> Result<Example> {
+        let (first, _) = self.next_with_pos()?;
+        if !self.opts.packing {
+            return Ok(first);
+        }
+        let mut row = first;
+        loop {
+            let item = self.next_with_pos()?;
+            if row.input_ids.len() + item.0.input_ids.len() > self.opts.max_seq_len {
+                self.carry = Some(item);
+                return Ok(row);
+            }
+            let seg = row.segments.last().map_or(0, |s| s + 1);
+            row.positions.extend(item.0.positions.iter());
+            row.segments.extend(item.0.segments.iter().map(|_| seg));
+            row.input_ids.extend(item.0.input_ids);
+            row.labels.extend(item.0.labels);
+        }
     }
 }
 
@@ -223,6 +277,8 @@ fn format_row(format: &Format, r: &RowRef, opts: &LoaderOptions) -> Result<(Exam
     if truncated {
         ex.input_ids.truncate(opts.max_seq_len);
         ex.labels.truncate(opts.max_seq_len);
+        ex.positions.truncate(opts.max_seq_len);
+        ex.segments.truncate(opts.max_seq_len);
     }
     Ok((ex, truncated))
 }
@@ -249,11 +305,12 @@ fn tokenized(r: &RowRef, vocab: usize) -> Result<Example> {
             return Err(bad(format!("label {l} is neither -100 nor a token id in [0, {vocab})")));
         }
     }
-    Ok(Example { input_ids, labels })
+    Ok(Example::new(input_ids, labels))
 }
 
 /// A padded micro-batch. `targets[b][t]` is the label position t predicts (labels shifted by
-/// one), IGNORE where there is none.
+/// one), IGNORE where there is none (padding, the last token, and the last token of each
+/// packed record, which must not predict the next record).
 pub struct MicroBatch {
     pub rows: usize,
     pub seq: usize,
@@ -261,6 +318,11 @@ pub struct MicroBatch {
     pub input_ids: Vec<u32>,
     /// [B * S]
     pub targets: Vec<i64>,
+    /// [B][S] position ids (padding continues counting).
+    pub positions: Vec<Vec<u32>>,
+    /// [B][S] record index per token; padding gets its own segment. `None` when every row is
+    /// a single record (plain causal attention).
+    pub segments: Option<Vec<Vec<u32>>>,
     /// Non-padding input tokens.
     pub real_tokens: usize,
 }
@@ -271,13 +333,34 @@ impl MicroBatch {
         let rows = examples.len();
         let mut input_ids = vec![0u32; rows * seq];
         let mut targets = vec![IGNORE; rows * seq];
+        let packed = examples.iter().any(|e| e.segments.iter().any(|&s| s != 0));
+        let mut positions = Vec::with_capacity(rows);
+        let mut segments = Vec::with_capacity(rows);
         for (b, e) in examples.iter().enumerate() {
-            input_ids[b * seq..b * seq + e.input_ids.len()].copy_from_slice(&e.input_ids);
-            for t in 0..e.labels.len().saturating_sub(1) {
-                targets[b * seq + t] = e.labels[t + 1];
+            let n = e.input_ids.len();
+            input_ids[b * seq..b * seq + n].copy_from_slice(&e.input_ids);
+            for t in 0..n.saturating_sub(1) {
+                if e.segments[t + 1] == e.segments[t] {
+                    targets[b * seq + t] = e.labels[t + 1];
+                }
             }
+            let mut p = e.positions.clone();
+            let last = p.last().copied().unwrap_or(0);
+            p.extend((1..=(seq - n) as u32).map(|i| last + i));
+            positions.push(p);
+            let mut sg = e.segments.clone();
+            sg.resize(seq, u32::MAX);
+            segments.push(sg);
         }
-        MicroBatch { rows, seq, input_ids, targets, real_tokens: examples.iter().map(|e| e.input_ids.len()).sum() }
+        MicroBatch {
+            rows,
+            seq,
+            input_ids,
+            targets,
+            positions,
+            segments: packed.then_some(segments),
+            real_tokens: examples.iter().map(|e| e.input_ids.len()).sum(),
+        }
     }
 
     pub fn num_targets(&self) -> usize {
@@ -291,13 +374,27 @@ mod tests {
 
     #[test]
     fn collate_pads_right_and_shifts_labels() {
-        let a = Example { input_ids: vec![5, 6, 7], labels: vec![IGNORE, 6, 7] };
-        let b = Example { input_ids: vec![8, 9], labels: vec![8, 9] };
+        let a = Example::new(vec![5, 6, 7], vec![IGNORE, 6, 7]);
+        let b = Example::new(vec![8, 9], vec![8, 9]);
         let mb = MicroBatch::collate(&[a, b]);
         assert_eq!(mb.seq, 3);
         assert_eq!(mb.input_ids, vec![5, 6, 7, 8, 9, 0]);
         assert_eq!(mb.targets, vec![6, 7, IGNORE, 9, IGNORE, IGNORE]);
         assert_eq!(mb.num_targets(), 3);
         assert_eq!(mb.real_tokens, 5);
+        assert!(mb.segments.is_none());
+    }
+
+    #[test]
+    fn a_packed_record_never_predicts_the_next_one() {
+        let mut row = Example::new(vec![5, 6], vec![5, 6]);
+        row.input_ids.extend([7, 8]);
+        row.labels.extend([7, 8]);
+        row.positions.extend([0, 1]);
+        row.segments.extend([1, 1]);
+        let mb = MicroBatch::collate(&[row]);
+        assert_eq!(mb.targets, vec![6, IGNORE, 8, IGNORE]);
+        assert_eq!(mb.positions, vec![vec![0, 1, 0, 1]]);
+        assert!(mb.segments.is_some());
     }
 }

@@ -31,6 +31,47 @@ pub struct ForwardCtx {
     pub dropout: Option<DropoutCtx>,
 }
 
+impl ForwardCtx {
+    /// Context for rows whose positions are 0..S-1 with a causal mask (no packing).
+    pub fn causal(b: usize, s: usize, inv_freq: &[f64], dropout: Option<DropoutCtx>, device: &candle_core::Device) -> Result<Self> {
+        let positions: Vec<Vec<u32>> = (0..b).map(|_| (0..s as u32).collect()).collect();
+        Self::new(&positions, None, inv_freq, dropout, device)
+    }
+
+    /// positions [B][S]; with `segments` [B][S] (packed rows), a token attends only to earlier
+    /// tokens of its own segment (block-diagonal causal mask [B, 1, S, S]); without, a plain
+    /// causal mask [1, 1, S, S].
+    pub fn new(
+        positions: &[Vec<u32>],
+        segments: Option<&[Vec<u32>]>,
+        inv_freq: &[f64],
+        dropout: Option<DropoutCtx>,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let b = positions.len();
+        let s = positions.first().map_or(0, |p| p.len());
+        let (cos, sin) = ops::rope_tables(positions, inv_freq, device, DType::F32)?;
+        let mask = match segments {
+            None => {
+                let m: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 }).collect();
+                Tensor::from_vec(m, (1, 1, s, s), device)?
+            }
+            Some(seg) => {
+                let mut m = Vec::with_capacity(b * s * s);
+                for row in seg {
+                    for i in 0..s {
+                        for j in 0..s {
+                            m.push(if j <= i && row[i] == row[j] { 0.0 } else { f32::NEG_INFINITY });
+                        }
+                    }
+                }
+                Tensor::from_vec(m, (b, 1, s, s), device)?
+            }
+        };
+        Ok(ForwardCtx { cos, sin, mask, dropout })
+    }
+}
+
 fn linear<'a>(
     vb: &Frozen,
     cfg: &ModelConfig,
@@ -224,6 +265,19 @@ impl Llama {
     pub fn layer_forward(&self, i: usize, x: &Tensor, ctx: &ForwardCtx, lora: &Adapters) -> Result<Tensor> {
         let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
         DecoderLayer::load(&vb, &self.cfg, i, lora)?.forward(x, ctx)
+    }
+
+    /// Inference forward (no dropout): ids [B, S] -> logits [B, S, V] in f32.
+    pub fn logits(&self, ids: &Tensor, lora: &Adapters) -> Result<Tensor> {
+        let (b, s) = ids.dims2()?;
+        let ctx = ForwardCtx::causal(b, s, &self.inv_freq, None, ids.device())?;
+        let mut x = self.embed(ids)?;
+        for i in 0..self.cfg.num_hidden_layers {
+            x = self.layer_forward(i, &x, &ctx, lora)?;
+        }
+        let h = self.final_norm(&x)?.reshape((b * s, self.cfg.hidden_size))?; // [N, H]
+        let logits = h.to_dtype(DType::F32)?.matmul(&self.lm_head()?.to_dtype(DType::F32)?.t()?)?; // [N, V]
+        Ok(logits.reshape((b, s, self.cfg.vocab_size))?)
     }
 
     /// Final RMSNorm: [.., H] -> [.., H]

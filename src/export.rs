@@ -1,0 +1,387 @@
+//! Export: the adapter as PEFT writes it, or the base with the adapter merged in, as an HF
+//! folder that transformers, vLLM and candle load.
+//!
+//! Merge: W' = W + scale · B·A for every targeted projection, in f32, stored in the base's
+//! dtype (or `--dtype`); every other tensor is copied byte for byte (or converted when the
+//! dtype changes); shards keep the base's layout (or are cut at `--max-shard-size`) with a
+//! correct `model.safetensors.index.json`; config, generation config and tokenizer files are
+//! copied. It streams: one output shard's tensors are held at a time (the report says how
+//! many bytes at most). Tied embeddings stay tied: LoRA never targets them here.
+//!
+//! Verification: the merged folder is loaded and its logits on fixed token batches are
+//! compared with base + adapter; a merge that disagrees is deleted, not reported.
+//! The output appears only when complete (written to a sibling temporary and renamed).
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::lora::{peft_prefix, Adapters, LoraSpec, MODULES};
+use crate::model::llama::Llama;
+use crate::weights::{ModelDir, SafetensorsFiles, StreamingWeights};
+use candle_core::{DType, Device, Tensor};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Clone, Debug, Default)]
+pub struct ExportOptions {
+    pub merge: bool,
+    /// Output dtype of the merged model (default: the base's).
+    pub dtype: Option<DType>,
+    /// Cut shards at this many bytes (default: the base's shard layout).
+    pub max_shard_size: Option<u64>,
+    /// Skip the logits check (not recommended).
+    pub no_verify: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ExportReport {
+    pub out: PathBuf,
+    pub shards: usize,
+    pub total_bytes: u64,
+    /// Most tensor bytes held in memory at once.
+    pub peak_buffered_bytes: u64,
+    pub merged_tensors: usize,
+    /// Max |logits(merged) - logits(base + adapter)|, when verified.
+    pub max_logit_diff: Option<f32>,
+}
+
+/// "5GB", "500MB", "2GiB", "1048576": bytes (decimal units as transformers uses them).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size like 5GB or 500MB"))?;
+    let mult = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1u64,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        other => return Err(format!("unknown size unit `{other}` in `{s}` (B, KB, MB, GB, KiB, MiB, GiB)")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+/// A PEFT adapter folder read for merging.
+pub struct PeftAdapter {
+    pub dir: PathBuf,
+    pub spec: LoraSpec,
+    pub base_model: Option<String>,
+}
+
+impl PeftAdapter {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let err = |msg: String| Error::Adapter { dir: dir.to_path_buf(), msg };
+        let p = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))?;
+        let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("adapter_config.json: {e}")))?;
+        if c.get("peft_type").and_then(|v| v.as_str()).is_some_and(|t| t != "LORA") {
+            return Err(err(format!("peft_type {} is not LORA", c["peft_type"])));
+        }
+        for (k, what) in [("use_dora", "DoRA"), ("use_rslora", "rsLoRA scaling"), ("fan_in_fan_out", "fan_in_fan_out")] {
+            if c.get(k).and_then(|v| v.as_bool()) == Some(true) {
+                return Err(err(format!("{what} adapters are not supported ({k} = true)")));
+            }
+        }
+        if c.get("rank_pattern").and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty())
+            || c.get("alpha_pattern").and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty())
+        {
+            return Err(err("per-module rank_pattern / alpha_pattern are not supported".into()));
+        }
+        let rank = c.get("r").and_then(|v| v.as_u64()).ok_or_else(|| err("adapter_config.json has no `r`".into()))? as usize;
+        let alpha = c.get("lora_alpha").and_then(|v| v.as_f64()).ok_or_else(|| err("adapter_config.json has no `lora_alpha`".into()))?;
+        let listed: Vec<String> = match c.get("target_modules") {
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_str().map(String::from)).collect(),
+            Some(serde_json::Value::String(s)) => return Err(err(format!("target_modules as a regex (`{s}`) is not supported"))),
+            _ => return Err(err("adapter_config.json has no `target_modules`".into())),
+        };
+        for t in &listed {
+            if !MODULES.contains(&t.as_str()) {
+                return Err(err(format!("target module `{t}` is not one of {}", MODULES.join(", "))));
+            }
+        }
+        let targets = MODULES.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+        let dropout = c.get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let base_model = c.get("base_model_name_or_path").and_then(|v| v.as_str()).map(String::from);
+        Ok(PeftAdapter { dir: dir.to_path_buf(), spec: LoraSpec { rank, alpha, dropout, targets }, base_model })
+    }
+
+    /// Load the adapter's A/B tensors for a model config (strict, as for training).
+    pub fn load(&self, cfg: &ModelConfig) -> Result<Adapters> {
+        let a = Adapters::init(cfg, self.spec.clone(), 0, &Device::Cpu)?;
+        a.load_peft(&self.dir)?;
+        Ok(a)
+    }
+}
+
+/// A tensor to write: borrowed bytes from the base's map, or computed bytes.
+enum OutTensor<'a> {
+    Copied(safetensors::tensor::TensorView<'a>),
+    Owned { dtype: safetensors::Dtype, shape: Vec<usize>, data: Vec<u8> },
+}
+
+impl safetensors::View for &OutTensor<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        match self {
+            OutTensor::Copied(v) => v.dtype(),
+            OutTensor::Owned { dtype, .. } => *dtype,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        match self {
+            OutTensor::Copied(v) => v.shape(),
+            OutTensor::Owned { shape, .. } => shape,
+        }
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self {
+            OutTensor::Copied(v) => Cow::Borrowed(v.data()),
+            OutTensor::Owned { data, .. } => Cow::Borrowed(data),
+        }
+    }
+    fn data_len(&self) -> usize {
+        match self {
+            OutTensor::Copied(v) => v.data().len(),
+            OutTensor::Owned { data, .. } => data.len(),
+        }
+    }
+}
+
+fn st_dtype(d: DType) -> Result<safetensors::Dtype> {
+    Ok(match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::F16 => safetensors::Dtype::F16,
+        other => return Err(Error::Train(format!("cannot export tensors of dtype {other:?}"))),
+    })
+}
+
+fn candle_dtype(d: safetensors::Dtype) -> Option<DType> {
+    match d {
+        safetensors::Dtype::F32 => Some(DType::F32),
+        safetensors::Dtype::BF16 => Some(DType::BF16),
+        safetensors::Dtype::F16 => Some(DType::F16),
+        _ => None,
+    }
+}
+
+fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::BF16 => t.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F16 => t.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        other => return Err(Error::Train(format!("cannot export tensors of dtype {other:?}"))),
+    })
+}
+
+/// Files copied beside the weights when present.
+const SIDE_FILES: &[&str] = &[
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+];
+
+/// Make `out` appear whole: build in a sibling temporary, then rename.
+fn staged<T>(out: &Path, build: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+    if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        return Err(Error::io(out, std::io::Error::new(std::io::ErrorKind::AlreadyExists, "output folder exists and is not empty (choose another --out)")));
+    }
+    let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "export".into());
+    let tmp = out.with_file_name(format!(".{name}.tmp"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    match build(&tmp) {
+        Ok(v) => {
+            if out.exists() {
+                std::fs::remove_dir(out).map_err(|e| Error::io(out, e))?;
+            }
+            crate::fsutil::rename_durable(&tmp, out)?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Copy a PEFT adapter folder (after checking it loads against `base`).
+pub fn export_adapter_only(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -> Result<ExportReport> {
+    let cfg = ModelConfig::from_file(&base.config_path())?;
+    adapter.load(&cfg)?;
+    staged(out, |tmp| {
+        let mut total = 0;
+        for f in ["adapter_model.safetensors", "adapter_config.json", "README.md"] {
+            let src = adapter.dir.join(f);
+            if src.is_file() {
+                total += std::fs::copy(&src, tmp.join(f)).map_err(|e| Error::io(&src, e))?;
+            }
+        }
+        Ok(ExportReport { out: out.to_path_buf(), shards: 1, total_bytes: total, ..Default::default() })
+    })
+}
+
+/// Merge `adapter` into `base` and write an HF model folder at `out`.
+pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
+    let cfg = ModelConfig::from_file(&base.config_path())?;
+    let adapters = adapter.load(&cfg)?;
+    let files = SafetensorsFiles::open(&base.weight_files()?)?;
+    // name -> (A, B) of every targeted projection.
+    let mut lora: HashMap<String, (Tensor, Tensor)> = HashMap::new();
+    for (i, row) in adapters.layers.iter().enumerate() {
+        for (mi, ad) in row.iter().enumerate() {
+            if let Some(ad) = ad {
+                let key = peft_prefix(i, MODULES[mi]).replace("base_model.model.", "") + ".weight";
+                lora.insert(key, (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()));
+            }
+        }
+    }
+    let scale = adapter.spec.scale();
+    let report = staged(out, |tmp| {
+        // Output shards: the base's layout, or cut at max_shard_size.
+        let by_file = files.names_by_file();
+        let mut plan: Vec<Vec<String>> = Vec::new();
+        match opts.max_shard_size {
+            None => plan.extend(by_file.iter().map(|(_, names)| names.clone())),
+            Some(limit) => {
+                let mut cur: Vec<String> = Vec::new();
+                let mut size = 0u64;
+                for name in by_file.iter().flat_map(|(_, n)| n.iter()) {
+                    let v = files.view(name)?;
+                    let out_elem = opts.dtype.map(|d| d.size_in_bytes()).unwrap_or_else(|| v.dtype().bitsize() / 8);
+                    let bytes = (v.shape().iter().product::<usize>() * out_elem) as u64;
+                    if !cur.is_empty() && size + bytes > limit {
+                        plan.push(std::mem::take(&mut cur));
+                        size = 0;
+                    }
+                    cur.push(name.clone());
+                    size += bytes;
+                }
+                if !cur.is_empty() {
+                    plan.push(cur);
+                }
+            }
+        }
+        let n = plan.len();
+        let mut weight_map = BTreeMap::new();
+        let mut rep = ExportReport { out: out.to_path_buf(), shards: n, ..Default::default() };
+        for (si, names) in plan.iter().enumerate() {
+            let fname = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", si + 1) };
+            let mut tensors: Vec<(String, OutTensor)> = Vec::with_capacity(names.len());
+            let mut held = 0u64;
+            for name in names {
+                let v = files.view(name)?;
+                let stored = candle_dtype(v.dtype());
+                let out_dtype = opts.dtype.or(stored);
+                let t = if let Some((a, b)) = lora.get(name) {
+                    let w = files.load(name, v.shape(), &Device::Cpu)?.to_dtype(DType::F32)?;
+                    let delta = (b.matmul(a)? * scale)?; // [out, R] x [R, in] -> [out, in]
+                    let merged = (w + delta)?.to_dtype(out_dtype.unwrap_or(DType::F32))?;
+                    rep.merged_tensors += 1;
+                    let data = tensor_bytes(&merged)?;
+                    held += data.len() as u64;
+                    OutTensor::Owned { dtype: st_dtype(merged.dtype())?, shape: v.shape().to_vec(), data }
+                } else if out_dtype == stored || stored.is_none() {
+                    OutTensor::Copied(v)
+                } else {
+                    let t = files.load(name, v.shape(), &Device::Cpu)?.to_dtype(out_dtype.unwrap_or(DType::F32))?;
+                    let data = tensor_bytes(&t)?;
+                    held += data.len() as u64;
+                    OutTensor::Owned { dtype: st_dtype(t.dtype())?, shape: v.shape().to_vec(), data }
+                };
+                rep.total_bytes += safetensors::View::data_len(&&t) as u64;
+                weight_map.insert(name.clone(), fname.clone());
+                tensors.push((name.clone(), t));
+            }
+            rep.peak_buffered_bytes = rep.peak_buffered_bytes.max(held);
+            let path = tmp.join(&fname);
+            let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+            let data: Vec<(&str, &OutTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+            safetensors::serialize_to_file(data, Some(meta), &path).map_err(|e| Error::Safetensors { file: path.clone(), msg: e.to_string() })?;
+            std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(|e| Error::io(&path, e))?;
+        }
+        if n > 1 {
+            let index = serde_json::json!({"metadata": {"total_size": rep.total_bytes}, "weight_map": weight_map});
+            crate::fsutil::write_atomic(&tmp.join("model.safetensors.index.json"), index.to_string().as_bytes())?;
+        }
+        // config.json: the base's, with the dtype updated when it changed.
+        let cp = base.config_path();
+        let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cp).map_err(|e| Error::io(&cp, e))?)
+            .map_err(|e| Error::Config { path: cp.clone(), msg: e.to_string() })?;
+        if let (Some(d), Some(obj)) = (opts.dtype, config.as_object_mut()) {
+            let name = match d {
+                DType::BF16 => "bfloat16",
+                DType::F16 => "float16",
+                _ => "float32",
+            };
+            obj.insert("torch_dtype".into(), name.into());
+            if obj.contains_key("dtype") {
+                obj.insert("dtype".into(), name.into());
+            }
+        }
+        let text = serde_json::to_string_pretty(&config).map_err(|e| Error::Train(e.to_string()))?;
+        crate::fsutil::write_atomic(&tmp.join("config.json"), text.as_bytes())?;
+        for f in SIDE_FILES {
+            let src = base.dir.join(f);
+            if src.is_file() {
+                std::fs::copy(&src, tmp.join(f)).map_err(|e| Error::io(&src, e))?;
+            }
+        }
+        if !opts.no_verify {
+            let diff = verify_merge(base, &adapters, tmp, opts.dtype)?;
+            rep.max_logit_diff = Some(diff);
+        }
+        Ok(rep)
+    })?;
+    Ok(report)
+}
+
+/// Logits of the merged folder vs base + adapter on fixed token batches; errors when they
+/// disagree beyond what the output dtype's rounding explains.
+fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, out_dtype: Option<DType>) -> Result<f32> {
+    let cfg = ModelConfig::from_file(&base.config_path())?;
+    let mut rng = crate::rng::Rng::new(0x5EED);
+    let ids: Vec<u32> = (0..2 * 16).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
+    let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu)?;
+    let src = Arc::new(StreamingWeights::new(SafetensorsFiles::open(&base.weight_files()?)?, DType::F32, Device::Cpu));
+    let reference = Llama::load(src, cfg.clone(), adapters)?.logits(&ids, adapters)?;
+    let merged_dir = ModelDir { dir: merged_dir.to_path_buf(), name: String::new() };
+    let src = Arc::new(StreamingWeights::new(SafetensorsFiles::open(&merged_dir.weight_files()?)?, DType::F32, Device::Cpu));
+    let none = Adapters::init(&cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)?;
+    let merged = Llama::load(src, cfg, &none)?.logits(&ids, &none)?;
+    let diff = (&merged - &reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+    let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0);
+    let half = matches!(out_dtype, Some(DType::BF16 | DType::F16)) || base_is_half(base);
+    let limit = if half { 5e-2 } else { 1e-4 } * scale;
+    if diff.is_nan() || diff > limit {
+        return Err(Error::Train(format!(
+            "merge verification failed: merged logits differ from base + adapter by {diff:e} (limit {limit:e}); the output was not written"
+        )));
+    }
+    Ok(diff)
+}
+
+fn base_is_half(base: &ModelDir) -> bool {
+    base.weight_files()
+        .and_then(|f| SafetensorsFiles::open(&f))
+        .ok()
+        .and_then(|f| {
+            let name = f.names().next()?.clone();
+            let d = f.view(&name).ok()?.dtype();
+            Some(matches!(d, safetensors::Dtype::BF16 | safetensors::Dtype::F16))
+        })
+        .unwrap_or(false)
+}

@@ -1,0 +1,216 @@
+//! Export: merged models equal base + adapter, match PEFT's merge_and_unload, keep shard
+//! layout, dtype and tied embeddings; adapters round-trip.
+
+mod common;
+use common::*;
+use candle_core::{DType, Device, Tensor};
+use finetune::export::{merge, ExportOptions, ExportReport, PeftAdapter};
+use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+use finetune::weights::ModelDir;
+use std::path::{Path, PathBuf};
+
+fn model_dir(p: &Path) -> ModelDir {
+    ModelDir { dir: p.to_path_buf(), name: p.display().to_string() }
+}
+
+fn merge_fixture(case: &str, out: &Path) -> ExportReport {
+    let src = fixture(case);
+    merge(&model_dir(&src.join("model")), &PeftAdapter::open(&src.join("expected/adapter")).unwrap(), out, &ExportOptions { merge: true, ..Default::default() }).unwrap()
+}
+
+#[test]
+fn peft_trained_adapters_merge_to_what_merge_and_unload_produces() {
+    for (case, src) in [("llama-gqa", "parity-llama-gqa"), ("qwen2-tied", "parity-qwen2-tied"), ("llama-mlp", "parity-llama-mlp")] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("merged");
+        let rep = merge_fixture(src, &out);
+        let ours = load_tensors(&out.join("model.safetensors"));
+        let peft = load_tensors(&fixture("merge-peft").join(case).join("merged.safetensors"));
+        let mut k1: Vec<_> = ours.keys().collect();
+        let mut k2: Vec<_> = peft.keys().collect();
+        k1.sort();
+        k2.sort();
+        assert_eq!(k1, k2, "{case}: tensor names");
+        let mut worst = 0f32;
+        for (k, t) in &peft {
+            worst = worst.max(max_abs_diff(&ours[k], t));
+        }
+        println!("{case}: max |ours - merge_and_unload| = {worst:e}; verified logits diff {:?}", rep.max_logit_diff);
+        assert!(worst <= 1e-6, "{case}: merged weights differ from PEFT's by {worst}");
+        assert!(rep.max_logit_diff.unwrap() < 1e-4);
+    }
+}
+
+#[test]
+fn our_forward_matches_transformers_logits_with_and_without_merging() {
+    for (case, src) in [("llama-gqa", "parity-llama-gqa"), ("qwen2-tied", "parity-qwen2-tied"), ("llama-mlp", "parity-llama-mlp")] {
+        let f = load_tensors(&fixture("merge-peft").join(case).join("logits.safetensors"));
+        let ids = f["input_ids"].to_dtype(DType::U32).unwrap();
+        let base = model_dir(&fixture(src).join("model"));
+        let cfg = finetune::config::ModelConfig::from_file(&base.config_path()).unwrap();
+        let adapters = PeftAdapter::open(&fixture(src).join("expected/adapter")).unwrap().load(&cfg).unwrap();
+        let files = finetune::weights::SafetensorsFiles::open(&base.weight_files().unwrap()).unwrap();
+        let w = std::sync::Arc::new(finetune::weights::ResidentWeights::new(files, DType::F32, DType::F32, Device::Cpu));
+        let model = finetune::model::llama::Llama::load(w, cfg, &adapters).unwrap();
+        let logits = model.logits(&ids, &adapters).unwrap();
+        let d = max_abs_diff(&logits, &f["logits_unmerged"]);
+        println!("{case}: max |ours - transformers| logits = {d:e}");
+        assert!(d < 1e-4, "{case}: {d}");
+    }
+}
+
+/// A synthetic model with an adapter trained for a few steps (so B != 0).
+fn trained(shape: TinyShape, shards: usize) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("model"), &shape, 5, shards).unwrap();
+    write_tokenized_dataset(&d.path().join("data"), &counting_rows(12, shape.vocab, 2, 5, 16)).unwrap();
+    let dtype = if shape.dtype == DType::BF16 { "bf16" } else { "f32" };
+    std::fs::write(
+        d.path().join("recipe.toml"),
+        format!(
+            "[model]\npath = \"model\"\ndtype = \"{dtype}\"\n[lora]\nrank = 4\nalpha = 8\ntargets = [\"q_proj\", \"v_proj\", \"o_proj\", \"down_proj\"]\n\
+             [data]\ntrain = \"data\"\n[train]\nmax_steps = 3\nmicro_batch_size = 2\nlr = 2e-2\n[output]\ndir = \"out\"\n"
+        ),
+    )
+    .unwrap();
+    let r = finetune::recipe::LoadedRecipe::load(&d.path().join("recipe.toml"), &[]).unwrap();
+    finetune::train::run(&r).unwrap();
+    let run = d.path().join("out");
+    (d, run)
+}
+
+fn merge_run(run: &Path, out: &Path, opts: ExportOptions) -> ExportReport {
+    let a = PeftAdapter::open(&run.join("adapter")).unwrap();
+    let base = ModelDir::resolve(a.base_model.as_deref().unwrap(), Path::new(".")).unwrap();
+    merge(&base, &a, out, &ExportOptions { merge: true, ..opts }).unwrap()
+}
+
+#[test]
+fn merged_logits_equal_base_plus_adapter_for_llama_and_qwen2_tied_and_untied() {
+    for shape in [
+        TinyShape::default(),
+        TinyShape { tie: true, ..Default::default() },
+        TinyShape { arch: "Qwen2ForCausalLM", tie: true, ..Default::default() },
+        TinyShape { arch: "Qwen2ForCausalLM", ..Default::default() },
+    ] {
+        let (d, run) = trained(shape.clone(), 1);
+        let rep = merge_run(&run, &d.path().join("merged"), ExportOptions::default());
+        let diff = rep.max_logit_diff.unwrap();
+        println!("{} tie={}: max logits diff {diff:e}", shape.arch, shape.tie);
+        assert!(diff < 1e-4);
+        assert_eq!(rep.merged_tensors, 2 * 4);
+        let merged = load_tensors(&d.path().join("merged/model.safetensors"));
+        assert_eq!(merged.contains_key("lm_head.weight"), !shape.tie, "tied embeddings stay tied");
+        // Untargeted tensors are copied bit for bit.
+        let base = load_tensors(&d.path().join("model/model.safetensors"));
+        let k = "model.layers.0.mlp.up_proj.weight";
+        assert_eq!(max_abs_diff(&merged[k], &base[k]), 0.0);
+        assert!(max_abs_diff(&merged["model.layers.0.self_attn.q_proj.weight"], &base["model.layers.0.self_attn.q_proj.weight"]) > 0.0);
+    }
+}
+
+#[test]
+fn sharded_base_keeps_its_layout_with_a_valid_index() {
+    let (d, run) = trained(TinyShape::default(), 3);
+    let out = d.path().join("merged");
+    let rep = merge_run(&run, &out, ExportOptions::default());
+    assert_eq!(rep.shards, 3);
+    check_index(&out, rep.total_bytes);
+    for i in 1..=3 {
+        assert!(out.join(format!("model-{i:05}-of-00003.safetensors")).is_file());
+    }
+}
+
+fn check_index(out: &Path, total: u64) {
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap()).unwrap();
+    assert_eq!(index["metadata"]["total_size"].as_u64(), Some(total));
+    let map = index["weight_map"].as_object().unwrap();
+    let mut files = std::collections::HashMap::new();
+    for (name, file) in map {
+        let f = file.as_str().unwrap();
+        let t = files.entry(f.to_string()).or_insert_with(|| load_tensors(&out.join(f)));
+        assert!(t.contains_key(name), "{name} not in {f}");
+    }
+    let in_files: usize = files.values().map(|t| t.len()).sum();
+    assert_eq!(in_files, map.len(), "every tensor in exactly one shard, all indexed");
+}
+
+#[test]
+fn max_shard_size_cuts_shards_and_bounds_memory_below_the_model() {
+    let (d, run) = trained(TinyShape::default(), 1);
+    let out = d.path().join("merged");
+    let limit = 100_000;
+    let rep = merge_run(&run, &out, ExportOptions { max_shard_size: Some(limit), ..Default::default() });
+    println!("total {} bytes in {} shards; peak buffered {} bytes", rep.total_bytes, rep.shards, rep.peak_buffered_bytes);
+    assert!(rep.shards >= 4, "{} shards", rep.shards);
+    assert!(rep.peak_buffered_bytes <= limit, "held {} bytes at once", rep.peak_buffered_bytes);
+    assert!(rep.peak_buffered_bytes < rep.total_bytes / 2);
+    check_index(&out, rep.total_bytes);
+    for e in std::fs::read_dir(&out).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            assert!(std::fs::metadata(&p).unwrap().len() <= limit + 4096, "{} too large", p.display());
+        }
+    }
+}
+
+#[test]
+fn bf16_base_stays_bf16_and_dtype_override_converts() {
+    let (d, run) = trained(TinyShape { dtype: DType::BF16, ..Default::default() }, 1);
+    let out = d.path().join("merged");
+    let rep = merge_run(&run, &out, ExportOptions::default());
+    println!("bf16 merge: logits diff {:?}", rep.max_logit_diff);
+    let merged = load_tensors(&out.join("model.safetensors"));
+    assert!(merged.values().all(|t| t.dtype() == DType::BF16));
+    let base = load_tensors(&d.path().join("model/model.safetensors"));
+    let k = "model.norm.weight";
+    assert_eq!(max_abs_diff(&merged[k].to_dtype(DType::F32).unwrap(), &base[k].to_dtype(DType::F32).unwrap()), 0.0);
+
+    let out16 = d.path().join("merged-f32");
+    merge_run(&run, &out16, ExportOptions { dtype: Some(DType::F32), ..Default::default() });
+    let m32 = load_tensors(&out16.join("model.safetensors"));
+    assert!(m32.values().all(|t| t.dtype() == DType::F32));
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out16.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["torch_dtype"], "float32");
+}
+
+#[test]
+fn export_refuses_to_overwrite_and_leaves_nothing_on_failure() {
+    let (d, run) = trained(TinyShape::default(), 1);
+    let out = d.path().join("merged");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("keep.txt"), "mine").unwrap();
+    let a = PeftAdapter::open(&run.join("adapter")).unwrap();
+    let base = ModelDir::resolve(a.base_model.as_deref().unwrap(), Path::new(".")).unwrap();
+    let e = merge(&base, &a, &out, &ExportOptions { merge: true, ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("not empty"), "{e}");
+    assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "mine");
+}
+
+#[test]
+fn recipe_export_merged_writes_a_verified_merged_folder_via_the_cli() {
+    let (d, _) = trained(TinyShape::default(), 1);
+    let recipe = d.path().join("recipe.toml");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .args(["--recipe", &recipe.display().to_string(), "--set", "export.merged=true", "--set", "output.dir=out2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("verified: max |logits(merged)"), "{err}");
+    assert!(d.path().join("out2/merged/model.safetensors").is_file());
+    assert!(d.path().join("out2/merged/config.json").is_file());
+
+    // And `finetune export --run` writes the adapter alone, loadable again.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .args(["export", "--run", &d.path().join("out2").display().to_string(), "--out", &d.path().join("adapter-copy").display().to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let a = load_tensors(&d.path().join("adapter-copy/adapter_model.safetensors"));
+    let b = load_tensors(&d.path().join("out2/adapter/adapter_model.safetensors"));
+    for (k, t) in &a {
+        assert_eq!(max_abs_diff(t, &b[k]), 0.0);
+    }
+    let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
+}
