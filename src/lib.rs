@@ -2,12 +2,15 @@
 //! See ARCHITECTURE.md for the map.
 
 pub mod checkpoint;
+pub mod chat;
 pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
 pub mod export;
 pub mod fsutil;
+pub mod generate;
+pub mod gguf;
 pub mod lora;
 pub mod loss;
 pub mod model;

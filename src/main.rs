@@ -37,6 +37,56 @@ enum Command {
     Train(TrainArgs),
     /// Export a run's adapter (PEFT format) or merge it into the base model (HF safetensors).
     Export(ExportArgs),
+    /// Convert a llama-architecture GGUF file (llama.cpp) into an HF model folder.
+    Import {
+        #[arg(long)]
+        gguf: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Storage dtype of the weights: f32 or bf16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Shard the weights above this size.
+        #[arg(long, default_value = "5GB")]
+        max_shard_size: String,
+    },
+    /// Generate text with a model (and optionally an adapter).
+    Generate {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        adapter: Option<PathBuf>,
+        #[arg(long)]
+        prompt: String,
+        /// Wrap the prompt as a user turn in the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long, default_value_t = 128)]
+        max_new_tokens: usize,
+        /// 0 = greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Exact-match evaluation on alpaca records (instruction/input/output): the base model's
+    /// greedy answers beside the adapter's, with the accuracy of each.
+    Eval {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        adapter: Option<PathBuf>,
+        /// An HF datasets folder or .arrow file of alpaca records.
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long, default_value_t = 48)]
+        max_new_tokens: usize,
+        /// Wrap prompts in the model's chat template instead of the Alpaca prompt.
+        #[arg(long)]
+        chat: bool,
+    },
     /// Write a random-weight model and a toy tokenized dataset (for trying the tool and tests).
     Synth {
         /// Output folder: <out>/model and <out>/data are written.
@@ -129,6 +179,50 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, max_new_tokens: usize, chat: bool) -> anyhow::Result<()> {
+    use finetune::data::arrow::{string_cell, ArrowRows};
+    let dir = finetune::weights::ModelDir::resolve(model, std::path::Path::new("."))?;
+    let g = finetune::generate::Generator::load(&dir, adapter)?;
+    let base = g.no_adapters()?;
+    let mut rows = ArrowRows::open(data)?;
+    let opts = finetune::generate::SampleOptions { max_new_tokens, ..Default::default() };
+    let (mut ok_base, mut ok_tuned, mut n) = (0, 0, 0);
+    let started = std::time::Instant::now();
+    for _ in 0..rows.total_rows {
+        let (instruction, input, expected) = {
+            let (r, _) = rows.next_row()?;
+            let get = |c: &str| string_cell(&r, c).map(|v| v.unwrap_or_default());
+            (get("instruction")?, get("input")?, get("output")?)
+        };
+        let prompt = if chat {
+            let user = if input.is_empty() { instruction.clone() } else { format!("{instruction}\n\n{input}") };
+            g.chat_prompt(&user)?
+        } else {
+            finetune::data::alpaca_prompt(&instruction, &input)
+        };
+        let ids = g.encode(&prompt)?;
+        let b = g.decode(&g.generate_ids_with(&ids, &opts, &base)?)?;
+        let t = if adapter.is_some() { Some(g.decode(&g.generate_ids_with(&ids, &opts, &g.adapters)?)?) } else { None };
+        n += 1;
+        let hit = |s: &str| s.trim() == expected.trim();
+        ok_base += usize::from(hit(&b));
+        ok_tuned += usize::from(t.as_deref().is_some_and(hit));
+        let clip = |s: &str| {
+            let s = s.trim().replace('\n', "\\n");
+            if s.chars().count() > 60 { format!("{}…", s.chars().take(60).collect::<String>()) } else { s }
+        };
+        println!("| {} | {} | {} {} | {} |", clip(&input), clip(&expected), if hit(&b) { "✓" } else { "✗" }, clip(&b),
+                 t.as_deref().map(|t| format!("{} {}", if hit(t) { "✓" } else { "✗" }, clip(t))).unwrap_or_default());
+    }
+    let pct = |k: usize| 100.0 * k as f64 / n.max(1) as f64;
+    println!("\nexact match on {n} held-out prompts: base {ok_base}/{n} ({:.0}%)", pct(ok_base));
+    if adapter.is_some() {
+        println!("exact match with the adapter: {ok_tuned}/{n} ({:.0}%)", pct(ok_tuned));
+    }
+    eprintln!("evaluated in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
 fn print_merge_report(r: &finetune::export::ExportReport) {
     eprintln!(
         "merged model written to {}: {} tensor(s) merged, {} shard(s), {:.1} MB; peak tensor memory {:.1} MB (one shard)",
@@ -217,6 +311,24 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         (Some(Command::Export(a)), _) => export(&a)?,
+        (Some(Command::Import { gguf, out, dtype, max_shard_size }), _) => {
+            let dtype = match dtype.as_str() {
+                "f32" => candle_core::DType::F32,
+                "bf16" => candle_core::DType::BF16,
+                other => anyhow::bail!("--dtype {other}: expected f32 or bf16"),
+            };
+            let limit = finetune::export::parse_size(&max_shard_size).map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
+            let r = finetune::gguf::import(&gguf, &out, dtype, limit)?;
+            eprintln!("imported {} tensors into {} ({} shard(s))", r.tensors, out.display(), r.shards);
+        }
+        (Some(Command::Generate { model, adapter, prompt, chat, max_new_tokens, temperature, top_p, seed }), _) => {
+            let dir = finetune::weights::ModelDir::resolve(&model, std::path::Path::new("."))?;
+            let g = finetune::generate::Generator::load(&dir, adapter.as_deref())?;
+            let prompt = if chat { g.chat_prompt(&prompt)? } else { prompt };
+            let opts = finetune::generate::SampleOptions { max_new_tokens, temperature, top_p, seed };
+            println!("{}", g.generate(&prompt, &opts)?);
+        }
+        (Some(Command::Eval { model, adapter, data, max_new_tokens, chat }), _) => eval(&model, adapter.as_deref(), &data, max_new_tokens, chat)?,
         (Some(Command::Synth { out, shape, arch, rows, seq_min, seq_max, seed }), _) => {
             synth(&out, &shape, &arch, rows, (seq_min, seq_max), seed)?
         }

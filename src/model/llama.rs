@@ -19,6 +19,9 @@ use crate::weights::{Frozen, WeightSource};
 use candle_core::{DType, Tensor};
 use std::sync::Arc;
 
+/// Keys and values of the positions seen so far, per layer: ([B, KV, T, D], [B, KV, T, D]).
+pub type KvCache = Option<(Tensor, Tensor)>;
+
 /// Per-forward inputs shared by all layers.
 pub struct ForwardCtx {
     /// [B, 1, S, D]
@@ -120,6 +123,12 @@ impl<'a> Attention<'a> {
 
     /// x [B, S, H] -> [B, S, H]
     pub fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
+        self.forward_cached(x, ctx, None)
+    }
+
+    /// As `forward`, with keys/values of earlier positions in `cache` (generation). The mask
+    /// in `ctx` is then [1, 1, S, T] with T = cached + S.
+    pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let (nh, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let x2 = x.reshape((b * s, h))?; // [N, H]
@@ -130,15 +139,24 @@ impl<'a> Attention<'a> {
         let k = k.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
         let v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
         let q = ops::rope(&q, &ctx.cos, &ctx.sin)?;
-        let k = ops::rope(&k, &ctx.cos, &ctx.sin)?;
+        let mut k = ops::rope(&k, &ctx.cos, &ctx.sin)?;
+        let mut v = v;
+        if let Some(cache) = cache {
+            if let Some((pk, pv)) = cache.take() {
+                k = Tensor::cat(&[&pk, &k], 2)?; // [B, KV, T, D]
+                v = Tensor::cat(&[&pv, &v], 2)?; // [B, KV, T, D]
+            }
+            *cache = Some((k.clone(), v.clone()));
+        }
+        let t = k.dim(2)?;
         // GQA without copying k/v (transformers' repeat_kv): query head h uses kv head h / R,
         // so the R query heads of a kv head are contiguous and fold into the row dim.
         let r = nh / kv;
         let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?; // [B, KV, R*S, S]
-        let scores = scores.reshape((b, nh, s, s))?.broadcast_add(&ctx.mask)?; // [B, NH, S, S]
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?; // [B, KV, R*S, T]
+        let scores = scores.reshape((b, nh, s, t))?.broadcast_add(&ctx.mask)?; // [B, NH, S, T]
         let probs = ops::softmax_last(&scores.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
-        let probs = probs.reshape((b, kv, r * s, s))?; // [B, KV, R*S, S]
+        let probs = probs.reshape((b, kv, r * s, t))?; // [B, KV, R*S, T]
         let out = probs.matmul(&v)?; // [B, KV, R*S, D]
         let out = out.reshape((b, nh, s, d))?.transpose(1, 2)?.reshape((b * s, nh * d))?; // [N, NH*D]
         let y = self.o_proj.forward(&out, ctx.dropout)?; // [N, H]
@@ -193,8 +211,12 @@ impl<'a> DecoderLayer<'a> {
 
     /// x [B, S, H] -> [B, S, H]
     pub fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
+        self.forward_cached(x, ctx, None)
+    }
+
+    pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
-        let a = self.self_attn.forward(&ops::rms_norm(x, &self.input_layernorm, self.eps)?, ctx)?;
+        let a = self.self_attn.forward_cached(&ops::rms_norm(x, &self.input_layernorm, self.eps)?, ctx, cache)?;
         let x = (x + a)?;
         let n = ops::rms_norm(&x, &self.post_attention_layernorm, self.eps)?.reshape((b * s, h))?; // [N, H]
         let m = self.mlp.forward(&n, ctx.dropout)?.reshape((b, s, h))?; // [B, S, H]
@@ -278,6 +300,27 @@ impl Llama {
         let h = self.final_norm(&x)?.reshape((b * s, self.cfg.hidden_size))?; // [N, H]
         let logits = h.to_dtype(DType::F32)?.matmul(&self.lm_head()?.to_dtype(DType::F32)?.t()?)?; // [N, V]
         Ok(logits.reshape((b, s, self.cfg.vocab_size))?)
+    }
+
+    /// Generation step: ids [1, S] at positions offset..offset+S, with per-layer caches
+    /// (filled as it goes) -> logits of the last position [V] in f32.
+    pub fn step(&self, ids: &Tensor, offset: usize, caches: &mut [KvCache], lora: &Adapters) -> Result<Tensor> {
+        let (b, s) = ids.dims2()?;
+        let positions: Vec<Vec<u32>> = (0..b).map(|_| (offset as u32..(offset + s) as u32).collect()).collect();
+        let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, ids.device(), DType::F32)?;
+        let t = offset + s;
+        // [1, 1, S, T]: query i (at offset + i) sees keys 0..=offset + i.
+        let m: Vec<f32> = (0..s * t).map(|x| if x % t > offset + x / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let ctx = ForwardCtx { cos, sin, mask: Tensor::from_vec(m, (1, 1, s, t), ids.device())?, dropout: None };
+        let mut x = self.embed(ids)?;
+        for (i, cache) in caches.iter_mut().enumerate().take(self.cfg.num_hidden_layers) {
+            let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
+            x = DecoderLayer::load(&vb, &self.cfg, i, lora)?.forward_cached(&x, &ctx, Some(cache))?;
+        }
+        let last = x.narrow(1, s - 1, 1)?.reshape((b, self.cfg.hidden_size))?; // [B, H]
+        let h = self.final_norm(&last)?.to_dtype(DType::F32)?;
+        let logits = h.matmul(&self.lm_head()?.to_dtype(DType::F32)?.t()?)?; // [B, V]
+        Ok(logits.get(0)?)
     }
 
     /// Final RMSNorm: [.., H] -> [.., H]

@@ -1,0 +1,90 @@
+//! Chat templates: the model's own Jinja `chat_template` (tokenizer_config.json or
+//! chat_template.jinja) rendered with minijinja the way transformers' `apply_chat_template`
+//! does: `messages`, `add_generation_prompt`, the special tokens as variables,
+//! `raise_exception`, and Python string methods (`.strip()`, `.startswith()`, ...).
+
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: &str) -> Self {
+        Message { role: role.into(), content: content.into() }
+    }
+}
+
+pub struct ChatTemplate {
+    source: String,
+    origin: PathBuf,
+    bos_token: String,
+    eos_token: String,
+}
+
+fn token_string(v: Option<&serde_json::Value>) -> String {
+    v.and_then(|t| t.as_str().map(String::from).or_else(|| t.get("content").and_then(|c| c.as_str()).map(String::from)))
+        .unwrap_or_default()
+}
+
+impl ChatTemplate {
+    /// The model folder's template: `chat_template.jinja`, else `chat_template` in
+    /// tokenizer_config.json. `None` when the model has none.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<Self>> {
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(t) => serde_json::from_str(&t).map_err(|e| Error::Tokenizer { path: cfg_path.clone(), msg: format!("not valid JSON: {e}") })?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let (bos_token, eos_token) = (token_string(cfg.get("bos_token")), token_string(cfg.get("eos_token")));
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
+            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token }));
+        }
+        let source = match cfg.get("chat_template") {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            // A list of named templates: take "default".
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template").and_then(|s| s.as_str()))
+                .map(String::from)
+                .unwrap_or_default(),
+            _ => return Ok(None),
+        };
+        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token }))
+    }
+
+    pub fn from_source(source: &str, bos_token: &str, eos_token: &str) -> Self {
+        ChatTemplate { source: source.into(), origin: PathBuf::from("(built-in)"), bos_token: bos_token.into(), eos_token: eos_token.into() }
+    }
+
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let err = |e: minijinja::Error| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {e}") };
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
+        // transformers renders with jinja2's trim_blocks and lstrip_blocks on.
+        let syntax = minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(err)?;
+        env.set_syntax(syntax);
+        env.add_template("chat", &self.source).map_err(err)?;
+        let t = env.get_template("chat").map_err(err)?;
+        t.render(minijinja::context! {
+            messages => messages
+                .iter()
+                .map(|m| minijinja::context! { role => m.role.clone(), content => m.content.clone() })
+                .collect::<Vec<_>>(),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone(),
+            eos_token => self.eos_token.clone(),
+        })
+        .map_err(err)
+    }
+}

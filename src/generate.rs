@@ -1,0 +1,157 @@
+//! Text generation with a KV cache: greedy or temperature / top-p sampling, optional chat
+//! template, an adapter applied unmerged (or a merged model loaded directly).
+
+use crate::chat::{ChatTemplate, Message};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::lora::{Adapters, LoraSpec};
+use crate::model::llama::{KvCache, Llama};
+use crate::rng::Rng;
+use crate::weights::{ModelDir, ResidentWeights, SafetensorsFiles};
+use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+use std::sync::Arc;
+
+#[derive(Clone, Debug)]
+pub struct SampleOptions {
+    pub max_new_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f64,
+    pub top_p: f64,
+    pub seed: u64,
+}
+
+impl Default for SampleOptions {
+    fn default() -> Self {
+        SampleOptions { max_new_tokens: 128, temperature: 0.0, top_p: 1.0, seed: 0 }
+    }
+}
+
+pub struct Generator {
+    pub model: Llama,
+    pub adapters: Adapters,
+    pub tokenizer: tokenizers::Tokenizer,
+    pub chat: Option<ChatTemplate>,
+    stop: Vec<u32>,
+    tok_path: std::path::PathBuf,
+}
+
+impl Generator {
+    /// Load a model folder (f32 compute) with an optional PEFT adapter.
+    pub fn load(model: &ModelDir, adapter: Option<&Path>) -> Result<Self> {
+        let cfg = ModelConfig::from_file(&model.config_path())?;
+        let adapters = match adapter {
+            Some(dir) => crate::export::PeftAdapter::open(dir)?.load(&cfg)?,
+            None => Adapters::init(&cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)?,
+        };
+        let files = SafetensorsFiles::open(&model.weight_files()?)?;
+        let src = Arc::new(ResidentWeights::new(files, DType::F32, DType::F32, Device::Cpu));
+        let llama = Llama::load(src, cfg, &adapters)?;
+        let tok_path = model.dir.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
+        let chat = ChatTemplate::from_model_dir(&model.dir)?;
+        // Stop on the config's eos ids and on the chat end-of-turn tokens the vocabulary has.
+        let mut stop = Vec::new();
+        if let Ok(text) = std::fs::read_to_string(model.config_path()) {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+                match v.get("eos_token_id") {
+                    Some(serde_json::Value::Array(a)) => stop.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
+                    Some(x) => stop.extend(x.as_u64().map(|x| x as u32)),
+                    None => {}
+                }
+            }
+        }
+        for t in ["<|im_end|>", "<|eot_id|>", "<|end_of_sentence|>", "<｜end▁of▁sentence｜>", "</s>"] {
+            if let Some(id) = tokenizer.token_to_id(t) {
+                stop.push(id);
+            }
+        }
+        Ok(Generator { model: llama, adapters, tokenizer, chat, stop, tok_path })
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer.decode(ids, true).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })
+    }
+
+    /// Adapters that change nothing (for the base model's answers).
+    pub fn no_adapters(&self) -> Result<Adapters> {
+        Adapters::init(&self.model.cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)
+    }
+
+    /// The prompt for one user turn, through the model's chat template.
+    pub fn chat_prompt(&self, user: &str) -> Result<String> {
+        let t = self.chat.as_ref().ok_or_else(|| Error::Tokenizer { path: self.tok_path.clone(), msg: "the model has no chat template (drop --chat)".into() })?;
+        t.render(&[Message::new("user", user)], true)
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })
+    }
+
+    /// Generate a continuation of `prompt` (already formatted); returns the new text.
+    pub fn generate(&self, prompt: &str, opts: &SampleOptions) -> Result<String> {
+        let ids = self.encode(prompt)?;
+        let out = self.generate_ids(&ids, opts)?;
+        self.tokenizer.decode(&out, true).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })
+    }
+
+    pub fn generate_ids(&self, prompt: &[u32], opts: &SampleOptions) -> Result<Vec<u32>> {
+        self.generate_ids_with(prompt, opts, &self.adapters)
+    }
+
+    /// Generate with other adapters (e.g. none, for a before/after comparison on one load).
+    pub fn generate_ids_with(&self, prompt: &[u32], opts: &SampleOptions, adapters: &Adapters) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            return Err(Error::Train("empty prompt".into()));
+        }
+        let mut caches: Vec<KvCache> = vec![None; self.model.cfg.num_hidden_layers];
+        let mut rng = Rng::new(opts.seed);
+        let mut out = Vec::new();
+        let mut input = prompt.to_vec();
+        let mut offset = 0;
+        for _ in 0..opts.max_new_tokens {
+            let ids = Tensor::from_slice(&input, (1, input.len()), &Device::Cpu)?;
+            let logits: Vec<f32> = self.model.step(&ids, offset, &mut caches, adapters)?.to_vec1()?;
+            offset += input.len();
+            let next = sample(&logits, opts, &mut rng);
+            if self.stop.contains(&next) {
+                break;
+            }
+            out.push(next);
+            input = vec![next];
+        }
+        Ok(out)
+    }
+}
+
+/// Greedy (temperature 0) or temperature + nucleus sampling.
+fn sample(logits: &[f32], opts: &SampleOptions, rng: &mut Rng) -> u32 {
+    let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+    if opts.temperature <= 0.0 {
+        return argmax();
+    }
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut p: Vec<(usize, f64)> = logits.iter().enumerate().map(|(i, &l)| (i, ((l as f64 - max) / opts.temperature).exp())).collect();
+    let z: f64 = p.iter().map(|x| x.1).sum();
+    p.iter_mut().for_each(|x| x.1 /= z);
+    p.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let mut cum = 0.0;
+    let mut keep = p.len();
+    for (i, x) in p.iter().enumerate() {
+        cum += x.1;
+        if cum >= opts.top_p {
+            keep = i + 1;
+            break;
+        }
+    }
+    let p = &p[..keep];
+    let total: f64 = p.iter().map(|x| x.1).sum();
+    let mut u = rng.next_f64() * total;
+    for x in p {
+        u -= x.1;
+        if u <= 0.0 {
+            return x.0 as u32;
+        }
+    }
+    p.last().map_or_else(argmax, |x| x.0 as u32)
+}
