@@ -18,6 +18,10 @@ enum Kind {
     Bool,
     StrList,
     FloatPair,
+    /// A string or a list of strings (one path or several).
+    StrOrList,
+    /// A table of string values (`[data.columns]`).
+    StrMap,
 }
 
 impl Kind {
@@ -29,6 +33,8 @@ impl Kind {
             Kind::Bool => "true or false",
             Kind::StrList => "a list of strings",
             Kind::FloatPair => "a list of two numbers",
+            Kind::StrOrList => "a string or a list of strings",
+            Kind::StrMap => "a table of strings",
         }
     }
     fn accepts(self, v: &toml::Value) -> bool {
@@ -41,6 +47,9 @@ impl Kind {
             (Kind::FloatPair, V::Array(a)) => {
                 a.len() == 2 && a.iter().all(|x| x.is_float() || x.is_integer())
             }
+            (Kind::StrOrList, V::String(_)) => true,
+            (Kind::StrOrList, V::Array(a)) => !a.is_empty() && a.iter().all(|x| x.is_str()),
+            (Kind::StrMap, V::Table(t)) => t.values().all(|x| x.is_str()),
             _ => false,
         }
     }
@@ -89,12 +98,22 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
         "data",
         true,
         &[
-            req("train", Kind::Str),
-            one_of("format", &["tokenized", "alpaca"]),
+            req("train", Kind::StrOrList),
+            key("split", Kind::Str),
+            one_of("format", crate::data::format::FORMATS),
+            one_of("template", crate::data::format::TEMPLATES),
+            key("columns", Kind::StrMap),
+            key("train_on_prompt", Kind::Bool),
             key("shuffle", Kind::Bool),
             key("shuffle_buffer", Kind::Int),
             key("packing", Kind::Bool),
             key("max_seq_len", Kind::Int),
+            one_of("overflow", &["truncate", "drop"]),
+            one_of("on_bad_record", &["error", "skip"]),
+            key("eval", Kind::StrOrList),
+            key("eval_fraction", Kind::Float),
+            one_of("batch_by", &["rows", "tokens"]),
+            key("max_tokens", Kind::Int),
         ],
     ),
     (
@@ -114,6 +133,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
             key("max_grad_norm", Kind::Float),
             key("log_every", Kind::Int),
             key("activation_checkpointing", Kind::Bool),
+            key("eval_every", Kind::Int),
         ],
     ),
     ("output", true, &[req("dir", Kind::Str)]),
@@ -207,9 +227,22 @@ pub struct LoraSection {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
-    pub train: PathBuf,
+    /// One source or several, read one after another.
+    pub train: Paths,
+    /// DatasetDict split when `train` names a dict folder without `:split`.
+    #[serde(default)]
+    pub split: Option<String>,
     #[serde(default = "default_format")]
     pub format: String,
+    /// How text records become tokens (default per format: alpaca -> "alpaca", else "model").
+    #[serde(default)]
+    pub template: Option<String>,
+    /// Column renames: `columns = { instruction = "question", output = "answer" }`.
+    #[serde(default)]
+    pub columns: std::collections::BTreeMap<String, String>,
+    /// Train on every token instead of only the assistant's.
+    #[serde(default)]
+    pub train_on_prompt: bool,
     #[serde(default)]
     pub shuffle: bool,
     #[serde(default = "default_shuffle_buffer")]
@@ -219,6 +252,53 @@ pub struct DataSection {
     /// Pack several records into each max_seq_len row (attention and positions per record).
     #[serde(default)]
     pub packing: bool,
+    /// Records longer than max_seq_len: "truncate" or "drop".
+    #[serde(default = "default_overflow")]
+    pub overflow: String,
+    /// Records that cannot be used: "error" (stop, naming the row) or "skip" (count, report).
+    #[serde(default = "default_on_bad")]
+    pub on_bad_record: String,
+    /// Evaluation data (same format), or hold out `eval_fraction` of `train`.
+    #[serde(default)]
+    pub eval: Option<Paths>,
+    #[serde(default)]
+    pub eval_fraction: f64,
+    /// "rows" (micro_batch_size rows) or "tokens" (similar lengths together under max_tokens).
+    #[serde(default = "default_batch_by")]
+    pub batch_by: String,
+    /// Padded tokens per micro-batch with batch_by = "tokens".
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: usize,
+}
+
+/// One path or a list of them.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Paths {
+    One(PathBuf),
+    Many(Vec<PathBuf>),
+}
+
+impl Paths {
+    pub fn list(&self) -> Vec<PathBuf> {
+        match self {
+            Paths::One(p) => vec![p.clone()],
+            Paths::Many(v) => v.clone(),
+        }
+    }
+}
+
+fn default_overflow() -> String {
+    "truncate".into()
+}
+fn default_on_bad() -> String {
+    "error".into()
+}
+fn default_batch_by() -> String {
+    "rows".into()
+}
+fn default_max_tokens() -> usize {
+    4096
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -248,6 +328,9 @@ pub struct TrainSection {
     pub log_every: usize,
     #[serde(default = "yes")]
     pub activation_checkpointing: bool,
+    /// Evaluate every N steps (0: only at the end when eval data is set).
+    #[serde(default)]
+    pub eval_every: usize,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -374,6 +457,12 @@ impl LoadedRecipe {
             if v == 0 {
                 return Err(self.err(k, "must be at least 1"));
             }
+        }
+        if !(0.0..1.0).contains(&r.data.eval_fraction) {
+            return Err(self.err("data.eval_fraction", "must be in [0, 1)"));
+        }
+        if r.data.eval.is_some() && r.data.eval_fraction > 0.0 {
+            return Err(self.err("data.eval_fraction", "set data.eval or data.eval_fraction, not both"));
         }
         if r.data.max_seq_len < 2 {
             return Err(self.err("data.max_seq_len", "must be at least 2 (one input, one target)"));
@@ -616,10 +705,12 @@ dir = "out"
                         _ => "x".into(),
                     }),
                     (Kind::Int, _) => toml::Value::Integer(4),
-                    (Kind::Float, _) => toml::Value::Float(0.5),
+                    (Kind::Float, _) => toml::Value::Float(if k.name == "eval_fraction" { 0.0 } else { 0.5 }),
                     (Kind::Bool, _) => toml::Value::Boolean(true),
                     (Kind::StrList, _) => toml::Value::Array(vec![toml::Value::String("q_proj".into())]),
                     (Kind::FloatPair, _) => toml::Value::Array(vec![toml::Value::Float(0.5), toml::Value::Float(0.5)]),
+                    (Kind::StrOrList, _) => toml::Value::Array(vec![toml::Value::String("a".into()), toml::Value::String("b".into())]),
+                    (Kind::StrMap, _) => toml::Value::Table([("output".to_string(), toml::Value::String("answer".into()))].into_iter().collect()),
                 };
                 s.insert(k.name.to_string(), v);
             }

@@ -8,7 +8,7 @@
 //!   grads -> global norm, clip -> AdamW (host f32) -> write back to the Vars -> metrics line
 
 use crate::config::ModelConfig;
-use crate::data::{AlpacaFormatter, Format, Loader, LoaderOptions, MicroBatch, IGNORE};
+use crate::data::{Formatter, Loader, LoaderOptions, MicroBatch, Role, IGNORE};
 use crate::error::{CandleContext, Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraSpec, MODULES};
 use crate::model::llama::{ForwardCtx, Llama};
@@ -64,6 +64,9 @@ pub struct StepMetrics {
     pub tokens: usize,
     /// Non-padding input tokens processed per second of the step.
     pub tokens_per_s: f64,
+    /// Token-normalised loss on the evaluation set after this step's update, when evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
 }
 
 pub struct RunSummary {
@@ -115,19 +118,18 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
         adapters.load_peft(&loaded.resolve(init))?;
     }
     let model = Llama::load(src, cfg, &adapters)?;
-    let format = match r.data.format.as_str() {
-        "alpaca" => Format::Alpaca(Box::new(AlpacaFormatter::load(&model_dir.dir)?)),
-        _ => Format::Tokenized,
+    let mut loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
+    // Evaluation examples are read once (eval sets are small) and reused at every eval.
+    let eval_set = if r.data.eval.is_some() || r.data.eval_fraction > 0.0 {
+        let mut l = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Eval)?;
+        let ex = l.one_pass()?;
+        if ex.is_empty() {
+            return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "data.eval".into(), msg: "the evaluation set has no usable records".into() });
+        }
+        Some(ex)
+    } else {
+        None
     };
-    let opts = LoaderOptions {
-        max_seq_len: r.data.max_seq_len,
-        vocab_size: model.cfg.vocab_size,
-        shuffle: r.data.shuffle,
-        shuffle_buffer: r.data.shuffle_buffer,
-        seed: t.seed,
-        packing: r.data.packing,
-    };
-    let mut loader = Loader::open(&loaded.resolve(&r.data.train), format, opts)?;
     let (trainable, all) = trainable_parameters(&model.cfg, r.lora.rank, &adapters.spec.targets);
     eprintln!("{}", format_trainable(trainable, all));
 
@@ -182,10 +184,11 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
         let started = Instant::now();
         let mut batches = Vec::with_capacity(t.grad_accum_steps);
         for _ in 0..t.grad_accum_steps {
-            let mut rows = Vec::with_capacity(t.micro_batch_size);
-            for _ in 0..t.micro_batch_size {
-                rows.push(loader.next_row()?);
-            }
+            let rows = if r.data.batch_by == "tokens" {
+                loader.next_token_batch(r.data.max_tokens)?
+            } else {
+                (0..t.micro_batch_size).map(|_| loader.next_row()).collect::<Result<Vec<_>>>()?
+            };
             batches.push(MicroBatch::collate(&rows));
         }
         // Token-normalised across accumulation: the divisor is the whole step's target count.
@@ -230,7 +233,13 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
             v.set(&Tensor::from_vec(new, v.shape(), &device)?.to_dtype(v.dtype())?)?;
         }
         let secs = started.elapsed().as_secs_f64();
-        let m = StepMetrics { step, loss, lr, grad_norm, tokens: count, tokens_per_s: real_tokens as f64 / secs.max(1e-9) };
+        let eval_loss = match &eval_set {
+            Some(ex) if (t.eval_every > 0 && step % t.eval_every == 0) || step == t.max_steps => {
+                Some(evaluate(&model, &adapters, ex, t.micro_batch_size)?)
+            }
+            _ => None,
+        };
+        let m = StepMetrics { step, loss, lr, grad_norm, tokens: count, tokens_per_s: real_tokens as f64 / secs.max(1e-9), eval_loss };
         let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
         let file = match metrics.as_mut() {
             Some(f) => f,
@@ -261,8 +270,8 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
 
     // ---------------------------------------------------------------- cleanup
     progress.finish();
-    if loader.truncated > 0 {
-        eprintln!("note: {} example(s) were longer than data.max_seq_len = {} and were truncated", loader.truncated, r.data.max_seq_len);
+    for line in loader.stats.report(r.data.max_seq_len) {
+        eprintln!("note: {line}");
     }
     if let Some(f) = &metrics {
         f.sync_all().map_err(|e| Error::io(&metrics_path, e))?;
@@ -285,6 +294,67 @@ fn reopen_metrics(path: &std::path::Path, step: usize) -> Result<std::fs::File> 
         .collect();
     crate::fsutil::write_atomic(path, kept.as_bytes())?;
     std::fs::OpenOptions::new().append(true).open(path).map_err(|e| Error::io(path, e))
+}
+
+/// The example stream a recipe describes (training side or held-out/eval side).
+pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, role: Role) -> Result<Loader> {
+    let r = &loaded.recipe;
+    let d = &r.data;
+    let fmt = Formatter::new(&d.format, d.template.as_deref(), &d.columns, d.train_on_prompt, &model_dir.dir, vocab)?;
+    let opts = LoaderOptions {
+        max_seq_len: d.max_seq_len,
+        shuffle: d.shuffle && role == Role::Train,
+        shuffle_buffer: d.shuffle_buffer,
+        seed: r.train.seed,
+        packing: d.packing && role == Role::Train,
+        overflow: d.overflow.clone(),
+        on_bad_record: d.on_bad_record.clone(),
+        eval_fraction: d.eval_fraction,
+        role,
+    };
+    let specs: Vec<PathBuf> = match (&d.eval, role) {
+        (Some(e), Role::Eval) => e.list(),
+        _ => d.train.list(),
+    };
+    let specs: Vec<PathBuf> = specs.iter().map(|p| resolve_spec(loaded, p)).collect();
+    Loader::open(&specs, d.split.as_deref(), fmt, opts)
+}
+
+/// Resolve a data path against the recipe folder, keeping a `:split` suffix.
+fn resolve_spec(loaded: &LoadedRecipe, p: &std::path::Path) -> PathBuf {
+    let s = p.to_string_lossy();
+    match s.rsplit_once(':') {
+        Some((dir, split)) if !dir.is_empty() && !split.contains('/') && !std::path::Path::new(&*s).exists() => {
+            PathBuf::from(format!("{}:{split}", loaded.resolve(std::path::Path::new(dir)).display()))
+        }
+        _ => loaded.resolve(p),
+    }
+}
+
+/// Token-normalised loss over `examples` (no gradients kept).
+pub fn evaluate(model: &Llama, adapters: &Adapters, examples: &[crate::data::Example], batch: usize) -> Result<f64> {
+    let (mut sum, mut count) = (0.0, 0usize);
+    for chunk in examples.chunks(batch.max(1)) {
+        let mb = MicroBatch::collate(chunk);
+        let device = model.embed_tokens()?.device().clone();
+        let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), None, &device)?;
+        let ids = Tensor::from_slice(&mb.input_ids, (mb.rows, mb.seq), &device)?;
+        let mut x = model.embed(&ids)?;
+        for i in 0..model.cfg.num_hidden_layers {
+            x = model.layer_forward(i, &x, &ctx, adapters)?.detach();
+        }
+        let (idx, tgt): (Vec<u32>, Vec<u32>) =
+            mb.targets.iter().enumerate().filter(|(_, &t)| t != IGNORE).map(|(i, &t)| (i as u32, t as u32)).unzip();
+        if tgt.is_empty() {
+            continue;
+        }
+        let h = model.cfg.hidden_size;
+        let rows = model.final_norm(&x)?.reshape((mb.rows * mb.seq, h))?.index_select(&Tensor::from_vec(idx, tgt.len(), &device)?, 0)?;
+        let (ce, _) = crate::loss::cross_entropy_sum_and_grad(&rows, &model.lm_head()?, &tgt, 0.0).ctx("eval cross-entropy")?;
+        sum += ce;
+        count += tgt.len();
+    }
+    Ok(sum / count.max(1) as f64)
 }
 
 /// Create the output folder with the resolved recipe, and a fresh metrics.jsonl.

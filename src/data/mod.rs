@@ -6,12 +6,15 @@
 //! `micro_batch_size` rows right-padded to its longest row (id 0, label -100); position t
 //! predicts labels[t + 1].
 
-pub mod arrow;
+pub mod format;
+pub mod source;
+/// The row sources (Arrow IPC, Parquet, JSONL); named `arrow` in earlier code.
+pub use source as arrow;
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
-use arrow::{int_list, string_cell, ArrowRows, Cursor, RowPos, RowRef};
-use std::path::{Path, PathBuf};
+use source::{Cursor, RowPos, RowRef, Rows};
+use std::path::PathBuf;
 
 /// Label value that contributes no loss (PyTorch's ignore_index).
 pub const IGNORE: i64 = -100;
@@ -34,101 +37,67 @@ impl Example {
     }
 }
 
-/// Turns alpaca records into token ids with the prompt masked out.
-pub struct AlpacaFormatter {
-    tokenizer: tokenizers::Tokenizer,
-    eos: Option<u32>,
-    path: PathBuf,
-}
-
-/// The Stanford Alpaca prompt (the plain template most instruction datasets were made for).
-pub fn alpaca_prompt(instruction: &str, input: &str) -> String {
-    if input.is_empty() {
-        format!(
-            "Below is an instruction that describes a task. Write a response that appropriately \
-             completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
-        )
-    } else {
-        format!(
-            "Below is an instruction that describes a task, paired with an input that provides \
-             further context. Write a response that appropriately completes the request.\n\n\
-             ### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-        )
-    }
-}
-
-impl AlpacaFormatter {
-    /// Load `tokenizer.json` from the model folder; the end-of-sequence token comes from
-    /// `tokenizer_config.json` (`eos_token`) or `config.json` (`eos_token_id`).
-    pub fn load(model_dir: &Path) -> Result<Self> {
-        let path = model_dir.join("tokenizer.json");
-        if !path.is_file() {
-            return Err(Error::Tokenizer {
-                path: path.clone(),
-                msg: "not found; data.format = \"alpaca\" needs the model's tokenizer.json (or use format = \"tokenized\")".into(),
-            });
-        }
-        let tokenizer = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
-        let mut eos = None;
-        if let Ok(text) = std::fs::read_to_string(model_dir.join("tokenizer_config.json")) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
-                let tok = v.get("eos_token").and_then(|t| t.as_str().or_else(|| t.get("content").and_then(|c| c.as_str())));
-                eos = tok.and_then(|t| tokenizer.token_to_id(t));
-            }
-        }
-        if eos.is_none() {
-            if let Ok(text) = std::fs::read_to_string(model_dir.join("config.json")) {
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
-                    let id = v.get("eos_token_id");
-                    eos = id.and_then(|i| i.as_u64().or_else(|| i.get(0).and_then(|x| x.as_u64()))).map(|x| x as u32);
-                }
-            }
-        }
-        Ok(AlpacaFormatter { tokenizer, eos, path })
-    }
-
-    /// prompt tokens (with the tokenizer's special prefix, e.g. BOS) get IGNORE labels; the
-    /// response and EOS are trained.
-    pub fn format(&self, instruction: &str, input: &str, output: &str) -> Result<Example> {
-        let enc = |text: &str, special: bool| -> Result<Vec<u32>> {
-            self.tokenizer
-                .encode(text, special)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: e.to_string() })
-        };
-        let prompt = enc(&alpaca_prompt(instruction, input), true)?;
-        let mut response = enc(output, false)?;
-        if let Some(e) = self.eos {
-            response.push(e);
-        }
-        let mut labels = vec![IGNORE; prompt.len()];
-        labels.extend(response.iter().map(|&t| t as i64));
-        let mut input_ids = prompt;
-        input_ids.extend(response);
-        Ok(Example::new(input_ids, labels))
-    }
-}
-
-pub enum Format {
-    Tokenized,
-    Alpaca(Box<AlpacaFormatter>),
-}
+pub use format::{alpaca_prompt, BadRecord, Formatter, Record};
 
 /// Options of the loader, from the recipe's [data] and [train].
+#[derive(Clone, Debug)]
 pub struct LoaderOptions {
     pub max_seq_len: usize,
-    pub vocab_size: usize,
     pub shuffle: bool,
     pub shuffle_buffer: usize,
     pub seed: u64,
     pub packing: bool,
+    /// "truncate" or "drop" records longer than max_seq_len.
+    pub overflow: String,
+    /// "error" or "skip" records that cannot be used.
+    pub on_bad_record: String,
+    /// Hold out this fraction of rows (by a hash of the row index) for evaluation.
+    pub eval_fraction: f64,
+    /// Which side of the hold-out this loader reads.
+    pub role: Role,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Role {
+    Train,
+    Eval,
+}
+
+/// Whether dataset row `index` belongs to the held-out evaluation part.
+pub fn is_held_out(index: u64, fraction: f64, seed: u64) -> bool {
+    fraction > 0.0 && (crate::rng::mix(index ^ crate::rng::mix(seed ^ 0xE7A1)) >> 11) as f64 / (1u64 << 53) as f64 <= fraction
+}
+
+/// Counts the run reports at the end (and keeps across resumes).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DataStats {
+    pub truncated: u64,
+    pub dropped: u64,
+    pub bad: u64,
+    /// The first few bad records' messages.
+    pub bad_examples: Vec<String>,
+}
+
+impl DataStats {
+    pub fn report(&self, max_seq_len: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.truncated > 0 {
+            out.push(format!("{} record(s) longer than data.max_seq_len = {max_seq_len} were truncated", self.truncated));
+        }
+        if self.dropped > 0 {
+            out.push(format!("{} record(s) longer than data.max_seq_len = {max_seq_len} were dropped (data.overflow = \"drop\")", self.dropped));
+        }
+        if self.bad > 0 {
+            out.push(format!("{} bad record(s) skipped, e.g. {}", self.bad, self.bad_examples.join("; ")));
+        }
+        out
+    }
 }
 
 /// An endless stream of examples.
 pub struct Loader {
-    rows: ArrowRows,
-    format: Format,
+    rows: Rows,
+    fmt: Formatter,
     opts: LoaderOptions,
     /// Shuffle buffer: examples with the position they were read from (saved in checkpoints
     /// as positions only and re-read on resume).
@@ -136,7 +105,11 @@ pub struct Loader {
     /// With packing: the example that did not fit in the last row, first in the next.
     carry: Option<(Example, RowPos)>,
     rng: Rng,
-    pub truncated: u64,
+    pub stats: DataStats,
+    /// Bad or dropped rows in a row; a full pass of them means nothing is usable.
+    unusable_run: u64,
+    /// With batch_by = "tokens": micro-batches cut from the last length-sorted pool.
+    pending: std::collections::VecDeque<Vec<(Example, RowPos)>>,
 }
 
 /// Everything needed to continue the example stream exactly where it was.
@@ -147,32 +120,37 @@ pub struct LoaderState {
     pub buffer: Vec<RowPos>,
     #[serde(default)]
     pub carry: Option<RowPos>,
-    pub truncated: u64,
+    #[serde(default)]
+    pub stats: DataStats,
+    #[serde(default)]
+    pub pending: Vec<Vec<RowPos>>,
 }
 
 impl Loader {
-    pub fn open(path: &Path, format: Format, opts: LoaderOptions) -> Result<Self> {
-        let mut rows = ArrowRows::open(path)?;
-        let cols = rows.peek_columns()?;
-        let names: Vec<&str> = cols.iter().map(|(n, _)| n.as_str()).collect();
-        let need: &[&str] = match format {
-            Format::Tokenized => &["input_ids"],
-            Format::Alpaca(_) => &["instruction", "output"],
-        };
-        for n in need {
-            if !names.contains(n) {
-                let hint = match format {
-                    Format::Tokenized => " (data.format = \"tokenized\" needs input_ids, and labels optionally; for instruction records set data.format = \"alpaca\")",
-                    Format::Alpaca(_) => " (data.format = \"alpaca\" needs instruction, output and optionally input)",
-                };
-                return Err(Error::data(
-                    rows.first_file(),
-                    format!("no `{n}` column; columns are: {}{hint}", names.join(", ")),
-                ));
+    pub fn open(specs: &[PathBuf], split: Option<&str>, fmt: Formatter, opts: LoaderOptions) -> Result<Self> {
+        let mut rows = Rows::open_all(specs, split)?;
+        let names = rows.peek_columns()?;
+        for n in fmt.required_columns() {
+            if !names.contains(&n) {
+                let hint = format!(
+                    " (data.format = \"{}\" needs {}; remap names with [data.columns], or pick another data.format: {})",
+                    fmt.format,
+                    fmt.required_columns().join(", "),
+                    format::FORMATS.join(", ")
+                );
+                return Err(Error::data(rows.first_file(), format!("no `{n}` column; columns are: {}{hint}", names.join(", "))));
             }
         }
         let rng = Rng::new(opts.seed ^ 0xDA7A);
-        Ok(Loader { rows, format, opts, buffer: Vec::new(), carry: None, rng, truncated: 0 })
+        Ok(Loader { rows, fmt, opts, buffer: Vec::new(), carry: None, rng, stats: DataStats::default(), unusable_run: 0, pending: Default::default() })
+    }
+
+    pub fn formatter(&self) -> &Formatter {
+        &self.fmt
+    }
+
+    pub fn total_rows(&self) -> u64 {
+        self.rows.total_rows
     }
 
     pub fn state(&self) -> LoaderState {
@@ -181,38 +159,84 @@ impl Loader {
             rng: self.rng.state(),
             buffer: self.buffer.iter().map(|(_, p)| *p).collect(),
             carry: self.carry.as_ref().map(|(_, p)| *p),
-            truncated: self.truncated,
+            stats: self.stats.clone(),
+            pending: self.pending.iter().map(|b| b.iter().map(|(_, p)| *p).collect()).collect(),
         }
     }
 
     /// Continue from a saved state: jump to the cursor and re-read the buffered rows by
     /// position (nothing before them is read).
     pub fn restore(&mut self, st: &LoaderState) -> Result<()> {
-        self.rows.seek(st.cursor)?;
         self.rng = Rng::new(st.rng);
         self.buffer.clear();
         for &pos in &st.buffer {
-            let r = self.rows.row_at(pos)?;
-            let ex = format_row(&self.format, &r, &self.opts)?.0;
+            let ex = self.example_at(pos)?;
             self.buffer.push((ex, pos));
         }
         self.carry = match st.carry {
-            Some(pos) => {
-                let r = self.rows.row_at(pos)?;
-                Some((format_row(&self.format, &r, &self.opts)?.0, pos))
-            }
+            Some(pos) => Some((self.example_at(pos)?, pos)),
             None => None,
         };
+        self.pending.clear();
+        for b in &st.pending {
+            let mut batch = Vec::with_capacity(b.len());
+            for &pos in b {
+                batch.push((self.example_at(pos)?, pos));
+            }
+            self.pending.push_back(batch);
+        }
         self.rows.seek(st.cursor)?;
-        self.truncated = st.truncated;
+        self.stats = st.stats.clone();
         Ok(())
     }
 
+    /// A row that was usable before, read again by position.
+    fn example_at(&mut self, pos: RowPos) -> Result<Example> {
+        let r = self.rows.row_at(pos)?;
+        match convert(&self.fmt, &r, &self.opts)? {
+            Converted::Ok(ex, _) => Ok(ex),
+            _ => Err(Error::data(r.file, format!("row {} changed since the checkpoint (no longer usable)", r.index))),
+        }
+    }
+
+    /// The next usable example in dataset order (wrapping), applying overflow and the
+    /// bad-record policy.
     fn read_one(&mut self) -> Result<(Example, RowPos)> {
-        let (r, pos) = self.rows.next_row()?;
-        let (ex, truncated) = format_row(&self.format, &r, &self.opts)?;
-        self.truncated += u64::from(truncated);
-        Ok((ex, pos))
+        loop {
+            let total = self.rows.total_rows;
+            let (opts, fmt) = (&self.opts, &self.fmt);
+            let (r, pos) = self.rows.next_row()?;
+            let held = is_held_out(r.index, opts.eval_fraction, opts.seed);
+            if opts.eval_fraction > 0.0 && held != (opts.role == Role::Eval) {
+                self.unusable_run += 1;
+                if self.unusable_run > total {
+                    return Err(Error::data(r.file, "no rows left for this split (data.eval_fraction too large?)"));
+                }
+                continue;
+            }
+            let file = r.file.to_path_buf();
+            match convert(fmt, &r, opts)? {
+                Converted::Ok(ex, truncated) => {
+                    self.stats.truncated += u64::from(truncated);
+                    self.unusable_run = 0;
+                    return Ok((ex, pos));
+                }
+                Converted::Dropped => self.stats.dropped += 1,
+                Converted::Bad(BadRecord(msg)) => {
+                    if self.opts.on_bad_record != "skip" {
+                        return Err(Error::data(&file, format!("{msg} (set data.on_bad_record = \"skip\" to skip such records)")));
+                    }
+                    self.stats.bad += 1;
+                    if self.stats.bad_examples.len() < 5 {
+                        self.stats.bad_examples.push(msg);
+                    }
+                }
+            }
+            self.unusable_run += 1;
+            if self.unusable_run > total {
+                return Err(Error::data(&file, "no usable records: every row was bad or too long (see data.on_bad_record, data.overflow)"));
+            }
+        }
     }
 
     /// The next example: in dataset order, or drawn from a seeded shuffle buffer of
@@ -258,54 +282,88 @@ impl Loader {
             row.labels.extend(item.0.labels);
         }
     }
+
+    /// batch_by = "tokens": a micro-batch of similar-length examples whose padded size
+    /// (rows x longest) stays within `max_tokens`. Examples are drawn `shuffle_buffer` at a
+    /// time (through the shuffle buffer when shuffling), sorted by length, cut into batches,
+    /// and the batches served in a seeded random order.
+    pub fn next_token_batch(&mut self, max_tokens: usize) -> Result<Vec<Example>> {
+        if self.pending.is_empty() {
+            let n = self.opts.shuffle_buffer.max(1);
+            let mut pool = Vec::with_capacity(n);
+            for _ in 0..n {
+                pool.push(self.next_with_pos()?);
+            }
+            pool.sort_by_key(|(e, p)| (e.input_ids.len(), p.index));
+            let mut batches: Vec<Vec<(Example, RowPos)>> = Vec::new();
+            let mut cur: Vec<(Example, RowPos)> = Vec::new();
+            let mut longest = 0;
+            for item in pool {
+                let l = item.0.input_ids.len();
+                if !cur.is_empty() && longest.max(l) * (cur.len() + 1) > max_tokens {
+                    batches.push(std::mem::take(&mut cur));
+                    longest = 0;
+                }
+                longest = longest.max(l);
+                cur.push(item);
+            }
+            if !cur.is_empty() {
+                batches.push(cur);
+            }
+            for i in (1..batches.len()).rev() {
+                let j = self.rng.below(i as u64 + 1) as usize;
+                batches.swap(i, j);
+            }
+            self.pending = batches.into();
+        }
+        Ok(self.pending.pop_front().map(|b| b.into_iter().map(|x| x.0).collect()).unwrap_or_default())
+    }
+
+    /// Every usable example of this loader's split once, in order (for evaluation).
+    pub fn one_pass(&mut self) -> Result<Vec<Example>> {
+        let mut out = Vec::new();
+        let total = self.rows.total_rows;
+        self.rows.seek(Cursor::default())?;
+        for _ in 0..total {
+            let (r, _) = self.rows.next_row()?;
+            if self.opts.eval_fraction > 0.0 && is_held_out(r.index, self.opts.eval_fraction, self.opts.seed) != (self.opts.role == Role::Eval) {
+                continue;
+            }
+            if let Converted::Ok(ex, _) = convert(&self.fmt, &r, &self.opts)? {
+                out.push(ex);
+            }
+        }
+        Ok(out)
+    }
 }
 
-/// A row as an example, truncated to `max_seq_len` (the flag says whether it was).
-fn format_row(format: &Format, r: &RowRef, opts: &LoaderOptions) -> Result<(Example, bool)> {
-    let mut ex = match format {
-        Format::Tokenized => tokenized(r, opts.vocab_size)?,
-        Format::Alpaca(f) => {
-            let get = |c: &str| string_cell(r, c);
-            let instruction =
-                get("instruction")?.ok_or_else(|| Error::data(r.file, format!("row {}: `instruction` is null", r.index)))?;
-            let output = get("output")?.ok_or_else(|| Error::data(r.file, format!("row {}: `output` is null", r.index)))?;
-            let input = get("input")?.unwrap_or_default();
-            f.format(&instruction, &input, &output)?
-        }
+enum Converted {
+    Ok(Example, bool),
+    Dropped,
+    Bad(BadRecord),
+}
+
+/// A row as an example, truncated (or dropped) at `max_seq_len`.
+fn convert(fmt: &Formatter, r: &RowRef, opts: &LoaderOptions) -> Result<Converted> {
+    let rec = match fmt.read(r)? {
+        Ok(rec) => rec,
+        Err(b) => return Ok(Converted::Bad(b)),
+    };
+    let mut ex = match fmt.tokenize(rec, r.index)? {
+        Ok(ex) => ex,
+        Err(b) => return Ok(Converted::Bad(b)),
     };
     let truncated = ex.input_ids.len() > opts.max_seq_len;
     if truncated {
+        if opts.overflow == "drop" {
+            return Ok(Converted::Dropped);
+        }
         ex.input_ids.truncate(opts.max_seq_len);
         ex.labels.truncate(opts.max_seq_len);
         ex.positions.truncate(opts.max_seq_len);
         ex.segments.truncate(opts.max_seq_len);
     }
-    Ok((ex, truncated))
-}
-
-fn tokenized(r: &RowRef, vocab: usize) -> Result<Example> {
-    let ids = int_list(r, "input_ids")?;
-    let labels = if r.batch.column_by_name("labels").is_some() { int_list(r, "labels")? } else { ids.clone() };
-    let bad = |msg: String| Error::data(r.file, format!("row {}: {msg}", r.index));
-    if labels.len() != ids.len() {
-        return Err(bad(format!("labels has {} entries but input_ids has {}", labels.len(), ids.len())));
-    }
-    if ids.is_empty() {
-        return Err(bad("input_ids is empty".into()));
-    }
-    let mut input_ids = Vec::with_capacity(ids.len());
-    for &t in &ids {
-        if t < 0 || t as usize >= vocab {
-            return Err(bad(format!("token id {t} outside the vocabulary [0, {vocab})")));
-        }
-        input_ids.push(t as u32);
-    }
-    for &l in &labels {
-        if l != IGNORE && (l < 0 || l as usize >= vocab) {
-            return Err(bad(format!("label {l} is neither -100 nor a token id in [0, {vocab})")));
-        }
-    }
-    Ok(Example::new(input_ids, labels))
+    Ok(Converted::Ok(ex, truncated))
 }
 
 /// A padded micro-batch. `targets[b][t]` is the label position t predicts (labels shifted by

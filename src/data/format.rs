@@ -1,0 +1,332 @@
+//! Record formats and rendering: a row becomes token ids and labels.
+//!
+//! Formats: `tokenized` (input_ids, labels), `text` (continued pretraining: every token
+//! trained), `alpaca` (instruction / input / output), `prompt_completion` (prompt /
+//! completion) and `messages` (a list of {role, content}, multi-turn). Column names are
+//! remappable (`[data.columns]`).
+//!
+//! Templates: `alpaca` (the Stanford Alpaca prompt), `raw` (prompt and completion
+//! concatenated), `model` (the model's own chat template, as transformers'
+//! `apply_chat_template`), or a built-in chat template: `chatml`, `deepseek`, `llama3`.
+//!
+//! Loss masking: by default only what the assistant says is trained — each assistant turn's
+//! text and its end-of-turn marker, found by rendering the conversation up to each turn (with
+//! and without the generation prompt) and marking the tokens whose text lies in between.
+//! `train_on_prompt = true` trains on every token.
+
+use super::{Example, IGNORE};
+use crate::chat::{ChatTemplate, Message};
+use crate::data::source::RowRef;
+use crate::error::{Error, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub const FORMATS: &[&str] = &["tokenized", "text", "alpaca", "prompt_completion", "messages"];
+pub const TEMPLATES: &[&str] = &["model", "alpaca", "raw", "chatml", "deepseek", "llama3"];
+
+/// ChatML (Qwen, SmolLM): `<|im_start|>role\ncontent<|im_end|>\n`.
+const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+/// DeepSeek LLM chat: `User: ...\n\nAssistant: ...<eos>`.
+const DEEPSEEK: &str = "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n\\n' }}{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token }}{% elif message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}";
+/// Llama 3 instruct.
+const LLAMA3: &str = "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
+
+/// The Stanford Alpaca prompt (the plain template most instruction datasets were made for).
+pub fn alpaca_prompt(instruction: &str, input: &str) -> String {
+    if input.is_empty() {
+        format!(
+            "Below is an instruction that describes a task. Write a response that appropriately \
+             completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+        )
+    } else {
+        format!(
+            "Below is an instruction that describes a task, paired with an input that provides \
+             further context. Write a response that appropriately completes the request.\n\n\
+             ### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+        )
+    }
+}
+
+/// A record before tokenization.
+pub enum Record {
+    Tokens(Vec<i64>, Option<Vec<i64>>),
+    Text(String),
+    /// Single-turn prompt and answer (alpaca, prompt_completion).
+    PromptCompletion(String, String),
+    Conversation(Vec<Message>),
+}
+
+/// Why a record could not be used (reported, and skipped with on_bad_record = "skip").
+pub struct BadRecord(pub String);
+
+enum Template {
+    Alpaca,
+    Raw,
+    Chat(ChatTemplate),
+}
+
+pub struct Formatter {
+    pub format: String,
+    columns: BTreeMap<String, String>,
+    tokenizer: Option<tokenizers::Tokenizer>,
+    tok_path: PathBuf,
+    eos: Option<u32>,
+    template: Template,
+    train_on_prompt: bool,
+    vocab: usize,
+}
+
+impl Formatter {
+    /// `template` None picks the default for the format (alpaca -> "alpaca", prompt_completion
+    /// and messages -> "model").
+    pub fn new(
+        format: &str,
+        template: Option<&str>,
+        columns: &BTreeMap<String, String>,
+        train_on_prompt: bool,
+        model_dir: &Path,
+        vocab: usize,
+    ) -> Result<Self> {
+        let tok_path = model_dir.join("tokenizer.json");
+        let needs_tokenizer = format != "tokenized";
+        let tokenizer = if needs_tokenizer {
+            if !tok_path.is_file() {
+                return Err(Error::Tokenizer {
+                    path: tok_path.clone(),
+                    msg: format!("not found; data.format = \"{format}\" needs the model's tokenizer.json (or use format = \"tokenized\")"),
+                });
+            }
+            Some(tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?)
+        } else {
+            None
+        };
+        let (bos_s, eos_s) = special_tokens(model_dir);
+        let eos = tokenizer.as_ref().and_then(|t| eos_s.as_deref().and_then(|e| t.token_to_id(e))).or_else(|| eos_from_config(model_dir));
+        let name = template.unwrap_or(match format {
+            "alpaca" => "alpaca",
+            "prompt_completion" | "messages" => "model",
+            _ => "raw",
+        });
+        let bos = bos_s.unwrap_or_default();
+        let eos_text = eos_s.unwrap_or_default();
+        let template = match name {
+            "alpaca" => Template::Alpaca,
+            "raw" => Template::Raw,
+            "chatml" => Template::Chat(ChatTemplate::from_source(CHATML, &bos, &eos_text)),
+            "deepseek" => Template::Chat(ChatTemplate::from_source(DEEPSEEK, &bos, &eos_text)),
+            "llama3" => Template::Chat(ChatTemplate::from_source(LLAMA3, &bos, &eos_text)),
+            _ => Template::Chat(ChatTemplate::from_model_dir(model_dir)?.ok_or_else(|| Error::Tokenizer {
+                path: model_dir.join("tokenizer_config.json"),
+                msg: "the model has no chat template; set data.template to chatml, deepseek, llama3 or alpaca".into(),
+            })?),
+        };
+        if format == "messages" && matches!(template, Template::Alpaca | Template::Raw) {
+            return Err(Error::Train(format!("data.template = \"{name}\" cannot render multi-turn messages; use model, chatml, deepseek or llama3")));
+        }
+        Ok(Formatter { format: format.into(), columns: columns.clone(), tokenizer, tok_path, eos, template, train_on_prompt, vocab })
+    }
+
+    fn col<'a>(&'a self, name: &'a str) -> &'a str {
+        self.columns.get(name).map(String::as_str).unwrap_or(name)
+    }
+
+    /// Columns a dataset must have for this format (after remapping).
+    pub fn required_columns(&self) -> Vec<String> {
+        let names: &[&str] = match self.format.as_str() {
+            "tokenized" => &["input_ids"],
+            "text" => &["text"],
+            "alpaca" => &["instruction", "output"],
+            "prompt_completion" => &["prompt", "completion"],
+            _ => &["messages"],
+        };
+        names.iter().map(|n| self.col(n).to_string()).collect()
+    }
+
+    /// Read a row as a record. Problems with the row's content are `Ok(Err(BadRecord))`.
+    pub fn read(&self, r: &RowRef) -> Result<std::result::Result<Record, BadRecord>> {
+        if let Some(msg) = r.bad_line() {
+            return Ok(Err(BadRecord(msg)));
+        }
+        let bad = |e: Error| BadRecord(e.to_string());
+        let need = |c: &str| -> std::result::Result<String, BadRecord> {
+            r.string(self.col(c)).map_err(bad)?.ok_or_else(|| BadRecord(format!("row {}: `{}` is missing or null", r.index, self.col(c))))
+        };
+        Ok(Ok(match self.format.as_str() {
+            "tokenized" => {
+                let ids = match r.int_list(self.col("input_ids")) {
+                    Ok(v) => v,
+                    Err(e) => return Ok(Err(bad(e))),
+                };
+                let labels = if r.has(self.col("labels")) {
+                    match r.int_list(self.col("labels")) {
+                        Ok(v) => Some(v),
+                        Err(e) => return Ok(Err(bad(e))),
+                    }
+                } else {
+                    None
+                };
+                Record::Tokens(ids, labels)
+            }
+            "text" => match need("text") {
+                Ok(t) => Record::Text(t),
+                Err(b) => return Ok(Err(b)),
+            },
+            "alpaca" => {
+                let (instruction, output) = match (need("instruction"), need("output")) {
+                    (Ok(i), Ok(o)) => (i, o),
+                    (Err(b), _) | (_, Err(b)) => return Ok(Err(b)),
+                };
+                let input = r.string(self.col("input")).map_err(bad).map(|v| v.unwrap_or_default());
+                let input = match input {
+                    Ok(i) => i,
+                    Err(b) => return Ok(Err(b)),
+                };
+                match self.template {
+                    Template::Alpaca => Record::PromptCompletion(alpaca_prompt(&instruction, &input), output),
+                    Template::Raw => Record::PromptCompletion(if input.is_empty() { instruction } else { format!("{instruction}\n\n{input}") }, output),
+                    Template::Chat(_) => {
+                        let user = if input.is_empty() { instruction } else { format!("{instruction}\n\n{input}") };
+                        Record::Conversation(vec![Message::new("user", &user), Message::new("assistant", &output)])
+                    }
+                }
+            }
+            "prompt_completion" => {
+                let (p, c) = match (need("prompt"), need("completion")) {
+                    (Ok(p), Ok(c)) => (p, c),
+                    (Err(b), _) | (_, Err(b)) => return Ok(Err(b)),
+                };
+                match self.template {
+                    Template::Alpaca => Record::PromptCompletion(alpaca_prompt(&p, ""), c),
+                    Template::Raw => Record::PromptCompletion(p, c),
+                    Template::Chat(_) => Record::Conversation(vec![Message::new("user", &p), Message::new("assistant", &c)]),
+                }
+            }
+            _ => match r.messages(self.col("messages")) {
+                Ok(Some(m)) => {
+                    if !m.iter().any(|m| m.role == "assistant") {
+                        return Ok(Err(BadRecord(format!("row {}: no assistant turn in `{}`", r.index, self.col("messages")))));
+                    }
+                    Record::Conversation(m)
+                }
+                Ok(None) => return Ok(Err(BadRecord(format!("row {}: `{}` is missing or null", r.index, self.col("messages"))))),
+                Err(e) => return Ok(Err(bad(e))),
+            },
+        }))
+    }
+
+    fn encode(&self, text: &str, special: bool) -> Result<tokenizers::Encoding> {
+        let t = self.tokenizer.as_ref().ok_or_else(|| Error::Tokenizer { path: self.tok_path.clone(), msg: "no tokenizer loaded".into() })?;
+        t.encode(text, special).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })
+    }
+
+    /// Tokenize a record. `index` names the row in messages.
+    pub fn tokenize(&self, rec: Record, index: u64) -> Result<std::result::Result<Example, BadRecord>> {
+        let ex = match rec {
+            Record::Tokens(ids, labels) => {
+                let labels = labels.unwrap_or_else(|| ids.clone());
+                if labels.len() != ids.len() {
+                    return Ok(Err(BadRecord(format!("row {index}: labels has {} entries but input_ids has {}", labels.len(), ids.len()))));
+                }
+                let mut input_ids = Vec::with_capacity(ids.len());
+                for &t in &ids {
+                    if t < 0 || t as usize >= self.vocab {
+                        return Ok(Err(BadRecord(format!("row {index}: token id {t} outside the vocabulary [0, {})", self.vocab))));
+                    }
+                    input_ids.push(t as u32);
+                }
+                if let Some(&l) = labels.iter().find(|&&l| l != IGNORE && (l < 0 || l as usize >= self.vocab)) {
+                    return Ok(Err(BadRecord(format!("row {index}: label {l} is neither -100 nor a token id in [0, {})", self.vocab))));
+                }
+                Example::new(input_ids, labels)
+            }
+            Record::Text(t) => {
+                let mut ids = self.encode(&t, true)?.get_ids().to_vec();
+                ids.extend(self.eos);
+                let labels = ids.iter().map(|&x| x as i64).collect();
+                Example::new(ids, labels)
+            }
+            Record::PromptCompletion(p, c) => {
+                let prompt = self.encode(&p, true)?.get_ids().to_vec();
+                let mut resp = self.encode(&c, false)?.get_ids().to_vec();
+                resp.extend(self.eos);
+                let mut labels: Vec<i64> =
+                    if self.train_on_prompt { prompt.iter().map(|&x| x as i64).collect() } else { vec![IGNORE; prompt.len()] };
+                labels.extend(resp.iter().map(|&x| x as i64));
+                let mut ids = prompt;
+                ids.extend(resp);
+                Example::new(ids, labels)
+            }
+            Record::Conversation(m) => match self.render_conversation(&m, index)? {
+                Ok(ex) => ex,
+                Err(b) => return Ok(Err(b)),
+            },
+        };
+        if ex.input_ids.is_empty() {
+            return Ok(Err(BadRecord(format!("row {index}: no tokens"))));
+        }
+        Ok(Ok(ex))
+    }
+
+    /// Render with the chat template; label the assistant spans.
+    pub fn render_conversation(&self, m: &[Message], index: u64) -> Result<std::result::Result<Example, BadRecord>> {
+        let Template::Chat(t) = &self.template else {
+            return Ok(Err(BadRecord(format!("row {index}: the template cannot render conversations"))));
+        };
+        let text = match t.render(m, false) {
+            Ok(s) => s,
+            Err(e) => return Ok(Err(BadRecord(format!("row {index}: {e}")))),
+        };
+        // Byte spans of the assistant turns.
+        let mut spans = Vec::new();
+        for (i, msg) in m.iter().enumerate() {
+            if msg.role != "assistant" {
+                continue;
+            }
+            let before = t.render(&m[..i], true)?;
+            let through = t.render(&m[..=i], false)?;
+            if !through.starts_with(&before) || !text.starts_with(&through) {
+                return Err(Error::Tokenizer {
+                    path: self.tok_path.clone(),
+                    msg: "the chat template does not render conversations prefix by prefix, so assistant turns cannot be located; \
+                          set data.train_on_prompt = true or choose data.template"
+                        .into(),
+                });
+            }
+            spans.push(before.len()..through.len());
+        }
+        let enc = self.encode(&text, false)?;
+        let ids = enc.get_ids().to_vec();
+        let labels = ids
+            .iter()
+            .zip(enc.get_offsets())
+            .map(|(&id, &(start, end))| {
+                let _ = end;
+                let trained = self.train_on_prompt || spans.iter().any(|s| s.contains(&start));
+                if trained { id as i64 } else { IGNORE }
+            })
+            .collect();
+        Ok(Ok(Example::new(ids, labels)))
+    }
+
+    /// Decode ids (for `data inspect`).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match &self.tokenizer {
+            Some(t) => t.decode(ids, false).unwrap_or_default(),
+            None => format!("{ids:?}"),
+        }
+    }
+}
+
+fn special_tokens(model_dir: &Path) -> (Option<String>, Option<String>) {
+    let Ok(text) = std::fs::read_to_string(model_dir.join("tokenizer_config.json")) else { return (None, None) };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return (None, None) };
+    let get = |k: &str| v.get(k).and_then(|t| t.as_str().map(String::from).or_else(|| t.get("content").and_then(|c| c.as_str()).map(String::from)));
+    (get("bos_token"), get("eos_token"))
+}
+
+fn eos_from_config(model_dir: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(model_dir.join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let id = v.get("eos_token_id")?;
+    id.as_u64().or_else(|| id.get(0).and_then(|x| x.as_u64())).map(|x| x as u32)
+}
