@@ -87,6 +87,11 @@ enum Command {
         #[arg(long)]
         chat: bool,
     },
+    /// Look at the data as training will see it.
+    Data {
+        #[command(subcommand)]
+        cmd: DataCmd,
+    },
     /// Write a random-weight model and a toy tokenized dataset (for trying the tool and tests).
     Synth {
         /// Output folder: <out>/model and <out>/data are written.
@@ -109,6 +114,87 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+}
+
+#[derive(Subcommand)]
+enum DataCmd {
+    /// Print the first examples with the trained tokens marked, the token-length histogram,
+    /// and how many rows would be truncated, dropped or skipped.
+    Inspect {
+        #[command(flatten)]
+        train: TrainArgs,
+        /// Examples to print.
+        #[arg(long, default_value_t = 3)]
+        n: usize,
+        /// Rows to scan for the histogram (default: all).
+        #[arg(long)]
+        scan: Option<u64>,
+    },
+}
+
+fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    let mut recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
+    recipe.recipe.data.shuffle = false;
+    recipe.recipe.data.packing = false;
+    let r = &recipe.recipe;
+    let model_dir = finetune::weights::ModelDir::resolve(&r.model.path, &recipe.dir)?;
+    let cfg = finetune::config::ModelConfig::from_file(&model_dir.config_path())?;
+    let mut loader = finetune::train::open_loader(&recipe, &model_dir, cfg.vocab_size, finetune::data::Role::Train)?;
+    let color = std::io::stdout().is_terminal();
+    let (open, close) = if color { ("\x1b[32m", "\x1b[0m") } else { ("«", "»") };
+    println!("data: {} rows; format {}; trained tokens shown as {open}like this{close}\n", loader.total_rows(), r.data.format);
+    for i in 0..n.min(loader.total_rows() as usize) {
+        let ex = loader.next_example()?;
+        let trained = ex.labels.iter().filter(|&&l| l != finetune::data::IGNORE).count();
+        println!("--- example {i}: {} tokens, {trained} trained", ex.input_ids.len());
+        let mut out = String::new();
+        let mut start = 0;
+        while start < ex.input_ids.len() {
+            let on = ex.labels[start] != finetune::data::IGNORE;
+            let mut end = start;
+            while end < ex.input_ids.len() && (ex.labels[end] != finetune::data::IGNORE) == on {
+                end += 1;
+            }
+            let text = loader.formatter().decode(&ex.input_ids[start..end]);
+            if on {
+                out.push_str(&format!("{open}{text}{close}"));
+            } else {
+                out.push_str(&text);
+            }
+            start = end;
+        }
+        println!("{out}\n");
+    }
+    let (lengths, bad, bad_examples) = loader.scan_lengths(scan.unwrap_or(u64::MAX))?;
+    let max = r.data.max_seq_len;
+    let over = lengths.iter().filter(|&&l| l > max).count();
+    println!("token lengths of {} rows (before truncation):", lengths.len());
+    let mut bucket = 1usize;
+    let top = lengths.iter().copied().max().unwrap_or(0);
+    let width = 40.0;
+    let biggest = {
+        let mut b = 1usize;
+        let mut m = 0usize;
+        while b / 2 <= top {
+            m = m.max(lengths.iter().filter(|&&l| l <= b && l > b / 2).count());
+            b *= 2;
+        }
+        m.max(1)
+    };
+    while bucket / 2 <= top {
+        let c = lengths.iter().filter(|&&l| l <= bucket && l > bucket / 2).count();
+        if c > 0 {
+            println!("  {:>6}-{:<6} {:>8} {}", bucket / 2 + 1, bucket, c, "#".repeat(((c as f64 / biggest as f64) * width).ceil() as usize));
+        }
+        bucket *= 2;
+    }
+    let verb = if r.data.overflow == "drop" { "dropped" } else { "truncated" };
+    println!("\n{over} of {} rows are longer than data.max_seq_len = {max} and would be {verb} (data.overflow = \"{}\")", lengths.len(), r.data.overflow);
+    if bad > 0 {
+        println!("{bad} bad record(s) (data.on_bad_record = \"{}\"), e.g. {}", r.data.on_bad_record, bad_examples.join("; "));
+    }
+    Ok(())
 }
 
 #[derive(Args)]
@@ -311,6 +397,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         (Some(Command::Export(a)), _) => export(&a)?,
+        (Some(Command::Data { cmd: DataCmd::Inspect { train, n, scan } }), _) => inspect(&train, n, scan)?,
         (Some(Command::Import { gguf, out, dtype, max_shard_size }), _) => {
             let dtype = match dtype.as_str() {
                 "f32" => candle_core::DType::F32,

@@ -319,6 +319,31 @@ impl Loader {
         Ok(self.pending.pop_front().map(|b| b.into_iter().map(|x| x.0).collect()).unwrap_or_default())
     }
 
+    /// Token lengths (before truncation) of the first `limit` rows, and the bad records among
+    /// them (count, first few messages). For `finetune data inspect`.
+    pub fn scan_lengths(&mut self, limit: u64) -> Result<(Vec<usize>, u64, Vec<String>)> {
+        let (mut lengths, mut bad, mut examples) = (Vec::new(), 0u64, Vec::new());
+        self.rows.seek(Cursor::default())?;
+        for _ in 0..self.rows.total_rows.min(limit) {
+            let (r, _) = self.rows.next_row()?;
+            let outcome = match self.fmt.read(&r)? {
+                Ok(rec) => self.fmt.tokenize(rec, r.index)?,
+                Err(b) => Err(b),
+            };
+            match outcome {
+                Ok(ex) => lengths.push(ex.input_ids.len()),
+                Err(BadRecord(m)) => {
+                    bad += 1;
+                    if examples.len() < 5 {
+                        examples.push(m);
+                    }
+                }
+            }
+        }
+        self.rows.seek(Cursor::default())?;
+        Ok((lengths, bad, examples))
+    }
+
     /// Every usable example of this loader's split once, in order (for evaluation).
     pub fn one_pass(&mut self) -> Result<Vec<Example>> {
         let mut out = Vec::new();
