@@ -103,15 +103,58 @@ def peft(model, batch, seq, steps, warmup, ckpt, dtype="f32"):
     return res
 
 
+def data_bench(cache, rows):
+    """Stream `rows` text records of ~300 characters (JSONL, shuffled, tokenized with the
+    SmolLM2 tokenizer) through the loader: rows/s and peak RSS (no model weights loaded)."""
+    import random
+    d = os.path.join(cache, "data-1m")
+    os.makedirs(d, exist_ok=True)
+    data = os.path.join(d, f"text-{rows}.jsonl")
+    if not os.path.isfile(data):
+        rnd = random.Random(0)
+        words = "the of and to in a is that for it as was with be by on not he this are or his from at which".split()
+        with open(data + ".tmp", "w") as f:
+            for i in range(rows):
+                text = " ".join(rnd.choice(words) for _ in range(60))[:300]
+                f.write(json.dumps({"text": f"{i} {text}"}) + "\n")
+        os.rename(data + ".tmp", data)
+    model = os.path.join(d, "model")
+    os.makedirs(model, exist_ok=True)
+    fx = os.path.join(ROOT, "tests", "fixtures", "chat-templates")
+    for n in ["tokenizer.json", "tokenizer_config.json"]:
+        with open(os.path.join(fx, n)) as src, open(os.path.join(model, n), "w") as dst:
+            dst.write(src.read())
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                   "num_attention_heads": 4, "vocab_size": 49152}, f)
+    recipe = os.path.join(d, "stream.toml")
+    with open(recipe, "w") as f:
+        f.write(f'[model]\npath = "model"\n[lora]\nrank = 8\nalpha = 16\n[data]\ntrain = "{os.path.basename(data)}"\n'
+                'format = "text"\nshuffle = true\nshuffle_buffer = 10000\nmax_seq_len = 512\n'
+                '[train]\nmax_steps = 1\nlr = 1e-4\n[output]\ndir = "out"\n')
+    lines, rss = peak_rss_of([BIN, "data", "stream", "--recipe", recipe, "--rows", str(rows)])
+    res = json.loads(lines[-1])
+    res["peak_rss_mb"] = rss
+    size_mb = os.path.getsize(data) / 1e6
+    print(f"\ndata loader: {rows} JSONL rows ({size_mb:.0f} MB), shuffled, tokenized: "
+          f"{res['rows_per_s']:.0f} rows/s, {res['tokens_per_s']:.0f} tokens/s, peak RSS {rss:.0f} MB")
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed step")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--data-only", action="store_true", help="only the data-loader benchmark")
+    ap.add_argument("--data-rows", type=int, default=1_000_000)
     a = ap.parse_args()
     steps, warmup = (1, 1) if a.quick else (2, 1)
     cache = os.path.join(ROOT, ".cache", "bench")
     os.makedirs(cache, exist_ok=True)
+    data_bench(cache, a.data_rows)
+    if a.data_only:
+        return
     model, data = ensure_model(cache, a.seq)
     rows = []
     for name, fn in [

@@ -118,6 +118,15 @@ enum Command {
 
 #[derive(Subcommand)]
 enum DataCmd {
+    /// Stream examples through the loader as training would (tokenization included) and
+    /// report rows/s and peak memory; for benchmarks.
+    Stream {
+        #[command(flatten)]
+        train: TrainArgs,
+        /// Examples to read.
+        #[arg(long, default_value_t = 100_000)]
+        rows: u64,
+    },
     /// Print the first examples with the trained tokens marked, the token-length histogram,
     /// and how many rows would be truncated, dropped or skipped.
     Inspect {
@@ -130,6 +139,30 @@ enum DataCmd {
         #[arg(long)]
         scan: Option<u64>,
     },
+}
+
+fn stream(t: &TrainArgs, rows: u64) -> anyhow::Result<()> {
+    let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
+    let model_dir = finetune::weights::ModelDir::resolve(&recipe.recipe.model.path, &recipe.dir)?;
+    let cfg = finetune::config::ModelConfig::from_file(&model_dir.config_path())?;
+    let started = std::time::Instant::now();
+    let mut loader = finetune::train::open_loader(&recipe, &model_dir, cfg.vocab_size, finetune::data::Role::Train)?;
+    let mut tokens = 0usize;
+    for _ in 0..rows {
+        tokens += loader.next_example()?.input_ids.len();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let hwm = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|k| k.parse::<f64>().ok()))
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0);
+    println!(
+        "{{\"rows\": {rows}, \"tokens\": {tokens}, \"seconds\": {secs:.2}, \"rows_per_s\": {:.0}, \"tokens_per_s\": {:.0}, \"peak_rss_mb\": {hwm:.1}}}",
+        rows as f64 / secs,
+        tokens as f64 / secs
+    );
+    Ok(())
 }
 
 fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
@@ -398,6 +431,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         (Some(Command::Export(a)), _) => export(&a)?,
         (Some(Command::Data { cmd: DataCmd::Inspect { train, n, scan } }), _) => inspect(&train, n, scan)?,
+        (Some(Command::Data { cmd: DataCmd::Stream { train, rows } }), _) => stream(&train, rows)?,
         (Some(Command::Import { gguf, out, dtype, max_shard_size }), _) => {
             let dtype = match dtype.as_str() {
                 "f32" => candle_core::DType::F32,

@@ -284,3 +284,27 @@ fn record_formats_render_as_documented() {
     assert!(t.labels.iter().all(|&l| l != IGNORE));
     assert_eq!(f.decode(&t.input_ids), "hello world<|im_end|>");
 }
+
+#[test]
+fn shuffling_permutes_shards_per_epoch_seeded_and_visits_every_row_once() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let mut specs = Vec::new();
+    for f in 0..5 {
+        let p = d.path().join(format!("s{f}.jsonl"));
+        write_jsonl(&p, &(0..3).map(|r| serde_json::json!({"text": format!("w{f} r{r}")}).to_string()).collect::<Vec<_>>());
+        specs.push(p);
+    }
+    let epoch = |seed: u64| -> Vec<Vec<u32>> {
+        let o = LoaderOptions { shuffle: true, shuffle_buffer: 1, seed, ..opts() };
+        let mut l = loader(&specs, None, formatter(&m, "text", None, false), o).unwrap();
+        (0..15).map(|_| l.next_example().unwrap().input_ids).collect()
+    };
+    let (a, b, c) = (epoch(1), epoch(1), epoch(2));
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    let mut sorted = a.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 15, "every row exactly once per epoch");
+}

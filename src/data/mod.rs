@@ -141,6 +141,9 @@ impl Loader {
                 return Err(Error::data(rows.first_file(), format!("no `{n}` column; columns are: {}{hint}", names.join(", "))));
             }
         }
+        if opts.shuffle {
+            rows.shuffle_blocks(opts.seed);
+        }
         let rng = Rng::new(opts.seed ^ 0xDA7A);
         Ok(Loader { rows, fmt, opts, buffer: Vec::new(), carry: None, rng, stats: DataStats::default(), unusable_run: 0, pending: Default::default() })
     }

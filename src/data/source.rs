@@ -91,6 +91,23 @@ pub fn shard_files(spec: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// Drop the pages of `range` from this process's resident set. The map is read-only and
+/// file-backed, so the data stays in the page cache and a later access simply faults it back
+/// in; without this, every page a pass over a large dataset touched would count as resident.
+fn release(map: &memmap2::Mmap, range: Range<usize>) {
+    const PAGE: usize = 4096;
+    // The kernel maps up to 64 KiB around a faulting page ("fault-around"): release that much
+    // on either side too.
+    const AROUND: usize = 64 << 10;
+    let start = range.start.saturating_sub(AROUND) / PAGE * PAGE;
+    let end = (range.end + AROUND).min(map.len());
+    if end > start {
+        // SAFETY: MADV_DONTNEED on a read-only shared file mapping only discards our page
+        // table entries; no Rust reference into the map outlives the copy made before.
+        let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+    }
+}
+
 /// A decoded block of rows.
 pub enum Block {
     Arrow(RecordBatch),
@@ -165,6 +182,7 @@ impl IpcShard {
             pos = end;
         }
         let schema = schema.ok_or_else(|| bad("no schema message".into()))?;
+        release(&map, 0..map.len());
         Ok(IpcShard { path: path.to_path_buf(), map: Arc::new(map), schema, batches })
     }
 
@@ -177,7 +195,10 @@ impl IpcShard {
         let bad = |e: arrow_schema::ArrowError| Error::data(&self.path, format!("corrupt record batch {batch}: {e}"));
         let mut s = self.buffer(&self.schema);
         dec.decode(&mut s).map_err(bad)?;
-        let mut b = self.buffer(&self.batches[batch].0);
+        let range = self.batches[batch].0.clone();
+        let mut b = self.buffer(&range);
+        release(&self.map, self.schema.clone());
+        release(&self.map, range);
         while !b.is_empty() {
             if let Some(rb) = dec.decode(&mut b).map_err(bad)? {
                 return Ok(rb);
@@ -238,7 +259,13 @@ impl JsonlShard {
         let mut blocks = Vec::new();
         if let Some(m) = &map {
             let (mut start, mut lines, mut pos) = (0usize, 0usize, 0usize);
+            let mut released = 0usize;
             for line in m.split(|&b| b == b'\n') {
+                // Keep the scan itself from making the whole file resident.
+                if pos - released > 32 << 20 {
+                    release(m, released..pos);
+                    released = pos;
+                }
                 let end = pos + line.len();
                 if !line.iter().all(|b| b.is_ascii_whitespace()) {
                     lines += 1;
@@ -253,6 +280,7 @@ impl JsonlShard {
             if lines > 0 {
                 blocks.push((start..m.len(), lines));
             }
+            release(m, 0..m.len());
         }
         let map = match map {
             Some(m) => Arc::new(m),
@@ -264,15 +292,18 @@ impl JsonlShard {
     /// Lines of a block as JSON values; a line that is not JSON becomes a string value holding
     /// the parse error, reported per row by the format code.
     fn decode(&self, block: usize) -> Result<Vec<serde_json::Value>> {
-        let bytes = &self.map[self.blocks[block].0.clone()];
-        Ok(bytes
+        let range = self.blocks[block].0.clone();
+        let bytes = &self.map[range.clone()];
+        let rows = bytes
             .split(|&b| b == b'\n')
             .filter(|l| !l.iter().all(|b| b.is_ascii_whitespace()))
             .map(|l| match std::str::from_utf8(l) {
                 Err(_) => serde_json::json!({"__bad_record__": "invalid UTF-8"}),
                 Ok(s) => serde_json::from_str(s).unwrap_or_else(|e| serde_json::json!({"__bad_record__": format!("not valid JSON: {e}")})),
             })
-            .collect())
+            .collect();
+        release(&self.map, range);
+        Ok(rows)
     }
 }
 
@@ -314,14 +345,13 @@ impl Shard {
 }
 
 /// Position of the next row: enough to resume without reading anything before it.
+/// `slot` indexes the epoch's block order (the blocks of every shard in order, or a seeded
+/// permutation of them when shuffling), `row` the row within that block.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Cursor {
     pub epoch: u64,
-    pub file: usize,
-    pub batch: usize,
+    pub slot: usize,
     pub row: usize,
-    /// 0-based index of the row in the dataset (across shards).
-    pub index: u64,
 }
 
 /// Where a row lives (for error messages and for re-fetching it).
@@ -351,6 +381,13 @@ pub struct Rows {
     shards: Vec<Shard>,
     /// Rows per block, per shard.
     blocks: Vec<Vec<usize>>,
+    /// Dataset index of the first row of each block, per shard.
+    starts: Vec<Vec<u64>>,
+    /// Block order of the current epoch: (shard, block).
+    order: Vec<(usize, usize)>,
+    order_epoch: u64,
+    /// Shuffle the block order per epoch with this seed.
+    shuffle_seed: Option<u64>,
     cur: Cursor,
     cached: Option<(usize, usize, Block)>,
     pub total_rows: u64,
@@ -372,16 +409,48 @@ impl Rows {
             }
         }
         let blocks: Vec<Vec<usize>> = shards.iter().map(|s| s.block_rows()).collect();
-        let total_rows = blocks.iter().flatten().map(|&n| n as u64).sum();
+        let mut starts = Vec::with_capacity(blocks.len());
+        let mut total_rows = 0u64;
+        for b in &blocks {
+            let mut v = Vec::with_capacity(b.len());
+            for &n in b {
+                v.push(total_rows);
+                total_rows += n as u64;
+            }
+            starts.push(v);
+        }
         if total_rows == 0 {
             let p = shards.first().map(|s| s.path().to_path_buf()).unwrap_or_default();
             return Err(Error::data(p, "dataset has no rows"));
         }
-        Ok(Rows { shards, blocks, cur: Cursor::default(), cached: None, total_rows })
+        let mut r = Rows { shards, blocks, starts, order: Vec::new(), order_epoch: 0, shuffle_seed: None, cur: Cursor::default(), cached: None, total_rows };
+        r.set_epoch_order(0);
+        Ok(r)
     }
 
     pub fn open(path: &Path) -> Result<Self> {
         Self::open_all(&[path.to_path_buf()], None)
+    }
+
+    /// Visit the blocks of each epoch in a seeded random order (the shard/batch-order part of
+    /// shuffling; rows within are mixed by the loader's shuffle buffer).
+    pub fn shuffle_blocks(&mut self, seed: u64) {
+        self.shuffle_seed = Some(seed);
+        self.set_epoch_order(self.cur.epoch);
+    }
+
+    fn set_epoch_order(&mut self, epoch: u64) {
+        let mut order: Vec<(usize, usize)> =
+            self.blocks.iter().enumerate().flat_map(|(f, b)| (0..b.len()).map(move |i| (f, i))).collect();
+        if let Some(seed) = self.shuffle_seed {
+            let mut rng = crate::rng::Rng::new(crate::rng::stream(&[seed, epoch, 0xB10C]));
+            for i in (1..order.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                order.swap(i, j);
+            }
+        }
+        self.order = order;
+        self.order_epoch = epoch;
     }
 
     pub fn first_file(&self) -> &Path {
@@ -390,8 +459,8 @@ impl Rows {
 
     /// Column names of the first non-empty block.
     pub fn peek_columns(&mut self) -> Result<Vec<String>> {
-        let c = self.normalise(Cursor::default());
-        Ok(self.block(c.file, c.batch)?.columns())
+        let (f, b) = self.blocks.iter().enumerate().find_map(|(f, bl)| bl.iter().position(|&n| n > 0).map(|b| (f, b))).unwrap_or((0, 0));
+        Ok(self.block(f, b)?.columns())
     }
 
     pub fn cursor(&self) -> Cursor {
@@ -400,35 +469,15 @@ impl Rows {
 
     /// Continue from a saved cursor (checked against this dataset's shape).
     pub fn seek(&mut self, c: Cursor) -> Result<()> {
-        let ok = c.file < self.shards.len()
-            && c.batch <= self.blocks[c.file].len()
-            && self.blocks[c.file].get(c.batch).is_none_or(|&n| c.row <= n);
+        if c.epoch != self.order_epoch {
+            self.set_epoch_order(c.epoch);
+        }
+        let ok = c.slot <= self.order.len() && self.order.get(c.slot).is_none_or(|&(f, b)| c.row <= self.blocks[f][b]);
         if !ok {
             return Err(Error::data(self.first_file(), format!("saved data position {c:?} does not exist in this dataset (did it change?)")));
         }
         self.cur = c;
         Ok(())
-    }
-
-    /// Move `c` forward past exhausted blocks/files (wrapping to the next epoch).
-    fn normalise(&self, mut c: Cursor) -> Cursor {
-        loop {
-            let b = &self.blocks[c.file];
-            if c.batch < b.len() && c.row < b[c.batch] {
-                return c;
-            }
-            c.row = 0;
-            c.batch += 1;
-            if c.batch >= b.len() {
-                c.batch = 0;
-                c.file += 1;
-                if c.file == self.shards.len() {
-                    c.file = 0;
-                    c.epoch += 1;
-                    c.index = 0;
-                }
-            }
-        }
     }
 
     fn block(&mut self, file: usize, batch: usize) -> Result<&Block> {
@@ -445,9 +494,20 @@ impl Rows {
 
     /// The next row (wrapping to the first after the last) and its position.
     pub fn next_row(&mut self) -> Result<(RowRef<'_>, RowPos)> {
-        let c = self.normalise(self.cur);
-        self.cur = Cursor { row: c.row + 1, index: c.index + 1, ..c };
-        let pos = RowPos { file: c.file, batch: c.batch, row: c.row, index: c.index };
+        // Skip exhausted (or empty) blocks, wrapping into the next epoch.
+        loop {
+            if self.cur.epoch != self.order_epoch {
+                self.set_epoch_order(self.cur.epoch);
+            }
+            match self.order.get(self.cur.slot) {
+                Some(&(f, b)) if self.cur.row < self.blocks[f][b] => break,
+                Some(_) => self.cur = Cursor { slot: self.cur.slot + 1, row: 0, ..self.cur },
+                None => self.cur = Cursor { epoch: self.cur.epoch + 1, slot: 0, row: 0 },
+            }
+        }
+        let (f, b) = self.order[self.cur.slot];
+        let pos = RowPos { file: f, batch: b, row: self.cur.row, index: self.starts[f][b] + self.cur.row as u64 };
+        self.cur.row += 1;
         Ok((self.row_at(pos)?, pos))
     }
 
