@@ -299,18 +299,18 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
 }
 
 fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, max_new_tokens: usize, chat: bool) -> anyhow::Result<()> {
-    use finetune::data::arrow::{string_cell, ArrowRows};
+    use finetune::data::source::Rows;
     let dir = finetune::weights::ModelDir::resolve(model, std::path::Path::new("."))?;
     let g = finetune::generate::Generator::load(&dir, adapter)?;
     let base = g.no_adapters()?;
-    let mut rows = ArrowRows::open(data)?;
+    let mut rows = Rows::open(data)?;
     let opts = finetune::generate::SampleOptions { max_new_tokens, ..Default::default() };
     let (mut ok_base, mut ok_tuned, mut n) = (0, 0, 0);
     let started = std::time::Instant::now();
     for _ in 0..rows.total_rows {
         let (instruction, input, expected) = {
             let (r, _) = rows.next_row()?;
-            let get = |c: &str| string_cell(&r, c).map(|v| v.unwrap_or_default());
+            let get = |c: &str| r.string(c).map(|v| v.unwrap_or_default());
             (get("instruction")?, get("input")?, get("output")?)
         };
         let prompt = if chat {

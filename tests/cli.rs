@@ -3,7 +3,7 @@
 
 mod common;
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
-use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+use finetune::synth::{write_model, write_tokenized_dataset, TinyShape};
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
@@ -26,11 +26,7 @@ dir = "out"
 
 /// A tiny model + dataset + recipe in a temp folder.
 fn setup() -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    write_model(&d.path().join("model"), &TinyShape::default(), 0, 1).unwrap();
-    write_tokenized_dataset(&d.path().join("data"), &counting_rows(8, 256, 1, 4, 12)).unwrap();
-    std::fs::write(d.path().join("recipe.toml"), RECIPE).unwrap();
-    d
+    common::tiny_workspace(8, (4, 12), Some(RECIPE))
 }
 
 fn run(dir: &Path, extra: &[&str]) -> (bool, String) {

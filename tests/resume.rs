@@ -3,7 +3,6 @@
 mod common;
 use common::*;
 use finetune::recipe::LoadedRecipe;
-use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -40,10 +39,7 @@ dir = "out"
 
 /// <tmp>/model, <tmp>/data, and run folders <tmp>/<name>/recipe.toml.
 fn setup() -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    write_model(&d.path().join("model"), &TinyShape::default(), 0, 1).unwrap();
-    write_tokenized_dataset(&d.path().join("data"), &counting_rows(23, 256, 1, 4, 18)).unwrap();
-    d
+    tiny_workspace(23, (4, 18), None)
 }
 
 fn run_dir(root: &Path, name: &str, recipe: &str) -> PathBuf {

@@ -8,8 +8,6 @@
 
 pub mod format;
 pub mod source;
-/// The row sources (Arrow IPC, Parquet, JSONL); named `arrow` in earlier code.
-pub use source as arrow;
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;

@@ -393,9 +393,6 @@ pub struct Rows {
     pub total_rows: u64,
 }
 
-/// Kept for callers that think of the data as Arrow.
-pub type ArrowRows = Rows;
-
 impl Rows {
     /// Open every source in order (one `data.train` entry or several).
     pub fn open_all(specs: &[PathBuf], split: Option<&str>) -> Result<Self> {
@@ -560,13 +557,8 @@ impl RowRef<'_> {
                 if col.is_null(*row) {
                     return Err(self.err(column, "is null"));
                 }
-                let values = if let Some(l) = col.as_list_opt::<i32>() {
-                    l.value(*row)
-                } else if let Some(l) = col.as_list_opt::<i64>() {
-                    l.value(*row)
-                } else {
-                    return Err(self.err(column, format!("expected a list of integers, got {}", col.data_type())));
-                };
+                let values = list_cell(col, *row)
+                    .ok_or_else(|| self.err(column, format!("expected a list of integers, got {}", col.data_type())))?;
                 macro_rules! ints {
                     ($($t:ty),*) => {
                         $( if let Some(p) = values.as_primitive_opt::<$t>() {
@@ -632,13 +624,8 @@ impl RowRef<'_> {
                 if col.is_null(*row) {
                     return Ok(None);
                 }
-                let list = if let Some(l) = col.as_list_opt::<i32>() {
-                    l.value(*row)
-                } else if let Some(l) = col.as_list_opt::<i64>() {
-                    l.value(*row)
-                } else {
-                    return Err(self.err(column, format!("expected a list of {{role, content}} structs, got {}", col.data_type())));
-                };
+                let list = list_cell(col, *row)
+                    .ok_or_else(|| self.err(column, format!("expected a list of {{role, content}} structs, got {}", col.data_type())))?;
                 let s = list.as_struct_opt().ok_or_else(|| self.err(column, format!("expected structs, got {}", list.data_type())))?;
                 let field = |name: &str| -> Result<Vec<Option<String>>> {
                     let c = s.column_by_name(name).ok_or_else(|| self.err(column, format!("messages have no `{name}` field")))?;
@@ -665,11 +652,11 @@ impl RowRef<'_> {
     }
 }
 
-/// Old free-function accessors (kept for call sites that read one cell).
-pub fn int_list(r: &RowRef, column: &str) -> Result<Vec<i64>> {
-    r.int_list(column)
-}
-
-pub fn string_cell(r: &RowRef, column: &str) -> Result<Option<String>> {
-    r.string(column)
+/// The values of a `list` / `large_list` cell.
+fn list_cell(col: &arrow_array::ArrayRef, row: usize) -> Option<arrow_array::ArrayRef> {
+    if let Some(l) = col.as_list_opt::<i32>() {
+        Some(l.value(row))
+    } else {
+        col.as_list_opt::<i64>().map(|l| l.value(row))
+    }
 }

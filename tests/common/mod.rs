@@ -42,3 +42,16 @@ pub fn rel(a: f64, b: f64) -> f64 {
         ((a - b) / b).abs()
     }
 }
+
+/// A temp folder with a tiny random Llama at `model/`, a counting dataset of `rows` rows
+/// (lengths in `len`) at `data/`, and, when given, `recipe` written to `recipe.toml`.
+pub fn tiny_workspace(rows: usize, len: (usize, usize), recipe: Option<&str>) -> tempfile::TempDir {
+    use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("model"), &TinyShape::default(), 0, 1).unwrap();
+    write_tokenized_dataset(&d.path().join("data"), &counting_rows(rows, 256, 1, len.0, len.1)).unwrap();
+    if let Some(r) = recipe {
+        std::fs::write(d.path().join("recipe.toml"), r).unwrap();
+    }
+    d
+}
