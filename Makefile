@@ -2,7 +2,7 @@
 CARGO ?= cargo
 PYTHON ?= python3
 
-.PHONY: build test demo tiny bench venv clean-runs
+.PHONY: build test demo tiny bench interop venv clean-runs
 
 build:
 	$(CARGO) build --release
@@ -30,6 +30,10 @@ venv: .venv/bin/python
 ## Training-step speed and memory beside PyTorch + PEFT (ratios from one run).
 bench: build venv
 	$(PYTHON) bench/bench.py
+
+## Do transformers and PEFT load what we write? (not part of CI)
+interop: build venv
+	.venv/bin/python interop/check.py
 
 clean-runs:
 	rm -rf runs .cache/bench

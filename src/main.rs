@@ -106,6 +106,9 @@ enum Command {
         /// Dataset rows.
         #[arg(long, default_value_t = 256)]
         rows: usize,
+        /// Tie the output projection to the embedding.
+        #[arg(long)]
+        tie: bool,
         /// Shortest and longest row, in tokens.
         #[arg(long, default_value_t = 8)]
         seq_min: usize,
@@ -374,7 +377,7 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
     }
 }
 
-fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, len: (usize, usize), seed: u64) -> anyhow::Result<()> {
+fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, tie: bool, len: (usize, usize), seed: u64) -> anyhow::Result<()> {
     use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, write_tokenizer, TinyShape};
     let mut s = match shape {
         "tiny" => TinyShape::default(),
@@ -386,6 +389,7 @@ fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, len: (usiz
         "qwen2" => "Qwen2ForCausalLM",
         other => anyhow::bail!("--arch {other}: expected llama or qwen2"),
     };
+    s.tie |= tie;
     if len.0 < 2 || len.0 > len.1 {
         anyhow::bail!("--seq-min/--seq-max: need 2 <= min <= max");
     }
@@ -450,8 +454,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", g.generate(&prompt, &opts)?);
         }
         (Some(Command::Eval { model, adapter, data, max_new_tokens, chat }), _) => eval(&model, adapter.as_deref(), &data, max_new_tokens, chat)?,
-        (Some(Command::Synth { out, shape, arch, rows, seq_min, seq_max, seed }), _) => {
-            synth(&out, &shape, &arch, rows, (seq_min, seq_max), seed)?
+        (Some(Command::Synth { out, shape, arch, rows, tie, seq_min, seq_max, seed }), _) => {
+            synth(&out, &shape, &arch, rows, tie, (seq_min, seq_max), seed)?
         }
         (None, None) => anyhow::bail!("nothing to do: try `finetune --recipe recipes/tiny-lora.toml` or `finetune --help`"),
     }

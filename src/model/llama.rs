@@ -32,6 +32,9 @@ pub struct ForwardCtx {
     pub mask: Tensor,
     /// Dropout masks are drawn only when training.
     pub dropout: Option<DropoutCtx>,
+    /// `mask` is the plain causal mask (no packing, no cache offset): the fused causal
+    /// softmax may be used instead of adding it.
+    pub causal: bool,
 }
 
 impl ForwardCtx {
@@ -71,7 +74,7 @@ impl ForwardCtx {
                 Tensor::from_vec(m, (b, 1, s, s), device)?
             }
         };
-        Ok(ForwardCtx { cos, sin, mask, dropout })
+        Ok(ForwardCtx { cos, sin, mask, dropout, causal: segments.is_none() })
     }
 }
 
@@ -153,9 +156,14 @@ impl<'a> Attention<'a> {
         // so the R query heads of a kv head are contiguous and fold into the row dim.
         let r = nh / kv;
         let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?; // [B, KV, R*S, T]
-        let scores = scores.reshape((b, nh, s, t))?.broadcast_add(&ctx.mask)?; // [B, NH, S, T]
-        let probs = ops::softmax_last(&scores.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, t))?; // [B, NH, S, T]
+        let probs = if ctx.causal && s == t {
+            ops::causal_softmax(&scores.to_dtype(DType::F32)?, scale)?
+        } else {
+            ops::softmax_last(&(scores * scale)?.broadcast_add(&ctx.mask)?.to_dtype(DType::F32)?)?
+        }
+        .to_dtype(v.dtype())?;
         let probs = probs.reshape((b, kv, r * s, t))?; // [B, KV, R*S, T]
         let out = probs.matmul(&v)?; // [B, KV, R*S, D]
         let out = out.reshape((b, nh, s, d))?.transpose(1, 2)?.reshape((b * s, nh * d))?; // [N, NH*D]
@@ -311,7 +319,7 @@ impl Llama {
         let t = offset + s;
         // [1, 1, S, T]: query i (at offset + i) sees keys 0..=offset + i.
         let m: Vec<f32> = (0..s * t).map(|x| if x % t > offset + x / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-        let ctx = ForwardCtx { cos, sin, mask: Tensor::from_vec(m, (1, 1, s, t), ids.device())?, dropout: None };
+        let ctx = ForwardCtx { cos, sin, mask: Tensor::from_vec(m, (1, 1, s, t), ids.device())?, dropout: None, causal: false };
         let mut x = self.embed(ids)?;
         for (i, cache) in caches.iter_mut().enumerate().take(self.cfg.num_hidden_layers) {
             let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
