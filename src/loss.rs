@@ -21,10 +21,19 @@ pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32],
     let mut grads = Vec::new();
     let head_t = head.t()?;
     let mut start = 0;
+    let head32 = head.to_dtype(DType::F32)?;
     while start < m {
         let c = chunk.min(m - start);
         let x = rows.narrow(0, start, c)?.to_dtype(DType::F32)?; // [C, H]
         let logits = x.matmul(&head_t.to_dtype(DType::F32)?)?; // [C, V]
+        if logits.device().is_cpu() {
+            // One parallel pass per row instead of seven whole-tensor ops.
+            let (ce, g_logits) = softmax_ce_rows(&logits, &targets[start..start + c], scale)?;
+            total += ce;
+            grads.push(g_logits.matmul(&head32)?.to_dtype(rows.dtype())?); // [C, H]
+            start += c;
+            continue;
+        }
         let max = logits.max_keepdim(D::Minus1)?; // [C, 1]
         let shifted = logits.broadcast_sub(&max)?; // [C, V]
         let exp = shifted.exp()?;
@@ -43,6 +52,42 @@ pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32],
     }
     let grad = if grads.is_empty() { rows.zeros_like()? } else { Tensor::cat(&grads, 0)? };
     Ok((total, grad))
+}
+
+/// Per row of logits [C, V] (CPU, f32): the cross-entropy against `targets` (summed in f64)
+/// and scale · (softmax − onehot), computed in one parallel pass over the rows.
+fn softmax_ce_rows(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64, Tensor)> {
+    use rayon::prelude::*;
+    let (c, v) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let (st, layout) = logits.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)) = &*st else {
+        candle_core::bail!("softmax_ce_rows: f32 cpu logits expected")
+    };
+    let Some((o, e)) = layout.contiguous_offsets() else { candle_core::bail!("softmax_ce_rows: contiguous logits expected") };
+    let data = &data[o..e];
+    let mut grad = vec![0f32; c * v];
+    let scale = scale as f32;
+    let ce: f64 = grad
+        .par_chunks_mut(v)
+        .zip(data.par_chunks(v))
+        .zip(targets.par_iter())
+        .map(|((g, l), &t)| {
+            let max = l.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0f32;
+            for (gi, &li) in g.iter_mut().zip(l) {
+                *gi = (li - max).exp();
+                sum += *gi;
+            }
+            let k = scale / sum;
+            g.iter_mut().for_each(|gi| *gi *= k);
+            g[t as usize] -= scale;
+            // CE = log(sum exp(l - max)) - (l_t - max)
+            (sum.ln() - (l[t as usize] - max)) as f64
+        })
+        .sum();
+    drop(st);
+    Ok((ce, Tensor::from_vec(grad, (c, v), logits.device())?))
 }
 
 #[cfg(test)]
