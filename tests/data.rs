@@ -7,7 +7,7 @@ use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field};
 use common::*;
 use finetune::chat::Message;
-use finetune::data::{Formatter, Loader, LoaderOptions, Record, Role, IGNORE};
+use finetune::data::{BadRecord, Formatter, Loader, LoaderOptions, Record, Role, IGNORE};
 use finetune::synth::{write_model, TinyShape};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -307,4 +307,13 @@ fn shuffling_permutes_shards_per_epoch_seeded_and_visits_every_row_once() {
     sorted.sort();
     sorted.dedup();
     assert_eq!(sorted.len(), 15, "every row exactly once per epoch");
+}
+
+#[test]
+fn a_tokenizer_larger_than_the_model_is_a_bad_record_not_a_crash() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let f = Formatter::new("text", None, &Default::default(), false, &m, 100).unwrap();
+    let Err(BadRecord(msg)) = f.tokenize(Record::Text("Hello world".into()), 7).unwrap() else { panic!("must be rejected") };
+    assert!(msg.contains("row 7") && msg.contains("outside the model's vocabulary"), "{msg}");
 }

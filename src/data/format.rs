@@ -264,6 +264,10 @@ impl Formatter {
         if ex.input_ids.is_empty() {
             return Ok(Err(BadRecord(format!("row {index}: no tokens"))));
         }
+        // A tokenizer may know more tokens than the model has embeddings for.
+        if let Some(&t) = ex.input_ids.iter().find(|&&t| t as usize >= self.vocab) {
+            return Ok(Err(BadRecord(format!("row {index}: token id {t} is outside the model's vocabulary [0, {}) (tokenizer and model disagree)", self.vocab))));
+        }
         Ok(Ok(ex))
     }
 
