@@ -100,8 +100,9 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     // ---------------------------------------------------------------- setup
     let r = &loaded.recipe;
     let t = &r.train;
-    let spec = crate::device::parse_device(&r.model.device).map_err(|m| Error::model("device", m))?;
-    let device = crate::device::open(spec).map_err(|m| Error::model("device", m))?;
+    let device_err = |msg: String| Error::Recipe { file: loaded.file.display().to_string(), key: "model.device".into(), msg };
+    let spec = crate::device::parse_device(&r.model.device).map_err(device_err)?;
+    let device = crate::device::open(spec).map_err(device_err)?;
     let model_dir = ModelDir::resolve(&r.model.path, &loaded.dir)?;
     let cfg = ModelConfig::from_file(&model_dir.config_path())?;
     let files = SafetensorsFiles::open(&model_dir.weight_files()?)?;
