@@ -25,9 +25,13 @@ pub struct ChatTemplate {
     eos_token: String,
 }
 
-fn token_string(v: Option<&serde_json::Value>) -> String {
-    v.and_then(|t| t.as_str().map(String::from).or_else(|| t.get("content").and_then(|c| c.as_str()).map(String::from)))
-        .unwrap_or_default()
+/// `bos_token` and `eos_token` of a tokenizer_config.json (plain strings or {content: ...}).
+pub fn special_tokens(cfg: &serde_json::Value) -> (Option<String>, Option<String>) {
+    let get = |k: &str| {
+        let t = cfg.get(k)?;
+        t.as_str().map(String::from).or_else(|| t.get("content").and_then(|c| c.as_str()).map(String::from))
+    };
+    (get("bos_token"), get("eos_token"))
 }
 
 impl ChatTemplate {
@@ -39,7 +43,8 @@ impl ChatTemplate {
             Ok(t) => serde_json::from_str(&t).map_err(|e| Error::Tokenizer { path: cfg_path.clone(), msg: format!("not valid JSON: {e}") })?,
             Err(_) => serde_json::Value::Null,
         };
-        let (bos_token, eos_token) = (token_string(cfg.get("bos_token")), token_string(cfg.get("eos_token")));
+        let (bos, eos) = special_tokens(&cfg);
+        let (bos_token, eos_token) = (bos.unwrap_or_default(), eos.unwrap_or_default());
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
             let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;

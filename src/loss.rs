@@ -19,13 +19,14 @@ pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32],
     let chunk = (CHUNK_ELEMS / v.max(1)).max(1);
     let mut total = 0f64;
     let mut grads = Vec::new();
-    let head_t = head.t()?;
     let mut start = 0;
+    // The head in f32 once, not per chunk: [V, H] and its transposed view [H, V].
     let head32 = head.to_dtype(DType::F32)?;
+    let head32_t = head32.t()?;
     while start < m {
         let c = chunk.min(m - start);
         let x = rows.narrow(0, start, c)?.to_dtype(DType::F32)?; // [C, H]
-        let logits = x.matmul(&head_t.to_dtype(DType::F32)?)?; // [C, V]
+        let logits = x.matmul(&head32_t)?; // [C, V]
         if logits.device().is_cpu() {
             // One parallel pass per row instead of seven whole-tensor ops.
             let (ce, g_logits) = softmax_ce_rows(&logits, &targets[start..start + c], scale)?;
@@ -47,7 +48,7 @@ pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32],
         let probs = exp.broadcast_div(&sum)?; // [C, V]
         let minus_one = Tensor::full(-1f32, (c, 1), rows.device())?;
         let g_logits = (probs.scatter_add(&t, &minus_one, 1)? * scale)?; // [C, V]
-        grads.push(g_logits.matmul(&head.to_dtype(DType::F32)?)?.to_dtype(rows.dtype())?); // [C, H]
+        grads.push(g_logits.matmul(&head32)?.to_dtype(rows.dtype())?); // [C, H]
         start += c;
     }
     let grad = if grads.is_empty() { rows.zeros_like()? } else { Tensor::cat(&grads, 0)? };

@@ -258,9 +258,15 @@ pub fn causal_softmax(x: &Tensor, scale: f64) -> Result<Tensor> {
         return x.contiguous()?.apply_op1(CausalSoftmax { scale: scale as f32 });
     }
     let s = x.dim(D::Minus1)?;
-    let m: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 }).collect();
-    let mask = Tensor::from_vec(m, (s, s), x.device())?.to_dtype(x.dtype())?;
+    let mask = causal_mask(s, s, 0, x.device())?.to_dtype(x.dtype())?;
     softmax_last(&(x * scale)?.broadcast_add(&mask)?)
+}
+
+/// Additive causal mask [S, T] (0 or -inf): query i sits at position `offset + i` and sees
+/// keys 0..=offset + i. `offset` is the number of cached positions during generation.
+pub fn causal_mask(s: usize, t: usize, offset: usize, device: &Device) -> Result<Tensor> {
+    let m: Vec<f32> = (0..s * t).map(|x| if x % t > offset + x / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+    Tensor::from_vec(m, (s, t), device)
 }
 
 #[cfg(test)]

@@ -324,8 +324,7 @@ impl Formatter {
 fn special_tokens(model_dir: &Path) -> (Option<String>, Option<String>) {
     let Ok(text) = std::fs::read_to_string(model_dir.join("tokenizer_config.json")) else { return (None, None) };
     let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return (None, None) };
-    let get = |k: &str| v.get(k).and_then(|t| t.as_str().map(String::from).or_else(|| t.get("content").and_then(|c| c.as_str()).map(String::from)));
-    (get("bos_token"), get("eos_token"))
+    crate::chat::special_tokens(&v)
 }
 
 fn eos_from_config(model_dir: &Path) -> Option<u32> {

@@ -59,8 +59,7 @@ impl ForwardCtx {
         let (cos, sin) = ops::rope_tables(positions, inv_freq, device, DType::F32)?;
         let mask = match segments {
             None => {
-                let m: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 }).collect();
-                Tensor::from_vec(m, (1, 1, s, s), device)?
+                ops::causal_mask(s, s, 0, device)?.reshape((1, 1, s, s))?
             }
             Some(seg) => {
                 let mut m = Vec::with_capacity(b * s * s);
@@ -317,9 +316,8 @@ impl Llama {
         let positions: Vec<Vec<u32>> = (0..b).map(|_| (offset as u32..(offset + s) as u32).collect()).collect();
         let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, ids.device(), DType::F32)?;
         let t = offset + s;
-        // [1, 1, S, T]: query i (at offset + i) sees keys 0..=offset + i.
-        let m: Vec<f32> = (0..s * t).map(|x| if x % t > offset + x / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-        let ctx = ForwardCtx { cos, sin, mask: Tensor::from_vec(m, (1, 1, s, t), ids.device())?, dropout: None, causal: false };
+        let mask = ops::causal_mask(s, t, offset, ids.device())?.reshape((1, 1, s, t))?; // [1, 1, S, T]
+        let ctx = ForwardCtx { cos, sin, mask, dropout: None, causal: false };
         let mut x = self.embed(ids)?;
         for (i, cache) in caches.iter_mut().enumerate().take(self.cfg.num_hidden_layers) {
             let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
