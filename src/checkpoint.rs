@@ -14,7 +14,7 @@
 use crate::data::LoaderState;
 use crate::error::{Error, Result};
 use crate::lora::Adapters;
-use crate::optim::{AdamW, Moments};
+use crate::optim::Moments;
 use candle_core::{Device, Tensor};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -35,6 +35,10 @@ pub struct TrainState {
 
 pub struct Loaded {
     pub dir: PathBuf,
+    /// AdamW moments of all LoRA parameters, flat in `Adapters::params` order, whatever the
+    /// world size the run was saved with.
+    pub moments: Moments,
+    pub adam_step: u64,
     pub state: TrainState,
     /// The resolved recipe the checkpoint was written with.
     pub recipe: String,
@@ -60,8 +64,10 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| Error::io(path, e))
 }
 
-/// Write a checkpoint for `state.step`; returns its folder.
-pub fn save(out_dir: &Path, adapters: &Adapters, opt: &AdamW, state: &TrainState, recipe: &str, base_model: &str) -> Result<PathBuf> {
+/// Write a checkpoint for `state.step`; returns its folder. `moments` are the consolidated
+/// AdamW moments of all parameters (flat, `Adapters::params` order), so the checkpoint does
+/// not depend on how many ranks wrote it.
+pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u64, state: &TrainState, recipe: &str, base_model: &str) -> Result<PathBuf> {
     let root = root(out_dir);
     std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
     let name = step_name(state.step);
@@ -72,12 +78,20 @@ pub fn save(out_dir: &Path, adapters: &Adapters, opt: &AdamW, state: &TrainState
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
 
     adapters.save_peft(&tmp.join("adapter"), base_model)?;
+    let moments_in = moments;
     let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
-    for ((key, var), m) in adapters.params().iter().zip(&opt.state) {
-        moments.insert(format!("{key}.exp_avg"), Tensor::from_slice(&m.exp_avg, var.shape(), &Device::Cpu)?);
-        moments.insert(format!("{key}.exp_avg_sq"), Tensor::from_slice(&m.exp_avg_sq, var.shape(), &Device::Cpu)?);
+    let mut off = 0;
+    for (key, var) in adapters.params() {
+        let n = var.elem_count();
+        let (m, v) = (moments_in.exp_avg.get(off..off + n), moments_in.exp_avg_sq.get(off..off + n));
+        let (Some(m), Some(v)) = (m, v) else {
+            return Err(Error::Train(format!("optimizer state is shorter than the adapters (at {key})")));
+        };
+        moments.insert(format!("{key}.exp_avg"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
+        moments.insert(format!("{key}.exp_avg_sq"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
+        off += n;
     }
-    let meta: std::collections::HashMap<String, String> = [("adam_step".to_string(), opt.step.to_string())].into();
+    let meta: std::collections::HashMap<String, String> = [("adam_step".to_string(), adam_step.to_string())].into();
     let opt_path = tmp.join("optimizer.safetensors");
     safetensors::serialize_to_file(moments.iter().collect::<Vec<_>>(), Some(meta), &opt_path)
         .map_err(|e| Error::Safetensors { file: opt_path.clone(), msg: e.to_string() })?;
@@ -147,8 +161,8 @@ pub fn latest_valid(out_dir: &Path) -> Option<PathBuf> {
     None
 }
 
-/// Load a verified checkpoint into `adapters` and `opt`.
-pub fn load(dir: &Path, adapters: &Adapters, opt: &mut AdamW) -> Result<Loaded> {
+/// Load a verified checkpoint: the adapter into `adapters`, the rest returned.
+pub fn load(dir: &Path, adapters: &Adapters) -> Result<Loaded> {
     let bad = |msg: String| Error::Train(format!("checkpoint {}: {msg}", dir.display()));
     verify(dir).map_err(bad)?;
     adapters.load_peft(&dir.join("adapter"))?;
@@ -164,7 +178,7 @@ pub fn load(dir: &Path, adapters: &Adapters, opt: &mut AdamW) -> Result<Loaded> 
         .ok_or_else(|| bad("optimizer.safetensors has no adam_step".into()))?;
     let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
         .map_err(|e| Error::Safetensors { file: opt_path.clone(), msg: crate::error::candle_msg(&e) })?;
-    let mut state = Vec::new();
+    let mut moments = Moments::zeros(0);
     for (key, var) in adapters.params() {
         let get = |suffix: &str| -> Result<Vec<f32>> {
             let t = tensors.get(&format!("{key}.{suffix}")).ok_or_else(|| bad(format!("optimizer state for {key} missing")))?;
@@ -173,16 +187,15 @@ pub fn load(dir: &Path, adapters: &Adapters, opt: &mut AdamW) -> Result<Loaded> 
             }
             Ok(t.flatten_all()?.to_vec1()?)
         };
-        state.push(Moments { exp_avg: get("exp_avg")?, exp_avg_sq: get("exp_avg_sq")? });
+        moments.exp_avg.extend(get("exp_avg")?);
+        moments.exp_avg_sq.extend(get("exp_avg_sq")?);
     }
-    opt.state = state;
-    opt.step = adam_step;
     let st_path = dir.join("state.json");
     let text = std::fs::read_to_string(&st_path).map_err(|e| Error::io(&st_path, e))?;
     let state: TrainState = serde_json::from_str(&text).map_err(|e| bad(format!("state.json: {e}")))?;
     let rp = dir.join("recipe.toml");
     let recipe = std::fs::read_to_string(&rp).map_err(|e| Error::io(&rp, e))?;
-    Ok(Loaded { dir: dir.to_path_buf(), state, recipe })
+    Ok(Loaded { dir: dir.to_path_buf(), moments, adam_step, state, recipe })
 }
 
 /// Keep the newest `keep_last` checkpoints (0 keeps all) and remove stale temporaries.
@@ -226,6 +239,24 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         let (s, k) = dotted.split_once('.').unwrap_or((dotted, ""));
         t.get(s).and_then(|v| v.get(k)).cloned()
     };
+    // The world size may change (checkpoints are consolidated) as long as the global batch
+    // micro_batch_size x grad_accum_steps x ranks stays the same: then the run continues with
+    // the same examples per step.
+    let global = |t: &toml::Table| {
+        let int = |k: &str| get(t, k).and_then(|v| v.as_integer()).unwrap_or(1);
+        let ranks = get(t, "dist.devices")
+            .and_then(|v| v.as_array().map(|a| a.len() as i64))
+            .or_else(|| get(t, "dist.world_size").and_then(|v| v.as_integer()))
+            .unwrap_or(1);
+        (int("train.micro_batch_size") * int("train.grad_accum_steps") * ranks, ranks)
+    };
+    let ((ga, ra), (gb, rb)) = (global(&a), global(&b));
+    if ra != rb && ga != gb {
+        return Err(format!(
+            "the global batch changed with the world size (saved: {ra} rank(s), {ga} micro-batch rows per step; now {rb} rank(s), {gb}); \
+             set train.grad_accum_steps so that micro_batch_size x grad_accum_steps x ranks = {ga}"
+        ));
+    }
     let mut warnings = Vec::new();
     for key in keys {
         let (old, new) = (get(&a, &key), get(&b, &key));
@@ -233,7 +264,8 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
             continue;
         }
         let show = |v: &Option<toml::Value>| v.as_ref().map_or("(unset)".to_string(), |v| v.to_string());
-        if key.starts_with("checkpoint.") || MAY_CHANGE.contains(&key.as_str()) {
+        let world_change = ra != rb && (key.starts_with("dist.") || key == "train.grad_accum_steps");
+        if key.starts_with("checkpoint.") || MAY_CHANGE.contains(&key.as_str()) || world_change || key == "dist.timeout_s" || key == "dist.prefetch_layers" {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
             return Err(format!(

@@ -212,21 +212,35 @@ impl ModelConfig {
         }
     }
 
+    /// The frozen tensors the model reads, by HF name, with their shapes (a tied lm_head is
+    /// the embedding and is not listed twice).
+    pub fn frozen_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+        for l in 0..self.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            for m in ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] {
+                let parent = crate::lora::module_parent(m);
+                let (i, o) = self.proj_shape(m);
+                out.push((format!("{p}.{parent}.{m}.weight"), vec![o, i]));
+                if self.proj_has_bias(m) {
+                    out.push((format!("{p}.{parent}.{m}.bias"), vec![o]));
+                }
+            }
+            out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+            out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        }
+        out.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![v, h]));
+        }
+        out
+    }
+
     /// Parameter count of the frozen base (what PEFT's `print_trainable_parameters` counts
     /// besides LoRA), from the config alone.
     pub fn base_param_count(&self) -> u64 {
-        let h = self.hidden_size as u64;
-        let mut per_layer = 2 * h; // two RMSNorm weights
-        for m in ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] {
-            let (i, o) = self.proj_shape(m);
-            per_layer += (i * o) as u64;
-            if self.proj_has_bias(m) {
-                per_layer += o as u64;
-            }
-        }
-        let embed = self.vocab_size as u64 * h;
-        let head = if self.tie_word_embeddings { 0 } else { embed };
-        embed + head + h + per_layer * self.num_hidden_layers as u64
+        self.frozen_tensors().iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
     }
 
     /// Inverse frequencies of the rotary embedding, with rope scaling applied as transformers'

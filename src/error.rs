@@ -46,6 +46,10 @@ pub enum Error {
     #[error("training: {0}")]
     Train(String),
 
+    /// A problem between ranks (a collective timed out, a rank failed or left).
+    #[error("rank {rank}: {msg}")]
+    Dist { rank: usize, msg: String },
+
     /// A candle error with its backtrace stripped (RUST_BACKTRACE=1 makes candle attach one;
     /// users want the message, not 60 frames).
     #[error("tensor op `{op}`: {msg}")]

@@ -6,6 +6,7 @@ pub mod chat;
 pub mod config;
 pub mod data;
 pub mod device;
+pub mod dist;
 pub mod error;
 pub mod export;
 pub mod fsutil;

@@ -71,6 +71,18 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Memory per device and on the host for a recipe on 1..N ranks, from config.json alone.
+    Plan {
+        /// The TOML recipe.
+        #[arg(long)]
+        recipe: PathBuf,
+        /// World sizes to plan for, e.g. 1,2,4,8 (default: the recipe's).
+        #[arg(long, value_delimiter = ',')]
+        world_size: Vec<usize>,
+        /// Override a recipe key (repeatable).
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        overrides: Vec<String>,
+    },
     /// Exact-match evaluation on alpaca records (instruction/input/output): the base model's
     /// greedy answers beside the adapter's, with the accuracy of each.
     Eval {
@@ -400,12 +412,29 @@ fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, tie: bool,
     Ok(())
 }
 
+fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> anyhow::Result<()> {
+    let loaded = LoadedRecipe::load(recipe, overrides)?;
+    let r = &loaded.recipe;
+    let dir = finetune::weights::ModelDir::resolve(&r.model.path, &loaded.dir)?;
+    let cfg = finetune::config::ModelConfig::from_file(&dir.config_path())?;
+    let layout = finetune::dist::layout(&r.dist, &r.model.device, &|_| None)
+        .map_err(|(key, msg)| finetune::Error::Recipe { file: recipe.display().to_string(), key, msg })?;
+    let on_gpu = layout.local.iter().any(|(_, d)| *d != finetune::device::DeviceSpec::Cpu);
+    let worlds = if worlds.is_empty() { vec![layout.world] } else { worlds.to_vec() };
+    if let Some(0) = worlds.iter().min() {
+        anyhow::bail!("--world-size: world sizes must be at least 1");
+    }
+    let plans: Vec<_> = worlds.iter().map(|&w| finetune::dist::plan::plan(&cfg, r, w, on_gpu)).collect();
+    print!("{}", finetune::dist::plan::render(&cfg, r, &plans, on_gpu));
+    Ok(())
+}
+
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match (cli.command, cli.train) {
         (Some(Command::Train(t)), _) | (None, Some(t)) => {
             let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
             let stop = install_signal_handlers()?;
-            let summary = finetune::train::run_with(&recipe, &finetune::train::RunOptions { stop: Some(stop) })?;
+            let summary = finetune::train::run_with(&recipe, &finetune::train::RunOptions { stop: Some(stop), ..Default::default() })?;
             if summary.interrupted.is_none() && recipe.recipe.export.merged {
                 let e = &recipe.recipe.export;
                 let run = &summary.output_dir;
@@ -453,6 +482,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let opts = finetune::generate::SampleOptions { max_new_tokens, temperature, top_p, seed };
             println!("{}", g.generate(&prompt, &opts)?);
         }
+        (Some(Command::Plan { recipe, world_size, overrides }), _) => plan(&recipe, &world_size, &overrides)?,
         (Some(Command::Eval { model, adapter, data, max_new_tokens, chat }), _) => eval(&model, adapter.as_deref(), &data, max_new_tokens, chat)?,
         (Some(Command::Synth { out, shape, arch, rows, tie, seq_min, seq_max, seed }), _) => {
             synth(&out, &shape, &arch, rows, tie, (seq_min, seq_max), seed)?

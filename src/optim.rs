@@ -4,13 +4,20 @@
 //! `torch.nn.utils.clip_grad_norm_`. Our own optimizer (not candle's) because resume needs the
 //! moments and step count, which candle keeps private.
 //!
-//! State lives in host memory as f32 vectors, one per parameter.
+//! State lives in host memory as flat f32 vectors (under data parallel, each rank's slice).
 
-/// One parameter's AdamW state.
+/// AdamW moments of a flat run of parameters (all LoRA tensors concatenated in
+/// `Adapters::params` order, or one rank's slice of that).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Moments {
     pub exp_avg: Vec<f32>,
     pub exp_avg_sq: Vec<f32>,
+}
+
+impl Moments {
+    pub fn zeros(n: usize) -> Self {
+        Moments { exp_avg: vec![0.0; n], exp_avg_sq: vec![0.0; n] }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -20,19 +27,21 @@ pub struct AdamW {
     pub weight_decay: f64,
     /// Optimizer steps taken (torch's `state["step"]`, shared by all params here).
     pub step: u64,
-    pub state: Vec<Moments>,
+    /// Moments of the parameters this optimizer updates (a rank's slice under data parallel).
+    pub state: Moments,
 }
 
 impl AdamW {
-    pub fn new(sizes: &[usize], betas: (f64, f64), eps: f64, weight_decay: f64) -> Self {
-        let state = sizes.iter().map(|&n| Moments { exp_avg: vec![0.0; n], exp_avg_sq: vec![0.0; n] }).collect();
-        AdamW { betas, eps, weight_decay, step: 0, state }
+    pub fn new(n: usize, betas: (f64, f64), eps: f64, weight_decay: f64) -> Self {
+        AdamW { betas, eps, weight_decay, step: 0, state: Moments::zeros(n) }
     }
 
-    /// One update of every parameter in place with learning rate `lr`.
+    /// One update of `params` in place with learning rate `lr`. All LoRA tensors share one
+    /// param group, so the update is element-wise and a flat run (or a rank's slice of it)
+    /// gets exactly the numbers torch's per-tensor loop would.
     /// Mirrors torch's single-tensor `_single_tensor_adamw` op by op (f32 arithmetic on the
     /// tensors, Python-float scalars computed in f64).
-    pub fn step(&mut self, params: &mut [Vec<f32>], grads: &[Vec<f32>], lr: f64) {
+    pub fn step(&mut self, p: &mut [f32], g: &[f32], lr: f64) {
         self.step += 1;
         let (b1, b2) = self.betas;
         let t = self.step as i32;
@@ -43,19 +52,18 @@ impl AdamW {
         let decay = (1.0 - lr * self.weight_decay) as f32;
         let (w1, w2) = ((1.0 - b1) as f32, (1.0 - b2) as f32);
         let (b2f, eps) = (b2 as f32, self.eps as f32);
-        for ((p, g), st) in params.iter_mut().zip(grads).zip(self.state.iter_mut()) {
-            for i in 0..p.len() {
-                let gi = g[i];
-                p[i] *= decay;
-                // exp_avg.lerp_(grad, 1 - beta1)
-                let m = st.exp_avg[i] + w1 * (gi - st.exp_avg[i]);
-                // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                let v = st.exp_avg_sq[i] * b2f + w2 * gi * gi;
-                st.exp_avg[i] = m;
-                st.exp_avg_sq[i] = v;
-                let denom = v.sqrt() / bias2_sqrt + eps;
-                p[i] -= step_size * (m / denom);
-            }
+        let st = &mut self.state;
+        for i in 0..p.len() {
+            let gi = g[i];
+            p[i] *= decay;
+            // exp_avg.lerp_(grad, 1 - beta1)
+            let m = st.exp_avg[i] + w1 * (gi - st.exp_avg[i]);
+            // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            let v = st.exp_avg_sq[i] * b2f + w2 * gi * gi;
+            st.exp_avg[i] = m;
+            st.exp_avg_sq[i] = v;
+            let denom = v.sqrt() / bias2_sqrt + eps;
+            p[i] -= step_size * (m / denom);
         }
     }
 }
@@ -94,32 +102,20 @@ impl Schedule {
     }
 }
 
-/// Global L2 norm over all gradients (torch: the norm of the per-tensor norms).
-pub fn global_norm(grads: &[Vec<f32>]) -> f64 {
-    grads
-        .iter()
-        .map(|g| {
-            let n = g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>().sqrt();
-            n * n
-        })
-        .sum::<f64>()
-        .sqrt()
+/// Sum of squares of a gradient slice, in f64 (ranks add theirs to get the global norm).
+pub fn sum_squares(g: &[f32]) -> f64 {
+    g.iter().map(|&x| (x as f64) * (x as f64)).sum()
 }
 
-/// `clip_grad_norm_`: scale grads by min(1, max_norm / (norm + 1e-6)). Returns the norm
-/// before clipping.
-pub fn clip_grad_norm(grads: &mut [Vec<f32>], max_norm: f64) -> f64 {
-    let norm = global_norm(grads);
+/// `clip_grad_norm_` given the global norm: scale by min(1, max_norm / (norm + 1e-6)).
+pub fn clip_to(g: &mut [f32], norm: f64, max_norm: f64) {
     if max_norm > 0.0 {
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
             let c = coef as f32;
-            for g in grads.iter_mut() {
-                g.iter_mut().for_each(|x| *x *= c);
-            }
+            g.iter_mut().for_each(|x| *x *= c);
         }
     }
-    norm
 }
 
 #[cfg(test)]
@@ -138,28 +134,29 @@ mod tests {
 
     #[test]
     fn zero_lr_step_moves_moments_not_params() {
-        let mut opt = AdamW::new(&[2], (0.9, 0.999), 1e-8, 0.01);
-        let mut p = vec![vec![1.0f32, -2.0]];
-        opt.step(&mut p, &[vec![0.5, 0.5]], 0.0);
-        assert_eq!(p[0], vec![1.0, -2.0]);
+        let mut opt = AdamW::new(2, (0.9, 0.999), 1e-8, 0.01);
+        let mut p = vec![1.0f32, -2.0];
+        opt.step(&mut p, &[0.5, 0.5], 0.0);
+        assert_eq!(p, vec![1.0, -2.0]);
         assert_eq!(opt.step, 1);
-        assert!(opt.state[0].exp_avg[0] > 0.0);
+        assert!(opt.state.exp_avg[0] > 0.0);
     }
 
     #[test]
     fn first_adam_step_moves_each_param_by_lr() {
         // With bias correction the first update is lr * g / (|g| + eps') = ~lr * sign(g).
-        let mut opt = AdamW::new(&[2], (0.9, 0.999), 1e-8, 0.0);
-        let mut p = vec![vec![0.0f32, 0.0]];
-        opt.step(&mut p, &[vec![3.0, -0.1]], 0.01);
-        assert!((p[0][0] + 0.01).abs() < 1e-6 && (p[0][1] - 0.01).abs() < 1e-6, "{:?}", p[0]);
+        let mut opt = AdamW::new(2, (0.9, 0.999), 1e-8, 0.0);
+        let mut p = vec![0.0f32, 0.0];
+        opt.step(&mut p, &[3.0, -0.1], 0.01);
+        assert!((p[0] + 0.01).abs() < 1e-6 && (p[1] - 0.01).abs() < 1e-6, "{p:?}");
     }
 
     #[test]
     fn clipping_scales_to_max_norm() {
-        let mut g = vec![vec![3.0f32], vec![4.0]];
-        let n = clip_grad_norm(&mut g, 1.0);
+        let mut g = vec![3.0f32, 4.0];
+        let n = sum_squares(&g).sqrt();
+        clip_to(&mut g, n, 1.0);
         assert_eq!(n, 5.0);
-        assert!((global_norm(&g) - 1.0).abs() < 1e-5);
+        assert!((sum_squares(&g).sqrt() - 1.0).abs() < 1e-5);
     }
 }

@@ -139,6 +139,18 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
     ("output", true, &[req("dir", Kind::Str)]),
     ("checkpoint", false, &[key("every_steps", Kind::Int), key("keep_last", Kind::Int), key("resume", Kind::Str)]),
     ("export", false, &[key("merged", Kind::Bool), one_of("dtype", &["f32", "bf16", "f16"]), key("max_shard_size", Kind::Str)]),
+    (
+        "dist",
+        false,
+        &[
+            key("world_size", Kind::Int),
+            key("devices", Kind::StrList),
+            key("zero_stage", Kind::Int),
+            one_of("offload_optimizer", &["cpu", "none"]),
+            key("prefetch_layers", Kind::Int),
+            key("timeout_s", Kind::Int),
+        ],
+    ),
 ];
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -153,6 +165,46 @@ pub struct Recipe {
     pub checkpoint: CheckpointSection,
     #[serde(default)]
     pub export: ExportSection,
+    #[serde(default)]
+    pub dist: DistSection,
+}
+
+/// Several devices: data parallel over ranks, the frozen base optionally sharded (ZeRO-3).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DistSection {
+    /// Ranks in the whole run (all processes). With `devices` unset, this process drives
+    /// `world_size / WORLD_SIZE` ranks on `model.device` (CPU ranks share the host).
+    #[serde(default)]
+    pub world_size: Option<usize>,
+    /// This process's devices, one rank (thread) each, e.g. ["cuda:0", "cuda:1"].
+    #[serde(default)]
+    pub devices: Option<Vec<String>>,
+    /// 0: every rank holds the whole frozen base. 3: each holds 1/N and gathers a layer at a time.
+    #[serde(default)]
+    pub zero_stage: usize,
+    /// Where AdamW state lives and runs: "cpu" (host memory, host threads) or "none".
+    #[serde(default = "default_offload")]
+    pub offload_optimizer: String,
+    /// Layers gathered ahead of the one running (ZeRO-3).
+    #[serde(default = "one")]
+    pub prefetch_layers: usize,
+    /// Seconds a collective waits for the other ranks before giving up with an error.
+    #[serde(default = "default_timeout")]
+    pub timeout_s: u64,
+}
+
+impl Default for DistSection {
+    fn default() -> Self {
+        DistSection { world_size: None, devices: None, zero_stage: 0, offload_optimizer: default_offload(), prefetch_layers: 1, timeout_s: default_timeout() }
+    }
+}
+
+fn default_offload() -> String {
+    "cpu".into()
+}
+fn default_timeout() -> u64 {
+    600
 }
 
 /// What to export at the end of training, besides the adapter (always written).
@@ -478,6 +530,31 @@ impl LoadedRecipe {
             return Err(self.err("train.max_grad_norm", "must be >= 0 (0 turns clipping off)"));
         }
         crate::device::parse_device(&r.model.device).map_err(|m| self.err("model.device", m))?;
+        let d = &r.dist;
+        if d.zero_stage != 0 && d.zero_stage != 3 {
+            return Err(self.err("dist.zero_stage", format!("must be 0 (replicated base) or 3 (sharded base), got {}", d.zero_stage)));
+        }
+        if d.world_size == Some(0) {
+            return Err(self.err("dist.world_size", "must be at least 1"));
+        }
+        if let Some(devs) = &d.devices {
+            if devs.is_empty() {
+                return Err(self.err("dist.devices", "needs at least one device"));
+            }
+            for dev in devs {
+                crate::device::parse_device(dev).map_err(|m| self.err("dist.devices", m))?;
+            }
+        }
+        if d.timeout_s == 0 {
+            return Err(self.err("dist.timeout_s", "must be at least 1 second"));
+        }
+        if d.zero_stage == 3 && !r.train.activation_checkpointing {
+            return Err(self.err(
+                "dist.zero_stage",
+                "ZeRO-3 needs train.activation_checkpointing = true: without it the autograd graph keeps \
+                 every gathered layer until backward, i.e. the whole base on every rank",
+            ));
+        }
         if let Some(s) = &r.export.max_shard_size {
             crate::export::parse_size(s).map_err(|m| self.err("export.max_shard_size", m))?;
         }
@@ -704,10 +781,10 @@ dir = "out"
                         "max_shard_size" => "5GB".into(),
                         _ => "x".into(),
                     }),
-                    (Kind::Int, _) => toml::Value::Integer(4),
+                    (Kind::Int, _) => toml::Value::Integer(if k.name == "zero_stage" { 3 } else { 4 }),
                     (Kind::Float, _) => toml::Value::Float(if k.name == "eval_fraction" { 0.0 } else { 0.5 }),
                     (Kind::Bool, _) => toml::Value::Boolean(true),
-                    (Kind::StrList, _) => toml::Value::Array(vec![toml::Value::String("q_proj".into())]),
+                    (Kind::StrList, _) => toml::Value::Array(vec![toml::Value::String(if k.name == "devices" { "cpu" } else { "q_proj" }.into())]),
                     (Kind::FloatPair, _) => toml::Value::Array(vec![toml::Value::Float(0.5), toml::Value::Float(0.5)]),
                     (Kind::StrOrList, _) => toml::Value::Array(vec![toml::Value::String("a".into()), toml::Value::String("b".into())]),
                     (Kind::StrMap, _) => toml::Value::Table([("output".to_string(), toml::Value::String("answer".into()))].into_iter().collect()),

@@ -12,15 +12,17 @@ use crate::data::{Formatter, Loader, LoaderOptions, MicroBatch, Role, IGNORE};
 use crate::error::{CandleContext, Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraSpec, MODULES};
 use crate::model::llama::{ForwardCtx, Llama};
-use crate::optim::{clip_grad_norm, AdamW, Schedule};
+use crate::dist::collective::{Collective, InProcessGroup};
+use crate::dist::zero::{Account, MemoryUse, ShardedWeights};
+use crate::optim::{AdamW, Moments, Schedule};
 use crate::recipe::LoadedRecipe;
-use crate::weights::{parse_dtype, ModelDir, ResidentWeights, SafetensorsFiles};
+use crate::weights::{parse_dtype, ModelDir, ResidentWeights, SafetensorsFiles, WeightSource};
 use candle_core::{DType, Tensor, Var};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What PEFT's `print_trainable_parameters` reports, from the config alone.
 pub fn trainable_parameters(cfg: &ModelConfig, rank: usize, targets: &[String]) -> (u64, u64) {
@@ -69,6 +71,7 @@ pub struct StepMetrics {
     pub eval_loss: Option<f64>,
 }
 
+#[derive(Debug)]
 pub struct RunSummary {
     /// Metrics of the steps run in this invocation.
     pub steps: Vec<StepMetrics>,
@@ -78,6 +81,8 @@ pub struct RunSummary {
     pub interrupted: Option<usize>,
     /// The last checkpoint written or resumed from.
     pub checkpoint: Option<PathBuf>,
+    /// What each local rank held, from its memory account.
+    pub memory: Vec<MemoryUse>,
 }
 
 /// How the caller talks to a running training loop.
@@ -86,6 +91,9 @@ pub struct RunOptions {
     /// Non-zero: finish the current optimizer step, checkpoint, and return (the value is the
     /// signal number that asked for it).
     pub stop: Option<Arc<AtomicUsize>>,
+    /// Fault injection for tests: rank `.0` fails when it starts step `.1` (a rank dying).
+    #[doc(hidden)]
+    pub fail_rank_at_step: Option<(usize, usize)>,
 }
 
 /// Train as the recipe says (see [`run_with`]).
@@ -93,16 +101,128 @@ pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
     run_with(loaded, &RunOptions::default())
 }
 
-/// Train as the recipe says. Everything that can be wrong with the input (model, adapter,
-/// data) is checked before the output folder is touched. With `checkpoint.resume = "auto"`
-/// the newest valid checkpoint in the output folder is continued exactly.
+/// Train as the recipe says, on every rank `[dist]` asks for. Everything that can be wrong
+/// with the input (model, adapter, data) is checked before the output folder is touched.
+/// With `checkpoint.resume = "auto"` the newest valid checkpoint in the output folder is
+/// continued exactly, whatever world size wrote it.
 pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSummary> {
+    let r = &loaded.recipe;
+    let file = loaded.file.display().to_string();
+    let layout = crate::dist::layout(&r.dist, &r.model.device, &|k| std::env::var(k).ok())
+        .map_err(|(key, msg)| Error::Recipe { file: file.clone(), key, msg })?;
+    let on_gpu = layout.local.iter().any(|(_, d)| *d != crate::device::DeviceSpec::Cpu);
+    if layout.world > 1 && on_gpu {
+        #[cfg(feature = "nccl")]
+        return crate::dist::nccl::run(loaded, run_opts, &layout);
+        #[cfg(not(feature = "nccl"))]
+        return Err(Error::Recipe {
+            file,
+            key: if r.dist.devices.is_some() { "dist.devices" } else { "dist.world_size" }.into(),
+            msg: format!(
+                "{} CUDA ranks need NCCL, which this binary was built without \
+                 (cargo build --release --features nccl); CPU ranks need no feature",
+                layout.world
+            ),
+        });
+    }
+    if layout.processes > 1 {
+        return Err(Error::Recipe {
+            file,
+            key: "$WORLD_SIZE".into(),
+            msg: format!(
+                "WORLD_SIZE={} asks for several processes, but CPU ranks run as threads of one process: \
+                 unset WORLD_SIZE/RANK and set dist.world_size",
+                layout.processes
+            ),
+        });
+    }
+    let group = InProcessGroup::new(layout.world, Duration::from_secs(r.dist.timeout_s));
+    let ranks: Vec<(Arc<dyn Collective>, crate::device::DeviceSpec)> =
+        layout.local.iter().map(|&(rank, dev)| (Arc::new(group.member(rank)) as Arc<dyn Collective>, dev)).collect();
+    run_ranks(loaded, run_opts, ranks, &|rank, why| group.abort(rank, why), &|| group.failure().map(|f| f.0))
+}
+
+/// Run one training loop per local rank, one thread each (the calling thread when there is
+/// only one), and return the lead rank's summary, or the error of the rank that failed
+/// first (the others only report that it did).
+pub fn run_ranks(
+    loaded: &LoadedRecipe,
+    run_opts: &RunOptions,
+    mut ranks: Vec<(Arc<dyn Collective>, crate::device::DeviceSpec)>,
+    abort: &(dyn Fn(usize, &str) + Sync),
+    first_failure: &dyn Fn() -> Option<usize>,
+) -> Result<RunSummary> {
+    if ranks.len() == 1 {
+        let (comm, dev) = ranks.remove(0);
+        return train_rank(loaded, run_opts, comm, dev);
+    }
+    let mut results: Vec<(usize, Result<RunSummary>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|(comm, dev)| {
+                let rank = comm.rank();
+                // Deep autograd graphs recurse; rank threads get the main thread's headroom.
+                let h = std::thread::Builder::new().name(format!("rank-{rank}")).stack_size(64 << 20).spawn_scoped(s, move || {
+                    // Hold the handle until the failure is recorded: dropping it first would
+                    // tell the others "rank r left" before they could learn why.
+                    let handle = comm.clone();
+                    let res = train_rank(loaded, run_opts, comm, dev);
+                    if let Err(e) = &res {
+                        abort(rank, &e.to_string());
+                    }
+                    drop(handle);
+                    res
+                });
+                (rank, h)
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|(rank, h)| {
+                let res = match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| Err(Error::Dist { rank, msg: "the rank's thread panicked".into() })),
+                    Err(e) => Err(Error::Dist { rank, msg: format!("cannot start the rank's thread: {e}") }),
+                };
+                (rank, res)
+            })
+            .collect()
+    });
+    if let Some(f) = first_failure() {
+        if let Some(i) = results.iter().position(|(r, res)| *r == f && res.is_err()) {
+            return results.swap_remove(i).1;
+        }
+    }
+    let mut memory = Vec::new();
+    let mut lead = None;
+    for (rank, res) in results {
+        let s = res?;
+        memory.extend(s.memory.iter().cloned());
+        if lead.is_none() {
+            lead = Some((rank, s));
+        }
+    }
+    let (_, mut s) = lead.ok_or_else(|| Error::Train("no ranks ran".into()))?;
+    memory.sort_by_key(|m| m.rank);
+    s.memory = memory;
+    Ok(s)
+}
+
+/// The training loop of one rank: setup, resume, train, cleanup. Every rank runs the same
+/// code and the same collectives in the same order; rank 0 (the lead) alone writes files and
+/// prints. With one rank the collectives are identities.
+///
+/// Data parallel: each rank reads the same stream and takes its share of each step's
+/// `grad_accum_steps * world` micro-batches (contiguous, in rank order), so the set of
+/// examples in a step, their dropout masks and the token count that normalises the loss do
+/// not depend on the world size.
+fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collective>, dev: crate::device::DeviceSpec) -> Result<RunSummary> {
     // ---------------------------------------------------------------- setup
     let r = &loaded.recipe;
     let t = &r.train;
-    let device_err = |msg: String| Error::Recipe { file: loaded.file.display().to_string(), key: "model.device".into(), msg };
-    let spec = crate::device::parse_device(&r.model.device).map_err(device_err)?;
-    let device = crate::device::open(spec).map_err(device_err)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let lead = rank == 0;
+    let device_key = if r.dist.devices.is_some() { "dist.devices" } else { "model.device" };
+    let device = crate::device::open(dev).map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: device_key.into(), msg })?;
     let model_dir = ModelDir::resolve(&r.model.path, &loaded.dir)?;
     let cfg = ModelConfig::from_file(&model_dir.config_path())?;
     let files = SafetensorsFiles::open(&model_dir.weight_files()?)?;
@@ -110,15 +230,30 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     // CPUs have no fast half-precision matmul (candle converts to f32 anyway), so compute in
     // f32 there and keep bf16/f16 only as the storage format of the frozen base.
     let compute_dtype = if device.is_cpu() { DType::F32 } else { storage_dtype };
-    let src = Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()));
+    let account = Arc::new(Account::default());
+    let (src, sharded): (Arc<dyn WeightSource>, Option<Arc<ShardedWeights>>) = if r.dist.zero_stage == 3 {
+        let n = cfg.num_hidden_layers;
+        let s = Arc::new(ShardedWeights::new(files, comm.clone(), n, r.dist.prefetch_layers, storage_dtype, compute_dtype, device.clone(), account.clone()));
+        (s.clone(), Some(s))
+    } else {
+        (Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone())), None)
+    };
     let mut targets: Vec<String> = MODULES.iter().filter(|m| r.lora.targets.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
     targets.dedup();
     let lora_spec = LoraSpec { rank: r.lora.rank, alpha: r.lora.alpha, dropout: r.lora.dropout, targets };
+    // Same seed on every rank: every rank starts from the same adapters.
     let adapters = Adapters::init(&cfg, lora_spec, t.seed, &device)?;
     if let Some(init) = &r.lora.init_from {
         adapters.load_peft(&loaded.resolve(init))?;
     }
-    let model = Llama::load(src, cfg, &adapters)?;
+    let model = Llama::load(src.clone(), cfg, &adapters)?;
+    match &sharded {
+        Some(s) => s.seal(),
+        None => {
+            let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes();
+            account.frozen.store(bytes, Ordering::SeqCst);
+        }
+    }
     let mut loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
     // Evaluation examples are read once (eval sets are small) and reused at every eval.
     let eval_set = if r.data.eval.is_some() || r.data.eval_fraction > 0.0 {
@@ -131,13 +266,24 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     } else {
         None
     };
-    let (trainable, all) = trainable_parameters(&model.cfg, r.lora.rank, &adapters.spec.targets);
-    eprintln!("{}", format_trainable(trainable, all));
+    if lead {
+        let (trainable, all) = trainable_parameters(&model.cfg, r.lora.rank, &adapters.spec.targets);
+        eprintln!("{}", format_trainable(trainable, all));
+        if world > 1 {
+            eprintln!("{world} ranks, zero_stage {}, optimizer state on the host", r.dist.zero_stage);
+        }
+    }
 
+    // Optimizer state is partitioned: all LoRA parameters flattened (in `Adapters::params`
+    // order) into P values; rank r owns [r c, (r+1) c) with c = ceil(P / world).
     let vars: Vec<Var> = adapters.params().into_iter().map(|(_, v)| v.clone()).collect();
-    let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
-    let mut opt = AdamW::new(&sizes, (t.adam_betas[0], t.adam_betas[1]), t.adam_eps, t.weight_decay);
+    let total: usize = vars.iter().map(|v| v.elem_count()).sum();
+    let part = Partition::new(total, rank, world);
+    let mut opt = AdamW::new(part.len(), (t.adam_betas[0], t.adam_betas[1]), t.adam_eps, t.weight_decay);
     let schedule = Schedule::parse(&t.lr_scheduler);
+    account.lora_params.store(total * 4, Ordering::SeqCst);
+    account.lora_grads.store(total * 8, Ordering::SeqCst); // accumulated in f64
+    account.optimizer.store(2 * part.len() * 4, Ordering::SeqCst);
 
     // The output folder is created only once the first step has run, so input that fails on
     // its first rows (bad data, a model that does not fit) leaves nothing behind.
@@ -150,12 +296,13 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     let mut start_step = 0;
     let mut micro_index = 0u64;
     let mut last_checkpoint = None;
+    if lead && r.checkpoint.resume == "auto" {
+        crate::checkpoint::clean_temporaries(&out_dir);
+    }
+    comm.barrier()?;
     let resume_from = match r.checkpoint.resume.as_str() {
         "never" => None,
-        "auto" => {
-            crate::checkpoint::clean_temporaries(&out_dir);
-            crate::checkpoint::latest_valid(&out_dir)
-        }
+        "auto" => crate::checkpoint::latest_valid(&out_dir),
         path => Some(loaded.resolve(std::path::Path::new(path))),
     };
     if let Some(dir) = resume_from {
@@ -164,27 +311,37 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
         let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
         let warnings = crate::checkpoint::check_recipe_change(&saved, &recipe_text)
             .map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: "(resume)".into(), msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
-        for w in warnings {
+        for w in warnings.iter().filter(|_| lead) {
             eprintln!("warning: {w}");
         }
-        let l = crate::checkpoint::load(&dir, &adapters, &mut opt)?;
+        let l = crate::checkpoint::load(&dir, &adapters)?;
+        opt.state = Moments { exp_avg: part.slice(&l.moments.exp_avg), exp_avg_sq: part.slice(&l.moments.exp_avg_sq) };
+        opt.step = l.adam_step;
         loader.restore(&l.state.loader)?;
         start_step = l.state.step;
         micro_index = l.state.micro_index;
-        metrics = Some(reopen_metrics(&metrics_path, start_step)?);
-        eprintln!("resuming from {} (step {start_step})", dir.display());
+        if lead {
+            metrics = Some(reopen_metrics(&metrics_path, start_step)?);
+            eprintln!("resuming from {} (step {start_step})", dir.display());
+        }
         last_checkpoint = Some(dir);
     }
-    let progress = crate::progress::Progress::new(t.max_steps as u64, t.log_every);
+    // This rank's f32 copy of its slice of the parameters (the "master" weights AdamW updates).
+    let mut master = part.slice(&flatten(&vars)?);
+    let progress = lead.then(|| crate::progress::Progress::new(t.max_steps as u64, t.log_every));
     let stop_requested = || run_opts.stop.as_ref().map_or(0, |s| s.load(Ordering::SeqCst));
 
     // ---------------------------------------------------------------- train
     let mut history = Vec::with_capacity(t.max_steps);
     let mut interrupted = None;
+    let accum = t.grad_accum_steps;
     for step in start_step + 1..=t.max_steps {
+        if run_opts.fail_rank_at_step == Some((rank, step)) {
+            return Err(Error::Train(format!("injected failure of rank {rank} at step {step}")));
+        }
         let started = Instant::now();
-        let mut batches = Vec::with_capacity(t.grad_accum_steps);
-        for _ in 0..t.grad_accum_steps {
+        let mut batches = Vec::with_capacity(accum * world);
+        for _ in 0..accum * world {
             let rows = if r.data.batch_by == "tokens" {
                 loader.next_token_batch(r.data.max_tokens)?
             } else {
@@ -192,7 +349,8 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
             };
             batches.push(MicroBatch::collate(&rows));
         }
-        // Token-normalised across accumulation: the divisor is the whole step's target count.
+        // Token-normalised across accumulation and ranks: the divisor is the whole global
+        // batch's target count, which every rank knows because every rank reads the stream.
         let count: usize = batches.iter().map(|b| b.num_targets()).sum();
         if count == 0 {
             return Err(Error::Train(format!(
@@ -200,88 +358,164 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
                 r.data.max_seq_len
             )));
         }
+        let real_tokens: usize = batches.iter().map(|b| b.real_tokens).sum();
         let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
-        let mut loss_sum = 0.0;
-        let mut real_tokens = 0;
-        for mb in &batches {
-            let drop = (r.lora.dropout > 0.0).then_some(DropoutCtx { seed: t.seed, micro_batch: micro_index });
-            micro_index += 1;
-            loss_sum += forward_backward(&model, &adapters, &vars, mb, 1.0 / count as f64, drop, t.activation_checkpointing, &mut grads)?;
-            real_tokens += mb.real_tokens;
+        let mut ce_sum = 0.0;
+        for (j, mb) in batches.iter().enumerate().skip(rank * accum).take(accum) {
+            let drop = (r.lora.dropout > 0.0).then_some(DropoutCtx { seed: t.seed, micro_batch: micro_index + j as u64 });
+            ce_sum += forward_backward(&model, &adapters, &vars, mb, 1.0 / count as f64, drop, t.activation_checkpointing, &mut grads)?;
         }
-        let loss = loss_sum / count as f64;
+        micro_index += (accum * world) as u64;
+        let loss = comm.all_reduce(&Tensor::new(&[ce_sum], &device)?)?.to_vec1::<f64>()?[0] / count as f64;
         if !loss.is_finite() {
             return Err(Error::Train(format!("step {step}: loss is {loss}; stopping (try a lower train.lr)")));
         }
-        let mut g: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
+        // Each rank keeps the sum over ranks of its slice of the gradient (summed in f64 like
+        // the accumulation, then rounded once to f32).
+        let mut g: Vec<f64> = Vec::with_capacity(part.padded());
         for (gi, v) in grads.iter().zip(&vars) {
-            g.push(match gi {
-                Some(t) => t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?,
-                None => vec![0.0; v.elem_count()],
-            });
+            match gi {
+                Some(t) => g.extend(t.flatten_all()?.to_vec1::<f64>()?),
+                None => g.extend(std::iter::repeat_n(0.0, v.elem_count())),
+            }
         }
-        let grad_norm = clip_grad_norm(&mut g, t.max_grad_norm);
+        drop(grads);
+        g.resize(part.padded(), 0.0);
+        let g = comm.reduce_scatter(&Tensor::from_vec(g, part.padded(), &device)?)?;
+        let mut g: Vec<f32> = g.narrow(0, 0, part.len())?.to_dtype(DType::F32)?.to_vec1()?;
+        let norm_sq = comm.all_reduce(&Tensor::new(&[crate::optim::sum_squares(&g)], &device)?)?.to_vec1::<f64>()?[0];
+        let grad_norm = norm_sq.sqrt();
+        crate::optim::clip_to(&mut g, grad_norm, t.max_grad_norm);
         let lr = t.lr * schedule.lambda(step - 1, t.warmup_steps, t.max_steps);
-        let mut p: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
-        for v in &vars {
-            p.push(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
-        }
-        opt.step(&mut p, &g, lr);
-        if p.iter().flatten().any(|x| !x.is_finite()) {
+        opt.step(&mut master, &g, lr);
+        // Updated slices back to every rank.
+        let full = part.gather(&*comm, &master, &device)?;
+        if full.iter().any(|x| !x.is_finite()) {
             return Err(Error::Train(format!("step {step}: the update made LoRA weights non-finite; stopping before saving them (try a lower train.lr)")));
         }
-        for (v, new) in vars.iter().zip(p) {
-            v.set(&Tensor::from_vec(new, v.shape(), &device)?.to_dtype(v.dtype())?)?;
+        let mut off = 0;
+        for v in &vars {
+            let n = v.elem_count();
+            v.set(&Tensor::from_slice(&full[off..off + n], v.shape(), &device)?.to_dtype(v.dtype())?)?;
+            off += n;
         }
         let secs = started.elapsed().as_secs_f64();
         let eval_loss = match &eval_set {
             Some(ex) if (t.eval_every > 0 && step % t.eval_every == 0) || step == t.max_steps => {
-                Some(evaluate(&model, &adapters, ex, t.micro_batch_size)?)
+                let (sum, n) = evaluate_part(&model, &adapters, ex, t.micro_batch_size, rank, world)?;
+                let v = comm.all_reduce(&Tensor::new(&[sum, n as f64], &device)?)?.to_vec1::<f64>()?;
+                Some(v[0] / v[1].max(1.0))
             }
             _ => None,
         };
         let m = StepMetrics { step, loss, lr, grad_norm, tokens: count, tokens_per_s: real_tokens as f64 / secs.max(1e-9), eval_loss };
-        let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
-        let file = match metrics.as_mut() {
-            Some(f) => f,
-            None => metrics.insert(create_output(&out_dir, r)?),
-        };
-        writeln!(file, "{line}").and_then(|_| file.flush()).map_err(|e| Error::io(&metrics_path, e))?;
-        progress.step(&m, t.max_steps);
+        if lead {
+            let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
+            let file = match metrics.as_mut() {
+                Some(f) => f,
+                None => metrics.insert(create_output(&out_dir, r)?),
+            };
+            writeln!(file, "{line}").and_then(|_| file.flush()).map_err(|e| Error::io(&metrics_path, e))?;
+            if let Some(p) = &progress {
+                p.step(&m, t.max_steps);
+            }
+        }
         history.push(m);
 
+        // The lead's view of a stop request is everyone's, so all ranks stop at one step.
+        let stop = if world > 1 { comm.broadcast(&Tensor::new(&[stop_requested() as f64], &device)?, 0)?.to_vec1::<f64>()?[0] as usize } else { stop_requested() };
         // Checkpoints only at optimizer-step boundaries: mid-accumulation gradients are never
         // saved, so a resume is always at a clean step.
-        let stop = stop_requested();
         let every = r.checkpoint.every_steps;
         if (every > 0 && step % every == 0) || step == t.max_steps || stop != 0 {
-            let state = crate::checkpoint::TrainState { step, micro_index, loader: loader.state() };
-            let dir = crate::checkpoint::save(&out_dir, &adapters, &opt, &state, &recipe_text, &model_dir.name)?;
-            crate::checkpoint::prune(&out_dir, r.checkpoint.keep_last)?;
-            last_checkpoint = Some(dir);
+            // Consolidated: one optimizer state whatever the world size.
+            let moments = Moments { exp_avg: part.gather(&*comm, &opt.state.exp_avg, &device)?, exp_avg_sq: part.gather(&*comm, &opt.state.exp_avg_sq, &device)? };
+            if lead {
+                let state = crate::checkpoint::TrainState { step, micro_index, loader: loader.state() };
+                let dir = crate::checkpoint::save(&out_dir, &adapters, &moments, opt.step, &state, &recipe_text, &model_dir.name)?;
+                crate::checkpoint::prune(&out_dir, r.checkpoint.keep_last)?;
+                last_checkpoint = Some(dir);
+            }
+            comm.barrier()?;
         }
         if stop != 0 {
             interrupted = Some(stop);
             break;
         }
     }
-    if interrupted.is_none() && start_step >= t.max_steps {
+    if lead && interrupted.is_none() && start_step >= t.max_steps {
         eprintln!("already complete: the checkpoint is at step {start_step} of train.max_steps = {}", t.max_steps);
     }
 
     // ---------------------------------------------------------------- cleanup
-    progress.finish();
-    for line in loader.stats.report(r.data.max_seq_len) {
-        eprintln!("note: {line}");
+    let memory = MemoryUse::of(rank, &account);
+    if world > 1 || sharded.is_some() {
+        eprintln!("{memory}");
     }
-    if let Some(f) = &metrics {
-        f.sync_all().map_err(|e| Error::io(&metrics_path, e))?;
+    if lead {
+        if let Some(p) = &progress {
+            p.finish();
+        }
+        for line in loader.stats.report(r.data.max_seq_len) {
+            eprintln!("note: {line}");
+        }
+        if let Some(f) = &metrics {
+            f.sync_all().map_err(|e| Error::io(&metrics_path, e))?;
+        }
+        if interrupted.is_none() {
+            save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
+            eprintln!("adapter written to {}", out_dir.join("adapter").display());
+        }
     }
-    if interrupted.is_none() {
-        save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
-        eprintln!("adapter written to {}", out_dir.join("adapter").display());
+    Ok(RunSummary { steps: history, output_dir: out_dir, interrupted, checkpoint: last_checkpoint, memory: vec![memory] })
+}
+
+/// All parameters flattened in order, as f32.
+fn flatten(vars: &[Var]) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    for v in vars {
+        out.extend(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
     }
-    Ok(RunSummary { steps: history, output_dir: out_dir, interrupted, checkpoint: last_checkpoint })
+    Ok(out)
+}
+
+/// A rank's share of a flat vector of `total` values: [r c, (r+1) c) with c = ceil(total / W),
+/// the last shares shorter (zero-padded to c on the wire).
+#[derive(Clone, Copy, Debug)]
+pub struct Partition {
+    total: usize,
+    chunk: usize,
+    lo: usize,
+    hi: usize,
+    world: usize,
+}
+
+impl Partition {
+    pub fn new(total: usize, rank: usize, world: usize) -> Self {
+        let chunk = total.div_ceil(world).max(1);
+        Partition { total, chunk, lo: (rank * chunk).min(total), hi: ((rank + 1) * chunk).min(total), world }
+    }
+    pub fn len(&self) -> usize {
+        self.hi - self.lo
+    }
+    pub fn is_empty(&self) -> bool {
+        self.hi == self.lo
+    }
+    /// Length of the whole vector padded to world * chunk.
+    pub fn padded(&self) -> usize {
+        self.chunk * self.world
+    }
+    pub fn slice(&self, full: &[f32]) -> Vec<f32> {
+        full[self.lo..self.hi].to_vec()
+    }
+    /// Every rank's share, concatenated back into the full vector.
+    pub fn gather(&self, comm: &dyn Collective, mine: &[f32], device: &candle_core::Device) -> Result<Vec<f32>> {
+        let mut v = mine.to_vec();
+        v.resize(self.chunk, 0.0);
+        let mut full: Vec<f32> = comm.all_gather(&Tensor::from_vec(v, self.chunk, device)?)?.to_vec1()?;
+        full.truncate(self.total);
+        Ok(full)
+    }
 }
 
 /// Keep the metrics lines of steps up to `step` (what the checkpoint covers) and reopen the
@@ -334,8 +568,15 @@ fn resolve_spec(loaded: &LoadedRecipe, p: &std::path::Path) -> PathBuf {
 
 /// Token-normalised loss over `examples` (no gradients kept).
 pub fn evaluate(model: &Llama, adapters: &Adapters, examples: &[crate::data::Example], batch: usize) -> Result<f64> {
+    let (sum, count) = evaluate_part(model, adapters, examples, batch, 0, 1)?;
+    Ok(sum / count.max(1) as f64)
+}
+
+/// CE sum and target count over rank `rank`'s share of the evaluation batches (batch j goes
+/// to rank j mod world).
+pub fn evaluate_part(model: &Llama, adapters: &Adapters, examples: &[crate::data::Example], batch: usize, rank: usize, world: usize) -> Result<(f64, usize)> {
     let (mut sum, mut count) = (0.0, 0usize);
-    for chunk in examples.chunks(batch.max(1)) {
+    for chunk in examples.chunks(batch.max(1)).skip(rank).step_by(world) {
         let mb = MicroBatch::collate(chunk);
         let device = model.embed_tokens()?.device().clone();
         let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), None, &device)?;
@@ -355,7 +596,7 @@ pub fn evaluate(model: &Llama, adapters: &Adapters, examples: &[crate::data::Exa
         sum += ce;
         count += tgt.len();
     }
-    Ok(sum / count.max(1) as f64)
+    Ok((sum, count))
 }
 
 /// Create the output folder with the resolved recipe, and a fresh metrics.jsonl.
@@ -381,8 +622,8 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
     crate::fsutil::rename_durable(&tmp, dir)
 }
 
-/// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` and
-/// returns the micro-batch's CE sum.
+/// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` (f64)
+/// and returns the micro-batch's CE sum.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Llama,
@@ -404,22 +645,27 @@ pub fn forward_backward(
     let (idx, tgt): (Vec<u32>, Vec<u32>) =
         mb.targets.iter().enumerate().filter(|(_, &t)| t != IGNORE).map(|(i, &t)| (i as u32, t as u32)).unzip();
     let idx = Tensor::from_vec(idx, tgt.len(), &device)?;
-    let head = model.lm_head()?;
     let h = model.cfg.hidden_size;
 
     // Loss through final norm + head for hidden states `x`; returns (CE sum, the scalar whose
     // backward gives the gradient of scale * CE sum).
     let head_loss = |x: &Tensor| -> Result<(f64, Tensor)> {
         let rows = model.final_norm(x)?.reshape((b * s, h))?.index_select(&idx, 0)?; // [M, H]
+        // Fetched just in time: under ZeRO-3 the head is gathered only while it is used.
+        let head = model.lm_head()?;
         let (ce, g_rows) = crate::loss::cross_entropy_sum_and_grad(&rows, &head, &tgt, scale).ctx("cross-entropy")?;
         Ok((ce, (rows * g_rows.detach())?.sum_all()?))
     };
+    // Accumulated in f64: a sum of a few f32 gradients is then exact in practice, so it does
+    // not depend on how a step's micro-batches are split over ranks (in f32 it would, through
+    // rounding, and AdamW turns that into visible differences for tiny gradients).
     let mut add = |store: &candle_core::backprop::GradStore| -> Result<()> {
         for (slot, v) in grads.iter_mut().zip(vars) {
             if let Some(g) = store.get(v) {
+                let g = g.to_dtype(DType::F64)?;
                 *slot = Some(match slot.take() {
                     Some(acc) => (acc + g)?,
-                    None => g.clone(),
+                    None => g,
                 });
             }
         }

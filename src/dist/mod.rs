@@ -1,0 +1,134 @@
+//! Several devices: which ranks this process drives, how they talk, and ZeRO-3 for the
+//! frozen base.
+//!
+//! - [`collective`]: the interface (all_gather, reduce_scatter, all_reduce, broadcast,
+//!   barrier) and the in-process backend (one rank per thread; CPU runs and tests).
+//! - `nccl` (feature `nccl`): the same interface over NCCL communicators.
+//! - [`rendezvous`]: processes meet over TCP (MASTER_ADDR/MASTER_PORT) to share the NCCL id.
+//! - [`zero`]: the sharded frozen-weight source and the memory account.
+//! - [`plan`]: memory per device and host from config.json alone (`finetune plan`).
+//!
+//! Boundary: model code sees none of this. It reads frozen tensors through `WeightSource`
+//! and gets LoRA parameters as `Var`s; the training loop does the rest.
+
+pub mod collective;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod plan;
+pub mod rendezvous;
+pub mod zero;
+
+use crate::device::DeviceSpec;
+use crate::recipe::DistSection;
+
+/// Ranks of the whole run and the ones this process drives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Layout {
+    /// Ranks in the run (all processes).
+    pub world: usize,
+    /// Processes in the run (WORLD_SIZE) and this one's index (RANK).
+    pub processes: usize,
+    pub process: usize,
+    /// (global rank, device) of each rank this process drives, one thread each.
+    pub local: Vec<(usize, DeviceSpec)>,
+}
+
+/// Work out the layout from the `[dist]` section, `model.device` and the launcher's
+/// environment (`env("RANK")`, `env("WORLD_SIZE")`, as torchrun sets them, one process per
+/// node). Errors name the recipe key or variable to fix: `(key, message)`.
+pub fn layout(d: &DistSection, model_device: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Layout, (String, String)> {
+    let var = |name: &str, default: usize| -> Result<usize, (String, String)> {
+        match env(name) {
+            None => Ok(default),
+            Some(v) => v.trim().parse().map_err(|_| (format!("${name}"), format!("\"{v}\" is not a number"))),
+        }
+    };
+    let processes = var("WORLD_SIZE", 1)?.max(1);
+    let process = var("RANK", 0)?;
+    if process >= processes {
+        return Err(("$RANK".into(), format!("RANK={process} but WORLD_SIZE={processes}; ranks are 0..WORLD_SIZE-1")));
+    }
+    let devices: Vec<DeviceSpec> = match &d.devices {
+        Some(list) => list
+            .iter()
+            .map(|s| crate::device::parse_device(s).map_err(|m| ("dist.devices".to_string(), m)))
+            .collect::<Result<_, _>>()?,
+        None => {
+            let world = d.world_size.unwrap_or(processes);
+            if world % processes != 0 {
+                return Err((
+                    "dist.world_size".into(),
+                    format!("{world} ranks do not divide evenly over WORLD_SIZE={processes} processes"),
+                ));
+            }
+            let k = world / processes;
+            let base = crate::device::parse_device(model_device).map_err(|m| ("model.device".to_string(), m))?;
+            match base {
+                DeviceSpec::Cpu => vec![DeviceSpec::Cpu; k],
+                // One rank per GPU of this node: cuda:0 .. cuda:k-1 (model.device's index
+                // only picks the GPU of a single-rank run).
+                DeviceSpec::Cuda(n) if k == 1 => vec![DeviceSpec::Cuda(n)],
+                DeviceSpec::Cuda(_) => (0..k).map(DeviceSpec::Cuda).collect(),
+            }
+        }
+    };
+    let world = devices.len() * processes;
+    if let Some(w) = d.world_size {
+        if w != world {
+            return Err((
+                "dist.world_size".into(),
+                format!("is {w}, but dist.devices lists {} device(s) x {processes} process(es) = {world} ranks", devices.len()),
+            ));
+        }
+    }
+    let kinds: std::collections::HashSet<bool> = devices.iter().map(|d| *d == DeviceSpec::Cpu).collect();
+    if kinds.len() > 1 {
+        return Err(("dist.devices".into(), "mixes CPU and CUDA devices; use one kind".into()));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for dv in &devices {
+        if let DeviceSpec::Cuda(n) = dv {
+            if !seen.insert(*n) {
+                return Err(("dist.devices".into(), format!("lists cuda:{n} twice; one rank per GPU")));
+            }
+        }
+    }
+    let k = devices.len();
+    let local = devices.into_iter().enumerate().map(|(i, dv)| (process * k + i, dv)).collect();
+    Ok(Layout { world, processes, process, local })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn world_size_on_cpu_gives_that_many_local_ranks() {
+        let d = DistSection { world_size: Some(4), ..Default::default() };
+        let l = layout(&d, "cpu", &env(&[])).unwrap();
+        assert_eq!(l.world, 4);
+        assert_eq!(l.local.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn torchrun_environment_places_this_process_ranks() {
+        let d = DistSection { devices: Some(vec!["cuda:0".into(), "cuda:1".into()]), ..Default::default() };
+        let l = layout(&d, "cpu", &env(&[("RANK", "1"), ("WORLD_SIZE", "3")])).unwrap();
+        assert_eq!(l.world, 6);
+        assert_eq!(l.local, vec![(2, DeviceSpec::Cuda(0)), (3, DeviceSpec::Cuda(1))]);
+    }
+
+    #[test]
+    fn inconsistent_world_size_names_the_key() {
+        let d = DistSection { world_size: Some(3), devices: Some(vec!["cpu".into(), "cpu".into()]), ..Default::default() };
+        let (key, msg) = layout(&d, "cpu", &env(&[])).unwrap_err();
+        assert_eq!(key, "dist.world_size");
+        assert!(msg.contains("2 device(s)"), "{msg}");
+        let (key, _) = layout(&DistSection::default(), "cpu", &env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert_eq!(key, "$RANK");
+    }
+}

@@ -1,0 +1,179 @@
+//! `finetune plan`: memory per device and on the host, from config.json and the recipe alone
+//! (no weights read).
+//!
+//! The exact rows (frozen shard, gathered peak, LoRA params and grads, optimizer state) are
+//! computed the way the run allocates them: the same per-tensor sharding (ceil(n / N)
+//! elements per rank, padded), and the same gather/release [`Window`] replayed over the order
+//! in which a training step asks for tensors. A CPU run's [`Account`](super::zero::Account)
+//! records the same quantities, and a test holds the two equal. Activations are an estimate
+//! (they are not in the account): the tensors one decoder layer keeps for backward.
+
+use super::zero::{Unit, Window};
+use crate::config::ModelConfig;
+use crate::recipe::Recipe;
+use std::collections::HashMap;
+
+/// Bytes per device (one rank) and on the host, for one world size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub world: usize,
+    pub zero_stage: usize,
+    /// The frozen base this rank keeps between uses (its shards, or all of it at stage 0).
+    pub frozen: usize,
+    /// Most gathered frozen bytes held at once (stage 3).
+    pub gathered_peak: usize,
+    pub lora_params: usize,
+    pub lora_grads: usize,
+    /// This rank's slice of the AdamW state (exp_avg and exp_avg_sq, f32).
+    pub optimizer: usize,
+    /// Optimizer state lives on the host ("cpu") or on the device ("none").
+    pub optimizer_on_host: bool,
+    /// Estimated activation memory with and without activation checkpointing.
+    pub activations_ckpt: usize,
+    pub activations_full: usize,
+    pub checkpointing: bool,
+}
+
+impl Plan {
+    pub fn device_total(&self) -> usize {
+        let act = if self.checkpointing { self.activations_ckpt } else { self.activations_full };
+        self.frozen + self.gathered_peak + self.lora_params + self.lora_grads + act + if self.optimizer_on_host { 0 } else { self.optimizer }
+    }
+}
+
+/// The plan of `r` on `world` ranks. `on_gpu` selects the compute dtype (the storage dtype on
+/// GPUs, f32 on CPUs) used for the activation estimate.
+pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
+    let es = crate::weights::parse_dtype(&r.model.dtype).size_in_bytes();
+    let tensors = cfg.frozen_tensors();
+    let numel = |s: &[usize]| s.iter().product::<usize>();
+    let stage3 = r.dist.zero_stage == 3;
+    let (frozen, gathered_peak) = if stage3 {
+        let frozen = tensors.iter().map(|(_, s)| numel(s).div_ceil(world) * es).sum();
+        // Gathered bytes per unit, as the source allocates them: N * ceil(n / N) per tensor.
+        let mut unit_bytes: HashMap<Unit, usize> = HashMap::new();
+        for (name, s) in &tensors {
+            *unit_bytes.entry(Unit::of(name)).or_default() += world * numel(s).div_ceil(world) * es;
+        }
+        (frozen, replay_peak(cfg, r, &unit_bytes))
+    } else {
+        (tensors.iter().map(|(_, s)| numel(s) * es).sum(), 0)
+    };
+    let lora: usize = crate::train::trainable_parameters(cfg, r.lora.rank, &r.lora.targets).0 as usize;
+    // Rank 0's share, the largest (the last rank's may be shorter).
+    let optimizer = 2 * lora.div_ceil(world).min(lora) * 4;
+    let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 });
+    Plan {
+        world,
+        zero_stage: r.dist.zero_stage,
+        frozen,
+        gathered_peak,
+        lora_params: lora * 4,
+        lora_grads: lora * 8, // accumulated in f64 (see train::forward_backward)
+        optimizer,
+        optimizer_on_host: r.dist.offload_optimizer == "cpu",
+        activations_ckpt: ckpt,
+        activations_full: full,
+        checkpointing: r.train.activation_checkpointing,
+    }
+}
+
+/// Replay the order a run asks for frozen tensors (load check, then one training
+/// micro-batch with recomputation, then an evaluation batch) through the [`Window`], and
+/// return the most bytes held at once.
+fn replay_peak(cfg: &ModelConfig, r: &Recipe, unit_bytes: &HashMap<Unit, usize>) -> usize {
+    let n = cfg.num_hidden_layers;
+    let embed = Unit::Tensor("model.embed_tokens.weight".into());
+    let norm = Unit::Tensor("model.norm.weight".into());
+    let head = if cfg.tie_word_embeddings { embed.clone() } else { Unit::Tensor("lm_head.weight".into()) };
+    let mut order = vec![embed.clone(), norm.clone(), head.clone()];
+    order.extend((0..n).map(Unit::Layer));
+    // Training micro-batch: forward, head, recomputed backward from the top.
+    order.push(embed.clone());
+    order.extend((0..n).map(Unit::Layer));
+    order.extend([norm.clone(), head.clone()]);
+    order.extend((0..n).rev().map(Unit::Layer));
+    // Evaluation batch.
+    order.push(embed);
+    order.extend((0..n).map(Unit::Layer));
+    order.extend([norm, head]);
+    let mut w = Window::new(n, r.dist.prefetch_layers);
+    order.iter().map(|u| w.request(u).iter().map(|k| unit_bytes.get(k).copied().unwrap_or(0)).sum::<usize>()).max().unwrap_or(0)
+}
+
+/// Estimated activation bytes per rank: (with checkpointing, without). With checkpointing a
+/// rank keeps each layer's input and one layer's tensors at a time (recomputed in backward);
+/// without, every layer's. A layer keeps per token its norms, projections, attention output
+/// and MLP intermediates, plus the f32 attention scores and probabilities (S per head).
+fn activations(cfg: &ModelConfig, r: &Recipe, a: usize) -> (usize, usize) {
+    let (b, s) = (r.train.micro_batch_size, r.data.max_seq_len);
+    let (h, i, l) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers);
+    let (q, kv) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
+    let per_token = (8 * h + 3 * q + 3 * kv + 4 * i) * a + 2 * cfg.num_attention_heads * s * 4;
+    let layer = b * s * per_token;
+    // The loss head: one [chunk, V] block of f32 logits and its gradient.
+    let head = 2 * (8 << 20) * 4;
+    let saved_inputs = l * b * s * h * a;
+    (saved_inputs + 2 * layer + head, l * layer + layer + head)
+}
+
+fn gb(b: usize) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}
+
+/// The table `finetune plan` prints: one column per world size.
+pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> String {
+    let dev = if on_gpu { "GPU" } else { "rank" };
+    let base = cfg.base_param_count();
+    let lora = crate::train::trainable_parameters(cfg, r.lora.rank, &r.lora.targets).0;
+    let mut out = format!(
+        "{} ({} layers, hidden {}, vocab {}): base {:.2} B params in {}, LoRA {:.1} M params (f32), micro-batch {} x {} tokens, zero_stage {}\n\n",
+        cfg.architecture_name,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        base as f64 / 1e9,
+        r.model.dtype,
+        lora as f64 / 1e6,
+        r.train.micro_batch_size,
+        r.data.max_seq_len,
+        r.dist.zero_stage
+    );
+    let mut head = format!("{:<44}", "");
+    for p in plans {
+        head.push_str(&format!("{:>14}", format!("{} {dev}{}", p.world, if p.world > 1 { "s" } else { "" })));
+    }
+    out.push_str(&head);
+    out.push('\n');
+    let rows: Vec<(&str, Box<dyn Fn(&Plan) -> String>)> = vec![
+        ("per device", Box::new(|_| String::new())),
+        ("  frozen base kept (own shard)", Box::new(|p| gb(p.frozen))),
+        ("  gathered layers, peak", Box::new(|p| gb(p.gathered_peak))),
+        ("  LoRA parameters", Box::new(|p| gb(p.lora_params))),
+        ("  LoRA gradients", Box::new(|p| gb(p.lora_grads))),
+        ("  optimizer state", Box::new(|p| if p.optimizer_on_host { "(host)".into() } else { gb(p.optimizer) })),
+        ("  activations, checkpointing on (est.)", Box::new(|p| gb(p.activations_ckpt))),
+        ("  activations, checkpointing off (est.)", Box::new(|p| gb(p.activations_full))),
+        ("  total as the recipe runs", Box::new(|p| gb(p.device_total()))),
+        ("host", Box::new(|_| String::new())),
+        ("  optimizer state per rank", Box::new(|p| if p.optimizer_on_host { gb(p.optimizer) } else { "-".into() })),
+        ("  optimizer state, all ranks", Box::new(|p| if p.optimizer_on_host { gb(p.optimizer * p.world) } else { "-".into() })),
+    ];
+    for (label, f) in rows {
+        let mut line = format!("{label:<44}");
+        for p in plans {
+            line.push_str(&format!("{:>14}", f(p)));
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out.push_str(
+        "\nExact rows are what a run allocates (a CPU run's account matches them); activations are estimates.\n\
+         With checkpointing off, ZeRO-3 is refused: the autograd graph would keep every gathered layer.\n",
+    );
+    out
+}
