@@ -2,7 +2,7 @@
 CARGO ?= cargo
 PYTHON ?= python3
 
-.PHONY: build test demo tiny bench interop venv clean-runs
+.PHONY: build test demo tiny bench interop venv check-cuda clean-runs
 
 build:
 	$(CARGO) build --release
@@ -34,6 +34,11 @@ bench: build venv
 ## Do transformers and PEFT load what we write? (not part of CI)
 interop: build venv
 	.venv/bin/python interop/check.py
+
+## Compile-check the GPU build (cuda + nccl features) without a GPU: CUDA 13 toolkit from PyPI
+## wheels into .cache/cuda; ~30 min the first time (candle's kernels), seconds afterwards.
+check-cuda:
+	bash scripts/check-cuda.sh
 
 clean-runs:
 	rm -rf runs .cache/bench

@@ -125,6 +125,13 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
             ),
         });
     }
+    if on_gpu && r.dist.offload_optimizer == "none" {
+        return Err(Error::Recipe {
+            file,
+            key: "dist.offload_optimizer".into(),
+            msg: "AdamW runs on the host; keeping its state on the GPU (\"none\") is not implemented, use \"cpu\"".into(),
+        });
+    }
     if layout.processes > 1 {
         return Err(Error::Recipe {
             file,
@@ -137,9 +144,17 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
         });
     }
     let group = InProcessGroup::new(layout.world, Duration::from_secs(r.dist.timeout_s));
-    let ranks: Vec<(Arc<dyn Collective>, crate::device::DeviceSpec)> =
-        layout.local.iter().map(|&(rank, dev)| (Arc::new(group.member(rank)) as Arc<dyn Collective>, dev)).collect();
+    let mut ranks: Vec<(Arc<dyn Collective>, candle_core::Device)> = Vec::new();
+    for &(rank, spec) in &layout.local {
+        ranks.push((Arc::new(group.member(rank)), open_device(loaded, spec)?));
+    }
     run_ranks(loaded, run_opts, ranks, &|rank, why| group.abort(rank, why), &|| group.failure().map(|f| f.0))
+}
+
+/// Open a rank's device; the error names the recipe key that chose it.
+pub fn open_device(loaded: &LoadedRecipe, spec: crate::device::DeviceSpec) -> Result<candle_core::Device> {
+    let key = if loaded.recipe.dist.devices.is_some() { "dist.devices" } else { "model.device" };
+    crate::device::open(spec).map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: key.into(), msg })
 }
 
 /// Run one training loop per local rank, one thread each (the calling thread when there is
@@ -148,7 +163,7 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
 pub fn run_ranks(
     loaded: &LoadedRecipe,
     run_opts: &RunOptions,
-    mut ranks: Vec<(Arc<dyn Collective>, crate::device::DeviceSpec)>,
+    mut ranks: Vec<(Arc<dyn Collective>, candle_core::Device)>,
     abort: &(dyn Fn(usize, &str) + Sync),
     first_failure: &dyn Fn() -> Option<usize>,
 ) -> Result<RunSummary> {
@@ -215,14 +230,12 @@ pub fn run_ranks(
 /// `grad_accum_steps * world` micro-batches (contiguous, in rank order), so the set of
 /// examples in a step, their dropout masks and the token count that normalises the loss do
 /// not depend on the world size.
-fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collective>, dev: crate::device::DeviceSpec) -> Result<RunSummary> {
+fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collective>, device: candle_core::Device) -> Result<RunSummary> {
     // ---------------------------------------------------------------- setup
     let r = &loaded.recipe;
     let t = &r.train;
     let (rank, world) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
-    let device_key = if r.dist.devices.is_some() { "dist.devices" } else { "model.device" };
-    let device = crate::device::open(dev).map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: device_key.into(), msg })?;
     let model_dir = ModelDir::resolve(&r.model.path, &loaded.dir)?;
     let cfg = ModelConfig::from_file(&model_dir.config_path())?;
     let files = SafetensorsFiles::open(&model_dir.weight_files()?)?;

@@ -142,3 +142,21 @@ fn init_adapter_with_wrong_rank_is_named() {
     std::fs::remove_dir_all(d.path().join("out")).unwrap();
     assert_clean_failure(d.path(), &["lora.init_from=adapter-r4", "lora.rank=8"], &["adapter-r4", "r = 4", "lora.rank"]);
 }
+
+#[test]
+fn missing_gpus_and_bad_dist_keys_are_named() {
+    let d = setup();
+    assert_clean_failure(d.path(), &["dist.devices=[\"cuda:0\", \"cuda:1\"]"], &["dist.devices", "NCCL"]);
+    assert_clean_failure(d.path(), &["dist.devices=[\"cuda:3\"]"], &["dist.devices", "cuda:3", "without CUDA"]);
+    assert_clean_failure(d.path(), &["dist.zero_stage=2"], &["dist.zero_stage", "0 (replicated base) or 3"]);
+    assert_clean_failure(d.path(), &["dist.zero_stage=3", "train.activation_checkpointing=false"], &["dist.zero_stage", "activation_checkpointing"]);
+}
+
+#[test]
+fn two_cpu_ranks_train_from_the_command_line_and_report_their_memory() {
+    let d = setup();
+    let (ok, err) = run(d.path(), &["dist.world_size=2", "dist.zero_stage=3"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("rank 0: frozen base held") && err.contains("rank 1: frozen base held"), "{err}");
+    assert!(d.path().join("out/adapter/adapter_model.safetensors").is_file());
+}
