@@ -6,8 +6,11 @@ threads and batch, measured in one run so only ratios matter.
   python3 bench/bench.py --quick  # fewer steps
 
 The model is a random-weight SmolLM2-135M-shaped Llama written by `finetune synth` (HF layout,
-so PEFT loads the very same files). LoRA rank 16 on q/k/v/o, f32, 2 threads.
-Peak RSS is each process's own ru_maxrss (a fresh child per measurement).
+so PEFT loads the very same files). LoRA rank 16 on q/k/v/o, 2 threads. Sections: the data
+loader; batch 4 x 512 in f32 and with a bf16 base; batch 1 x 512; sequence lengths 256..2048
+at a fixed 2048 tokens per step. MFU is model FLOPs per second over the measured f32 GEMM
+peak (MKL through torch on the model's shapes). Peak RSS is each process's own ru_maxrss (a
+fresh child per measurement).
 """
 import argparse
 import json
@@ -141,39 +144,115 @@ def data_bench(cache, rows):
     return res
 
 
+def flops_per_token(model, seq):
+    """Model FLOPs of one training step per token (no recomputation counted, as MFU is
+    usually defined): forward 2 x (frozen linear params + lm_head) + attention (QK^T and PV
+    over the full seq x seq square, as eager/sdpa compute it), backward the same again for the
+    input gradients (frozen weights get none), plus 6 x the LoRA params (forward + both grads)."""
+    c = json.load(open(os.path.join(model, "config.json")))
+    h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    nh, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    d = h // nh
+    lin = h * nh * d * 2 + 2 * h * kv * d + 3 * h * i  # q, o, k, v, gate/up/down
+    lora = 16 * ((h + nh * d) * 2 + 2 * (h + kv * d))   # r16 on q/k/v/o
+    fwd = 2 * (lin * L + v * h) + 4 * seq * nh * d * L
+    return 2 * fwd + 6 * lora * L
+
+
+def gemm_peak():
+    """Best f32 GEMM rate of the best backend here (MKL through torch, 2 threads) on the
+    model's matmul shapes, in FLOP/s."""
+    code = r"""
+import time, torch, json
+torch.set_num_threads(2)
+best = 0.0
+for (m, k, n) in [(2048, 576, 1536), (2048, 1536, 576), (2048, 576, 576), (2048, 576, 4096), (1024, 1024, 1024)]:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(3): a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:
+        a @ b; reps += 1
+    best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+print(json.dumps({"flops": best, "torch": torch.__version__}))
+"""
+    out = subprocess.run([VENV_PY, "-c", code], stdout=subprocess.PIPE, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["flops"]
+
+
+def table(title, rows, peak, fpt_of):
+    peft_fast = max((r["tokens_per_s"] for n, r, _ in rows if n.startswith("PEFT")), default=None)
+    peft_lean = min((r["peak_rss_mb"] for n, r, _ in rows if n.startswith("PEFT")), default=None)
+    print(f"\n{title}")
+    print("| configuration | tokens/s | s/step | peak RSS (MB) | MFU | speed vs PEFT fastest | RSS vs PEFT leanest |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r, seq in rows:
+        mfu = r["tokens_per_s"] * fpt_of(seq) / peak
+        sp = f"{r['tokens_per_s'] / peft_fast:.2f}x" if peft_fast else "-"
+        rs = f"{r['peak_rss_mb'] / peft_lean:.2f}x" if peft_lean else "-"
+        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['s_per_step']:.2f} | {r['peak_rss_mb']:.0f} | {100 * mfu:.0f}% | {sp} | {rs} |",
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed step")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--data-only", action="store_true", help="only the data-loader benchmark")
     ap.add_argument("--data-rows", type=int, default=1_000_000)
+    ap.add_argument("--sections", default="data,main,batch1,scaling",
+                    help="comma list of: data, main (4 x 512 f32/bf16), batch1 (1 x 512), scaling (seq 256..2048, 2048 tokens/step)")
     a = ap.parse_args()
     steps, warmup = (1, 1) if a.quick else (2, 1)
+    sections = set(a.sections.split(","))
     cache = os.path.join(ROOT, ".cache", "bench")
     os.makedirs(cache, exist_ok=True)
-    data_bench(cache, a.data_rows)
+    if "data" in sections or a.data_only:
+        data_bench(cache, a.data_rows)
     if a.data_only:
         return
-    model, data = ensure_model(cache, a.seq)
-    rows = []
-    for name, fn in [
-        ("finetune f32, activation ckpt", lambda: ours(model, data, a.batch, a.seq, steps, warmup, True)),
-        ("finetune f32, no ckpt", lambda: ours(model, data, a.batch, a.seq, steps, warmup, False)),
-        ("PEFT f32, no ckpt", lambda: peft(model, a.batch, a.seq, steps, warmup, False)),
-        ("PEFT f32, grad ckpt", lambda: peft(model, a.batch, a.seq, steps, warmup, True)),
-    ]:
-        print(f"running: {name} ...", file=sys.stderr, flush=True)
-        r = fn()
-        rows.append((name, r))
-    peft_fast = max(r["tokens_per_s"] for n, r in rows if n.startswith("PEFT"))
-    peft_lean = min(r["peak_rss_mb"] for n, r in rows if n.startswith("PEFT"))
-    print(f"\nbatch {a.batch} x seq {a.seq}, SmolLM2-135M shape, LoRA r16 q/k/v/o, 2 threads, machine: {os.uname().nodename} ({os.cpu_count()} cpus)")
-    print(f"| configuration | tokens/s | s/step | peak RSS (MB) | speed vs PEFT fastest | RSS vs PEFT leanest |")
-    print(f"|---|---|---|---|---|---|")
-    for name, r in rows:
-        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['s_per_step']:.2f} | {r['peak_rss_mb']:.0f} | "
-              f"{r['tokens_per_s'] / peft_fast:.2f}x | {r['peak_rss_mb'] / peft_lean:.2f}x |")
+    model, _ = ensure_model(cache, 512)
+    peak = gemm_peak()
+    fpt = lambda seq: flops_per_token(model, seq)
+    print(f"\nmachine: {os.uname().nodename} ({os.cpu_count()} cpus), 2 threads; SmolLM2-135M shape (hidden 576, 30 layers, "
+          f"9 heads, 3 kv heads, vocab 49152), LoRA r16 q/k/v/o")
+    print(f"f32 GEMM peak (MKL via torch, model shapes, 2 threads): {peak / 1e9:.0f} GFLOP/s; "
+          f"a training step is {fpt(512) / 1e9:.2f} GFLOP/token at seq 512; MFU = tokens/s x that / peak")
+
+    def run_rows(configs):
+        rows = []
+        for name, seq, fn in configs:
+            print(f"running: {name} ...", file=sys.stderr, flush=True)
+            rows.append((name, fn(), seq))
+        return rows
+
+    def cfgs(batch, seq, with_bf16):
+        _, data = ensure_model(cache, seq)
+        c = [
+            (f"finetune f32, activation ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, True)),
+            (f"finetune f32, no ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, False)),
+            (f"PEFT f32, no ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, False)),
+            (f"PEFT f32, grad ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, True)),
+        ]
+        if with_bf16:
+            c += [
+                (f"finetune bf16 base, activation ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, True, "bf16")),
+                (f"PEFT bf16 base, no ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, False, "bf16")),
+            ]
+        return c
+
+    if "main" in sections:
+        table("batch 4 x seq 512 (ratios against PEFT's f32 and bf16 rows together)", run_rows(cfgs(4, 512, True)), peak, fpt)
+    if "batch1" in sections:
+        table("batch 1 x seq 512", run_rows(cfgs(1, 512, False)), peak, fpt)
+    if "scaling" in sections:
+        rows = []
+        for seq in [256, 512, 1024, 2048]:
+            batch = 2048 // seq
+            _, data = ensure_model(cache, seq)
+            rows += run_rows([
+                (f"finetune f32 ckpt, {batch} x {seq}", seq, lambda: ours(model, data, batch, seq, steps, warmup, True)),
+                (f"PEFT f32 no ckpt, {batch} x {seq}", seq, lambda: peft(model, batch, seq, steps, warmup, False)),
+            ])
+        table("sequence-length scaling at 2048 tokens per step (ratios against all PEFT rows)", rows, peak, fpt)
 
 
 if __name__ == "__main__":

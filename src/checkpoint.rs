@@ -30,6 +30,10 @@ pub struct TrainState {
     pub step: usize,
     /// Micro-batches consumed (the dropout-mask counter).
     pub micro_index: u64,
+    /// Micro-batches per optimizer step over all ranks (grad_accum_steps x world size); 0 in
+    /// checkpoints written before it was recorded.
+    #[serde(default)]
+    pub micro_batches_per_step: usize,
     pub loader: LoaderState,
 }
 
@@ -223,8 +227,12 @@ const MAY_CHANGE: &[&str] = &["train.max_steps", "train.warmup_steps", "train.lo
 /// Compare the recipe a checkpoint was written with against the current one. Returns the
 /// warnings for allowed changes, or an error naming the first key that may not change.
 pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Vec<String>, String> {
+    // Both through the typed recipe first, so keys added since the checkpoint was written
+    // compare as their defaults instead of as changes.
+    let normal = |s: &str| toml::from_str::<crate::recipe::Recipe>(s).ok().and_then(|r| toml::to_string(&r).ok()).unwrap_or_else(|| s.to_string());
+    let (saved, current) = (normal(saved), normal(current));
     let parse = |s: &str| toml::from_str::<toml::Table>(s).map_err(|e| format!("saved recipe unreadable: {e}"));
-    let (a, b) = (parse(saved)?, parse(current)?);
+    let (a, b) = (parse(&saved)?, parse(&current)?);
     let mut keys = std::collections::BTreeSet::new();
     for t in [&a, &b] {
         for (sec, v) in t {
@@ -239,24 +247,6 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         let (s, k) = dotted.split_once('.').unwrap_or((dotted, ""));
         t.get(s).and_then(|v| v.get(k)).cloned()
     };
-    // The world size may change (checkpoints are consolidated) as long as the global batch
-    // micro_batch_size x grad_accum_steps x ranks stays the same: then the run continues with
-    // the same examples per step.
-    let global = |t: &toml::Table| {
-        let int = |k: &str| get(t, k).and_then(|v| v.as_integer()).unwrap_or(1);
-        let ranks = get(t, "dist.devices")
-            .and_then(|v| v.as_array().map(|a| a.len() as i64))
-            .or_else(|| get(t, "dist.world_size").and_then(|v| v.as_integer()))
-            .unwrap_or(1);
-        (int("train.micro_batch_size") * int("train.grad_accum_steps") * ranks, ranks)
-    };
-    let ((ga, ra), (gb, rb)) = (global(&a), global(&b));
-    if ra != rb && ga != gb {
-        return Err(format!(
-            "the global batch changed with the world size (saved: {ra} rank(s), {ga} micro-batch rows per step; now {rb} rank(s), {gb}); \
-             set train.grad_accum_steps so that micro_batch_size x grad_accum_steps x ranks = {ga}"
-        ));
-    }
     let mut warnings = Vec::new();
     for key in keys {
         let (old, new) = (get(&a, &key), get(&b, &key));
@@ -264,8 +254,10 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
             continue;
         }
         let show = |v: &Option<toml::Value>| v.as_ref().map_or("(unset)".to_string(), |v| v.to_string());
-        let world_change = ra != rb && (key.starts_with("dist.") || key == "train.grad_accum_steps");
-        if key.starts_with("checkpoint.") || MAY_CHANGE.contains(&key.as_str()) || world_change || key == "dist.timeout_s" || key == "dist.prefetch_layers" {
+        // Checkpoints are consolidated, so the world size and how it is split may change;
+        // the trainer checks that the micro-batches per step (the global batch) stay equal.
+        let layout_change = key.starts_with("dist.") || key == "train.grad_accum_steps";
+        if key.starts_with("checkpoint.") || MAY_CHANGE.contains(&key.as_str()) || layout_change {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
             return Err(format!(
@@ -277,4 +269,41 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         }
     }
     Ok(warnings)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_recipe_change;
+
+    const OLD: &str = r#"
+[model]
+path = "m"
+[lora]
+rank = 4
+alpha = 8
+[data]
+train = "d"
+[train]
+max_steps = 4
+lr = 0.001
+[output]
+dir = "out"
+"#;
+
+    #[test]
+    fn keys_added_since_the_checkpoint_compare_as_their_defaults() {
+        // A checkpoint written before [dist] existed resumes under a recipe that spells the
+        // defaults out.
+        let now = format!("{OLD}[dist]\nzero_stage = 0\noffload_optimizer = \"cpu\"\nprefetch_layers = 1\n");
+        assert_eq!(check_recipe_change(OLD, &now), Ok(vec![]));
+    }
+
+    #[test]
+    fn the_world_size_may_change_but_the_model_may_not() {
+        let more = format!("{OLD}[dist]\nworld_size = 4\nzero_stage = 3\n");
+        let w = check_recipe_change(OLD, &more).unwrap();
+        assert!(w.iter().any(|w| w.contains("dist.world_size")), "{w:?}");
+        let other = OLD.replace("rank = 4", "rank = 8");
+        assert!(check_recipe_change(OLD, &other).unwrap_err().contains("lora.rank"));
+    }
 }

@@ -46,9 +46,13 @@ pub enum Error {
     #[error("training: {0}")]
     Train(String),
 
-    /// A problem between ranks (a collective timed out, a rank failed or left).
+    /// A problem between ranks (a collective timed out, a rank left, ranks out of step).
     #[error("rank {rank}: {msg}")]
     Dist { rank: usize, msg: String },
+
+    /// This rank stopped because another one failed (the other's error is the one to show).
+    #[error("rank {rank}: {msg}")]
+    PeerFailed { rank: usize, msg: String },
 
     /// A candle error with its backtrace stripped (RUST_BACKTRACE=1 makes candle attach one;
     /// users want the message, not 60 frames).

@@ -385,6 +385,9 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
         E::Data { .. } => Some("check data.train and data.format in the recipe"),
         E::Adapter { .. } => Some("lora.init_from must be a PEFT adapter folder matching lora.rank, lora.alpha and lora.targets"),
         E::Tokenizer { .. } => Some("the model folder needs tokenizer.json for text formats"),
+        E::Dist { .. } | E::PeerFailed { .. } => {
+            Some("a rank failed or stalled; the newest checkpoint is intact: rerun to resume (dist.timeout_s sets how long ranks wait)")
+        }
         _ => None,
     }
 }

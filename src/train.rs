@@ -111,6 +111,13 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     let layout = crate::dist::layout(&r.dist, &r.model.device, &|k| std::env::var(k).ok())
         .map_err(|(key, msg)| Error::Recipe { file: file.clone(), key, msg })?;
     let on_gpu = layout.local.iter().any(|(_, d)| *d != crate::device::DeviceSpec::Cpu);
+    if on_gpu && r.dist.offload_optimizer == "none" {
+        return Err(Error::Recipe {
+            file: file.clone(),
+            key: "dist.offload_optimizer".into(),
+            msg: "AdamW runs on the host; keeping its state on the GPU (\"none\") is not implemented, use \"cpu\"".into(),
+        });
+    }
     if layout.world > 1 && on_gpu {
         #[cfg(feature = "nccl")]
         return crate::dist::nccl::run(loaded, run_opts, &layout);
@@ -123,13 +130,6 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
                  (cargo build --release --features nccl); CPU ranks need no feature",
                 layout.world
             ),
-        });
-    }
-    if on_gpu && r.dist.offload_optimizer == "none" {
-        return Err(Error::Recipe {
-            file,
-            key: "dist.offload_optimizer".into(),
-            msg: "AdamW runs on the host; keeping its state on the GPU (\"none\") is not implemented, use \"cpu\"".into(),
         });
     }
     if layout.processes > 1 {
@@ -202,10 +202,17 @@ pub fn run_ranks(
             })
             .collect()
     });
-    if let Some(f) = first_failure() {
-        if let Some(i) = results.iter().position(|(r, res)| *r == f && res.is_err()) {
-            return results.swap_remove(i).1;
-        }
+    // The error to show is the cause: the first rank that failed on its own, not the ranks
+    // that stopped because of it.
+    let cause = |res: &Result<RunSummary>| matches!(res, Err(e) if !matches!(e, Error::PeerFailed { .. }));
+    let first = first_failure();
+    let pick = results
+        .iter()
+        .position(|(r, res)| Some(*r) == first && cause(res))
+        .or_else(|| results.iter().position(|(_, res)| cause(res)))
+        .or_else(|| results.iter().position(|(_, res)| res.is_err()));
+    if let Some(i) = pick {
+        return results.swap_remove(i).1;
     }
     let mut memory = Vec::new();
     let mut lead = None;
@@ -302,10 +309,11 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     // its first rows (bad data, a model that does not fit) leaves nothing behind.
     let out_dir = loaded.resolve(&r.output.dir);
     let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics: Option<std::fs::File> = None;
+    let mut metrics: Option<std::fs::File>;
     let recipe_text = toml::to_string(r).map_err(|e| Error::Train(e.to_string()))?;
 
     // ---------------------------------------------------------------- resume
+    let accum = t.grad_accum_steps;
     let mut start_step = 0;
     let mut micro_index = 0u64;
     let mut last_checkpoint = None;
@@ -328,16 +336,54 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             eprintln!("warning: {w}");
         }
         let l = crate::checkpoint::load(&dir, &adapters)?;
+        // The world size may change between runs, the micro-batches per step may not (the
+        // same examples per step is what makes the resumed run the same run).
+        let saved_mbs = match l.state.micro_batches_per_step {
+            0 => toml::from_str::<toml::Table>(&saved).ok().and_then(|t| t.get("train")?.get("grad_accum_steps")?.as_integer()).unwrap_or(1) as usize,
+            n => n,
+        };
+        if saved_mbs != accum * world {
+            return Err(Error::Recipe {
+                file: loaded.file.display().to_string(),
+                key: "train.grad_accum_steps".into(),
+                msg: format!(
+                    "the checkpoint's steps took {saved_mbs} micro-batches (grad_accum_steps x ranks), this run's take {accum} x {world} = {}; \
+                     the global batch must stay the same to continue the run{} [checkpoint {}]",
+                    accum * world,
+                    if saved_mbs % world == 0 { format!(": set train.grad_accum_steps = {}", saved_mbs / world) } else { String::new() },
+                    dir.display()
+                ),
+            });
+        }
         opt.state = Moments { exp_avg: part.slice(&l.moments.exp_avg), exp_avg_sq: part.slice(&l.moments.exp_avg_sq) };
         opt.step = l.adam_step;
         loader.restore(&l.state.loader)?;
         start_step = l.state.step;
         micro_index = l.state.micro_index;
-        if lead {
-            metrics = Some(reopen_metrics(&metrics_path, start_step)?);
+        last_checkpoint = Some(dir);
+    }
+    // Every rank must continue from the checkpoint rank 0 continues from (different steps would
+    // mean the ranks see different folders: output.dir not shared between nodes).
+    let reopened = if lead && start_step > 0 { reopen_metrics(&metrics_path, start_step).map(Some) } else { Ok(None) };
+    let said = from_lead(&*comm, &device, &[start_step as f64, reopened.is_ok() as u8 as f64])?;
+    metrics = reopened?;
+    if said[1] == 0.0 {
+        return Err(lead_failed(rank, "to reopen metrics.jsonl"));
+    }
+    if said[0] as usize != start_step {
+        return Err(Error::Dist {
+            rank,
+            msg: format!(
+                "rank 0 continues from step {} but this rank found step {start_step} in {}: output.dir must be storage every rank sees",
+                said[0] as usize,
+                out_dir.display()
+            ),
+        });
+    }
+    if lead {
+        if let Some(dir) = &last_checkpoint {
             eprintln!("resuming from {} (step {start_step})", dir.display());
         }
-        last_checkpoint = Some(dir);
     }
     // This rank's f32 copy of its slice of the parameters (the "master" weights AdamW updates).
     let mut master = part.slice(&flatten(&vars)?);
@@ -347,7 +393,6 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     // ---------------------------------------------------------------- train
     let mut history = Vec::with_capacity(t.max_steps);
     let mut interrupted = None;
-    let accum = t.grad_accum_steps;
     for step in start_step + 1..=t.max_steps {
         if run_opts.fail_rank_at_step == Some((rank, step)) {
             return Err(Error::Train(format!("injected failure of rank {rank} at step {step}")));
@@ -422,34 +467,51 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             _ => None,
         };
         let m = StepMetrics { step, loss, lr, grad_norm, tokens: count, tokens_per_s: real_tokens as f64 / secs.max(1e-9), eval_loss };
-        if lead {
-            let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
-            let file = match metrics.as_mut() {
-                Some(f) => f,
-                None => metrics.insert(create_output(&out_dir, r)?),
+        let written = if lead {
+            let mut write = || -> Result<()> {
+                let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
+                let file = match metrics.as_mut() {
+                    Some(f) => f,
+                    None => metrics.insert(create_output(&out_dir, r)?),
+                };
+                writeln!(file, "{line}").and_then(|_| file.flush()).map_err(|e| Error::io(&metrics_path, e))
             };
-            writeln!(file, "{line}").and_then(|_| file.flush()).map_err(|e| Error::io(&metrics_path, e))?;
-            if let Some(p) = &progress {
-                p.step(&m, t.max_steps);
-            }
+            write()
+        } else {
+            Ok(())
+        };
+        // The lead's view of a stop request (and of its own output) is everyone's, so all
+        // ranks stop at the same step.
+        let said = from_lead(&*comm, &device, &[stop_requested() as f64, written.is_ok() as u8 as f64])?;
+        written?;
+        if said[1] == 0.0 {
+            return Err(lead_failed(rank, "to write metrics.jsonl"));
+        }
+        let stop = said[0] as usize;
+        if let Some(p) = &progress {
+            p.step(&m, t.max_steps);
         }
         history.push(m);
-
-        // The lead's view of a stop request is everyone's, so all ranks stop at one step.
-        let stop = if world > 1 { comm.broadcast(&Tensor::new(&[stop_requested() as f64], &device)?, 0)?.to_vec1::<f64>()?[0] as usize } else { stop_requested() };
         // Checkpoints only at optimizer-step boundaries: mid-accumulation gradients are never
         // saved, so a resume is always at a clean step.
         let every = r.checkpoint.every_steps;
         if (every > 0 && step % every == 0) || step == t.max_steps || stop != 0 {
             // Consolidated: one optimizer state whatever the world size.
             let moments = Moments { exp_avg: part.gather(&*comm, &opt.state.exp_avg, &device)?, exp_avg_sq: part.gather(&*comm, &opt.state.exp_avg_sq, &device)? };
-            if lead {
-                let state = crate::checkpoint::TrainState { step, micro_index, loader: loader.state() };
-                let dir = crate::checkpoint::save(&out_dir, &adapters, &moments, opt.step, &state, &recipe_text, &model_dir.name)?;
-                crate::checkpoint::prune(&out_dir, r.checkpoint.keep_last)?;
+            let saved = if lead {
+                let state = crate::checkpoint::TrainState { step, micro_index, micro_batches_per_step: accum * world, loader: loader.state() };
+                crate::checkpoint::save(&out_dir, &adapters, &moments, opt.step, &state, &recipe_text, &model_dir.name)
+                    .and_then(|dir| crate::checkpoint::prune(&out_dir, r.checkpoint.keep_last).map(|_| Some(dir)))
+            } else {
+                Ok(None)
+            };
+            let said = from_lead(&*comm, &device, &[saved.is_ok() as u8 as f64])?;
+            if let Some(dir) = saved? {
                 last_checkpoint = Some(dir);
             }
-            comm.barrier()?;
+            if said[0] == 0.0 {
+                return Err(lead_failed(rank, &format!("to write the step-{step} checkpoint")));
+            }
         }
         if stop != 0 {
             interrupted = Some(stop);
@@ -481,6 +543,20 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         }
     }
     Ok(RunSummary { steps: history, output_dir: out_dir, interrupted, checkpoint: last_checkpoint, memory: vec![memory] })
+}
+
+/// Rank 0's `vals` on every rank (a collective; the identity with one rank). Used wherever
+/// only the lead does something that can fail (writing metrics, checkpoints), so every rank
+/// learns of it at the same point and none is left waiting in a collective the lead skipped.
+fn from_lead(comm: &dyn Collective, device: &candle_core::Device, vals: &[f64]) -> Result<Vec<f64>> {
+    if comm.world_size() == 1 {
+        return Ok(vals.to_vec());
+    }
+    Ok(comm.broadcast(&Tensor::new(vals, device)?, 0)?.to_vec1()?)
+}
+
+fn lead_failed(rank: usize, what: &str) -> Error {
+    Error::PeerFailed { rank, msg: format!("stopping: rank 0 failed {what}") }
 }
 
 /// All parameters flattened in order, as f32.
@@ -586,10 +662,16 @@ pub fn evaluate(model: &Llama, adapters: &Adapters, examples: &[crate::data::Exa
 }
 
 /// CE sum and target count over rank `rank`'s share of the evaluation batches (batch j goes
-/// to rank j mod world).
+/// to rank j mod world). Every rank runs the same number of forwards and asks for the same
+/// tensors in the same order, because under ZeRO-3 each request is a collective: a rank left
+/// without a batch in the last round re-runs batch 0 and discards it, and the head is fetched
+/// even for a batch without targets.
 pub fn evaluate_part(model: &Llama, adapters: &Adapters, examples: &[crate::data::Example], batch: usize, rank: usize, world: usize) -> Result<(f64, usize)> {
+    let chunks: Vec<&[crate::data::Example]> = examples.chunks(batch.max(1)).collect();
     let (mut sum, mut count) = (0.0, 0usize);
-    for chunk in examples.chunks(batch.max(1)).skip(rank).step_by(world) {
+    for round in 0..chunks.len().div_ceil(world) {
+        let j = round * world + rank;
+        let (chunk, keep) = if j < chunks.len() { (chunks[j], true) } else { (chunks[0], false) };
         let mb = MicroBatch::collate(chunk);
         let device = model.embed_tokens()?.device().clone();
         let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), None, &device)?;
@@ -600,12 +682,14 @@ pub fn evaluate_part(model: &Llama, adapters: &Adapters, examples: &[crate::data
         }
         let (idx, tgt): (Vec<u32>, Vec<u32>) =
             mb.targets.iter().enumerate().filter(|(_, &t)| t != IGNORE).map(|(i, &t)| (i as u32, t as u32)).unzip();
-        if tgt.is_empty() {
+        let h = model.cfg.hidden_size;
+        let normed = model.final_norm(&x)?.reshape((mb.rows * mb.seq, h))?; // [N, H]
+        let head = model.lm_head()?;
+        if tgt.is_empty() || !keep {
             continue;
         }
-        let h = model.cfg.hidden_size;
-        let rows = model.final_norm(&x)?.reshape((mb.rows * mb.seq, h))?.index_select(&Tensor::from_vec(idx, tgt.len(), &device)?, 0)?;
-        let (ce, _) = crate::loss::cross_entropy_sum_and_grad(&rows, &model.lm_head()?, &tgt, 0.0).ctx("eval cross-entropy")?;
+        let rows = normed.index_select(&Tensor::from_vec(idx, tgt.len(), &device)?, 0)?; // [M, H]
+        let (ce, _) = crate::loss::cross_entropy_sum_and_grad(&rows, &head, &tgt, 0.0).ctx("eval cross-entropy")?;
         sum += ce;
         count += tgt.len();
     }

@@ -21,7 +21,9 @@ train = "../data"
 shuffle = true
 shuffle_buffer = 5
 max_seq_len = 24
+eval_fraction = 0.15
 [train]
+eval_every = 2
 max_steps = 5
 micro_batch_size = 1
 grad_accum_steps = 4
@@ -61,8 +63,11 @@ fn run_opts(root: &Path, name: &str, extra: &[&str], opts: &finetune::train::Run
     finetune::train::run_with(&LoadedRecipe::load(&dir.join("recipe.toml"), &o)?, opts)
 }
 
+/// Training losses and evaluation losses (at the steps that evaluate), in step order.
 fn losses(root: &Path, name: &str) -> Vec<f64> {
-    read_metrics(&root.join(name).join("out/metrics.jsonl")).iter().map(|m| m["loss"].as_f64().unwrap()).collect()
+    let m = read_metrics(&root.join(name).join("out/metrics.jsonl"));
+    let evals = m.iter().filter_map(|m| m["eval_loss"].as_f64());
+    m.iter().map(|m| m["loss"].as_f64().unwrap()).chain(evals).collect()
 }
 
 fn adapter(root: &Path, name: &str) -> std::collections::HashMap<String, candle_core::Tensor> {
@@ -167,6 +172,19 @@ fn a_rank_that_fails_stops_the_others_with_its_error_not_a_hang() {
     // Steps 1 and 2 were checkpointed; nothing of step 3 was written.
     let ck = r.join("dies/out/checkpoints");
     assert!(ck.join("step-000002").is_dir() && !ck.join("step-000003").exists());
+}
+
+#[test]
+fn the_lead_failing_to_write_a_checkpoint_stops_every_rank() {
+    let root = workspace("LlamaForCausalLM", false);
+    let r = root.path();
+    // `checkpoints` as a file: rank 0 cannot create the checkpoint folder after step 1.
+    std::fs::create_dir_all(r.join("blocked/out")).unwrap();
+    std::fs::write(r.join("blocked/out/checkpoints"), b"not a folder").unwrap();
+    let started = Instant::now();
+    let e = run(r, "blocked", &["dist.world_size=2", "train.grad_accum_steps=2", "dist.timeout_s=30"]).unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(30), "the other rank waited for the timeout");
+    assert!(e.contains("checkpoints"), "{e}");
 }
 
 #[test]

@@ -106,7 +106,7 @@ impl InProcess {
         let call = self.calls.fetch_add(1, Ordering::SeqCst);
         let mut st = sh.lock();
         if let Some((r, why)) = &st.failed {
-            return Err(err(format!("stopping because rank {r} failed: {why}")));
+            return Err(Error::PeerFailed { rank: self.rank, msg: format!("stopping because rank {r} failed: {why}") });
         }
         let round = st.rounds.entry(call).or_insert_with(|| Round { op, slots: vec![None; sh.world], readers: 0 });
         if round.op != op {
@@ -120,7 +120,7 @@ impl InProcess {
         let deadline = Instant::now() + sh.timeout;
         loop {
             if let Some((r, why)) = &st.failed {
-                return Err(err(format!("stopping because rank {r} failed: {why}")));
+                return Err(Error::PeerFailed { rank: self.rank, msg: format!("stopping because rank {r} failed: {why}") });
             }
             let round = st.rounds.get(&call).ok_or_else(|| err(format!("collective #{call} vanished")))?;
             let missing: Vec<usize> = (0..sh.world).filter(|&r| round.slots[r].is_none()).collect();

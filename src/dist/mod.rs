@@ -65,9 +65,10 @@ pub fn layout(d: &DistSection, model_device: &str, env: &dyn Fn(&str) -> Option<
             let base = crate::device::parse_device(model_device).map_err(|m| ("model.device".to_string(), m))?;
             match base {
                 DeviceSpec::Cpu => vec![DeviceSpec::Cpu; k],
-                // One rank per GPU of this node: cuda:0 .. cuda:k-1 (model.device's index
-                // only picks the GPU of a single-rank run).
-                DeviceSpec::Cuda(n) if k == 1 => vec![DeviceSpec::Cuda(n)],
+                // One rank per GPU of this node: cuda:0 .. cuda:k-1. A single-rank process
+                // takes LOCAL_RANK's GPU when a launcher set it (torchrun, one process per
+                // GPU), else model.device's.
+                DeviceSpec::Cuda(n) if k == 1 => vec![DeviceSpec::Cuda(var("LOCAL_RANK", n)?)],
                 DeviceSpec::Cuda(_) => (0..k).map(DeviceSpec::Cuda).collect(),
             }
         }
@@ -120,6 +121,13 @@ mod tests {
         let l = layout(&d, "cpu", &env(&[("RANK", "1"), ("WORLD_SIZE", "3")])).unwrap();
         assert_eq!(l.world, 6);
         assert_eq!(l.local, vec![(2, DeviceSpec::Cuda(0)), (3, DeviceSpec::Cuda(1))]);
+    }
+
+    #[test]
+    fn one_process_per_gpu_takes_local_rank_s_gpu() {
+        let l = layout(&DistSection::default(), "cuda", &env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1")])).unwrap();
+        assert_eq!(l.local, vec![(5, DeviceSpec::Cuda(1))]);
+        assert_eq!(l.world, 8);
     }
 
     #[test]

@@ -140,7 +140,7 @@ pub fn run(loaded: &LoadedRecipe, run_opts: &RunOptions, layout: &Layout) -> Res
             .map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: "$MASTER_ADDR".into(), msg })?;
         let mine = if layout.process == 0 { Some(Id::new().map_err(nccl_err)?) } else { None };
         let bytes: Option<Vec<u8>> = mine.map(|id| id.internal().iter().map(|&c| c as u8).collect());
-        let got = super::rendezvous::rendezvous(&addr, layout.process, layout.processes, bytes.as_deref(), Duration::from_secs(r.dist.timeout_s))?;
+        let got = super::rendezvous::rendezvous(&addr, layout.process, layout.processes, layout.world, bytes.as_deref(), Duration::from_secs(r.dist.timeout_s))?;
         if got.len() != 128 {
             return Err(Error::Dist { rank: first, msg: format!("the NCCL id from process 0 has {} bytes, expected 128", got.len()) });
         }
@@ -162,6 +162,8 @@ pub fn run(loaded: &LoadedRecipe, run_opts: &RunOptions, layout: &Layout) -> Res
     let mut comms = Vec::new();
     for (rank, dev) in &devices {
         let stream = dev.as_cuda_device()?.cuda_stream();
+        // ncclCommInitRank uses the calling thread's current device: make it this rank's GPU.
+        stream.context().bind_to_thread().map_err(|e| Error::Dist { rank: *rank, msg: format!("CUDA: {e:?}") })?;
         comms.push(Comm::from_rank(stream, *rank, layout.world, id));
     }
     group_end().map_err(nccl_err)?;

@@ -4,8 +4,9 @@
 //! (another WORLD_SIZE, a RANK twice) and processes that never arrive are errors that name
 //! them, on every process, within the timeout.
 //!
-//! Wire format (little endian): hello = rank u64, world u64; reply = status u8 (0 ok, 1 error),
-//! length u32, then the payload or the error text.
+//! Wire format (little endian): hello = rank u64, world u64, ranks u64 (the total number of
+//! ranks the process computed from its recipe, which must agree); reply = status u8 (0 ok,
+//! 1 error), length u32, then the payload or the error text.
 
 use crate::error::{Error, Result};
 use std::io::{Read, Write};
@@ -16,15 +17,16 @@ fn err(rank: usize, msg: impl Into<String>) -> Error {
     Error::Dist { rank, msg: msg.into() }
 }
 
-/// Meet the other `world - 1` processes at `addr` ("host:port"). Process 0 passes the
-/// `payload` to hand out; every process returns it.
-pub fn rendezvous(addr: &str, rank: usize, world: usize, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
+/// Meet the other `world - 1` processes at `addr` ("host:port"). `ranks` is the total number
+/// of ranks this process computed (devices per process x processes); all must agree. Process
+/// 0 passes the `payload` to hand out; every process returns it.
+pub fn rendezvous(addr: &str, rank: usize, world: usize, ranks: usize, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
     let deadline = Instant::now() + timeout;
     if rank == 0 {
         let payload = payload.ok_or_else(|| err(0, "process 0 has nothing to hand out"))?;
-        host(addr, world, payload, deadline, timeout)
+        host(addr, world, ranks, payload, deadline, timeout)
     } else {
-        join(addr, rank, world, deadline, timeout)
+        join(addr, rank, world, ranks, deadline, timeout)
     }
 }
 
@@ -35,7 +37,7 @@ fn reply(s: &mut TcpStream, ok: bool, body: &[u8]) -> std::io::Result<()> {
     s.write_all(&msg)
 }
 
-fn host(addr: &str, world: usize, payload: &[u8], deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
+fn host(addr: &str, world: usize, ranks: usize, payload: &[u8], deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
     let listener = TcpListener::bind(addr).map_err(|e| err(0, format!("cannot listen on {addr} (MASTER_ADDR:MASTER_PORT): {e}")))?;
     listener.set_nonblocking(true).map_err(|e| err(0, e.to_string()))?;
     let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
@@ -44,15 +46,18 @@ fn host(addr: &str, world: usize, payload: &[u8], deadline: Instant, timeout: Du
         match listener.accept() {
             Ok((mut s, from)) => {
                 s.set_nonblocking(false).ok();
-                s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).ok();
-                let mut hello = [0u8; 16];
+                // A connection that never says hello (a port scan) must not hold up the others.
+                s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+                let mut hello = [0u8; 24];
                 if s.read_exact(&mut hello).is_err() {
                     continue; // not one of ours (a port scan, a health check)
                 }
-                let r = u64::from_le_bytes(hello[..8].try_into().unwrap_or_default()) as usize;
-                let w = u64::from_le_bytes(hello[8..].try_into().unwrap_or_default()) as usize;
+                let field = |i: usize| u64::from_le_bytes(hello[8 * i..8 * i + 8].try_into().unwrap_or_default()) as usize;
+                let (r, w, n) = (field(0), field(1), field(2));
                 let bad = if w != world {
                     Some(format!("process {r} at {from} says WORLD_SIZE={w}, process 0 says {world}"))
+                } else if n != ranks {
+                    Some(format!("process {r} at {from} counts {n} ranks, process 0 counts {ranks} (dist.devices / dist.world_size differ between nodes)"))
                 } else if r == 0 || r >= world {
                     Some(format!("a process at {from} says RANK={r}; expected 1..{}", world - 1))
                 } else if peers[r].is_some() {
@@ -96,7 +101,7 @@ fn host(addr: &str, world: usize, payload: &[u8], deadline: Instant, timeout: Du
     Ok(payload.to_vec())
 }
 
-fn join(addr: &str, rank: usize, world: usize, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
+fn join(addr: &str, rank: usize, world: usize, ranks: usize, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
     // Process 0 may not be listening yet: retry until the deadline.
     let mut s = loop {
         let target = addr.to_socket_addrs().map_err(|e| err(rank, format!("MASTER_ADDR:MASTER_PORT = {addr}: {e}")))?.next();
@@ -111,6 +116,7 @@ fn join(addr: &str, rank: usize, world: usize, deadline: Instant, timeout: Durat
     };
     let mut hello = (rank as u64).to_le_bytes().to_vec();
     hello.extend((world as u64).to_le_bytes());
+    hello.extend((ranks as u64).to_le_bytes());
     s.write_all(&hello).map_err(|e| err(rank, format!("rendezvous at {addr}: {e}")))?;
     // Wait a little past our own deadline: process 0 times out at about the same moment and
     // then says who never arrived, which is the message worth showing.
@@ -149,10 +155,10 @@ mod tests {
             // Peers start first: they must wait for process 0 to listen.
             let hs: Vec<_> = (1..4).map(|r| {
                 let addr = addr.clone();
-                s.spawn(move || rendezvous(&addr, r, 4, None, Duration::from_secs(20)).unwrap())
+                s.spawn(move || rendezvous(&addr, r, 4, 8, None, Duration::from_secs(20)).unwrap())
             }).collect();
             std::thread::sleep(Duration::from_millis(200));
-            let mine = rendezvous(&addr, 0, 4, Some(&id), Duration::from_secs(20)).unwrap();
+            let mine = rendezvous(&addr, 0, 4, 8, Some(&id), Duration::from_secs(20)).unwrap();
             std::iter::once(mine).chain(hs.into_iter().map(|h| h.join().unwrap())).collect()
         });
         assert!(out.iter().all(|o| o == &id));
@@ -163,8 +169,8 @@ mod tests {
         let addr = format!("127.0.0.1:{}", free_port());
         let (host, peer) = std::thread::scope(|s| {
             let a = addr.clone();
-            let p = s.spawn(move || rendezvous(&a, 1, 3, None, Duration::from_secs(1)));
-            let h = rendezvous(&addr, 0, 3, Some(b"id"), Duration::from_secs(1));
+            let p = s.spawn(move || rendezvous(&a, 1, 3, 3, None, Duration::from_secs(1)));
+            let h = rendezvous(&addr, 0, 3, 3, Some(b"id"), Duration::from_secs(1));
             (h, p.join().unwrap())
         });
         let e = host.unwrap_err().to_string();
@@ -178,11 +184,25 @@ mod tests {
         let addr = format!("127.0.0.1:{}", free_port());
         let (host, peer) = std::thread::scope(|s| {
             let a = addr.clone();
-            let p = s.spawn(move || rendezvous(&a, 1, 3, None, Duration::from_secs(10)));
-            let h = rendezvous(&addr, 0, 2, Some(b"id"), Duration::from_secs(10));
+            let p = s.spawn(move || rendezvous(&a, 1, 3, 3, None, Duration::from_secs(10)));
+            let h = rendezvous(&addr, 0, 2, 2, Some(b"id"), Duration::from_secs(10));
             (h, p.join().unwrap())
         });
         assert!(host.unwrap_err().to_string().contains("WORLD_SIZE=3, process 0 says 2"));
         assert!(peer.unwrap_err().to_string().contains("WORLD_SIZE=3"));
+    }
+
+    #[test]
+    fn processes_that_count_ranks_differently_are_refused() {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let (host, peer) = std::thread::scope(|s| {
+            let a = addr.clone();
+            let p = s.spawn(move || rendezvous(&a, 1, 2, 6, None, Duration::from_secs(10)));
+            let h = rendezvous(&addr, 0, 2, 4, Some(b"id"), Duration::from_secs(10));
+            (h, p.join().unwrap())
+        });
+        let e = host.unwrap_err().to_string();
+        assert!(e.contains("counts 6 ranks, process 0 counts 4"), "{e}");
+        assert!(peer.unwrap_err().to_string().contains("dist.devices"));
     }
 }
