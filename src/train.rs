@@ -13,6 +13,7 @@ use crate::error::{CandleContext, Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraSpec, MODULES};
 use crate::model::llama::{ForwardCtx, Llama};
 use crate::dist::collective::{Collective, InProcessGroup};
+use crate::dist::Partition;
 use crate::dist::zero::{Account, MemoryUse, ShardedWeights};
 use crate::optim::{AdamW, Moments, Schedule};
 use crate::recipe::LoadedRecipe;
@@ -568,44 +569,6 @@ fn flatten(vars: &[Var]) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-/// A rank's share of a flat vector of `total` values: [r c, (r+1) c) with c = ceil(total / W),
-/// the last shares shorter (zero-padded to c on the wire).
-#[derive(Clone, Copy, Debug)]
-pub struct Partition {
-    total: usize,
-    chunk: usize,
-    lo: usize,
-    hi: usize,
-    world: usize,
-}
-
-impl Partition {
-    pub fn new(total: usize, rank: usize, world: usize) -> Self {
-        let chunk = total.div_ceil(world).max(1);
-        Partition { total, chunk, lo: (rank * chunk).min(total), hi: ((rank + 1) * chunk).min(total), world }
-    }
-    pub fn len(&self) -> usize {
-        self.hi - self.lo
-    }
-    pub fn is_empty(&self) -> bool {
-        self.hi == self.lo
-    }
-    /// Length of the whole vector padded to world * chunk.
-    pub fn padded(&self) -> usize {
-        self.chunk * self.world
-    }
-    pub fn slice(&self, full: &[f32]) -> Vec<f32> {
-        full[self.lo..self.hi].to_vec()
-    }
-    /// Every rank's share, concatenated back into the full vector.
-    pub fn gather(&self, comm: &dyn Collective, mine: &[f32], device: &candle_core::Device) -> Result<Vec<f32>> {
-        let mut v = mine.to_vec();
-        v.resize(self.chunk, 0.0);
-        let mut full: Vec<f32> = comm.all_gather(&Tensor::from_vec(v, self.chunk, device)?)?.to_vec1()?;
-        full.truncate(self.total);
-        Ok(full)
-    }
-}
 
 /// Keep the metrics lines of steps up to `step` (what the checkpoint covers) and reopen the
 /// file for appending, so a resumed run's metrics.jsonl reads as one uninterrupted run.

@@ -99,6 +99,54 @@ pub fn layout(d: &DistSection, model_device: &str, env: &dyn Fn(&str) -> Option<
     Ok(Layout { world, processes, process, local })
 }
 
+/// A rank's share of a flat vector of `total` values: [r c, (r+1) c) with c = ceil(total / W),
+/// the last shares shorter (zero-padded to c on the wire). The one partition rule: LoRA
+/// gradients and AdamW state (train.rs), frozen tensors (zero.rs) and `finetune plan` use it.
+#[derive(Clone, Copy, Debug)]
+pub struct Partition {
+    total: usize,
+    chunk: usize,
+    lo: usize,
+    hi: usize,
+    world: usize,
+}
+
+impl Partition {
+    pub fn new(total: usize, rank: usize, world: usize) -> Self {
+        let chunk = total.div_ceil(world).max(1);
+        Partition { total, chunk, lo: (rank * chunk).min(total), hi: ((rank + 1) * chunk).min(total), world }
+    }
+    pub fn len(&self) -> usize {
+        self.hi - self.lo
+    }
+    pub fn is_empty(&self) -> bool {
+        self.hi == self.lo
+    }
+    /// Elements per rank on the wire (c).
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+    /// This rank's range of the full vector.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.lo..self.hi
+    }
+    /// Length of the whole vector padded to world * chunk.
+    pub fn padded(&self) -> usize {
+        self.chunk * self.world
+    }
+    pub fn slice(&self, full: &[f32]) -> Vec<f32> {
+        full[self.lo..self.hi].to_vec()
+    }
+    /// Every rank's share, concatenated back into the full vector.
+    pub fn gather(&self, comm: &dyn collective::Collective, mine: &[f32], device: &candle_core::Device) -> crate::Result<Vec<f32>> {
+        let mut v = mine.to_vec();
+        v.resize(self.chunk, 0.0);
+        let mut full: Vec<f32> = comm.all_gather(&candle_core::Tensor::from_vec(v, self.chunk, device)?)?.to_vec1()?;
+        full.truncate(self.total);
+        Ok(full)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -49,11 +49,12 @@ pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
     let numel = |s: &[usize]| s.iter().product::<usize>();
     let stage3 = r.dist.zero_stage == 3;
     let (frozen, gathered_peak) = if stage3 {
-        let frozen = tensors.iter().map(|(_, s)| numel(s).div_ceil(world) * es).sum();
+        let chunk = |s: &[usize]| super::Partition::new(numel(s), 0, world).chunk();
+        let frozen = tensors.iter().map(|(_, s)| chunk(s) * es).sum();
         // Gathered bytes per unit, as the source allocates them: N * ceil(n / N) per tensor.
         let mut unit_bytes: HashMap<Unit, usize> = HashMap::new();
         for (name, s) in &tensors {
-            *unit_bytes.entry(Unit::of(name)).or_default() += world * numel(s).div_ceil(world) * es;
+            *unit_bytes.entry(Unit::of(name)).or_default() += world * chunk(s) * es;
         }
         (frozen, replay_peak(cfg, r, &unit_bytes))
     } else {
@@ -61,7 +62,7 @@ pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
     };
     let lora: usize = crate::train::trainable_parameters(cfg, r.lora.rank, &r.lora.targets).0 as usize;
     // Rank 0's share, the largest (the last rank's may be shorter).
-    let optimizer = 2 * lora.div_ceil(world).min(lora) * 4;
+    let optimizer = 2 * super::Partition::new(lora, 0, world).len() * 4;
     let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 });
     Plan {
         world,

@@ -230,10 +230,9 @@ impl ShardedWeights {
             file: files.file_of(name).map(|p| p.to_path_buf()).unwrap_or_default(),
             msg: format!("tensor `{name}`: {}", crate::error::candle_msg(&e)),
         })?;
-        let (w, r) = (self.comm.world_size(), self.comm.rank());
         let n: usize = shape.iter().product();
-        let c = n.div_ceil(w);
-        let (lo, hi) = ((r * c).min(n), ((r + 1) * c).min(n));
+        let part = super::Partition::new(n, self.comm.rank(), self.comm.world_size());
+        let (c, lo, hi) = (part.chunk(), part.range().start, part.range().end);
         let es = dtype.size_in_bytes();
         // Only these bytes of the map are touched: the rank's 1/N.
         let mine = Tensor::from_raw_buffer(&view.data()[lo * es..hi * es], dtype, &[hi - lo], &Device::Cpu)?.to_dtype(self.storage_dtype)?;
