@@ -119,13 +119,16 @@ impl InProcess {
         sh.cv.notify_all();
         let deadline = Instant::now() + sh.timeout;
         loop {
-            if let Some((r, why)) = &st.failed {
-                return Err(Error::PeerFailed { rank: self.rank, msg: format!("stopping because rank {r} failed: {why}") });
-            }
+            // A round every rank posted to has succeeded, even if a rank failed right after
+            // (say, on the lead's broadcast that it could not write a checkpoint): check that
+            // first, so this rank goes on to report its own error rather than the other's.
             let round = st.rounds.get(&call).ok_or_else(|| err(format!("collective #{call} vanished")))?;
             let missing: Vec<usize> = (0..sh.world).filter(|&r| round.slots[r].is_none()).collect();
             if missing.is_empty() {
                 break;
+            }
+            if let Some((r, why)) = &st.failed {
+                return Err(Error::PeerFailed { rank: self.rank, msg: format!("stopping because rank {r} failed: {why}") });
             }
             if let Some(&gone) = missing.iter().find(|&&r| st.left[r]) {
                 return Err(err(format!("rank {gone} left before {op} #{call}; it stopped or crashed")));
@@ -288,5 +291,34 @@ mod tests {
         });
         let e = e.unwrap_err().to_string();
         assert!(e.contains("rank 1 failed: out of memory"), "{e}");
+    }
+
+    #[test]
+    fn a_round_every_rank_posted_to_succeeds_even_if_a_rank_fails_right_after() {
+        // Rank 1 posts its part and fails before rank 0 wakes (as when the lead broadcasts that
+        // it could not write a checkpoint): rank 0 must get the broadcast and go on to its own
+        // error, not report rank 1's as the cause. Done under one lock, so the order is fixed.
+        let g = InProcessGroup::new(2, Duration::from_secs(60));
+        let x = Tensor::new(&[7f32], &Device::Cpu).unwrap();
+        let got = std::thread::scope(|s| {
+            let m0 = g.member(0);
+            let x0 = &x;
+            let h = s.spawn(move || m0.broadcast(x0, 0).and_then(|t| Ok(t.to_vec1::<f32>()?)));
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let mut st = g.shared.lock();
+                if let Some(round) = st.rounds.get_mut(&0) {
+                    round.slots[1] = Some(x.clone());
+                    st.failed = Some((1, "stopping: rank 0 failed to write".into()));
+                    g.shared.cv.notify_all();
+                    break;
+                }
+                drop(st);
+                assert!(Instant::now() < deadline, "rank 0 never posted");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            h.join().unwrap()
+        });
+        assert_eq!(got.unwrap(), vec![7.0]);
     }
 }
