@@ -5,12 +5,127 @@
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// RMSNorm as transformers' LlamaRMSNorm: `x * rsqrt(mean(x^2) + eps) * weight`, in f32.
+/// The weight is a frozen constant (it gets no gradient). On CPU f32 this is one fused op
+/// (one pass forward, one backward) instead of eight element-wise ops, each with its own
+/// buffer and backward, plus a full-size gradient for the broadcast weight.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 {
+        let w = weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        return x.contiguous()?.apply_op1(RmsNorm { w, eps: eps as f32 });
+    }
+    rms_norm_generic(x, weight, eps)
+}
+
+/// RMSNorm through candle's differentiable ops (any device or dtype; the fused op's reference).
+pub fn rms_norm_generic(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = x.to_dtype(DType::F32)?;
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?; // [.., 1]
     let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
     normed.to_dtype(dtype)?.broadcast_mul(weight)
+}
+
+struct RmsNorm {
+    w: Vec<f32>,
+    eps: f32,
+}
+
+/// f32 rows of a contiguous CPU tensor, or an error naming the op.
+fn cpu_f32<'a>(op: &str, storage: &'a candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<&'a [f32]> {
+    let candle_core::CpuStorage::F32(x) = storage else { candle_core::bail!("{op}: f32 only") };
+    let Some((a, b)) = layout.contiguous_offsets() else { candle_core::bail!("{op}: input must be contiguous") };
+    Ok(&x[a..b])
+}
+
+/// A host copy of a tensor's elements in f32 (for custom-op backwards).
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+impl candle_core::CustomOp1 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use rayon::prelude::*;
+        let x = cpu_f32("rms-norm", storage, layout)?;
+        let h = self.w.len();
+        if layout.shape().dims().last() != Some(&h) || h == 0 {
+            candle_core::bail!("rms-norm: input {:?} does not end in the weight's {h}", layout.shape());
+        }
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(h).zip(x.par_chunks(h)).for_each(|(yr, xr)| {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
+            let inv = 1.0 / (ms + self.eps).sqrt();
+            yr.iter_mut().zip(xr).zip(&self.w).for_each(|((o, &v), &w)| *o = v * inv * w);
+        });
+        Ok((candle_core::CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        use rayon::prelude::*;
+        // y_j = w_j x_j r with r = (mean(x²) + eps)^-1/2:
+        // dx_j = r w_j g_j − x_j r³ / H · Σ_i w_i g_i x_i
+        let (x, g) = (host_f32(arg)?, host_f32(grad_res)?);
+        let h = self.w.len();
+        let mut dx = vec![0f32; x.len()];
+        dx.par_chunks_mut(h).zip(x.par_chunks(h)).zip(g.par_chunks(h)).for_each(|((dr, xr), gr)| {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
+            let r = 1.0 / (ms + self.eps).sqrt();
+            let dot: f32 = xr.iter().zip(gr).zip(&self.w).map(|((x, g), w)| w * g * x).sum();
+            let c = r * r * r * dot / h as f32;
+            dr.iter_mut().zip(xr).zip(gr).zip(&self.w).for_each(|(((o, &x), &g), &w)| *o = r * w * g - x * c);
+        });
+        Ok(Some(Tensor::from_vec(dx, arg.shape(), arg.device())?))
+    }
+}
+
+/// SwiGLU's gate: silu(g) ⊙ u for g, u [N, I]. On CPU f32 one fused op; the generic ops
+/// elsewhere (same result).
+pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if g.device().is_cpu() && g.dtype() == DType::F32 && u.dtype() == DType::F32 && g.dims() == u.dims() {
+        return g.contiguous()?.apply_op2(&u.contiguous()?, SwiGlu);
+    }
+    g.silu()? * u
+}
+
+struct SwiGlu;
+
+impl candle_core::CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(&self, s1: &candle_core::CpuStorage, l1: &candle_core::Layout, s2: &candle_core::CpuStorage, l2: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use rayon::prelude::*;
+        let (g, u) = (cpu_f32("swiglu", s1, l1)?, cpu_f32("swiglu", s2, l2)?);
+        let mut y = vec![0f32; g.len()];
+        y.par_chunks_mut(4096).zip(g.par_chunks(4096)).zip(u.par_chunks(4096)).for_each(|((y, g), u)| {
+            y.iter_mut().zip(g).zip(u).for_each(|((o, &g), &u)| *o = g / (1.0 + (-g).exp()) * u);
+        });
+        Ok((candle_core::CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(&self, g: &Tensor, u: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        use rayon::prelude::*;
+        // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g)))
+        let (gv, uv, dy) = (host_f32(g)?, host_f32(u)?, host_f32(grad_res)?);
+        let mut dg = vec![0f32; gv.len()];
+        let mut du = vec![0f32; gv.len()];
+        dg.par_chunks_mut(4096).zip(du.par_chunks_mut(4096)).enumerate().for_each(|(c, (dg, du))| {
+            let at = c * 4096;
+            for i in 0..dg.len() {
+                let (x, uu, d) = (gv[at + i], uv[at + i], dy[at + i]);
+                let sig = 1.0 / (1.0 + (-x).exp());
+                du[i] = d * x * sig;
+                dg[i] = d * uu * sig * (1.0 + x * (1.0 - sig));
+            }
+        });
+        let dg = Tensor::from_vec(dg, g.shape(), g.device())?;
+        let du = Tensor::from_vec(du, u.shape(), u.device())?;
+        Ok((Some(dg), Some(du)))
+    }
 }
 
 /// Softmax over the last dim. The max is detached: subtracting it does not change the
@@ -56,6 +171,90 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
     let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?; // [B, N, S, D]
     x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
+}
+
+/// Heads out of a projection, rotated: x [B, S, N, D] (as `x @ W^T` lays them out) ->
+/// rope(x transposed to [B, N, S, D]). On CPU f32 one fused op that transposes while it
+/// rotates, with the inverse rotation as its backward (no gradients for the cos/sin
+/// constants, which the generic path computes at full size and reduces).
+pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 && cos.dtype() == DType::F32 {
+        let (b, s, _, d) = x.dims4()?;
+        if cos.dims() == [b, 1, s, d] && sin.dims() == [b, 1, s, d] && d % 2 == 0 {
+            return x.contiguous()?.apply_op1(RopeHeads { cos: host_f32(cos)?, sin: host_f32(sin)? });
+        }
+    }
+    rope(&x.transpose(1, 2)?.contiguous()?, cos, sin)
+}
+
+/// cos/sin [B, 1, S, D] flattened.
+struct RopeHeads {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeHeads {
+    /// For each (b, s, n): `f(src row [D], dst row [D], cos row, sin row)`, with src read in
+    /// `src_heads_first` layout ([B, N, S, D] if true, else [B, S, N, D]) and dst in the other.
+    fn map(&self, src: &[f32], dims: (usize, usize, usize, usize), src_heads_first: bool, f: impl Fn(&[f32], &mut [f32], &[f32], &[f32]) + Sync) -> Vec<f32> {
+        use rayon::prelude::*;
+        let (_, s, n, d) = dims;
+        let mut dst = vec![0f32; src.len()];
+        // One chunk per (b, s) row of [B, S, N, D] or per (b, n) of [B, N, S, D], whichever dst is.
+        let chunk = if src_heads_first { n * d } else { s * d };
+        dst.par_chunks_mut(chunk).enumerate().for_each(|(c, out)| {
+            if src_heads_first {
+                let (bi, si) = (c / s, c % s); // dst [B, S, N, D]: out = row (bi, si), all heads
+                let t = (bi * s + si) * d;
+                for ni in 0..n {
+                    let from = ((bi * n + ni) * s + si) * d;
+                    f(&src[from..from + d], &mut out[ni * d..(ni + 1) * d], &self.cos[t..t + d], &self.sin[t..t + d]);
+                }
+            } else {
+                let (bi, ni) = (c / n, c % n); // dst [B, N, S, D]: out = head (bi, ni), all positions
+                for si in 0..s {
+                    let t = (bi * s + si) * d;
+                    let from = ((bi * s + si) * n + ni) * d;
+                    f(&src[from..from + d], &mut out[si * d..(si + 1) * d], &self.cos[t..t + d], &self.sin[t..t + d]);
+                }
+            }
+        });
+        dst
+    }
+}
+
+impl candle_core::CustomOp1 for RopeHeads {
+    fn name(&self) -> &'static str {
+        "rope-heads"
+    }
+
+    fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let x = cpu_f32("rope-heads", storage, layout)?;
+        let (b, s, n, d) = layout.shape().dims4()?;
+        // out1 = x1 c − x2 s, out2 = x2 c + x1 s (the same angle at i and i + D/2)
+        let y = self.map(x, (b, s, n, d), false, |x, o, c, sn| {
+            let h = x.len() / 2;
+            for i in 0..h {
+                o[i] = x[i] * c[i] - x[i + h] * sn[i];
+                o[i + h] = x[i + h] * c[i + h] + x[i] * sn[i + h];
+            }
+        });
+        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((b, n, s, d))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let (b, s, n, d) = arg.dims4()?;
+        let g = host_f32(grad_res)?;
+        // The transpose of the rotation: dx1 = g1 c + g2 s, dx2 = g2 c − g1 s
+        let dx = self.map(&g, (b, s, n, d), true, |g, o, c, sn| {
+            let h = g.len() / 2;
+            for i in 0..h {
+                o[i] = g[i] * c[i] + g[i + h] * sn[i + h];
+                o[i + h] = g[i + h] * c[i + h] - g[i] * sn[i];
+            }
+        });
+        Ok(Some(Tensor::from_vec(dx, arg.shape(), arg.device())?))
+    }
 }
 
 #[cfg(test)]
@@ -291,6 +490,59 @@ mod causal_softmax_tests {
         let gb = (generic * &g)?.sum_all()?.backward()?.get(&x).expect("grad").clone();
         let d = (ga - gb)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(d < 1e-6, "gradient differs by {d}");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod fused_tests {
+    use super::*;
+    use candle_core::Var;
+
+    fn pseudo(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i * 2654435761 + seed * 97) % 1000) as f32 / 1000.0 - 0.5) * 2.0).collect()
+    }
+
+    /// Value and input gradient of `fused(x)` against `generic(x)`, as max abs differences.
+    fn compare(shape: &[usize], fused: impl Fn(&Tensor) -> Result<Tensor>, generic: impl Fn(&Tensor) -> Result<Tensor>) -> Result<(f32, f32)> {
+        let n: usize = shape.iter().product();
+        let x = Var::from_vec(pseudo(n, 1), shape, &Device::Cpu)?;
+        let (a, b) = (fused(&x)?, generic(&x)?);
+        let g = Tensor::from_vec(pseudo(a.elem_count(), 2), a.shape(), &Device::Cpu)?;
+        let dv = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let ga = (a * &g)?.sum_all()?.backward()?.get(&x).expect("grad").clone();
+        let gb = (b * &g)?.sum_all()?.backward()?.get(&x).expect("grad").clone();
+        Ok((dv, (ga - gb)?.abs()?.max_all()?.to_scalar::<f32>()?))
+    }
+
+    #[test]
+    fn fused_rms_norm_matches_the_generic_path() -> Result<()> {
+        let w = Tensor::from_vec(pseudo(24, 3), 24, &Device::Cpu)?;
+        let (dv, dg) = compare(&[2, 5, 24], |x| rms_norm(x, &w, 1e-5), |x| rms_norm_generic(x, &w, 1e-5))?;
+        println!("rms_norm fused vs generic: value {dv:.1e}, grad {dg:.1e}");
+        assert!(dv < 1e-6 && dg < 1e-5, "value {dv}, grad {dg}");
+        Ok(())
+    }
+
+    #[test]
+    fn fused_swiglu_matches_the_generic_path_for_both_inputs() -> Result<()> {
+        let u = Var::from_vec(pseudo(5000, 4), (50, 100), &Device::Cpu)?;
+        let (dv, dg) = compare(&[50, 100], |g| swiglu(g, &u), |g| g.silu()? * u.as_tensor())?;
+        let g = Tensor::from_vec(pseudo(5000, 5), (50, 100), &Device::Cpu)?;
+        let (du_dv, du_dg) = compare(&[50, 100], |u| swiglu(&g, u), |u| g.silu()? * u)?;
+        println!("swiglu fused vs generic: value {dv:.1e}, grad gate {dg:.1e}, grad up {du_dg:.1e}");
+        assert!(dv < 1e-6 && dg < 1e-6 && du_dv < 1e-6 && du_dg < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn fused_rope_heads_matches_transpose_then_rope() -> Result<()> {
+        let (b, s, n, d) = (2, 7, 3, 8);
+        let positions: Vec<Vec<u32>> = vec![(0..7).collect(), vec![0, 1, 2, 0, 1, 2, 3]];
+        let (cos, sin) = rope_tables(&positions, &[1.0, 0.1, 0.01, 0.001], &Device::Cpu, DType::F32)?;
+        let (dv, dg) = compare(&[b, s, n, d], |x| rope_heads(x, &cos, &sin), |x| rope(&x.transpose(1, 2)?.contiguous()?, &cos, &sin))?;
+        println!("rope_heads fused vs generic: value {dv:.1e}, grad {dg:.1e}");
+        assert!(dv < 1e-6 && dg < 1e-6, "value {dv}, grad {dg}");
         Ok(())
     }
 }

@@ -137,11 +137,10 @@ impl<'a> Attention<'a> {
         let q = self.q_proj.forward(&x2, ctx.dropout)?; // [N, NH*D]
         let k = self.k_proj.forward(&x2, ctx.dropout)?; // [N, KV*D]
         let v = self.v_proj.forward(&x2, ctx.dropout)?; // [N, KV*D]
-        let q = q.reshape((b, s, nh, d))?.transpose(1, 2)?.contiguous()?; // [B, NH, S, D]
-        let k = k.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
+        // Rotated and transposed to heads-first in one pass.
+        let q = ops::rope_heads(&q.reshape((b, s, nh, d))?, &ctx.cos, &ctx.sin)?; // [B, NH, S, D]
+        let mut k = ops::rope_heads(&k.reshape((b, s, kv, d))?, &ctx.cos, &ctx.sin)?; // [B, KV, S, D]
         let v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
-        let q = ops::rope(&q, &ctx.cos, &ctx.sin)?;
-        let mut k = ops::rope(&k, &ctx.cos, &ctx.sin)?;
         let mut v = v;
         if let Some(cache) = cache {
             if let Some((pk, pv)) = cache.take() {
@@ -151,21 +150,22 @@ impl<'a> Attention<'a> {
             *cache = Some((k.clone(), v.clone()));
         }
         let t = k.dim(2)?;
-        // GQA without copying k/v (transformers' repeat_kv): query head h uses kv head h / R,
-        // so the R query heads of a kv head are contiguous and fold into the row dim.
-        let r = nh / kv;
-        let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
         let scale = 1.0 / (d as f64).sqrt();
-        let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, t))?; // [B, NH, S, T]
-        let probs = if ctx.causal && s == t {
-            ops::causal_softmax(&scores.to_dtype(DType::F32)?, scale)?
+        let out = if ctx.causal && s == t {
+            // Training and prefill: the fused op never holds [S, S] scores (attention.rs).
+            crate::attention::causal_attention(&q, &k, &v, scale)? // [B, NH, S, D]
         } else {
-            ops::softmax_last(&(scores * scale)?.broadcast_add(&ctx.mask)?.to_dtype(DType::F32)?)?
-        }
-        .to_dtype(v.dtype())?;
-        let probs = probs.reshape((b, kv, r * s, t))?; // [B, KV, R*S, T]
-        let out = probs.matmul(&v)?; // [B, KV, R*S, D]
-        let out = out.reshape((b, nh, s, d))?.transpose(1, 2)?.reshape((b * s, nh * d))?; // [N, NH*D]
+            // Packed rows or cached generation: an explicit mask [B or 1, 1, S, T].
+            // GQA without copying k/v (transformers' repeat_kv): query head h uses kv head
+            // h / R, so the R query heads of a kv head are contiguous and fold into the row dim.
+            let r = nh / kv;
+            let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
+            let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, t))?; // [B, NH, S, T]
+            let probs = ops::softmax_last(&(scores * scale)?.broadcast_add(&ctx.mask)?.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
+            let probs = probs.reshape((b, kv, r * s, t))?; // [B, KV, R*S, T]
+            probs.matmul(&v)?.reshape((b, nh, s, d))? // [B, NH, S, D]
+        };
+        let out = out.transpose(1, 2)?.reshape((b * s, nh * d))?; // [N, NH*D]
         let y = self.o_proj.forward(&out, ctx.dropout)?; // [N, H]
         Ok(y.reshape((b, s, h))?)
     }
@@ -189,9 +189,9 @@ impl<'a> Mlp<'a> {
 
     /// x [N, H] -> [N, H]
     pub fn forward(&self, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
-        let g = self.gate_proj.forward(x, drop)?.silu()?; // [N, I]
+        let g = self.gate_proj.forward(x, drop)?; // [N, I]
         let u = self.up_proj.forward(x, drop)?; // [N, I]
-        self.down_proj.forward(&(g * u)?, drop)
+        self.down_proj.forward(&ops::swiglu(&g, &u)?, drop)
     }
 }
 
