@@ -75,11 +75,8 @@ fn softmax_ce_rows(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64,
         .zip(targets.par_iter())
         .map(|((g, l), &t)| {
             let max = l.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0f32;
-            for (gi, &li) in g.iter_mut().zip(l) {
-                *gi = (li - max).exp();
-                sum += *gi;
-            }
+            g.iter_mut().zip(l).for_each(|(gi, &li)| *gi = crate::ops::exp_f32(li - max));
+            let sum = crate::ops::sum_f32(g);
             let k = scale / sum;
             g.iter_mut().for_each(|gi| *gi *= k);
             g[t as usize] -= scale;
