@@ -11,8 +11,9 @@
 //! grow with S² per layer, which is what made long sequences slow.
 //!
 //! Forward, per (row b, query head h) and per strip of Q query rows starting at q0 (keys
-//! 0..q0+Q are the only ones a strip can see):
-//!   scores [Q, q0+Q] = q_strip · k^T · scale        (one GEMM)
+//! kbeg..q0+Q are the only ones a strip can see: kbeg = 0 for plain causal attention, the
+//! first record start among the strip's queries for packed rows; W = q0 + Q − kbeg):
+//!   scores [Q, W] = q_strip · k[kbeg..]^T · scale    (one GEMM)
 //!   p = causal softmax of each row; lse = log Σ exp  (kept: S floats per head)
 //!   out_strip [Q, D] = p · v                         (one GEMM)
 //! Backward (FlashAttention-2's recurrences, strip by strip, recomputing p from lse):
@@ -32,44 +33,66 @@ use std::sync::Mutex;
 /// Query rows per strip: a strip's scores are STRIP x S floats (512 KB at S = 2048).
 const STRIP: usize = 64;
 
-/// softmax(q k^T · scale + causal mask) v for q [B, NH, S, D], k and v [B, KV, S, D] -> [B, NH, S, D].
+/// softmax(q k^T · scale + mask) v for q [B, NH, S, D], k and v [B, KV, S, D] -> [B, NH, S, D],
+/// where query i of row b sees keys `key_start[b * S + i]..=i`: all zeros is plain causal
+/// attention, the start of each record is packed rows (attention stays within a record).
 /// The fused op on CPU f32; the generic differentiable path elsewhere (same result).
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-    let fused = q.device().is_cpu() && [q.dtype(), k.dtype(), v.dtype()].iter().all(|&t| t == DType::F32);
-    if !fused {
-        return generic_causal_attention(q, k, v, scale);
-    }
-    let (_, nh, s, d) = q.dims4()?;
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, key_start: &[u32]) -> Result<Tensor> {
+    let (b, nh, s, d) = q.dims4()?;
     let (_, kv, _, _) = k.dims4()?;
-    if s == 0 || d == 0 {
-        return generic_causal_attention(q, k, v, scale);
-    }
     if kv == 0 || nh % kv != 0 || k.dims() != v.dims() {
         candle_core::bail!("causal-attention: q {:?} and k/v {:?}/{:?} do not form GQA shapes", q.dims(), k.dims(), v.dims());
     }
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, CausalAttention { scale: scale as f32, lse: Mutex::new(Vec::new()) })
+    if key_start.len() != b * s || key_start.iter().enumerate().any(|(r, &st)| st as usize > r % s) {
+        candle_core::bail!("causal-attention: key_start must hold B x S = {} starts, each at most its query's position", b * s);
+    }
+    let fused = q.device().is_cpu() && [q.dtype(), k.dtype(), v.dtype()].iter().all(|&t| t == DType::F32);
+    if !fused || s == 0 || d == 0 {
+        return generic_causal_attention(q, k, v, scale, key_start);
+    }
+    let op = CausalAttention { scale: scale as f32, key_start: key_start.to_vec(), lse: Mutex::new(Vec::new()) };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
-/// The same attention through candle's ops: batched matmuls and the fused causal softmax.
+/// The same attention through candle's ops: batched matmuls and a softmax over [B, NH, S, S]
+/// scores (the fused causal softmax when no row is packed, else an explicit additive mask).
 /// Kept as the reference the fused op is tested against, and for non-CPU / non-f32 tensors.
-pub fn generic_causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+pub fn generic_causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, key_start: &[u32]) -> Result<Tensor> {
     let (b, nh, s, d) = q.dims4()?;
     let kv = k.dim(1)?;
     // GQA without copying k/v: the R query heads of a kv head are contiguous, so they fold
     // into the row dim.
     let r = nh / kv;
     let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
-    let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, s))?; // [B, NH, S, S]
-    let probs = crate::ops::causal_softmax(&scores.to_dtype(DType::F32)?, scale)?.to_dtype(v.dtype())?;
-    let probs = probs.reshape((b, kv, r * s, s))?; // [B, KV, R*S, S]
+    let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, s))?.to_dtype(DType::F32)?; // [B, NH, S, S]
+    let probs = if key_start.iter().all(|&st| st == 0) {
+        crate::ops::causal_softmax(&scores, scale)?
+    } else {
+        let mut m = Vec::with_capacity(b * s * s);
+        for (row, &st) in key_start.iter().enumerate() {
+            let i = row % s;
+            m.extend((0..s).map(|j| if j >= st as usize && j <= i { 0.0 } else { f32::NEG_INFINITY }));
+        }
+        let mask = Tensor::from_vec(m, (b, 1, s, s), q.device())?; // [B, 1, S, S]
+        crate::ops::softmax_last(&(scores * scale)?.broadcast_add(&mask)?)?
+    };
+    let probs = probs.to_dtype(v.dtype())?.reshape((b, kv, r * s, s))?; // [B, KV, R*S, S]
     probs.matmul(v)?.reshape((b, nh, s, d)) // [B, NH, S, D]
 }
 
 struct CausalAttention {
     scale: f32,
+    /// [B * S]: the first key each query sees.
+    key_start: Vec<u32>,
     /// Log-sum-exp of each query row's scores, [B, NH, S], written by the forward for the
     /// backward (which recomputes the probabilities from it instead of storing them).
     lse: Mutex<Vec<f32>>,
+}
+
+/// The keys a strip of queries q0..q0+m can see: kbeg..kend (kend = q0 + m).
+fn strip_keys(starts: &[u32], q0: usize, m: usize) -> (usize, usize) {
+    let kbeg = starts[q0..q0 + m].iter().min().map_or(0, |&x| x as usize);
+    (kbeg, q0 + m)
 }
 
 /// Shapes of one call: (B, NH, KV, S, D).
@@ -132,24 +155,27 @@ impl candle_core::CustomOp3 for CausalAttention {
             let q = &q[unit * s * d..][..s * d]; // [S, D]
             let kvo = (bi * kv + h / r) * s * d;
             let (k, v) = (&k[kvo..][..s * d], &v[kvo..][..s * d]); // [S, D] each
+            let starts = &self.key_start[bi * s..][..s];
             let mut p = vec![0f32; STRIP * s];
             for q0 in (0..s).step_by(STRIP) {
                 let m = STRIP.min(s - q0);
-                let kend = q0 + m;
-                let p = &mut p[..m * kend]; // [m, kend]
-                strip_scores(p, &q[q0 * d..], k, m, kend, d, scale);
-                for (i, row) in p.chunks_mut(kend).enumerate() {
-                    let seen = q0 + i + 1; // keys 0..=q0+i
-                    let max = row[..seen].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
-                    row[..seen].iter_mut().for_each(|x| *x = exp_f32(*x - max));
-                    let sum = sum_f32(&row[..seen]);
+                let (kbeg, kend) = strip_keys(starts, q0, m);
+                let w = kend - kbeg;
+                let p = &mut p[..m * w]; // [m, w]: query q0 + i against key kbeg + j
+                strip_scores(p, &q[q0 * d..], &k[kbeg * d..], m, w, d, scale);
+                for (i, row) in p.chunks_mut(w).enumerate() {
+                    let (lo, hi) = (starts[q0 + i] as usize - kbeg, q0 + i - kbeg + 1); // keys seen: lo..hi
+                    let max = row[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                    row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x - max));
+                    let sum = sum_f32(&row[lo..hi]);
                     let inv = 1.0 / sum;
-                    row[..seen].iter_mut().for_each(|x| *x *= inv);
-                    row[seen..].iter_mut().for_each(|x| *x = 0.0);
+                    row[lo..hi].iter_mut().for_each(|x| *x *= inv);
+                    row[..lo].fill(0.0);
+                    row[hi..].fill(0.0);
                     l[q0 + i] = max + sum.ln();
                 }
-                // out[q0..q0+m] [m, D] = p [m, kend] · v[..kend] [kend, D]
-                gemm(m, d, kend, &mut o[q0 * d..], d, false, p, kend, 1, v, d, 1, 1.0);
+                // out[q0..q0+m] [m, D] = p [m, w] · v[kbeg..kend] [w, D]
+                gemm(m, d, w, &mut o[q0 * d..], d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0);
             }
         });
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
@@ -182,37 +208,41 @@ impl candle_core::CustomOp3 for CausalAttention {
                 let kvo = (bi * kv + h / r) * s * d;
                 let (k, v) = (&kh[kvo..][..s * d], &vh[kvo..][..s * d]);
                 let l = &lse[unit * s..][..s];
+                let starts = &self.key_start[bi * s..][..s];
                 let mut p = vec![0f32; STRIP * s];
                 let mut dp = vec![0f32; STRIP * s];
                 for q0 in (0..s).step_by(STRIP) {
                     let m = STRIP.min(s - q0);
-                    let kend = q0 + m;
-                    let (p, dp) = (&mut p[..m * kend], &mut dp[..m * kend]); // [m, kend] each
-                    strip_scores(p, &q[q0 * d..], k, m, kend, d, scale);
-                    for (i, row) in p.chunks_mut(kend).enumerate() {
-                        let seen = q0 + i + 1;
+                    let (kbeg, kend) = strip_keys(starts, q0, m);
+                    let w = kend - kbeg;
+                    let (p, dp) = (&mut p[..m * w], &mut dp[..m * w]); // [m, w] each
+                    let (ks, vs) = (&k[kbeg * d..kend * d], &v[kbeg * d..kend * d]); // [w, D] each
+                    strip_scores(p, &q[q0 * d..], ks, m, w, d, scale);
+                    for (i, row) in p.chunks_mut(w).enumerate() {
+                        let (lo, hi) = (starts[q0 + i] as usize - kbeg, q0 + i - kbeg + 1);
                         let li = l[q0 + i];
-                        row[..seen].iter_mut().for_each(|x| *x = exp_f32(*x - li));
-                        row[seen..].iter_mut().for_each(|x| *x = 0.0);
+                        row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x - li));
+                        row[..lo].fill(0.0);
+                        row[hi..].fill(0.0);
                     }
                     let gs = &g[q0 * d..][..m * d]; // [m, D]
-                    // dv[..kend] += p^T [kend, m] · g_strip [m, D]
-                    gemm(kend, d, m, dv, d, true, p, 1, kend, gs, d, 1, 1.0);
-                    // dp [m, kend] = g_strip [m, D] · v[..kend]^T [D, kend]
-                    gemm(m, kend, d, dp, kend, false, gs, d, 1, v, 1, d, 1.0);
-                    // ds = p ⊙ (dp − Σ_d g ⊙ out) · scale, in place of dp
+                    // dv[kbeg..kend] += p^T [w, m] · g_strip [m, D]
+                    gemm(w, d, m, &mut dv[kbeg * d..], d, true, p, 1, w, gs, d, 1, 1.0);
+                    // dp [m, w] = g_strip [m, D] · v[kbeg..kend]^T [D, w]
+                    gemm(m, w, d, dp, w, false, gs, d, 1, vs, 1, d, 1.0);
+                    // ds = p ⊙ (dp − Σ_d g ⊙ out) · scale, in place of dp (0 where p is)
                     for i in 0..m {
                         let row = q0 + i;
                         let delta: f32 = g[row * d..][..d].iter().zip(&o[row * d..][..d]).map(|(a, b)| a * b).sum();
-                        let (pr, dr) = (&p[i * kend..][..kend], &mut dp[i * kend..][..kend]);
+                        let (pr, dr) = (&p[i * w..][..w], &mut dp[i * w..][..w]);
                         for (x, &pv) in dr.iter_mut().zip(pr) {
                             *x = pv * (*x - delta) * scale;
                         }
                     }
-                    // dq_strip [m, D] = ds [m, kend] · k[..kend] [kend, D]
-                    gemm(m, d, kend, &mut dq[q0 * d..], d, false, dp, kend, 1, k, d, 1, 1.0);
-                    // dk[..kend] += ds^T [kend, m] · q_strip [m, D]
-                    gemm(kend, d, m, dk, d, true, dp, 1, kend, &q[q0 * d..], d, 1, 1.0);
+                    // dq_strip [m, D] = ds [m, w] · k[kbeg..kend] [w, D]
+                    gemm(m, d, w, &mut dq[q0 * d..], d, false, dp, w, 1, ks, d, 1, 1.0);
+                    // dk[kbeg..kend] += ds^T [w, m] · q_strip [m, D]
+                    gemm(w, d, m, &mut dk[kbeg * d..], d, true, dp, 1, w, &q[q0 * d..], d, 1, 1.0);
                 }
             });
         // dk, dv [B, KV, S, D]: the R query heads of each kv head, summed in head order.
@@ -245,7 +275,8 @@ mod tests {
     }
 
     /// The fused op equals the generic path in value and in all three gradients, with GQA
-    /// (R = 3), several strips and a short last strip (S = 150 = 2 x 64 + 22).
+    /// (R = 3), several strips, a short last strip (S = 150 = 2 x 64 + 22), and packed
+    /// records (one of a single token) in the second row.
     #[test]
     fn fused_causal_attention_matches_the_generic_path() -> Result<()> {
         let dev = Device::Cpu;
@@ -255,8 +286,13 @@ mod tests {
         let v = Var::from_vec(pseudo(b * kv * s * d, 3), (b, kv, s, d), &dev)?;
         let g = Tensor::from_vec(pseudo(b * nh * s * d, 4), (b, nh, s, d), &dev)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let fused = causal_attention(&q, &k, &v, scale)?;
-        let generic = generic_causal_attention(&q, &k, &v, scale)?;
+        // Row 0 plain causal; row 1 packed: records at 0..40, 40..41, 41..150.
+        let mut starts = vec![0u32; b * s];
+        for i in 0..s {
+            starts[s + i] = if i < 40 { 0 } else if i < 41 { 40 } else { 41 };
+        }
+        let fused = causal_attention(&q, &k, &v, scale, &starts)?;
+        let generic = generic_causal_attention(&q, &k, &v, scale, &starts)?;
         let diff = |a: &Tensor, b: &Tensor| -> Result<f32> { (a - b)?.abs()?.max_all()?.to_scalar::<f32>() };
         let d_out = diff(&fused, &generic)?;
         let gf = (fused * &g)?.sum_all()?.backward()?;
@@ -282,9 +318,9 @@ mod tests {
         let q = Tensor::from_vec(pseudo(s * d, 5), (1, 1, s, d), &dev)?;
         let k = Tensor::from_vec(pseudo(s * d, 6), (1, 1, s, d), &dev)?;
         let v = Tensor::from_vec(pseudo(s * d, 7), (1, 1, s, d), &dev)?;
-        let full = causal_attention(&q, &k, &v, 0.5)?;
+        let full = causal_attention(&q, &k, &v, 0.5, &[0; 300])?;
         // Position 100's output depends only on keys 0..=100: the prefix alone gives it too.
-        let prefix = causal_attention(&q.narrow(2, 0, 101)?, &k.narrow(2, 0, 101)?, &v.narrow(2, 0, 101)?, 0.5)?;
+        let prefix = causal_attention(&q.narrow(2, 0, 101)?, &k.narrow(2, 0, 101)?, &v.narrow(2, 0, 101)?, 0.5, &[0; 101])?;
         let a = full.narrow(2, 100, 1)?;
         let b = prefix.narrow(2, 100, 1)?;
         let dmax = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;

@@ -28,13 +28,13 @@ pub struct ForwardCtx {
     pub cos: Tensor,
     /// [B, 1, S, D]
     pub sin: Tensor,
-    /// Additive attention mask, 0 or -inf: [B or 1, 1, S, S].
-    pub mask: Tensor,
+    /// [B * S]: query i of row b attends to keys `key_start[b * S + i]..=i` (0 without
+    /// packing; the first position of its record with packing).
+    pub key_start: Vec<u32>,
+    /// Generation only: an additive mask [1, 1, S, T] (0 or -inf) over cached + new keys.
+    pub cache_mask: Option<Tensor>,
     /// Dropout masks are drawn only when training.
     pub dropout: Option<DropoutCtx>,
-    /// `mask` is the plain causal mask (no packing, no cache offset): the fused causal
-    /// softmax may be used instead of adding it.
-    pub causal: bool,
 }
 
 impl ForwardCtx {
@@ -44,9 +44,9 @@ impl ForwardCtx {
         Self::new(&positions, None, inv_freq, dropout, device)
     }
 
-    /// positions [B][S]; with `segments` [B][S] (packed rows), a token attends only to earlier
-    /// tokens of its own segment (block-diagonal causal mask [B, 1, S, S]); without, a plain
-    /// causal mask [1, 1, S, S].
+    /// positions [B][S]; with `segments` [B][S] (packed rows: contiguous runs of one id per
+    /// record, as `MicroBatch::collate` makes them), a token attends only to earlier tokens of
+    /// its own record; without, to all earlier tokens.
     pub fn new(
         positions: &[Vec<u32>],
         segments: Option<&[Vec<u32>]>,
@@ -57,23 +57,19 @@ impl ForwardCtx {
         let b = positions.len();
         let s = positions.first().map_or(0, |p| p.len());
         let (cos, sin) = ops::rope_tables(positions, inv_freq, device, DType::F32)?;
-        let mask = match segments {
-            None => {
-                ops::causal_mask(s, s, 0, device)?.reshape((1, 1, s, s))?
-            }
-            Some(seg) => {
-                let mut m = Vec::with_capacity(b * s * s);
-                for row in seg {
-                    for i in 0..s {
-                        for j in 0..s {
-                            m.push(if j <= i && row[i] == row[j] { 0.0 } else { f32::NEG_INFINITY });
-                        }
+        let mut key_start = vec![0u32; b * s];
+        if let Some(seg) = segments {
+            for (row, ids) in seg.iter().enumerate() {
+                let starts = &mut key_start[row * s..][..s];
+                for i in 1..s.min(ids.len()) {
+                    starts[i] = if ids[i] == ids[i - 1] { starts[i - 1] } else { i as u32 };
+                    if ids[i] < ids[i - 1] {
+                        return Err(crate::Error::Train(format!("packed row {row}: record ids are not contiguous runs at position {i}")));
                     }
                 }
-                Tensor::from_vec(m, (b, 1, s, s), device)?
             }
-        };
-        Ok(ForwardCtx { cos, sin, mask, dropout, causal: segments.is_none() })
+        }
+        Ok(ForwardCtx { cos, sin, key_start, cache_mask: None, dropout })
     }
 }
 
@@ -128,8 +124,8 @@ impl<'a> Attention<'a> {
         self.forward_cached(x, ctx, None)
     }
 
-    /// As `forward`, with keys/values of earlier positions in `cache` (generation). The mask
-    /// in `ctx` is then [1, 1, S, T] with T = cached + S.
+    /// As `forward`, with keys/values of earlier positions in `cache` (generation); `ctx`
+    /// then carries `cache_mask` [1, 1, S, T] with T = cached + S.
     pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let (nh, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -140,8 +136,7 @@ impl<'a> Attention<'a> {
         // Rotated and transposed to heads-first in one pass.
         let q = ops::rope_heads(&q.reshape((b, s, nh, d))?, &ctx.cos, &ctx.sin)?; // [B, NH, S, D]
         let mut k = ops::rope_heads(&k.reshape((b, s, kv, d))?, &ctx.cos, &ctx.sin)?; // [B, KV, S, D]
-        let v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
-        let mut v = v;
+        let mut v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
         if let Some(cache) = cache {
             if let Some((pk, pv)) = cache.take() {
                 k = Tensor::cat(&[&pk, &k], 2)?; // [B, KV, T, D]
@@ -149,21 +144,22 @@ impl<'a> Attention<'a> {
             }
             *cache = Some((k.clone(), v.clone()));
         }
-        let t = k.dim(2)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let out = if ctx.causal && s == t {
+        let out = match &ctx.cache_mask {
             // Training and prefill: the fused op never holds [S, S] scores (attention.rs).
-            crate::attention::causal_attention(&q, &k, &v, scale)? // [B, NH, S, D]
-        } else {
-            // Packed rows or cached generation: an explicit mask [B or 1, 1, S, T].
-            // GQA without copying k/v (transformers' repeat_kv): query head h uses kv head
-            // h / R, so the R query heads of a kv head are contiguous and fold into the row dim.
-            let r = nh / kv;
-            let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
-            let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, t))?; // [B, NH, S, T]
-            let probs = ops::softmax_last(&(scores * scale)?.broadcast_add(&ctx.mask)?.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
-            let probs = probs.reshape((b, kv, r * s, t))?; // [B, KV, R*S, T]
-            probs.matmul(&v)?.reshape((b, nh, s, d))? // [B, NH, S, D]
+            None => crate::attention::causal_attention(&q, &k, &v, scale, &ctx.key_start)?, // [B, NH, S, D]
+            Some(mask) => {
+                // Generation over cached keys. GQA without copying k/v (transformers'
+                // repeat_kv): query head h uses kv head h / R, so the R query heads of a kv
+                // head are contiguous and fold into the row dim.
+                let t = k.dim(2)?;
+                let r = nh / kv;
+                let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
+                let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, t))?; // [B, NH, S, T]
+                let probs = ops::softmax_last(&(scores * scale)?.broadcast_add(mask)?.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
+                let probs = probs.reshape((b, kv, r * s, t))?; // [B, KV, R*S, T]
+                probs.matmul(&v)?.reshape((b, nh, s, d))? // [B, NH, S, D]
+            }
         };
         let out = out.transpose(1, 2)?.reshape((b * s, nh * d))?; // [N, NH*D]
         let y = self.o_proj.forward(&out, ctx.dropout)?; // [N, H]
@@ -317,7 +313,7 @@ impl Llama {
         let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, ids.device(), DType::F32)?;
         let t = offset + s;
         let mask = ops::causal_mask(s, t, offset, ids.device())?.reshape((1, 1, s, t))?; // [1, 1, S, T]
-        let ctx = ForwardCtx { cos, sin, mask, dropout: None, causal: false };
+        let ctx = ForwardCtx { cos, sin, key_start: Vec::new(), cache_mask: Some(mask), dropout: None };
         let mut x = self.embed(ids)?;
         for (i, cache) in caches.iter_mut().enumerate().take(self.cfg.num_hidden_layers) {
             let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
