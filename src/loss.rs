@@ -20,18 +20,16 @@ pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32],
     let mut total = 0f64;
     let mut grads = Vec::new();
     let mut start = 0;
-    // The head in f32 once, not per chunk: [V, H] and its transposed view [H, V].
-    let head32 = head.to_dtype(DType::F32)?;
-    let head32_t = head32.t()?;
+    let head = Head::new(head, rows)?;
     while start < m {
         let c = chunk.min(m - start);
         let x = rows.narrow(0, start, c)?.to_dtype(DType::F32)?; // [C, H]
-        let logits = x.matmul(&head32_t)?; // [C, V]
+        let logits = head.logits(&x)?; // [C, V]
         if logits.device().is_cpu() {
             // One parallel pass per row instead of seven whole-tensor ops.
             let (ce, g_logits) = softmax_ce_rows(&logits, &targets[start..start + c], scale)?;
             total += ce;
-            grads.push(g_logits.matmul(&head32)?.to_dtype(rows.dtype())?); // [C, H]
+            grads.push(head.input_grad(&g_logits)?.to_dtype(rows.dtype())?); // [C, H]
             start += c;
             continue;
         }
@@ -48,11 +46,46 @@ pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32],
         let probs = exp.broadcast_div(&sum)?; // [C, V]
         let minus_one = Tensor::full(-1f32, (c, 1), rows.device())?;
         let g_logits = (probs.scatter_add(&t, &minus_one, 1)? * scale)?; // [C, V]
-        grads.push(g_logits.matmul(&head32)?.to_dtype(rows.dtype())?); // [C, H]
+        grads.push(head.input_grad(&g_logits)?.to_dtype(rows.dtype())?); // [C, H]
         start += c;
     }
     let grad = if grads.is_empty() { rows.zeros_like()? } else { Tensor::cat(&grads, 0)? };
     Ok((total, grad))
+}
+
+/// The frozen head [V, H] in the form its two matmuls per chunk want, prepared once per call.
+enum Head {
+    /// f32 [V, H] (any device; a bf16/f16 head is converted once, not per chunk).
+    F32(Tensor),
+    /// A bf16 head on an AMX CPU (the weight source hands one out only then): packed for
+    /// x @ Wᵀ and for g @ W, so both run on AMX tiles like the frozen projections.
+    Amx { nk: crate::amx::PackedB, kn: crate::amx::PackedB },
+}
+
+impl Head {
+    fn new(head: &Tensor, rows: &Tensor) -> Result<Self> {
+        if head.dtype() == DType::BF16 && head.device().is_cpu() && rows.dtype() == DType::F32 && crate::amx::available() {
+            use crate::amx::PackedB;
+            return Ok(Head::Amx { nk: PackedB::from_weight(head, false)?, kn: PackedB::from_weight(head, true)? });
+        }
+        Ok(Head::F32(head.to_dtype(DType::F32)?))
+    }
+
+    /// x [C, H] f32 -> logits [C, V]
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Head::F32(w) => x.matmul(&w.t()?),
+            Head::Amx { nk, .. } => crate::amx::matmul(x, nk),
+        }
+    }
+
+    /// g [C, V] f32 -> g @ W [C, H]
+    fn input_grad(&self, g: &Tensor) -> Result<Tensor> {
+        match self {
+            Head::F32(w) => g.matmul(w),
+            Head::Amx { kn, .. } => crate::amx::matmul(g, kn),
+        }
+    }
 }
 
 /// Per row of logits [C, V] (CPU, f32): the cross-entropy against `targets` (summed in f64)
@@ -92,6 +125,33 @@ fn softmax_ce_rows(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64,
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// A bf16 head on AMX gives what the f32 path gives for the bf16-rounded rows and head
+    /// (the rounding is the contract; the sums are f32 either way).
+    #[test]
+    fn a_bf16_head_on_amx_matches_the_f32_head_on_rounded_rows() -> Result<()> {
+        if !crate::amx::available() {
+            eprintln!("SKIPPED: no AMX-BF16 here, so a bf16 head is converted to f32");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let (m, h, v) = (45, 64, 300);
+        let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
+        let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05).collect(), (v, h), &dev)?.to_dtype(DType::BF16)?;
+        let targets: Vec<u32> = (0..m as u32).map(|i| i * 7 % v as u32).collect();
+        let (ce, grad) = cross_entropy_sum_and_grad(&rows, &head, &targets, 0.25)?;
+        let rounded = rows.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+        let (ce32, _) = cross_entropy_sum_and_grad(&rounded, &head.to_dtype(DType::F32)?, &targets, 0.25)?;
+        // The input gradient rounds g = softmax - onehot to bf16 too: compare with that.
+        let logits = rounded.matmul(&head.to_dtype(DType::F32)?.t()?)?;
+        let (_, g_logits) = softmax_ce_rows(&logits, &targets, 0.25)?;
+        let want = g_logits.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.matmul(&head.to_dtype(DType::F32)?)?;
+        let diff = (grad - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        println!("bf16 head: |ce diff| {:e}, max |grad diff| {diff:e}", (ce - ce32).abs());
+        assert!((ce - ce32).abs() < 1e-4 * ce32.abs(), "ce {ce} vs {ce32}");
+        assert!(diff < 1e-5, "grad differs by {diff}");
+        Ok(())
+    }
 
     /// The closed-form gradient equals autograd through candle's log_softmax.
     #[test]

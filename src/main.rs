@@ -512,7 +512,22 @@ fn install_signal_handlers() -> anyhow::Result<std::sync::Arc<std::sync::atomic:
     Ok(which)
 }
 
+/// A training step allocates and frees the same few hundred large tensors every step. glibc
+/// serves big allocations with fresh mmaps and trims freed heap back to the OS, so every step
+/// paid for zeroed pages again (page faults and clearing were ~10% of a step's samples). Serve
+/// tensors up to 32 MB (glibc's maximum) from the heap and keep freed memory for reuse; peak
+/// RSS does not grow, since the same sizes come back every step.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
 fn main() -> ExitCode {
+    tune_allocator();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,

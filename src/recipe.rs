@@ -81,7 +81,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
     (
         "model",
         true,
-        &[req("path", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str)],
+        &[req("path", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"])],
     ),
     (
         "lora",
@@ -261,6 +261,10 @@ pub struct ModelSection {
     pub dtype: String,
     #[serde(default = "default_device")]
     pub device: String,
+    /// "auto": a bf16 base on a CPU with AMX runs its frozen matmuls in bf16 (f32 sums);
+    /// "f32": f32 math everywhere on CPU.
+    #[serde(default = "default_matmul")]
+    pub matmul: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -393,6 +397,9 @@ pub struct OutputSection {
 
 fn default_dtype() -> String {
     "f32".into()
+}
+fn default_matmul() -> String {
+    "auto".into()
 }
 fn default_device() -> String {
     "cpu".into()

@@ -230,6 +230,18 @@ pub fn run_ranks(
     Ok(s)
 }
 
+/// The dtype frozen projection weights reach `ops::frozen_linear` in: a bf16 base on a CPU
+/// with AMX keeps them bf16 so the matmul runs on AMX tiles (what PyTorch does with a bf16
+/// model; activations are rounded to bf16, sums stay f32). Everything else gets the compute
+/// dtype. `model.matmul = "f32"` opts out.
+pub fn matmul_dtype(policy: &str, storage: DType, compute: DType, device: &candle_core::Device) -> DType {
+    if policy == "auto" && device.is_cpu() && storage == DType::BF16 && compute == DType::F32 && crate::amx::available() {
+        DType::BF16
+    } else {
+        compute
+    }
+}
+
 /// The training loop of one rank: setup, resume, train, cleanup. Every rank runs the same
 /// code and the same collectives in the same order; rank 0 (the lead) alone writes files and
 /// prints. With one rank the collectives are identities.
@@ -251,13 +263,18 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     // CPUs have no fast half-precision matmul (candle converts to f32 anyway), so compute in
     // f32 there and keep bf16/f16 only as the storage format of the frozen base.
     let compute_dtype = if device.is_cpu() { DType::F32 } else { storage_dtype };
+    let matmul = matmul_dtype(&r.model.matmul, storage_dtype, compute_dtype, &device);
+    if lead && matmul != compute_dtype {
+        eprintln!("frozen matmuls run in bf16 on AMX with f32 sums (model.matmul = \"f32\" for f32 math)");
+    }
     let account = Arc::new(Account::default());
     let (src, sharded): (Arc<dyn WeightSource>, Option<Arc<ShardedWeights>>) = if r.dist.zero_stage == 3 {
         let n = cfg.num_hidden_layers;
-        let s = Arc::new(ShardedWeights::new(files, comm.clone(), n, r.dist.prefetch_layers, storage_dtype, compute_dtype, device.clone(), account.clone()));
+        let s = ShardedWeights::new(files, comm.clone(), n, r.dist.prefetch_layers, storage_dtype, compute_dtype, device.clone(), account.clone());
+        let s = Arc::new(s.with_matmul_dtype(matmul));
         (s.clone(), Some(s))
     } else {
-        (Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone())), None)
+        (Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()).with_matmul_dtype(matmul)), None)
     };
     let mut targets: Vec<String> = MODULES.iter().filter(|m| r.lora.targets.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
     targets.dedup();
@@ -769,4 +786,20 @@ pub fn forward_backward(
         inputs.pop();
     }
     Ok(ce)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_bf16_base_on_an_amx_cpu_with_matmul_auto_gets_bf16_matmuls() {
+        let cpu = candle_core::Device::Cpu;
+        let amx = crate::amx::available();
+        let bf16 = if amx { DType::BF16 } else { DType::F32 };
+        assert_eq!(matmul_dtype("auto", DType::BF16, DType::F32, &cpu), bf16);
+        assert_eq!(matmul_dtype("f32", DType::BF16, DType::F32, &cpu), DType::F32);
+        assert_eq!(matmul_dtype("auto", DType::F32, DType::F32, &cpu), DType::F32);
+        assert_eq!(matmul_dtype("auto", DType::F16, DType::F32, &cpu), DType::F32);
+    }
 }

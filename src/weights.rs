@@ -14,9 +14,25 @@ use std::path::{Path, PathBuf};
 /// Where frozen tensors come from. `get` returns the tensor named `name` (full HF key) with the
 /// given shape in the compute dtype, or an error naming the tensor and the files searched.
 pub trait WeightSource: Send + Sync {
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// The tensor in the storage dtype (shape checked).
+    fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// What `get` hands out: f32 on CPU, the storage dtype on GPUs.
+    fn compute_dtype(&self) -> DType;
     /// Whether a tensor exists (for optional tensors such as a tied lm_head).
     fn contains(&self, name: &str) -> bool;
+    /// The dtype of frozen matmul operands (`get_matmul`): the compute dtype, unless the
+    /// source was told to hand bf16 weights to `ops::frozen_linear` (a bf16 base on AMX).
+    fn matmul_dtype(&self) -> DType {
+        self.compute_dtype()
+    }
+
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.get_stored(name, shape)?.to_dtype(self.compute_dtype())?)
+    }
+    /// A projection weight as the frozen matmul takes it.
+    fn get_matmul(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.get_stored(name, shape)?.to_dtype(self.matmul_dtype())?)
+    }
 }
 
 /// A view of a [`WeightSource`] under a name prefix, like candle's `VarBuilder::pp`.
@@ -44,6 +60,10 @@ impl<'a> Frozen<'a> {
     }
     pub fn get(&self, shape: &[usize], name: &str) -> Result<Tensor> {
         self.src.get(&self.full(name), shape)
+    }
+    /// A projection weight for `ops::frozen_linear` (see [`WeightSource::get_matmul`]).
+    pub fn get_matmul(&self, shape: &[usize], name: &str) -> Result<Tensor> {
+        self.src.get_matmul(&self.full(name), shape)
     }
     pub fn contains(&self, name: &str) -> bool {
         self.src.contains(&self.full(name))
@@ -232,12 +252,19 @@ pub struct ResidentWeights {
     tensors: std::sync::RwLock<HashMap<String, Tensor>>,
     storage_dtype: DType,
     compute_dtype: DType,
+    matmul_dtype: DType,
     device: Device,
 }
 
 impl ResidentWeights {
     pub fn new(files: SafetensorsFiles, storage_dtype: DType, compute_dtype: DType, device: Device) -> Self {
-        ResidentWeights { files, tensors: Default::default(), storage_dtype, compute_dtype, device }
+        ResidentWeights { files, tensors: Default::default(), storage_dtype, compute_dtype, matmul_dtype: compute_dtype, device }
+    }
+
+    /// Hand projection weights to the frozen matmul in `dtype` (see `train::matmul_dtype`).
+    pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
+        self.matmul_dtype = dtype;
+        self
     }
 
     pub fn files(&self) -> &SafetensorsFiles {
@@ -252,7 +279,13 @@ impl ResidentWeights {
 }
 
 impl WeightSource for ResidentWeights {
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    fn compute_dtype(&self) -> DType {
+        self.compute_dtype
+    }
+    fn matmul_dtype(&self) -> DType {
+        self.matmul_dtype
+    }
+    fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let cached = self.tensors.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned();
         let t = match cached {
             Some(t) => {
@@ -272,7 +305,7 @@ impl WeightSource for ResidentWeights {
                 t
             }
         };
-        Ok(t.to_dtype(self.compute_dtype)?)
+        Ok(t)
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -295,8 +328,11 @@ impl StreamingWeights {
 }
 
 impl WeightSource for StreamingWeights {
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        Ok(self.files.load(name, shape, &self.device)?.to_dtype(self.compute_dtype)?)
+    fn compute_dtype(&self) -> DType {
+        self.compute_dtype
+    }
+    fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.files.load(name, shape, &self.device)
     }
     fn contains(&self, name: &str) -> bool {
         self.files.file_of(name).is_some()

@@ -178,6 +178,7 @@ pub struct ShardedWeights {
     cache: Mutex<(Window, Cache)>,
     storage_dtype: DType,
     compute_dtype: DType,
+    matmul_dtype: DType,
     device: Device,
     account: Arc<Account>,
 }
@@ -202,9 +203,16 @@ impl ShardedWeights {
             cache: Mutex::new((Window::new(n_layers, prefetch), Cache::default())),
             storage_dtype,
             compute_dtype,
+            matmul_dtype: compute_dtype,
             device,
             account,
         }
+    }
+
+    /// Hand projection weights to the frozen matmul in `dtype` (see `train::matmul_dtype`).
+    pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
+        self.matmul_dtype = dtype;
+        self
     }
 
     /// Drop the memory map once every tensor the model uses has been sharded (after
@@ -276,7 +284,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl WeightSource for ShardedWeights {
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    fn compute_dtype(&self) -> DType {
+        self.compute_dtype
+    }
+    fn matmul_dtype(&self) -> DType {
+        self.matmul_dtype
+    }
+    fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.shard(name, shape)?;
         let unit = Unit::of(name);
         let mut guard = lock(&self.cache);
@@ -298,7 +312,7 @@ impl WeightSource for ShardedWeights {
         if t.dims() != shape {
             return Err(Error::Shape { name: name.into(), file: "(sharded base)".into(), expected: shape.to_vec(), got: t.dims().to_vec() });
         }
-        Ok(t.to_dtype(self.compute_dtype)?)
+        Ok(t)
     }
 
     fn contains(&self, name: &str) -> bool {

@@ -82,7 +82,7 @@ fn linear<'a>(
     lora: &Adapters,
 ) -> Result<LoraLinear<'a>> {
     let (i, o) = cfg.proj_shape(module);
-    let weight = vb.get(&[o, i], &format!("{module}.weight"))?;
+    let weight = vb.get_matmul(&[o, i], &format!("{module}.weight"))?;
     let bias = if cfg.proj_has_bias(module) { Some(vb.get(&[o], &format!("{module}.bias"))?) } else { None };
     let mi = MODULES.iter().position(|m| *m == module).unwrap_or(0);
     Ok(LoraLinear {
@@ -270,13 +270,11 @@ impl Llama {
 
     /// The output projection [V, H]: `lm_head.weight`, or the embedding when tied (some tied
     /// checkpoints still store lm_head.weight; a tied config always reads the embedding).
+    /// A matmul operand only, so in the source's matmul dtype (bf16 on AMX, see `loss::Head`).
     pub fn lm_head(&self) -> Result<Tensor> {
         let c = &self.cfg;
-        if c.tie_word_embeddings {
-            self.embed_tokens()
-        } else {
-            Frozen::new(&*self.src).get(&[c.vocab_size, c.hidden_size], "lm_head.weight")
-        }
+        let name = if c.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+        Frozen::new(&*self.src).get_matmul(&[c.vocab_size, c.hidden_size], name)
     }
 
     /// ids [B, S] (u32) -> [B, S, H]

@@ -1,0 +1,431 @@
+//! bf16 GEMM on Intel AMX tiles, for the frozen matmuls of a bf16 base on CPU.
+//!
+//! Why: the fastest PyTorch configuration on an AMX CPU keeps the base in bf16 and lets
+//! oneDNN run its matmuls on AMX, several times the best f32 GEMM. Candle has no AMX kernels
+//! and stable Rust has no AMX intrinsics, so this is a small kernel in inline assembly.
+//!
+//! Numerics (the same contract as PyTorch's bf16 matmul): inputs are bf16 (activations are
+//! rounded to nearest-even), products are summed in f32, the result is f32. Only a base that
+//! is *stored* in bf16 takes this path (`ops::frozen_linear`); an f32 base keeps f32 math.
+//!
+//! Dimension legend: C [M, N] = A [M, K] · B [K, N].
+//!   A is f32 (rounded to bf16 here); B is packed once per call into VNNI tiles:
+//!   tile (nb, kb) holds rows 2kk, 2kk+1 of B's k-block kb interleaved per column, i.e.
+//!   16 rows (pairs of k) x 16 columns x 2 bf16 = 1 KiB, the layout `tdpbf16ps` reads.
+//!   K is padded to 32 (one A tile row), M and N to 32 (two tiles each), with zeros.
+//!
+//! The kernel keeps a 32 x 32 block of C in four accumulator tiles (tmm0-3), and per step of
+//! 32 k loads two A tiles (tmm4-5) and two B tiles (tmm6-7): four `tdpbf16ps` per four loads.
+
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// Tiles are 16 rows of 64 bytes.
+const TM: usize = 16;
+/// bf16 per tile row.
+const TK: usize = 32;
+
+/// Does this CPU and OS let us use AMX bf16? Asks the kernel for the tile data permission
+/// once per process (Linux `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`).
+pub fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        if std::env::var_os("FINETUNE_NO_AMX").is_some() {
+            return false;
+        }
+        imp::detect_and_enable()
+    })
+}
+
+/// Round an f32 to bf16 bits (nearest-even; NaN stays NaN).
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+fn round_up(x: usize, m: usize) -> usize {
+    x.div_ceil(m) * m
+}
+
+/// B packed for the kernel: `kb` k-blocks of 32 and `nb` column blocks of 16 (nb even).
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    kb: usize,
+    nb: usize,
+    /// [nb][kb][16 pair rows][16 cols][2] bf16 bits.
+    tiles: Vec<u16>,
+}
+
+impl PackedB {
+    fn empty(k: usize, n: usize) -> Self {
+        let kb = round_up(k, TK) / TK;
+        let nb = round_up(n, 2 * TM) / TM;
+        PackedB { k, n, kb, nb, tiles: vec![0u16; nb * kb * TM * TK] }
+    }
+
+    /// B = Wᵀ for W [N, K] row-major (the forward `x · Wᵀ` of a linear layer).
+    pub fn from_nk(w: &[u16], n: usize, k: usize) -> Self {
+        let mut p = Self::empty(k, n);
+        let kb = p.kb;
+        p.tiles.par_chunks_mut(kb * TM * TK).enumerate().for_each(|(bn, col)| {
+            for j in 0..TM {
+                let row = bn * TM + j;
+                if row >= n {
+                    break;
+                }
+                let wr = &w[row * k..][..k];
+                for (kk, &v) in wr.iter().enumerate() {
+                    // tile (bn, kk / 32), pair row (kk % 32) / 2, column j, slot kk % 2
+                    col[(kk / TK) * TM * TK + ((kk % TK) / 2) * TK + j * 2 + (kk & 1)] = v;
+                }
+            }
+        });
+        p
+    }
+
+    /// From a frozen bf16 weight W [out, in] on CPU: B = Wᵀ for the forward `x · Wᵀ`
+    /// (`input_grad` false), B = W for the input gradient `g · W` (true).
+    pub fn from_weight(w: &candle_core::Tensor, input_grad: bool) -> candle_core::Result<Self> {
+        use half::slice::HalfFloatSliceExt;
+        let (out, inp) = w.dims2()?;
+        let w = w.contiguous()?;
+        let (st, l) = w.storage_and_layout();
+        let candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(data)) = &*st else {
+            candle_core::bail!("amx: the weight must be bf16 on cpu, got {:?}", w.dtype())
+        };
+        let Some((o, e)) = l.contiguous_offsets() else { candle_core::bail!("amx: the weight must be contiguous") };
+        let bits: &[u16] = data[o..e].reinterpret_cast();
+        Ok(if input_grad { Self::from_kn(bits, out, inp) } else { Self::from_nk(bits, out, inp) })
+    }
+
+    /// B = W for W [K, N] row-major (the input gradient `g · W` of a linear layer).
+    pub fn from_kn(w: &[u16], k: usize, n: usize) -> Self {
+        let mut p = Self::empty(k, n);
+        let kb = p.kb;
+        p.tiles.par_chunks_mut(kb * TM * TK).enumerate().for_each(|(bn, col)| {
+            let c0 = bn * TM;
+            if c0 >= n {
+                return; // a zero tile that pads nb to even
+            }
+            let cols = (n - c0).min(TM);
+            for kk in 0..k {
+                let wr = &w[kk * n + c0..][..cols];
+                let base = (kk / TK) * TM * TK + ((kk % TK) / 2) * TK + (kk & 1);
+                for (j, &v) in wr.iter().enumerate() {
+                    col[base + j * 2] = v;
+                }
+            }
+        });
+        p
+    }
+}
+
+/// C [M, N] = A [M, K] · B, with A f32 row-major (rounded to bf16) and C f32 row-major.
+/// Callers check `available()` first.
+///
+/// Blocking, so that neither operand is streamed from memory more than once per K panel:
+/// K is cut into panels of at most `KC_TILES` tiles (C is reloaded between panels); within
+/// a panel, work is split over threads by row blocks when there are many (the layers' big
+/// M), else by column blocks (the LM head's chunk of rows against 49k columns). Each task
+/// walks its columns in panels of B small enough to stay in L2 while its row blocks pass.
+pub fn gemm(a: &[f32], m: usize, b: &PackedB, c: &mut [f32]) {
+    let (k, n) = (b.k, b.n);
+    assert!(a.len() >= m * k && c.len() >= m * n, "amx gemm: buffers too small");
+    let kp = b.kb * TK;
+    let mp = round_up(m, 2 * TM);
+    let np = b.nb * TM;
+    // A as bf16 [MP, KP], zero padded: rows are tile rows, so the loads need no masking.
+    let mut ab = vec![0u16; mp * kp];
+    ab.par_chunks_mut(kp).zip(a[..m * k].par_chunks(k)).for_each(|(dst, src)| {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = bf16_bits(s);
+        }
+    });
+    // C padded to whole tile pairs unless it already is.
+    let padded = mp != m || np != n;
+    let mut cpad = if padded { vec![0f32; mp * np] } else { Vec::new() };
+    let cbuf = SendPtr(if padded { cpad.as_mut_ptr() } else { c.as_mut_ptr() });
+    let rows = mp / (2 * TM);
+    let pairs = b.nb / 2;
+    let threads = rayon::current_num_threads().max(1);
+    let by_rows = rows >= 2 * threads;
+    let units = if by_rows { rows } else { pairs };
+    let per = units.div_ceil(2 * threads).max(1);
+    let tasks = units.div_ceil(per);
+    let kc = KC_TILES.min(b.kb);
+    for k0 in (0..b.kb).step_by(kc) {
+        let k1 = (k0 + kc).min(b.kb);
+        (0..tasks).into_par_iter().for_each(|t| {
+            let cp = cbuf;
+            let (lo, hi) = (t * per, ((t + 1) * per).min(units));
+            let (r, p) = if by_rows { ((lo, hi), (0, pairs)) } else { ((0, rows), (lo, hi)) };
+            // SAFETY: tasks write disjoint (row block, column pair) tiles of the [MP, NP]
+            // buffer behind `cp`; `ab` is [MP, KP]; AMX is enabled (callers checked).
+            unsafe { imp::run_tiles(&ab, kp, b, r, p, (k0, k1), np, cp.0) };
+        });
+    }
+    if padded {
+        for (dst, src) in c.chunks_mut(n).zip(cpad.chunks(np)).take(m) {
+            dst.copy_from_slice(&src[..n]);
+        }
+    }
+}
+
+/// K tiles per panel: with K up to 1536 (the layers) one panel; the LM head's input
+/// gradient (K = vocab) is cut so a panel of B stays in L2.
+const KC_TILES: usize = 48;
+/// Bytes of packed B a task keeps hot while its row blocks pass over it.
+const B_PANEL_BYTES: usize = 512 << 10;
+
+/// a [M, K] f32 (CPU) @ B -> [M, N] f32 as a tensor (no autograd: for closed-form gradients).
+pub fn matmul(a: &candle_core::Tensor, b: &PackedB) -> candle_core::Result<candle_core::Tensor> {
+    let (m, _) = a.dims2()?;
+    let a = a.contiguous()?;
+    let (st, l) = a.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(x)) = &*st else { candle_core::bail!("amx: f32 cpu rows expected") };
+    let Some((o, e)) = l.contiguous_offsets() else { candle_core::bail!("amx: contiguous rows expected") };
+    let mut out = vec![0f32; m * b.n];
+    gemm(&x[o..e], m, b, &mut out);
+    drop(st);
+    candle_core::Tensor::from_vec(out, (m, b.n), a.device())
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+#[cfg(target_arch = "x86_64")]
+mod imp {
+    use super::{PackedB, TK, TM};
+    use std::arch::asm;
+
+    pub fn detect_and_enable() -> bool {
+        // CPUID.(7,0):EDX bit 22 = AMX-BF16, bit 24 = AMX-TILE.
+        let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+        if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
+            return false;
+        }
+        #[cfg(target_os = "linux")]
+        {
+            const SYS_ARCH_PRCTL: usize = 158;
+            const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+            const XFEATURE_XTILEDATA: usize = 18;
+            let ret: isize;
+            // SAFETY: a plain Linux syscall; it only changes this process's XSAVE permissions.
+            unsafe {
+                asm!("syscall",
+                    inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
+                    in("rdi") ARCH_REQ_XCOMP_PERM, in("rsi") XFEATURE_XTILEDATA,
+                    lateout("rcx") _, lateout("r11") _, options(nostack));
+            }
+            ret == 0
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            false
+        }
+    }
+
+    /// Palette 1, eight tiles of 16 rows x 64 bytes.
+    #[repr(C, align(64))]
+    struct TileCfg([u8; 64]);
+
+    fn config() -> TileCfg {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        for t in 0..8 {
+            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
+            c[48 + t] = TM as u8;
+        }
+        TileCfg(c)
+    }
+
+    /// Tiles of C for row blocks `rows` (of 32) x column pairs `pairs` (of 32), over the
+    /// K tiles `ks`: C = A · B when `ks` starts at 0, else C += A · B.
+    ///
+    /// # Safety
+    /// AMX is enabled (`available()`), `ab` is [MP, kp] bf16 covering the row blocks, and `c`
+    /// points at an [MP, np] f32 buffer whose tiles in this range nobody else touches.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_tiles(ab: &[u16], kp: usize, b: &PackedB, rows: (usize, usize), pairs: (usize, usize), ks: (usize, usize), np: usize, c: *mut f32) {
+        let cfg = config();
+        asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, preserves_flags));
+        let sa = (kp * 2) as isize; // A row stride in bytes
+        let sb = (TK * 2) as isize; // packed B tile row stride in bytes
+        let sc = (np * 4) as isize; // C row stride in bytes
+        let tile = TM * TK; // u16 per tile
+        // Column pairs per panel: B's tiles for the panel's K range fit B_PANEL_BYTES.
+        let per_pair = 2 * (ks.1 - ks.0) * tile * 2;
+        let panel = (super::B_PANEL_BYTES / per_pair).max(1);
+        for p0 in (pairs.0..pairs.1).step_by(panel) {
+            let p1 = (p0 + panel).min(pairs.1);
+            for blk in rows.0..rows.1 {
+                let r0 = blk * 2 * TM;
+                for pair in p0..p1 {
+                    let bn = 2 * pair;
+                    let c0 = c.add(r0 * np + bn * TM);
+                    let c1 = c0.add(TM);
+                    let c2 = c0.add(TM * np);
+                    let c3 = c2.add(TM);
+                    if ks.0 == 0 {
+                        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, preserves_flags));
+                    } else {
+                        asm!(
+                            "tileloadd tmm0, [{c0} + {sc}*1]",
+                            "tileloadd tmm1, [{c1} + {sc}*1]",
+                            "tileloadd tmm2, [{c2} + {sc}*1]",
+                            "tileloadd tmm3, [{c3} + {sc}*1]",
+                            c0 = in(reg) c0, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, sc = in(reg) sc,
+                            options(nostack, preserves_flags, readonly)
+                        );
+                    }
+                    let a0 = ab.as_ptr().add(r0 * kp);
+                    let a1 = a0.add(TM * kp);
+                    let b0 = b.tiles.as_ptr().add(bn * b.kb * tile);
+                    let b1 = b0.add(b.kb * tile);
+                    for kb in ks.0..ks.1 {
+                        asm!(
+                            "tileloadd tmm4, [{a0} + {sa}*1]",
+                            "tileloadd tmm5, [{a1} + {sa}*1]",
+                            "tileloadd tmm6, [{b0} + {sb}*1]",
+                            "tileloadd tmm7, [{b1} + {sb}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a0 = in(reg) a0.add(kb * TK),
+                            a1 = in(reg) a1.add(kb * TK),
+                            b0 = in(reg) b0.add(kb * tile),
+                            b1 = in(reg) b1.add(kb * tile),
+                            sa = in(reg) sa,
+                            sb = in(reg) sb,
+                            options(nostack, preserves_flags, readonly)
+                        );
+                    }
+                    asm!(
+                        "tilestored [{c0} + {sc}*1], tmm0",
+                        "tilestored [{c1} + {sc}*1], tmm1",
+                        "tilestored [{c2} + {sc}*1], tmm2",
+                        "tilestored [{c3} + {sc}*1], tmm3",
+                        c0 = in(reg) c0, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, sc = in(reg) sc,
+                        options(nostack, preserves_flags)
+                    );
+                }
+            }
+        }
+        asm!("tilerelease", options(nostack, preserves_flags));
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod imp {
+    use super::PackedB;
+    pub fn detect_and_enable() -> bool {
+        false
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_tiles(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: *mut f32) {
+        unreachable!("AMX is x86-64 only; available() is false here")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf(x: f32) -> f32 {
+        f32::from_bits((bf16_bits(x) as u32) << 16)
+    }
+
+    /// Reference: the same bf16-rounded inputs, products summed in f64.
+    fn reference(a: &[f32], w_nk: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut c = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k).map(|p| bf(a[i * k + p]) as f64 * bf(w_nk[j * k + p]) as f64).sum();
+                c[i * n + j] = s as f32;
+            }
+        }
+        c
+    }
+
+    fn data(len: usize, seed: u32) -> Vec<f32> {
+        (0..len).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32 / 1000.0 - 1.0).collect()
+    }
+
+    #[test]
+    fn bf16_rounding_is_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        // 1 + 2^-8 is exactly half-way between 1 and 1 + 2^-7: ties go to even (1.0).
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+        assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
+    }
+
+    #[test]
+    fn amx_gemm_matches_a_bf16_reference_on_ragged_shapes_both_packings() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU/OS has no AMX-BF16 (the kernel is not used here either)");
+            return;
+        }
+        // Ragged edges; many row blocks (split by rows); few rows against many columns (split by
+        // columns, as for the LM head); K over one panel (C reloaded between panels).
+        for &(m, n, k) in &[(1, 1, 1), (5, 7, 3), (33, 17, 40), (64, 64, 64), (70, 48, 96), (256, 192, 576), (40, 1000, 70), (20, 48, 1700)] {
+            let a = data(m * k, 1);
+            let w = data(n * k, 7); // W [N, K]
+            let want = reference(&a, &w, m, n, k);
+            let wb: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
+            let mut got = vec![f32::NAN; m * n];
+            gemm(&a, m, &PackedB::from_nk(&wb, n, k), &mut got);
+            // The same B given as [K, N] (Wᵀ materialised) must pack to the same product.
+            let mut wt = vec![0u16; k * n];
+            for j in 0..n {
+                for p in 0..k {
+                    wt[p * n + j] = wb[j * k + p];
+                }
+            }
+            let mut got2 = vec![f32::NAN; m * n];
+            gemm(&a, m, &PackedB::from_kn(&wt, k, n), &mut got2);
+            let tol = 1e-5 * k as f32;
+            for (idx, ((g, g2), r)) in got.iter().zip(&got2).zip(&want).enumerate() {
+                assert!((g - r).abs() <= tol, "{m}x{n}x{k} from_nk: C[{idx}] = {g}, reference {r}");
+                assert!((g2 - r).abs() <= tol, "{m}x{n}x{k} from_kn: C[{idx}] = {g2}, reference {r}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+
+    /// `cargo test --release --lib amx_speed -- --ignored --nocapture`: GFLOP/s on the
+    /// 135M bench model's projection shapes (a look, not a test; `make bench` has the numbers).
+    #[test]
+    #[ignore]
+    fn amx_speed() {
+        if !available() {
+            return;
+        }
+        for &(m, n, k) in &[(2048, 576, 576), (2048, 192, 576), (2048, 1536, 576), (2048, 576, 1536), (170, 49152, 576), (170, 576, 49152)] {
+            let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
+            let w: Vec<u16> = (0..n * k).map(|i| bf16_bits((i % 5) as f32 * 0.1)).collect();
+            let mut c = vec![0f32; m * n];
+            let b = PackedB::from_nk(&w, n, k);
+            let t = std::time::Instant::now();
+            let reps = 20;
+            for _ in 0..reps {
+                gemm(&a, m, &b, &mut c);
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            eprintln!("{m}x{n}x{k}: {:.0} GFLOP/s", 2.0 * (m * n * k) as f64 / s / 1e9);
+        }
+    }
+}
