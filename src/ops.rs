@@ -421,8 +421,7 @@ impl candle_core::CustomOp1 for AmxMatmul {
         let Some((xs, xe)) = layout.contiguous_offsets() else { candle_core::bail!("amx-bf16-matmul: input must be contiguous") };
         let candle_core::CpuStorage::F32(x) = storage else { candle_core::bail!("amx-bf16-matmul: f32 input only") };
         let b = crate::amx::PackedB::from_weight(&self.w, self.input_grad)?;
-        let mut dst = vec![0f32; n * cols];
-        crate::amx::gemm(&x[xs..xe], n, &b, &mut dst);
+        let dst = crate::amx::gemm(&x[xs..xe], n, &b);
         Ok((candle_core::CpuStorage::F32(dst), candle_core::Shape::from((n, cols))))
     }
 
