@@ -7,9 +7,9 @@ threads and batch, measured in one run so only ratios matter.
 
 The model is a random-weight SmolLM2-135M-shaped Llama written by `finetune synth` (HF layout,
 so PEFT loads the very same files). LoRA rank 16 on q/k/v/o, 2 threads. Sections: the data
-loader; batch 4 x 512 in f32 and with a bf16 base; batch 1 x 512; sequence lengths 256..2048
-at a fixed 2048 tokens per step. MFU is model FLOPs per second over the measured f32 GEMM
-peak (MKL through torch on the model's shapes). Peak RSS is each process's own ru_maxrss (a
+loader; batch 4 x 512 and 1 x 512, each in f32 and with a bf16 base; sequence lengths
+256..2048 at a fixed 2048 tokens per step. MFU is model FLOPs per second over the measured
+GEMM peak of the row's base dtype (torch: MKL f32, oneDNN bf16, on the model's shapes). Peak RSS is each process's own ru_maxrss (a
 fresh child per measurement).
 """
 import argparse
@@ -221,6 +221,9 @@ def main():
     print(f"GEMM peak (torch: MKL f32, oneDNN bf16; model shapes, 2 threads): f32 {peak['f32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s; a training step is {fpt(512) / 1e9:.2f} GFLOP/token at seq 512; "
           f"MFU = tokens/s x that / the peak of the row's base dtype")
+    amx = "amx_bf16" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+    print(f"finetune bf16 rows: frozen matmuls {'on AMX tiles (bf16 inputs, f32 sums)' if amx else 'in f32 (no AMX on this CPU)'}; "
+          f"f32 rows: f32 GEMM (gemm crate, AVX-512)")
 
     def run_rows(configs):
         rows = []
@@ -240,6 +243,7 @@ def main():
         if with_bf16:
             c += [
                 (f"finetune bf16 base, activation ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, True, "bf16")),
+                (f"finetune bf16 base, no ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, False, "bf16")),
                 (f"PEFT bf16 base, no ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, False, "bf16")),
             ]
         return c
@@ -247,7 +251,7 @@ def main():
     if "main" in sections:
         table("batch 4 x seq 512 (ratios against PEFT's f32 and bf16 rows together)", run_rows(cfgs(4, 512, True)), peak, fpt)
     if "batch1" in sections:
-        table("batch 1 x seq 512", run_rows(cfgs(1, 512, False)), peak, fpt)
+        table("batch 1 x seq 512 (ratios against PEFT's f32 and bf16 rows together)", run_rows(cfgs(1, 512, True)), peak, fpt)
     if "scaling" in sections:
         rows = []
         for seq in [256, 512, 1024, 2048]:
