@@ -242,9 +242,11 @@ impl LoraLinear<'_> {
             _ => x.clone(),
         };
         let xd = xd.to_dtype(DType::F32)?;
-        // [N, in] x [in, R] -> [N, R] x [R, out] -> [N, out]
-        let l = xd.matmul(&ad.a.t()?)?.matmul(&ad.b.t()?)?;
-        let l = (l * self.scale)?.to_dtype(y.dtype())?;
+        // [N, in] x [in, R] -> [N, R] x [R, out] -> [N, out]. The scale goes on B ([out, R])
+        // rather than on the [N, out] product: the same math (exactly so for a power-of-two
+        // alpha / rank) without a full-size tensor and backward node per projection.
+        let l = xd.matmul(&ad.a.t()?)?.matmul(&(ad.b.as_tensor() * self.scale)?.t()?)?;
+        let l = l.to_dtype(y.dtype())?;
         Ok((y + l)?)
     }
 }

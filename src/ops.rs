@@ -204,32 +204,58 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
 }
 
-/// Heads out of a projection, rotated: x [B, S, N, D] (as `x @ W^T` lays them out) ->
-/// rope(x transposed to [B, N, S, D]). On CPU f32 one fused op that transposes while it
-/// rotates, with the inverse rotation as its backward (no gradients for the cos/sin
-/// constants, which the generic path computes at full size and reduces).
+/// Heads out of a projection, rotated: x [B, S, N, D] or the projection's own [B*S, N*D]
+/// (the same bytes) -> rope(x as [B, N, S, D]). On CPU f32 one fused op that transposes while
+/// it rotates, with the inverse rotation as its backward (no gradients for the cos/sin
+/// constants, which the generic path computes at full size and reduces). Taking the 2-D
+/// projection output directly saves autograd a reshape node (a zeroed gradient buffer and an
+/// add in candle's backward).
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && x.dtype() == DType::F32 && cos.dtype() == DType::F32 {
-        let (b, s, _, d) = x.dims4()?;
-        if cos.dims() == [b, 1, s, d] && sin.dims() == [b, 1, s, d] && d % 2 == 0 {
-            return x.contiguous()?.apply_op1(RopeHeads { cos: host_f32(cos)?, sin: host_f32(sin)? });
-        }
+    let (b, _, s, d) = cos.dims4()?;
+    let n = x.elem_count() / (b * s * d).max(1);
+    if x.device().is_cpu() && x.dtype() == DType::F32 && cos.dtype() == DType::F32 && sin.dims() == cos.dims() && d % 2 == 0 && n * b * s * d == x.elem_count() {
+        let rot = Some((host_f32(cos)?, host_f32(sin)?));
+        return x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), rope: rot, split: true });
     }
-    rope(&x.transpose(1, 2)?.contiguous()?, cos, sin)
+    rope(&x.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()?, cos, sin)
 }
 
-/// cos/sin [B, 1, S, D] flattened.
-struct RopeHeads {
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+/// x [B*S, N*D] (or [B, S, N, D]) -> [B, N, S, D]: the heads-first layout attention wants,
+/// in one copy with one autograd node (candle's reshape + transpose + contiguous is three).
+pub fn split_heads(x: &Tensor, b: usize, s: usize, n: usize) -> Result<Tensor> {
+    let d = x.elem_count() / (b * s * n).max(1);
+    if x.device().is_cpu() && x.dtype() == DType::F32 && d * b * s * n == x.elem_count() {
+        return x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), rope: None, split: true });
+    }
+    x.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()
 }
 
-impl RopeHeads {
-    /// For each (b, s, n): `f(src row [D], dst row [D], cos row, sin row)`, with src read in
-    /// `src_heads_first` layout ([B, N, S, D] if true, else [B, S, N, D]) and dst in the other.
-    fn map(&self, src: &[f32], dims: (usize, usize, usize, usize), src_heads_first: bool, f: impl Fn(&[f32], &mut [f32], &[f32], &[f32]) + Sync) -> Vec<f32> {
+/// x [B, N, S, D] -> [B*S, N*D]: attention's output back in the projection layout (the
+/// inverse of `split_heads`), in one copy with one autograd node.
+pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
+    let (b, n, s, d) = x.dims4()?;
+    if x.device().is_cpu() && x.dtype() == DType::F32 {
+        return x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), rope: None, split: false });
+    }
+    x.transpose(1, 2)?.reshape((b * s, n * d))
+}
+
+/// Moves heads between the projection layout [B, S, N, D] and the attention layout
+/// [B, N, S, D] (`split`), or back (`!split`), rotating by RoPE on the way in when `rope`
+/// holds cos/sin [B, 1, S, D] flattened.
+struct Heads {
+    dims: (usize, usize, usize, usize),
+    rope: Option<(Vec<f32>, Vec<f32>)>,
+    split: bool,
+}
+
+impl Heads {
+    /// For each (b, s, n): `f(src row [D], dst row [D], t)` with t the offset of (b, s) in
+    /// cos/sin, src read in `src_heads_first` layout ([B, N, S, D] if true, else [B, S, N, D])
+    /// and dst written in the other.
+    fn map(&self, src: &[f32], src_heads_first: bool, f: impl Fn(&[f32], &mut [f32], usize) + Sync) -> Vec<f32> {
         use rayon::prelude::*;
-        let (_, s, n, d) = dims;
+        let (_, s, n, d) = self.dims;
         let mut dst = vec![0f32; src.len()];
         // One chunk per (b, s) row of [B, S, N, D] or per (b, n) of [B, N, S, D], whichever dst is.
         let chunk = if src_heads_first { n * d } else { s * d };
@@ -239,51 +265,66 @@ impl RopeHeads {
                 let t = (bi * s + si) * d;
                 for ni in 0..n {
                     let from = ((bi * n + ni) * s + si) * d;
-                    f(&src[from..from + d], &mut out[ni * d..(ni + 1) * d], &self.cos[t..t + d], &self.sin[t..t + d]);
+                    f(&src[from..from + d], &mut out[ni * d..(ni + 1) * d], t);
                 }
             } else {
                 let (bi, ni) = (c / n, c % n); // dst [B, N, S, D]: out = head (bi, ni), all positions
                 for si in 0..s {
                     let t = (bi * s + si) * d;
                     let from = ((bi * s + si) * n + ni) * d;
-                    f(&src[from..from + d], &mut out[si * d..(si + 1) * d], &self.cos[t..t + d], &self.sin[t..t + d]);
+                    f(&src[from..from + d], &mut out[si * d..(si + 1) * d], t);
                 }
             }
         });
         dst
     }
+
+    /// Move (and rotate forward if `rope`, or backward if `inverse`) from the `heads_first`
+    /// layout to the other.
+    fn apply(&self, src: &[f32], heads_first: bool, inverse: bool) -> Vec<f32> {
+        let d = self.dims.3;
+        match &self.rope {
+            None => self.map(src, heads_first, |x, o, _| o.copy_from_slice(x)),
+            // out1 = x1 c − x2 s, out2 = x2 c + x1 s (the same angle at i and i + D/2)
+            Some((cos, sin)) if !inverse => self.map(src, heads_first, |x, o, t| {
+                let (c, sn, h) = (&cos[t..t + d], &sin[t..t + d], d / 2);
+                for i in 0..h {
+                    o[i] = x[i] * c[i] - x[i + h] * sn[i];
+                    o[i + h] = x[i + h] * c[i + h] + x[i] * sn[i + h];
+                }
+            }),
+            // The transpose of the rotation: dx1 = g1 c + g2 s, dx2 = g2 c − g1 s
+            Some((cos, sin)) => self.map(src, heads_first, |g, o, t| {
+                let (c, sn, h) = (&cos[t..t + d], &sin[t..t + d], d / 2);
+                for i in 0..h {
+                    o[i] = g[i] * c[i] + g[i + h] * sn[i + h];
+                    o[i + h] = g[i + h] * c[i + h] - g[i] * sn[i];
+                }
+            }),
+        }
+    }
 }
 
-impl candle_core::CustomOp1 for RopeHeads {
+impl candle_core::CustomOp1 for Heads {
     fn name(&self) -> &'static str {
-        "rope-heads"
+        "heads"
     }
 
     fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let x = cpu_f32("rope-heads", storage, layout)?;
-        let (b, s, n, d) = layout.shape().dims4()?;
-        // out1 = x1 c − x2 s, out2 = x2 c + x1 s (the same angle at i and i + D/2)
-        let y = self.map(x, (b, s, n, d), false, |x, o, c, sn| {
-            let h = x.len() / 2;
-            for i in 0..h {
-                o[i] = x[i] * c[i] - x[i + h] * sn[i];
-                o[i + h] = x[i + h] * c[i + h] + x[i] * sn[i + h];
-            }
-        });
-        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((b, n, s, d))))
+        let x = cpu_f32("heads", storage, layout)?;
+        let (b, s, n, d) = self.dims;
+        if x.len() != b * s * n * d {
+            candle_core::bail!("heads: {} elements for [{b}, {s}, {n}, {d}]", x.len());
+        }
+        // split: [B, S, N, D] -> [B, N, S, D]; merge: [B, N, S, D] -> [B*S, N*D]
+        let y = self.apply(x, !self.split, false);
+        let shape = if self.split { candle_core::Shape::from((b, n, s, d)) } else { candle_core::Shape::from((b * s, n * d)) };
+        Ok((candle_core::CpuStorage::F32(y), shape))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let (b, s, n, d) = arg.dims4()?;
         let g = host_f32(grad_res)?;
-        // The transpose of the rotation: dx1 = g1 c + g2 s, dx2 = g2 c − g1 s
-        let dx = self.map(&g, (b, s, n, d), true, |g, o, c, sn| {
-            let h = g.len() / 2;
-            for i in 0..h {
-                o[i] = g[i] * c[i] + g[i + h] * sn[i + h];
-                o[i + h] = g[i + h] * c[i + h] - g[i] * sn[i];
-            }
-        });
+        let dx = self.apply(&g, self.split, true);
         Ok(Some(Tensor::from_vec(dx, arg.shape(), arg.device())?))
     }
 }
@@ -657,6 +698,19 @@ mod fused_tests {
         let (dv, dg) = compare(&[b, s, n, d], |x| rope_heads(x, &cos, &sin), |x| rope(&x.transpose(1, 2)?.contiguous()?, &cos, &sin))?;
         println!("rope_heads fused vs generic: value {dv:.1e}, grad {dg:.1e}");
         assert!(dv < 1e-6 && dg < 1e-6, "value {dv}, grad {dg}");
+        // The projection's own [B*S, N*D] layout gives the same.
+        let (dv, dg) = compare(&[b * s, n * d], |x| rope_heads(x, &cos, &sin), |x| rope(&x.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()?, &cos, &sin))?;
+        assert!(dv < 1e-6 && dg < 1e-6, "2-D input: value {dv}, grad {dg}");
+        Ok(())
+    }
+
+    #[test]
+    fn split_and_merge_heads_match_reshape_and_transpose_in_value_and_gradient() -> Result<()> {
+        let (b, s, n, d) = (2, 5, 3, 4);
+        let (dv, dg) = compare(&[b * s, n * d], |x| split_heads(x, b, s, n), |x| x.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous())?;
+        assert!(dv == 0.0 && dg == 0.0, "split: value {dv}, grad {dg}");
+        let (dv, dg) = compare(&[b, n, s, d], merge_heads, |x| x.transpose(1, 2)?.reshape((b * s, n * d)))?;
+        assert!(dv == 0.0 && dg == 0.0, "merge: value {dv}, grad {dg}");
         Ok(())
     }
 }

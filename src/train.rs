@@ -716,18 +716,19 @@ pub fn forward_backward(
     let (b, s) = (mb.rows, mb.seq);
     let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), dropout, &device)?;
     let ids = Tensor::from_slice(&mb.input_ids, (b, s), &device)?;
-    let x0 = model.embed(&ids)?; // [B, S, H]
+    let h = model.cfg.hidden_size;
+    // The hidden states stay [N, H] through every layer (no reshape nodes in the graph).
+    let x0 = model.embed(&ids)?.reshape((b * s, h))?; // [N, H]
 
     // Rows of the flattened [N, H] hidden states that have a target, and those targets.
     let (idx, tgt): (Vec<u32>, Vec<u32>) =
         mb.targets.iter().enumerate().filter(|(_, &t)| t != IGNORE).map(|(i, &t)| (i as u32, t as u32)).unzip();
     let idx = Tensor::from_vec(idx, tgt.len(), &device)?;
-    let h = model.cfg.hidden_size;
 
     // Loss through final norm + head for hidden states `x`; returns (CE sum, the scalar whose
     // backward gives the gradient of scale * CE sum).
     let head_loss = |x: &Tensor| -> Result<(f64, Tensor)> {
-        let rows = model.final_norm(x)?.reshape((b * s, h))?.index_select(&idx, 0)?; // [M, H]
+        let rows = model.final_norm(x)?.index_select(&idx, 0)?; // [N, H] -> [M, H]
         // Fetched just in time: under ZeRO-3 the head is gathered only while it is used.
         let head = model.lm_head()?;
         let (ce, g_rows) = crate::loss::cross_entropy_sum_and_grad(&rows, &head, &tgt, scale).ctx("cross-entropy")?;

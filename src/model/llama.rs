@@ -16,7 +16,7 @@ use crate::error::Result;
 use crate::lora::{Adapters, DropoutCtx, LoraAdapter, LoraLinear, MODULES};
 use crate::ops;
 use crate::weights::{Frozen, WeightSource};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, D};
 use std::sync::Arc;
 
 /// Keys and values of the positions seen so far, per layer: ([B, KV, T, D], [B, KV, T, D]).
@@ -119,24 +119,27 @@ impl<'a> Attention<'a> {
         })
     }
 
-    /// x [B, S, H] -> [B, S, H]
+    /// x [N, H] (rows of B sequences of S, as `ctx` says) -> [N, H]
     pub fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
         self.forward_cached(x, ctx, None)
     }
 
     /// As `forward`, with keys/values of earlier positions in `cache` (generation); `ctx`
     /// then carries `cache_mask` [1, 1, S, T] with T = cached + S.
+    ///
+    /// Hidden states stay [N, H] and heads move with one op each way (`ops::split_heads`,
+    /// `rope_heads`, `merge_heads`): every reshape/transpose node would cost candle's backward
+    /// a zeroed gradient buffer and an add of its full size.
     pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
-        let (b, s, h) = x.dims3()?;
+        let (b, _, s, _) = ctx.cos.dims4()?;
         let (nh, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let x2 = x.reshape((b * s, h))?; // [N, H]
-        let q = self.q_proj.forward(&x2, ctx.dropout)?; // [N, NH*D]
-        let k = self.k_proj.forward(&x2, ctx.dropout)?; // [N, KV*D]
-        let v = self.v_proj.forward(&x2, ctx.dropout)?; // [N, KV*D]
+        let q = self.q_proj.forward(x, ctx.dropout)?; // [N, NH*D]
+        let k = self.k_proj.forward(x, ctx.dropout)?; // [N, KV*D]
+        let v = self.v_proj.forward(x, ctx.dropout)?; // [N, KV*D]
         // Rotated and transposed to heads-first in one pass.
-        let q = ops::rope_heads(&q.reshape((b, s, nh, d))?, &ctx.cos, &ctx.sin)?; // [B, NH, S, D]
-        let mut k = ops::rope_heads(&k.reshape((b, s, kv, d))?, &ctx.cos, &ctx.sin)?; // [B, KV, S, D]
-        let mut v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?; // [B, KV, S, D]
+        let q = ops::rope_heads(&q, &ctx.cos, &ctx.sin)?; // [B, NH, S, D]
+        let mut k = ops::rope_heads(&k, &ctx.cos, &ctx.sin)?; // [B, KV, S, D]
+        let mut v = ops::split_heads(&v, b, s, kv)?; // [B, KV, S, D]
         if let Some(cache) = cache {
             if let Some((pk, pv)) = cache.take() {
                 k = Tensor::cat(&[&pk, &k], 2)?; // [B, KV, T, D]
@@ -161,9 +164,8 @@ impl<'a> Attention<'a> {
                 probs.matmul(&v)?.reshape((b, nh, s, d))? // [B, NH, S, D]
             }
         };
-        let out = out.transpose(1, 2)?.reshape((b * s, nh * d))?; // [N, NH*D]
-        let y = self.o_proj.forward(&out, ctx.dropout)?; // [N, H]
-        Ok(y.reshape((b, s, h))?)
+        let out = ops::merge_heads(&out)?; // [N, NH*D]
+        self.o_proj.forward(&out, ctx.dropout) // [N, H]
     }
 }
 
@@ -212,18 +214,21 @@ impl<'a> DecoderLayer<'a> {
         })
     }
 
-    /// x [B, S, H] -> [B, S, H]
+    /// x [N, H] or [B, S, H] -> the same shape (training passes [N, H]: no reshape nodes).
     pub fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
         self.forward_cached(x, ctx, None)
     }
 
     pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
-        let (b, s, h) = x.dims3()?;
-        let a = self.self_attn.forward_cached(&ops::rms_norm(x, &self.input_layernorm, self.eps)?, ctx, cache)?;
+        let shape = x.shape().clone();
+        let h = x.dim(D::Minus1)?;
+        let x = if x.rank() == 2 { x.clone() } else { x.reshape(((), h))? }; // [N, H]
+        let a = self.self_attn.forward_cached(&ops::rms_norm(&x, &self.input_layernorm, self.eps)?, ctx, cache)?;
         let x = (x + a)?;
-        let n = ops::rms_norm(&x, &self.post_attention_layernorm, self.eps)?.reshape((b * s, h))?; // [N, H]
-        let m = self.mlp.forward(&n, ctx.dropout)?.reshape((b, s, h))?; // [B, S, H]
-        Ok((x + m)?)
+        let n = ops::rms_norm(&x, &self.post_attention_layernorm, self.eps)?; // [N, H]
+        let m = self.mlp.forward(&n, ctx.dropout)?; // [N, H]
+        let y = (x + m)?;
+        Ok(if y.shape() == &shape { y } else { y.reshape(shape)? })
     }
 }
 
@@ -284,7 +289,8 @@ impl Llama {
         Ok(e.reshape((b, s, self.cfg.hidden_size))?)
     }
 
-    /// Run decoder layer `i`: its frozen weights are fetched now and dropped after.
+    /// Run decoder layer `i` on x [N, H] or [B, S, H] (same shape out): its frozen weights
+    /// are fetched now and dropped after.
     pub fn layer_forward(&self, i: usize, x: &Tensor, ctx: &ForwardCtx, lora: &Adapters) -> Result<Tensor> {
         let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
         DecoderLayer::load(&vb, &self.cfg, i, lora)?.forward(x, ctx)
