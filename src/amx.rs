@@ -73,6 +73,9 @@ impl PackedB {
     pub fn from_nk(w: &[u16], n: usize, k: usize) -> Self {
         let mut p = Self::empty(k, n);
         let kb = p.kb;
+        if p.tiles.is_empty() {
+            return p; // k or n is 0: `gemm` returns zeros or nothing
+        }
         p.tiles.par_chunks_mut(kb * TM * TK).enumerate().for_each(|(bn, col)| {
             for j in 0..TM {
                 let row = bn * TM + j;
@@ -108,6 +111,9 @@ impl PackedB {
     pub fn from_kn(w: &[u16], k: usize, n: usize) -> Self {
         let mut p = Self::empty(k, n);
         let kb = p.kb;
+        if p.tiles.is_empty() {
+            return p; // k or n is 0: `gemm` returns zeros or nothing
+        }
         p.tiles.par_chunks_mut(kb * TM * TK).enumerate().for_each(|(bn, col)| {
             let c0 = bn * TM;
             if c0 >= n {
@@ -385,7 +391,7 @@ mod tests {
         }
         // Ragged edges; many row blocks (split by rows); few rows against many columns (split by
         // columns, as for the LM head); K over one panel (C reloaded between panels).
-        for &(m, n, k) in &[(1, 1, 1), (5, 7, 3), (33, 17, 40), (64, 64, 64), (70, 48, 96), (256, 192, 576), (40, 1000, 70), (20, 48, 1700)] {
+        for &(m, n, k) in &[(3, 4, 0), (0, 4, 5), (1, 1, 1), (5, 7, 3), (33, 17, 40), (64, 64, 64), (70, 48, 96), (256, 192, 576), (40, 1000, 70), (20, 48, 1700)] {
             let a = data(m * k, 1);
             let w = data(n * k, 7); // W [N, K]
             let want = reference(&a, &w, m, n, k);

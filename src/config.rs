@@ -142,6 +142,11 @@ impl ModelConfig {
         if heads == 0 || kv == 0 || heads % kv != 0 {
             return Err(format!("num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"));
         }
+        for (key, v) in [("hidden_size", hf.hidden_size), ("intermediate_size", hf.intermediate_size), ("num_hidden_layers", hf.num_hidden_layers), ("vocab_size", hf.vocab_size)] {
+            if v == 0 {
+                return Err(format!("{key} must be positive, got 0"));
+            }
+        }
         let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / heads);
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(format!("head_dim {head_dim} must be even and positive"));
@@ -284,6 +289,14 @@ mod tests {
             "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":256{extra}}}"#
         );
         ModelConfig::resolve(&serde_json::from_str(&text).unwrap())
+    }
+
+    #[test]
+    fn a_zero_size_is_an_error_naming_the_key() {
+        let text = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":0,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":256}"#;
+        let e = ModelConfig::resolve(&serde_json::from_str(text).unwrap()).unwrap_err();
+        assert!(e.contains("intermediate_size must be positive"), "{e}");
+        assert!(cfg("").is_ok());
     }
 
     #[test]
