@@ -221,8 +221,9 @@ def main():
     print(f"GEMM peak (torch: MKL f32, oneDNN bf16; model shapes, 2 threads): f32 {peak['f32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s; a training step is {fpt(512) / 1e9:.2f} GFLOP/token at seq 512; "
           f"MFU = tokens/s x that / the peak of the row's base dtype")
-    amx = "amx_bf16" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
-    print(f"finetune bf16 rows: frozen matmuls {'on AMX tiles (bf16 inputs, f32 sums)' if amx else 'in f32 (no AMX on this CPU)'}; "
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    unit = ("on AMX tiles" if "amx_bf16" in flags else "on AVX512-BF16 (vdpbf16ps)" if "avx512_bf16" in flags else None)
+    print(f"finetune bf16 rows: frozen matmuls {unit + ' (bf16 inputs, f32 sums)' if unit else 'in f32 (no bf16 unit on this CPU)'}; "
           f"f32 rows: f32 GEMM (gemm crate, AVX-512)")
 
     def run_rows(configs):

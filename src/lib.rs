@@ -1,8 +1,8 @@
 //! finetune: LoRA fine-tuning of DeepSeek-style (Llama / Qwen2) checkpoints on candle.
 //! See ARCHITECTURE.md for the map.
 
-pub mod amx;
 pub mod attention;
+pub mod bf16_gemm;
 pub mod checkpoint;
 pub mod chat;
 pub mod config;

@@ -6,6 +6,7 @@
 //! We compute it chunk by chunk for the target rows only, never holding more than one
 //! [C, V] chunk, and hand the result to autograd as the upstream gradient of the hidden rows.
 
+use crate::bf16_gemm::PackedB;
 use candle_core::{DType, Result, Tensor, D};
 
 /// Most logits elements held at once (32 MB of f32).
@@ -57,16 +58,15 @@ pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32],
 enum Head {
     /// f32 [V, H] (any device; a bf16/f16 head is converted once, not per chunk).
     F32(Tensor),
-    /// A bf16 head on an AMX CPU (the weight source hands one out only then): packed for
-    /// x @ Wᵀ and for g @ W, so both run on AMX tiles like the frozen projections.
-    Amx { nk: crate::amx::PackedB, kn: crate::amx::PackedB },
+    /// A bf16 head on a CPU with a bf16 unit (the weight source hands one out only then):
+    /// packed for x @ Wᵀ and for g @ W, so both run on it like the frozen projections.
+    Bf16 { nk: PackedB, kn: PackedB },
 }
 
 impl Head {
     fn new(head: &Tensor, rows: &Tensor) -> Result<Self> {
-        if head.dtype() == DType::BF16 && head.device().is_cpu() && rows.dtype() == DType::F32 && crate::amx::available() {
-            use crate::amx::PackedB;
-            return Ok(Head::Amx { nk: PackedB::from_weight(head, false)?, kn: PackedB::from_weight(head, true)? });
+        if head.dtype() == DType::BF16 && head.device().is_cpu() && rows.dtype() == DType::F32 && crate::bf16_gemm::available() {
+            return Ok(Head::Bf16 { nk: PackedB::from_weight(head, false)?, kn: PackedB::from_weight(head, true)? });
         }
         Ok(Head::F32(head.to_dtype(DType::F32)?))
     }
@@ -75,7 +75,7 @@ impl Head {
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Head::F32(w) => x.matmul(&w.t()?),
-            Head::Amx { nk, .. } => crate::amx::matmul(x, nk),
+            Head::Bf16 { nk, .. } => crate::bf16_gemm::matmul(x, nk),
         }
     }
 
@@ -83,7 +83,7 @@ impl Head {
     fn input_grad(&self, g: &Tensor) -> Result<Tensor> {
         match self {
             Head::F32(w) => g.matmul(w),
-            Head::Amx { kn, .. } => crate::amx::matmul(g, kn),
+            Head::Bf16 { kn, .. } => crate::bf16_gemm::matmul(g, kn),
         }
     }
 }
@@ -126,12 +126,12 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
-    /// A bf16 head on AMX gives what the f32 path gives for the bf16-rounded rows and head
-    /// (the rounding is the contract; the sums are f32 either way).
+    /// A bf16 head on the CPU's bf16 unit gives what the f32 path gives for the bf16-rounded
+    /// rows and head (the rounding is the contract; the sums are f32 either way).
     #[test]
-    fn a_bf16_head_on_amx_matches_the_f32_head_on_rounded_rows() -> Result<()> {
-        if !crate::amx::available() {
-            eprintln!("SKIPPED: no AMX-BF16 here, so a bf16 head is converted to f32");
+    fn a_bf16_head_on_a_bf16_unit_matches_the_f32_head_on_rounded_rows() -> Result<()> {
+        if !crate::bf16_gemm::available() {
+            eprintln!("SKIPPED: no AMX or AVX512-BF16 here, so a bf16 head is converted to f32");
             return Ok(());
         }
         let dev = Device::Cpu;

@@ -438,18 +438,19 @@ impl candle_core::CustomOp1 for FrozenMatmul {
     }
 }
 
-/// x [N, in] @ W^T (or, for the backward, g [N, out] @ W) on AMX tiles for a frozen bf16
-/// W [out, in]: x or g is rounded to bf16, sums are f32, the result is f32 (see `amx.rs`).
-struct AmxMatmul {
+/// x [N, in] @ W^T (or, for the backward, g [N, out] @ W) on the CPU's bf16 unit (AMX tiles
+/// or AVX512-BF16) for a frozen bf16 W [out, in]: x or g is rounded to bf16, sums are f32,
+/// the result is f32 (see `bf16_gemm.rs`).
+struct Bf16Matmul {
     /// [out, in], contiguous bf16 (CPU).
     w: Tensor,
     /// false: x @ W^T -> [N, out]; true: g @ W -> [N, in] (the input gradient).
     input_grad: bool,
 }
 
-impl candle_core::CustomOp1 for AmxMatmul {
+impl candle_core::CustomOp1 for Bf16Matmul {
     fn name(&self) -> &'static str {
-        "amx-bf16-matmul"
+        "bf16-matmul"
     }
 
     fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
@@ -457,12 +458,12 @@ impl candle_core::CustomOp1 for AmxMatmul {
         let (out, inp) = self.w.dims2()?;
         let (want_k, cols) = if self.input_grad { (out, inp) } else { (inp, out) };
         if k != want_k {
-            candle_core::bail!("amx-bf16-matmul: input has {k} features, weight [{out}, {inp}] expects {want_k}");
+            candle_core::bail!("bf16-matmul: input has {k} features, weight [{out}, {inp}] expects {want_k}");
         }
-        let Some((xs, xe)) = layout.contiguous_offsets() else { candle_core::bail!("amx-bf16-matmul: input must be contiguous") };
-        let candle_core::CpuStorage::F32(x) = storage else { candle_core::bail!("amx-bf16-matmul: f32 input only") };
-        let b = crate::amx::PackedB::from_weight(&self.w, self.input_grad)?;
-        let dst = crate::amx::gemm(&x[xs..xe], n, &b);
+        let Some((xs, xe)) = layout.contiguous_offsets() else { candle_core::bail!("bf16-matmul: input must be contiguous") };
+        let candle_core::CpuStorage::F32(x) = storage else { candle_core::bail!("bf16-matmul: f32 input only") };
+        let b = crate::bf16_gemm::PackedB::from_weight(&self.w, self.input_grad)?;
+        let dst = crate::bf16_gemm::gemm(&x[xs..xe], n, &b);
         Ok((candle_core::CpuStorage::F32(dst), candle_core::Shape::from((n, cols))))
     }
 
@@ -470,22 +471,22 @@ impl candle_core::CustomOp1 for AmxMatmul {
         if self.input_grad {
             return Ok(None); // no second derivatives through a frozen matmul
         }
-        let op = AmxMatmul { w: self.w.clone(), input_grad: true };
+        let op = Bf16Matmul { w: self.w.clone(), input_grad: true };
         Ok(Some(grad_res.contiguous()?.apply_op1(op)?))
     }
 }
 
 /// x [N, in] @ W^T for a frozen W [out, in] -> [N, out], with no weight gradient.
-/// On CPU with f32 activations: our GEMM call for an f32 W, AMX tiles for a bf16 W (the
-/// weight source hands out bf16 only when `amx::available()`); candle's matmul elsewhere.
+/// On CPU with f32 activations: our GEMM call for an f32 W, the bf16 kernel for a bf16 W (the
+/// weight source hands out bf16 only when `bf16_gemm::available()`); candle's matmul elsewhere.
 pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32;
     if cpu_f32 && w.dtype() == DType::F32 {
         let w = w.contiguous()?;
         x.contiguous()?.apply_op1(FrozenMatmul { w })
-    } else if cpu_f32 && w.dtype() == DType::BF16 && crate::amx::available() {
+    } else if cpu_f32 && w.dtype() == DType::BF16 && crate::bf16_gemm::available() {
         let w = w.contiguous()?;
-        x.contiguous()?.apply_op1(AmxMatmul { w, input_grad: false })
+        x.contiguous()?.apply_op1(Bf16Matmul { w, input_grad: false })
     } else {
         x.matmul(&w.to_dtype(x.dtype())?.t()?)
     }
@@ -497,11 +498,11 @@ mod frozen_tests {
     use candle_core::Var;
 
     #[test]
-    fn a_bf16_weight_on_amx_matches_f32_math_on_bf16_rounded_inputs_in_value_and_input_gradient() -> Result<()> {
-        if !crate::amx::available() {
-            eprintln!("SKIPPED: no AMX-BF16 here, so a bf16 weight takes candle's matmul");
+    fn a_bf16_weight_on_a_bf16_unit_matches_f32_math_on_bf16_rounded_inputs_in_value_and_input_gradient() -> Result<()> {
+        let Some(kernel) = crate::bf16_gemm::kernel() else {
+            eprintln!("SKIPPED: no AMX or AVX512-BF16 here, so a bf16 weight takes candle's matmul");
             return Ok(());
-        }
+        };
         let dev = Device::Cpu;
         let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
         let (n, i, o) = (37, 70, 50);
@@ -512,12 +513,12 @@ mod frozen_tests {
         let got = frozen_linear(x.as_tensor(), &w)?;
         let want = round(x.as_tensor())?.matmul(&w32.t()?)?;
         let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        println!("amx forward: max |diff| {diff:e}");
+        println!("{kernel:?} forward: max |diff| {diff:e}");
         assert!(diff < 1e-5, "forward differs by {diff}");
         let gx = (got * &g)?.sum_all()?.backward()?.get(&x).expect("grad").clone();
         let want = round(&g)?.matmul(&w32)?;
         let diff = (gx - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        println!("amx input gradient: max |diff| {diff:e}");
+        println!("{kernel:?} input gradient: max |diff| {diff:e}");
         assert!(diff < 1e-5, "input gradient differs by {diff}");
         Ok(())
     }

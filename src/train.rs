@@ -231,11 +231,11 @@ pub fn run_ranks(
 }
 
 /// The dtype frozen projection weights reach `ops::frozen_linear` in: a bf16 base on a CPU
-/// with AMX keeps them bf16 so the matmul runs on AMX tiles (what PyTorch does with a bf16
-/// model; activations are rounded to bf16, sums stay f32). Everything else gets the compute
-/// dtype. `model.matmul = "f32"` opts out.
+/// with a bf16 unit (AMX or AVX512-BF16, `bf16_gemm::kernel`) keeps them bf16 so the matmul
+/// runs on it (what PyTorch does with a bf16 model; activations are rounded to bf16, sums stay
+/// f32). Everything else gets the compute dtype. `model.matmul = "f32"` opts out.
 pub fn matmul_dtype(policy: &str, storage: DType, compute: DType, device: &candle_core::Device) -> DType {
-    if policy == "auto" && device.is_cpu() && storage == DType::BF16 && compute == DType::F32 && crate::amx::available() {
+    if policy == "auto" && device.is_cpu() && storage == DType::BF16 && compute == DType::F32 && crate::bf16_gemm::available() {
         DType::BF16
     } else {
         compute
@@ -265,7 +265,11 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let compute_dtype = if device.is_cpu() { DType::F32 } else { storage_dtype };
     let matmul = matmul_dtype(&r.model.matmul, storage_dtype, compute_dtype, &device);
     if lead && matmul != compute_dtype {
-        eprintln!("frozen matmuls run in bf16 on AMX with f32 sums (model.matmul = \"f32\" for f32 math)");
+        let unit = match crate::bf16_gemm::kernel() {
+            Some(crate::bf16_gemm::Kernel::Amx) => "AMX tiles",
+            _ => "AVX512-BF16",
+        };
+        eprintln!("frozen matmuls run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
     }
     let account = Arc::new(Account::default());
     let (src, sharded): (Arc<dyn WeightSource>, Option<Arc<ShardedWeights>>) = if r.dist.zero_stage == 3 {
@@ -794,10 +798,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_a_bf16_base_on_an_amx_cpu_with_matmul_auto_gets_bf16_matmuls() {
+    fn only_a_bf16_base_on_a_cpu_with_a_bf16_unit_and_matmul_auto_gets_bf16_matmuls() {
         let cpu = candle_core::Device::Cpu;
-        let amx = crate::amx::available();
-        let bf16 = if amx { DType::BF16 } else { DType::F32 };
+        let bf16 = if crate::bf16_gemm::available() { DType::BF16 } else { DType::F32 };
         assert_eq!(matmul_dtype("auto", DType::BF16, DType::F32, &cpu), bf16);
         assert_eq!(matmul_dtype("f32", DType::BF16, DType::F32, &cpu), DType::F32);
         assert_eq!(matmul_dtype("auto", DType::F32, DType::F32, &cpu), DType::F32);

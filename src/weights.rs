@@ -21,7 +21,7 @@ pub trait WeightSource: Send + Sync {
     /// Whether a tensor exists (for optional tensors such as a tied lm_head).
     fn contains(&self, name: &str) -> bool;
     /// The dtype of frozen matmul operands (`get_matmul`): the compute dtype, unless the
-    /// source was told to hand bf16 weights to `ops::frozen_linear` (a bf16 base on AMX).
+    /// source was told to hand bf16 weights to `ops::frozen_linear` (a bf16 base on a CPU with a bf16 unit).
     fn matmul_dtype(&self) -> DType {
         self.compute_dtype()
     }
