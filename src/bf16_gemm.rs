@@ -130,11 +130,20 @@ impl PackedB {
     }
 
     /// B = Wᵀ for W [N, K] row-major (the forward `x · Wᵀ` of a linear layer).
+    ///
+    /// A tile row is one k pair for 16 columns, i.e. the 32-bit pairs W[n, 2p..2p+2] of 16
+    /// rows of W: a 32-bit transpose, written a whole 64-byte tile row at a time (packing is
+    /// done on every call, so it must stream, not scatter 16-bit stores).
     pub fn from_nk(w: &[u16], n: usize, k: usize) -> Self {
         Self::packed(k, n, |bn, strip| {
-            for j in 0..TM.min(n.saturating_sub(bn * TM)) {
-                for (kk, &v) in w[(bn * TM + j) * k..][..k].iter().enumerate() {
-                    strip[slot(kk, j)] = v;
+            let rows = TM.min(n.saturating_sub(bn * TM));
+            let w = &w[(bn * TM * k).min(w.len())..];
+            for (p, dst) in strip.chunks_exact_mut(2 * TM).take(k.div_ceil(2)).enumerate() {
+                let kk = 2 * p;
+                for j in 0..rows {
+                    let src = &w[j * k + kk..];
+                    dst[2 * j] = src[0];
+                    dst[2 * j + 1] = if kk + 1 < k { src[1] } else { 0 };
                 }
             }
         })
@@ -156,6 +165,8 @@ impl PackedB {
     }
 
     /// B = W for W [K, N] row-major (the input gradient `g · W` of a linear layer).
+    ///
+    /// A tile row interleaves 16 columns of rows 2p and 2p + 1 of W (two contiguous runs).
     pub fn from_kn(w: &[u16], k: usize, n: usize) -> Self {
         Self::packed(k, n, |bn, strip| {
             let c0 = bn * TM;
@@ -163,9 +174,16 @@ impl PackedB {
                 return; // a zero strip that pads nb to even
             }
             let cols = TM.min(n - c0);
-            for kk in 0..k {
-                for (j, &v) in w[kk * n + c0..][..cols].iter().enumerate() {
-                    strip[slot(kk, j)] = v;
+            for (p, dst) in strip.chunks_exact_mut(2 * TM).take(k.div_ceil(2)).enumerate() {
+                let even = &w[2 * p * n + c0..][..cols];
+                for (j, &v) in even.iter().enumerate() {
+                    dst[2 * j] = v;
+                }
+                if 2 * p + 1 < k {
+                    let odd = &w[(2 * p + 1) * n + c0..][..cols];
+                    for (j, &v) in odd.iter().enumerate() {
+                        dst[2 * j + 1] = v;
+                    }
                 }
             }
         })

@@ -526,7 +526,37 @@ fn tune_allocator() {
     }
 }
 
+/// The binary is compiled for x86-64-v3 (`.cargo/config.toml`): say so on a CPU without
+/// AVX2/FMA instead of dying on an illegal instruction somewhere later.
+fn check_cpu() -> Result<(), String> {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")) {
+        return Err("this finetune binary was built for x86-64-v3 (AVX2 + FMA), which this CPU lacks; \
+                    rebuild it for this CPU with: RUSTFLAGS=\"\" cargo build --release"
+            .into());
+    }
+    Ok(())
+}
+
+/// candle's CPU thread pool spins up to 25,000 `pause`s (~0.5 ms) after each of its ops before
+/// parking. Between candle ops our own kernels run on rayon's threads, so on a small machine
+/// the spinning workers take the cores those kernels need (12% of a step's CPU samples at
+/// batch 1 on 2 cores). A short spin keeps back-to-back candle ops quick. An explicit
+/// CANDLE_BARRIER_POOL_SPIN_LIMIT in the environment wins.
+fn tune_thread_pools() {
+    const VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+    if std::env::var_os(VAR).is_none() {
+        // Called first thing in main, before any thread exists.
+        std::env::set_var(VAR, "1000");
+    }
+}
+
 fn main() -> ExitCode {
+    if let Err(e) = check_cpu() {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
+    tune_thread_pools();
     tune_allocator();
     let cli = Cli::parse();
     match run(cli) {
