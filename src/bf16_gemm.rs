@@ -112,7 +112,7 @@ pub struct PackedB {
 
 impl PackedB {
     /// B [K, N] packed from `fill(bn, strip)`, which writes column strip `bn` (columns
-    /// 16 bn .. 16 bn + 16, all K tiles) of the zeroed packing, through [`slot`].
+    /// 16 bn .. 16 bn + 16, all K tiles; laid out as [`slot`] says) of the zeroed packing.
     fn packed(k: usize, n: usize, fill: impl Fn(usize, &mut [u16]) + Sync) -> Self {
         let kb = round_up(k, TK) / TK;
         let nb = round_up(n, 2 * TM) / TM;
@@ -258,8 +258,8 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
             }
         });
     }
-    // SAFETY: k >= 1, so b.kb >= 1, the panel loop ran and its first panel stored all MP/16 x NP/16
-    // tiles, i.e. every element of the buffer.
+    // SAFETY: k >= 1, so b.kb >= 1, the panel loop ran and its first panel stored every block
+    // of the [MP, NP] buffer (the tasks cover all row blocks x column pairs), i.e. every element.
     unsafe { cbuf_vec.set_len(mp * np) };
     if mp == m && np == n {
         return cbuf_vec;
@@ -271,8 +271,9 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     c
 }
 
-/// The same sums without a bf16 unit: f32 products of the bf16-rounded inputs, summed in f32
-/// (k in order). Only reached if a caller skipped [`available`].
+/// The same products without a bf16 unit: bf16-rounded inputs, products summed in f32 in k
+/// order (the units sum in another order and treat subnormals as zero, so results agree up
+/// to rounding). Only reached if a caller skipped [`available`].
 fn portable(a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     let (k, n) = (b.k, b.n);
     let bf = |bits: u16| f32::from_bits((bits as u32) << 16);
@@ -588,7 +589,9 @@ mod tests {
         // columns, as for the LM head); K over one panel of either kernel (C reloaded between
         // panels).
         for kern in kernels_here() {
-            for &(m, n, k) in &[(3, 4, 0), (0, 4, 5), (1, 1, 1), (5, 7, 3), (33, 17, 40), (64, 64, 64), (70, 48, 96), (256, 192, 576), (40, 1000, 70), (20, 48, 1700)] {
+            // (33, 40, 65): odd K over two K tiles and rows not a multiple of 8; (8, 0, 7): no
+            // columns; (256, 1100, 1100): a task walks B in several panels (`pairs_per_panel`).
+            for &(m, n, k) in &[(3, 4, 0), (0, 4, 5), (8, 0, 7), (1, 1, 1), (5, 7, 3), (33, 17, 40), (33, 40, 65), (64, 64, 64), (70, 48, 96), (256, 192, 576), (40, 1000, 70), (20, 48, 1700), (256, 1100, 1100)] {
                 let a = data(m * k, 1);
                 let w = data(n * k, 7); // W [N, K]
                 let want = reference(&a, &w, m, n, k);
@@ -616,14 +619,45 @@ mod tests {
     }
 
     #[test]
-    fn the_portable_fallback_computes_the_same_sums() {
-        let (m, n, k) = (9, 40, 70);
-        let (a, w) = (data(m * k, 3), data(n * k, 5));
-        let wb: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
-        let want = reference(&a, &w, m, n, k);
-        let got = portable(&a, m, &PackedB::from_nk(&wb, n, k));
-        for (g, r) in got.iter().zip(&want) {
-            assert!((g - r).abs() <= 1e-5 * k as f32, "{g} vs {r}");
+    fn the_portable_fallback_computes_the_same_sums_from_both_packings() {
+        for &(m, n, k) in &[(9, 40, 70), (3, 17, 33)] {
+            let (a, w) = (data(m * k, 3), data(n * k, 5));
+            let wb: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
+            let want = reference(&a, &w, m, n, k);
+            let got = portable(&a, m, &PackedB::from_nk(&wb, n, k));
+            let got2 = portable(&a, m, &PackedB::from_kn(&transpose(&wb, n, k), k, n));
+            for ((g, g2), r) in got.iter().zip(&got2).zip(&want) {
+                assert!((g - r).abs() <= 1e-5 * k as f32 && (g2 - r).abs() <= 1e-5 * k as f32, "{g} / {g2} vs {r}");
+            }
+        }
+    }
+
+    /// W [N, K] -> Wᵀ [K, N]
+    fn transpose(w: &[u16], n: usize, k: usize) -> Vec<u16> {
+        let mut t = vec![0u16; k * n];
+        for j in 0..n {
+            for p in 0..k {
+                t[p * n + j] = w[j * k + p];
+            }
+        }
+        t
+    }
+
+    /// Runs on every CPU: each B[kk, col] sits where `slot` says, every other element of the
+    /// packing (K and N padding, the strip that makes the strip count even) is zero.
+    #[test]
+    fn both_packings_put_every_element_where_the_tile_layout_says_and_zeros_elsewhere() {
+        for &(n, k) in &[(1, 1), (5, 3), (16, 32), (17, 33), (40, 65), (48, 70), (0, 5), (5, 0)] {
+            let w: Vec<u16> = (0..n * k).map(|i| i as u16 + 1).collect(); // W [N, K], no zeros
+            for p in [PackedB::from_nk(&w, n, k), PackedB::from_kn(&transpose(&w, n, k), k, n)] {
+                let mut want = vec![0u16; p.tiles.len()];
+                for col in 0..n {
+                    for kk in 0..k {
+                        want[p.index(col / TM, kk, col % TM)] = w[col * k + kk];
+                    }
+                }
+                assert_eq!(p.tiles, want, "n {n}, k {k}");
+            }
         }
     }
 }

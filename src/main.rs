@@ -526,16 +526,84 @@ fn tune_allocator() {
     }
 }
 
-/// The binary is compiled for x86-64-v3 (`.cargo/config.toml`): say so on a CPU without
-/// AVX2/FMA instead of dying on an illegal instruction somewhere later.
+/// The binary is compiled for x86-64-v3 (`.cargo/config.toml`): say so on a CPU without it
+/// instead of dying on an illegal instruction later. `is_x86_feature_detected!` cannot tell
+/// (it is constant `true` for features the build enables), so this reads CPUID itself. Best
+/// effort: it runs first in `main`, before any of our vector code.
+#[inline(never)]
 fn check_cpu() -> Result<(), String> {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")) {
-        return Err("this finetune binary was built for x86-64-v3 (AVX2 + FMA), which this CPU lacks; \
-                    rebuild it for this CPU with: RUSTFLAGS=\"\" cargo build --release"
-            .into());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__cpuid, __cpuid_count};
+        // SAFETY: CPUID exists on every x86-64 CPU; leaf 7 and 0x80000001 are read only if the
+        // maximum leaves say they exist.
+        #[allow(unused_unsafe)]
+        let (leaf1_ecx, leaf7_ebx, ext_ecx) = unsafe {
+            let max = __cpuid(0).eax;
+            let max_ext = __cpuid(0x8000_0000).eax;
+            let leaf7 = if max >= 7 { __cpuid_count(7, 0).ebx } else { 0 };
+            let ext = if max_ext >= 0x8000_0001 { __cpuid(0x8000_0001).ecx } else { 0 };
+            (__cpuid(1).ecx, leaf7, ext)
+        };
+        // XCR0 (which vector state the OS saves) is readable only when OSXSAVE is set.
+        let xcr0 = if leaf1_ecx & (1 << 27) != 0 { read_xcr0() } else { 0 };
+        let missing = finetune_cpu::missing_v3(leaf1_ecx, leaf7_ebx, ext_ecx, xcr0);
+        if !missing.is_empty() {
+            return Err(format!(
+                "this finetune binary was built for x86-64-v3, and this CPU (or OS) lacks {}; \
+                 rebuild it for this CPU with: RUSTFLAGS=\"\" cargo build --release",
+                missing.join(", ")
+            ));
+        }
     }
     Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn read_xcr0() -> u64 {
+    let (lo, hi): (u32, u32);
+    // SAFETY: XGETBV(0) is valid when CPUID.1:ECX.OSXSAVE is set (checked by the caller).
+    unsafe { std::arch::asm!("xgetbv", in("ecx") 0u32, out("eax") lo, out("edx") hi, options(nomem, nostack, preserves_flags)) };
+    ((hi as u64) << 32) | lo as u64
+}
+
+/// Decoding of the CPUID bits x86-64-v3 needs, kept pure so a test can check it.
+mod finetune_cpu {
+    /// Names of the x86-64-v3 features the given CPUID words lack (empty: all present).
+    pub fn missing_v3(leaf1_ecx: u32, leaf7_ebx: u32, ext_ecx: u32, xcr0: u64) -> Vec<&'static str> {
+        let need: [(&str, bool); 9] = [
+            ("FMA", leaf1_ecx & (1 << 12) != 0),
+            ("MOVBE", leaf1_ecx & (1 << 22) != 0),
+            ("AVX", leaf1_ecx & (1 << 28) != 0),
+            ("F16C", leaf1_ecx & (1 << 29) != 0),
+            ("AVX state saved by the OS (XCR0)", xcr0 & 0b110 == 0b110),
+            ("BMI1", leaf7_ebx & (1 << 3) != 0),
+            ("AVX2", leaf7_ebx & (1 << 5) != 0),
+            ("BMI2", leaf7_ebx & (1 << 8) != 0),
+            ("LZCNT", ext_ecx & (1 << 5) != 0),
+        ];
+        need.iter().filter(|(_, ok)| !ok).map(|(name, _)| *name).collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::missing_v3;
+
+        #[test]
+        fn a_cpu_without_the_v3_bits_is_told_which_it_lacks() {
+            assert_eq!(missing_v3(0, 0, 0, 0).len(), 9);
+            let all = (1 << 12 | 1 << 22 | 1 << 28 | 1 << 29, 1 << 3 | 1 << 5 | 1 << 8, 1 << 5, 0b111);
+            assert!(missing_v3(all.0, all.1, all.2, all.3).is_empty());
+            // AVX2 alone missing; the OS not saving YMM state counts as missing too.
+            assert_eq!(missing_v3(all.0, 1 << 3 | 1 << 8, all.2, all.3), vec!["AVX2"]);
+            assert_eq!(missing_v3(all.0, all.1, all.2, 0b011), vec!["AVX state saved by the OS (XCR0)"]);
+        }
+
+        #[test]
+        fn this_machine_passes_the_check() {
+            assert_eq!(super::super::check_cpu(), Ok(()));
+        }
+    }
 }
 
 /// candle's CPU thread pool spins up to 25,000 `pause`s (~0.5 ms) after each of its ops before
