@@ -298,7 +298,11 @@ fn pairs_per_panel(ks: (usize, usize)) -> usize {
 
 /// a [M, K] f32 (CPU) @ B -> [M, N] f32 as a tensor (no autograd: for closed-form gradients).
 pub fn matmul(a: &candle_core::Tensor, b: &PackedB) -> candle_core::Result<candle_core::Tensor> {
-    let (m, _) = a.dims2()?;
+    let (m, k) = a.dims2()?;
+    if k != b.k {
+        // gemm would read rows of another width with the wrong stride, not fail.
+        candle_core::bail!("bf16 gemm: rows [{m}, {k}] do not match the packed weight's K {} (B [{}, {}])", b.k, b.k, b.n);
+    }
     let a = a.contiguous()?;
     let (st, l) = a.storage_and_layout();
     let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(x)) = &*st else { candle_core::bail!("bf16 gemm: f32 cpu rows expected") };
@@ -630,6 +634,20 @@ mod tests {
                 assert!((g - r).abs() <= 1e-5 * k as f32 && (g2 - r).abs() <= 1e-5 * k as f32, "{g} / {g2} vs {r}");
             }
         }
+    }
+
+    #[test]
+    fn matmul_rejects_rows_whose_width_is_not_the_packed_k() {
+        let dev = candle_core::Device::Cpu;
+        let b = PackedB::from_nk(&vec![bf16_bits(1.0); 8 * 6], 8, 6); // B [6, 8]
+        for k in [5, 7] {
+            let a = candle_core::Tensor::zeros((4, k), candle_core::DType::F32, &dev).expect("tensor");
+            let err = matmul(&a, &b).expect_err("a width mismatch must be an error").to_string();
+            assert!(err.contains(&format!("[4, {k}]")) && err.contains("K 6"), "{err}");
+        }
+        let a = candle_core::Tensor::ones((4, 6), candle_core::DType::F32, &dev).expect("tensor");
+        let c = matmul(&a, &b).expect("matching widths").to_vec2::<f32>().expect("values");
+        assert!(c.iter().flatten().all(|&v| v == 6.0), "{c:?}");
     }
 
     /// W [N, K] -> Wᵀ [K, N]
