@@ -54,6 +54,14 @@ impl Kernel {
         }
     }
 
+    /// The unit's name, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Amx => "AMX tiles",
+            Kernel::Avx512Bf16 => "AVX512-BF16",
+        }
+    }
+
     /// Can this CPU (and OS) run it? AMX asks Linux for tile permission once per process.
     pub fn supported(self) -> bool {
         static AMX: OnceLock<bool> = OnceLock::new();
@@ -215,8 +223,8 @@ pub fn gemm(a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
 /// big M), else by column blocks (the LM head's chunk of rows against 49k columns). Each task
 /// walks its columns in panels of B small enough to stay in L2 while its row blocks pass.
 pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
+    check_a(a, m, b);
     let (k, n) = (b.k, b.n);
-    assert!(a.len() >= m * k, "bf16 gemm: A has {} elements, [{m}, {k}] needs {}", a.len(), m * k);
     assert!(kern.supported(), "bf16 gemm: {kern:?} is not supported on this CPU");
     if k == 0 || m == 0 || n == 0 {
         return vec![0f32; m * n]; // an empty sum
@@ -271,10 +279,17 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     c
 }
 
+/// A must be exactly [M, K] for B's K: rows of another width would be read with the wrong
+/// stride, not fail (`matmul` turns a mismatch into an error before it gets here).
+fn check_a(a: &[f32], m: usize, b: &PackedB) {
+    assert_eq!(a.len(), m * b.k, "bf16 gemm: A has {} elements, [{m}, {}] needs {}", a.len(), b.k, m * b.k);
+}
+
 /// The same products without a bf16 unit: bf16-rounded inputs, products summed in f32 in k
 /// order (the units sum in another order and treat subnormals as zero, so results agree up
 /// to rounding). Only reached if a caller skipped [`available`].
 fn portable(a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
+    check_a(a, m, b);
     let (k, n) = (b.k, b.n);
     let bf = |bits: u16| f32::from_bits((bits as u32) << 16);
     let mut c = vec![0f32; m * n];
@@ -602,13 +617,7 @@ mod tests {
                 let wb: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
                 let got = gemm_with(kern, &a, m, &PackedB::from_nk(&wb, n, k));
                 // The same B given as [K, N] (Wᵀ materialised) must pack to the same product.
-                let mut wt = vec![0u16; k * n];
-                for j in 0..n {
-                    for p in 0..k {
-                        wt[p * n + j] = wb[j * k + p];
-                    }
-                }
-                let got2 = gemm_with(kern, &a, m, &PackedB::from_kn(&wt, k, n));
+                let got2 = gemm_with(kern, &a, m, &PackedB::from_kn(&transpose(&wb, n, k), k, n));
                 assert_eq!((got.len(), got2.len()), (m * n, m * n));
                 let tol = 1e-5 * k as f32;
                 let mut worst = 0f32;

@@ -547,7 +547,7 @@ fn check_cpu() -> Result<(), String> {
         };
         // XCR0 (which vector state the OS saves) is readable only when OSXSAVE is set.
         let xcr0 = if leaf1_ecx & (1 << 27) != 0 { read_xcr0() } else { 0 };
-        let missing = finetune_cpu::missing_v3(leaf1_ecx, leaf7_ebx, ext_ecx, xcr0);
+        let missing = cpu_v3::missing_v3(leaf1_ecx, leaf7_ebx, ext_ecx, xcr0);
         if !missing.is_empty() {
             return Err(format!(
                 "this finetune binary was built for x86-64-v3, and this CPU (or OS) lacks {}; \
@@ -568,7 +568,7 @@ fn read_xcr0() -> u64 {
 }
 
 /// Decoding of the CPUID bits x86-64-v3 needs, kept pure so a test can check it.
-mod finetune_cpu {
+mod cpu_v3 {
     /// Names of the x86-64-v3 features the given CPUID words lack (empty: all present).
     pub fn missing_v3(leaf1_ecx: u32, leaf7_ebx: u32, ext_ecx: u32, xcr0: u64) -> Vec<&'static str> {
         let need: [(&str, bool); 9] = [

@@ -265,10 +265,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let compute_dtype = if device.is_cpu() { DType::F32 } else { storage_dtype };
     let matmul = matmul_dtype(&r.model.matmul, storage_dtype, compute_dtype, &device);
     if lead && matmul != compute_dtype {
-        let unit = match crate::bf16_gemm::kernel() {
-            Some(crate::bf16_gemm::Kernel::Amx) => "AMX tiles",
-            _ => "AVX512-BF16",
-        };
+        let unit = crate::bf16_gemm::kernel().map_or("?", crate::bf16_gemm::Kernel::name);
         eprintln!("frozen matmuls run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
     }
     let account = Arc::new(Account::default());
