@@ -26,7 +26,7 @@
 //! instead of tiling them because one strip row fits in cache at the lengths we train.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
-use crate::ops::{exp_f32, sum_f32};
+use crate::ops::{exp_f32, sgemm, sum_f32};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -111,30 +111,9 @@ fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]>
     Ok(&x[a..b])
 }
 
-/// dst [m, n] (row stride `dst_rs`) = alpha·dst + beta · lhs [m, k] · rhs [k, n], single-threaded
-/// (the heads already run in parallel). Strides are (row, column) in elements.
-#[allow(clippy::too_many_arguments)]
-fn gemm(m: usize, n: usize, k: usize, dst: &mut [f32], dst_rs: usize, acc: bool, lhs: &[f32], lhs_rs: usize, lhs_cs: usize, rhs: &[f32], rhs_rs: usize, rhs_cs: usize, beta: f32) {
-    // The slices must cover the strided extents the kernel reads and writes.
-    let last = |rows: usize, rs: usize, cols: usize, cs: usize| if rows == 0 || cols == 0 { 0 } else { (rows - 1) * rs + (cols - 1) * cs + 1 };
-    assert!(dst.len() >= last(m, dst_rs, n, 1) && lhs.len() >= last(m, lhs_rs, k, lhs_cs) && rhs.len() >= last(k, rhs_rs, n, rhs_cs));
-    // SAFETY: the assert above bounds every element the kernel touches, dst does not alias
-    // lhs or rhs (it is a distinct &mut), and all strides are in elements of f32.
-    unsafe {
-        gemm::gemm(
-            m, n, k,
-            dst.as_mut_ptr(), 1, dst_rs as isize, acc,
-            lhs.as_ptr(), lhs_cs as isize, lhs_rs as isize,
-            rhs.as_ptr(), rhs_cs as isize, rhs_rs as isize,
-            if acc { 1.0 } else { 0.0 }, beta,
-            false, false, false, gemm::Parallelism::None,
-        );
-    }
-}
-
 /// Scores of a strip: sc [m, kend] = q_strip [m, D] · k[..kend]^T · scale.
 fn strip_scores(sc: &mut [f32], q: &[f32], k: &[f32], m: usize, kend: usize, d: usize, scale: f32) {
-    gemm(m, kend, d, sc, kend, false, q, d, 1, k, 1, d, scale);
+    sgemm(m, kend, d, sc, kend, false, q, d, 1, k, 1, d, scale, 1);
 }
 
 impl candle_core::CustomOp3 for CausalAttention {
@@ -175,7 +154,7 @@ impl candle_core::CustomOp3 for CausalAttention {
                     l[q0 + i] = max + sum.ln();
                 }
                 // out[q0..q0+m] [m, D] = p [m, w] · v[kbeg..kend] [w, D]
-                gemm(m, d, w, &mut o[q0 * d..], d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0);
+                sgemm(m, d, w, &mut o[q0 * d..], d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0, 1);
             }
         });
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
@@ -190,8 +169,9 @@ impl candle_core::CustomOp3 for CausalAttention {
         if lse.len() != b * nh * s {
             candle_core::bail!("causal-attention: backward without a forward");
         }
-        let host = |t: &Tensor| -> Result<Vec<f32>> { t.contiguous()?.flatten_all()?.to_vec1::<f32>() };
-        let (qh, kh, vh, oh, gh) = (host(q)?, host(k)?, host(v)?, host(out)?, host(g)?);
+        let e = crate::ops::f32_elems;
+        let (qe, ke, ve, oe, ge) = (e(q)?, e(k)?, e(v)?, e(out)?, e(g)?);
+        let (qh, kh, vh, oh, gh): (&[f32], &[f32], &[f32], &[f32], &[f32]) = (&qe, &ke, &ve, &oe, &ge);
         let scale = self.scale;
         let mut dq = vec![0f32; b * nh * s * d];
         // Per query head: its contribution to its kv head's dk and dv.
@@ -227,9 +207,9 @@ impl candle_core::CustomOp3 for CausalAttention {
                     }
                     let gs = &g[q0 * d..][..m * d]; // [m, D]
                     // dv[kbeg..kend] += p^T [w, m] · g_strip [m, D]
-                    gemm(w, d, m, &mut dv[kbeg * d..], d, true, p, 1, w, gs, d, 1, 1.0);
+                    sgemm(w, d, m, &mut dv[kbeg * d..], d, true, p, 1, w, gs, d, 1, 1.0, 1);
                     // dp [m, w] = g_strip [m, D] · v[kbeg..kend]^T [D, w]
-                    gemm(m, w, d, dp, w, false, gs, d, 1, vs, 1, d, 1.0);
+                    sgemm(m, w, d, dp, w, false, gs, d, 1, vs, 1, d, 1.0, 1);
                     // ds = p ⊙ (dp − Σ_d g ⊙ out) · scale, in place of dp (0 where p is)
                     for i in 0..m {
                         let row = q0 + i;
@@ -240,9 +220,9 @@ impl candle_core::CustomOp3 for CausalAttention {
                         }
                     }
                     // dq_strip [m, D] = ds [m, w] · k[kbeg..kend] [w, D]
-                    gemm(m, d, w, &mut dq[q0 * d..], d, false, dp, w, 1, ks, d, 1, 1.0);
+                    sgemm(m, d, w, &mut dq[q0 * d..], d, false, dp, w, 1, ks, d, 1, 1.0, 1);
                     // dk[kbeg..kend] += ds^T [w, m] · q_strip [m, D]
-                    gemm(w, d, m, &mut dk[kbeg * d..], d, true, dp, 1, w, &q[q0 * d..], d, 1, 1.0);
+                    sgemm(w, d, m, &mut dk[kbeg * d..], d, true, dp, 1, w, &q[q0 * d..], d, 1, 1.0, 1);
                 }
             });
         // dk, dv [B, KV, S, D]: the R query heads of each kv head, summed in head order.

@@ -227,26 +227,22 @@ pub struct LoraLinear<'a> {
 impl LoraLinear<'_> {
     /// x [N, in] -> [N, out]
     pub fn forward(&self, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
-        let mut y = crate::ops::frozen_linear(x, &self.weight)?;
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
-        }
-        let Some(ad) = self.lora else { return Ok(y) };
-        let xd = match drop {
-            Some(ctx) if self.dropout > 0.0 => {
-                let id = stream(&[ctx.seed, ctx.micro_batch, self.site.0 as u64, self.site.1 as u64]);
-                let mask = dropout_mask(id, x.elem_count(), self.dropout);
-                let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
-                (x * mask)?
+        let y = match self.lora {
+            None => crate::ops::frozen_linear(x, &self.weight)?,
+            Some(ad) => {
+                let mask = match drop {
+                    Some(ctx) if self.dropout > 0.0 => {
+                        let id = stream(&[ctx.seed, ctx.micro_batch, self.site.0 as u64, self.site.1 as u64]);
+                        Some(dropout_mask(id, x.elem_count(), self.dropout))
+                    }
+                    _ => None,
+                };
+                crate::ops::lora_linear(x, &self.weight, ad.a.as_tensor(), ad.b.as_tensor(), self.scale, mask)?
             }
-            _ => x.clone(),
         };
-        let xd = xd.to_dtype(DType::F32)?;
-        // [N, in] x [in, R] -> [N, R] x [R, out] -> [N, out]. The scale goes on B ([out, R])
-        // rather than on the [N, out] product: the same math (exactly so for a power-of-two
-        // alpha / rank) without a full-size tensor and backward node per projection.
-        let l = xd.matmul(&ad.a.t()?)?.matmul(&(ad.b.as_tensor() * self.scale)?.t()?)?;
-        let l = l.to_dtype(y.dtype())?;
-        Ok((y + l)?)
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
     }
 }

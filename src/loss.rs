@@ -9,8 +9,10 @@
 use crate::bf16_gemm::PackedB;
 use candle_core::{DType, Result, Tensor, D};
 
-/// Most logits elements held at once (32 MB of f32).
-const CHUNK_ELEMS: usize = 8 << 20;
+/// Most logits elements held at once (28 MB of f32). Kept under glibc's largest mmap
+/// threshold (32 MB, which `main` sets): a larger chunk's logits and gradient would each be a
+/// fresh mmap, so every chunk of every step would fault in and zero new pages.
+const CHUNK_ELEMS: usize = 7 << 20;
 
 /// rows [M, H] (final-normed hidden states of the positions that have a target),
 /// head [V, H], targets [M] -> (sum of token cross-entropies, d(scale * sum)/d rows [M, H]).

@@ -68,9 +68,63 @@ fn cpu_f32<'a>(op: &str, storage: &'a candle_core::CpuStorage, layout: &candle_c
     Ok(&x[a..b])
 }
 
+/// dst [m, n] (row stride `dst_rs`) = (acc ? dst : 0) + beta · lhs [m, k] · rhs [k, n], on
+/// `threads` threads (1 where the caller already runs in parallel). Strides are (row, column)
+/// in elements, so transposed operands need no copy.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgemm(m: usize, n: usize, k: usize, dst: &mut [f32], dst_rs: usize, acc: bool, lhs: &[f32], lhs_rs: usize, lhs_cs: usize, rhs: &[f32], rhs_rs: usize, rhs_cs: usize, beta: f32, threads: usize) {
+    // The slices must cover the strided extents the kernel reads and writes.
+    let last = |rows: usize, rs: usize, cols: usize, cs: usize| if rows == 0 || cols == 0 { 0 } else { (rows - 1) * rs + (cols - 1) * cs + 1 };
+    assert!(dst.len() >= last(m, dst_rs, n, 1) && lhs.len() >= last(m, lhs_rs, k, lhs_cs) && rhs.len() >= last(k, rhs_rs, n, rhs_cs));
+    let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: the assert above bounds every element the kernel touches, dst does not alias
+    // lhs or rhs (it is a distinct &mut), and all strides are in elements of f32.
+    unsafe {
+        gemm::gemm(
+            m, n, k,
+            dst.as_mut_ptr(), 1, dst_rs as isize, acc,
+            lhs.as_ptr(), lhs_cs as isize, lhs_rs as isize,
+            rhs.as_ptr(), rhs_cs as isize, rhs_rs as isize,
+            if acc { 1.0 } else { 0.0 }, beta,
+            false, false, false, par,
+        );
+    }
+}
+
 /// A host copy of a tensor's elements in f32 (for custom-op backwards).
 fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+/// A tensor's elements as an f32 slice: borrowed from its storage when it is a contiguous
+/// f32 CPU tensor (what custom-op backwards are handed almost always), else a host copy.
+/// Borrowing saves a full-size copy per operand per backward.
+pub(crate) enum F32Elems<G> {
+    /// (read guard of the storage, element range)
+    Borrowed(G, usize, usize),
+    Owned(Vec<f32>),
+}
+
+pub(crate) fn f32_elems(t: &Tensor) -> Result<F32Elems<impl std::ops::Deref<Target = candle_core::Storage> + '_>> {
+    let (st, layout) = t.storage_and_layout();
+    if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(_)), Some((a, b))) = (&*st, layout.contiguous_offsets()) {
+        return Ok(F32Elems::Borrowed(st, a, b));
+    }
+    drop(st);
+    Ok(F32Elems::Owned(host_f32(t)?))
+}
+
+impl<G: std::ops::Deref<Target = candle_core::Storage>> std::ops::Deref for F32Elems<G> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            F32Elems::Borrowed(st, a, b) => match &**st {
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => &v[*a..*b],
+                _ => unreachable!("f32_elems borrows only f32 CPU storage"),
+            },
+            F32Elems::Owned(v) => v,
+        }
+    }
 }
 
 impl candle_core::CustomOp1 for RmsNorm {
@@ -98,7 +152,7 @@ impl candle_core::CustomOp1 for RmsNorm {
         use rayon::prelude::*;
         // y_j = w_j x_j r with r = (mean(x²) + eps)^-1/2:
         // dx_j = r w_j g_j − x_j r³ / H · Σ_i w_i g_i x_i
-        let (x, g) = (host_f32(arg)?, host_f32(grad_res)?);
+        let (x, g) = (f32_elems(arg)?, f32_elems(grad_res)?);
         let h = self.w.len();
         let mut dx = vec![0f32; x.len()];
         dx.par_chunks_mut(h).zip(x.par_chunks(h)).zip(g.par_chunks(h)).for_each(|((dr, xr), gr)| {
@@ -141,18 +195,20 @@ impl candle_core::CustomOp2 for SwiGlu {
     fn bwd(&self, g: &Tensor, u: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         use rayon::prelude::*;
         // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g)))
-        let (gv, uv, dy) = (host_f32(g)?, host_f32(u)?, host_f32(grad_res)?);
+        let (gv, uv, dy) = (f32_elems(g)?, f32_elems(u)?, f32_elems(grad_res)?);
         let mut dg = vec![0f32; gv.len()];
         let mut du = vec![0f32; gv.len()];
-        dg.par_chunks_mut(4096).zip(du.par_chunks_mut(4096)).enumerate().for_each(|(c, (dg, du))| {
-            let at = c * 4096;
-            for i in 0..dg.len() {
-                let (x, uu, d) = (gv[at + i], uv[at + i], dy[at + i]);
-                let sig = 1.0 / (1.0 + exp_f32(-x));
-                du[i] = d * x * sig;
-                dg[i] = d * uu * sig * (1.0 + x * (1.0 - sig));
-            }
-        });
+        // Zipped chunks, no indexing: the loop vectorises (exp_f32 included).
+        dg.par_chunks_mut(4096)
+            .zip(du.par_chunks_mut(4096))
+            .zip(gv.par_chunks(4096).zip(uv.par_chunks(4096)).zip(dy.par_chunks(4096)))
+            .for_each(|((dg, du), ((x, uu), d))| {
+                for ((((dg, du), &x), &uu), &d) in dg.iter_mut().zip(du.iter_mut()).zip(x).zip(uu).zip(d) {
+                    let sig = 1.0 / (1.0 + exp_f32(-x));
+                    *du = d * x * sig;
+                    *dg = d * uu * sig * (1.0 + x * (1.0 - sig));
+                }
+            });
         let dg = Tensor::from_vec(dg, g.shape(), g.device())?;
         let du = Tensor::from_vec(du, u.shape(), u.device())?;
         Ok((Some(dg), Some(du)))
@@ -323,7 +379,7 @@ impl candle_core::CustomOp1 for Heads {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let g = host_f32(grad_res)?;
+        let g = f32_elems(grad_res)?;
         let dx = self.apply(&g, self.split, true);
         Ok(Some(Tensor::from_vec(dx, arg.shape(), arg.device())?))
     }
@@ -383,14 +439,41 @@ mod tests {
     }
 }
 
+/// For a frozen W [out, in] on CPU: x [n, in] · Wᵀ -> [n, out] (`input_grad` false), or
+/// g [n, out] · W -> [n, in] (true). An f32 W by the f32 GEMM (Wᵀ read through strides, no
+/// copy); a bf16 W on the bf16 kernel, packed for it on every call (a cache of packed weights
+/// kept across steps measured 20% slower at 4 x 512 on Zen 4: packing right before the GEMM
+/// leaves B in cache).
+fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> Result<Vec<f32>> {
+    let (out, inp) = w.dims2()?;
+    let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
+    if x.len() != n * k {
+        candle_core::bail!("frozen-matmul: {} input elements for [{n}, {k}] (weight [{out}, {inp}])", x.len());
+    }
+    match w.dtype() {
+        DType::F32 => {
+            let w = f32_elems(w)?;
+            let mut dst = vec![0f32; n * cols];
+            // B = Wᵀ: B[kk, j] = W[j, kk]; B = W: B[kk, j] = W[kk, j].
+            let (rs, cs) = if input_grad { (inp, 1) } else { (1, inp) };
+            sgemm(n, cols, k, &mut dst, cols, false, x, k, 1, &w, rs, cs, 1.0, candle_core::utils::get_num_threads());
+            Ok(dst)
+        }
+        DType::BF16 if crate::bf16_gemm::available() => Ok(crate::bf16_gemm::gemm(x, n, &crate::bf16_gemm::PackedB::from_weight(w, input_grad)?)),
+        dt => candle_core::bail!("frozen-matmul: no CPU kernel for a {dt:?} weight"),
+    }
+}
+
 /// `x @ W^T` for a frozen W, as a custom op whose backward returns only the input gradient.
 ///
 /// candle's matmul backward always computes the weight gradient too (a full [out, in] GEMM
-/// per linear, a third of all training FLOPs) even when W is a constant. This op calls the
-/// same gemm kernel candle uses for the forward, and `grad @ W` for the backward, nothing else.
+/// per linear, a third of all training FLOPs) even when W is a constant. This op runs the
+/// forward and `grad @ W` for the backward ([`frozen_gemm`]), nothing else.
 struct FrozenMatmul {
-    /// [out, in], contiguous f32 (CPU path only).
+    /// [out, in], contiguous, f32 or bf16 (CPU).
     w: Tensor,
+    /// false: x @ W^T -> [N, out]; true: g @ W -> [N, in] (the input gradient).
+    input_grad: bool,
 }
 
 impl candle_core::CustomOp1 for FrozenMatmul {
@@ -399,96 +482,146 @@ impl candle_core::CustomOp1 for FrozenMatmul {
     }
 
     fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use candle_core::{CpuStorage, Storage};
-        let (n, k) = layout.shape().dims2()?;
-        let (out, k2) = self.w.dims2()?;
-        if k != k2 {
-            candle_core::bail!("frozen-matmul: input has {k} features, weight expects {k2}");
-        }
-        let Some((xs, xe)) = layout.contiguous_offsets() else {
-            candle_core::bail!("frozen-matmul: input must be contiguous")
-        };
-        let CpuStorage::F32(x) = storage else { candle_core::bail!("frozen-matmul: f32 only") };
-        let x = &x[xs..xe];
-        let (wst, wl) = self.w.storage_and_layout();
-        let Storage::Cpu(CpuStorage::F32(w)) = &*wst else { candle_core::bail!("frozen-matmul: weight must be f32 on cpu") };
-        let Some((ws, we)) = wl.contiguous_offsets() else { candle_core::bail!("frozen-matmul: weight must be contiguous") };
-        let w = &w[ws..we];
-        let mut dst = vec![0f32; n * out];
-        let threads = candle_core::utils::get_num_threads();
-        let par = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-        // SAFETY: dst is [n, out] row-major, x is [n, k] row-major, and W^T is read from the
-        // [out, k] row-major W with row stride 1 and column stride k; all bounds match the
-        // dims checked above.
-        unsafe {
-            gemm::gemm(
-                n, out, k,
-                dst.as_mut_ptr(), 1, out as isize, false,
-                x.as_ptr(), 1, k as isize,
-                w.as_ptr(), k as isize, 1,
-                0.0, 1.0, false, false, false, par,
-            );
-        }
-        Ok((CpuStorage::F32(dst), candle_core::Shape::from((n, out))))
-    }
-
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        // d(x W^T)/dx applied to g: g [N, out] @ W [out, in] -> [N, in]
-        Ok(Some(grad_res.matmul(&self.w)?))
-    }
-}
-
-/// x [N, in] @ W^T (or, for the backward, g [N, out] @ W) on the CPU's bf16 unit (AMX tiles
-/// or AVX512-BF16) for a frozen bf16 W [out, in]: x or g is rounded to bf16, sums are f32,
-/// the result is f32 (see `bf16_gemm.rs`).
-struct Bf16Matmul {
-    /// [out, in], contiguous bf16 (CPU).
-    w: Tensor,
-    /// false: x @ W^T -> [N, out]; true: g @ W -> [N, in] (the input gradient).
-    input_grad: bool,
-}
-
-impl candle_core::CustomOp1 for Bf16Matmul {
-    fn name(&self) -> &'static str {
-        "bf16-matmul"
-    }
-
-    fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let (n, k) = layout.shape().dims2()?;
-        let (out, inp) = self.w.dims2()?;
-        let (want_k, cols) = if self.input_grad { (out, inp) } else { (inp, out) };
-        if k != want_k {
-            candle_core::bail!("bf16-matmul: input has {k} features, weight [{out}, {inp}] expects {want_k}");
-        }
-        let Some((xs, xe)) = layout.contiguous_offsets() else { candle_core::bail!("bf16-matmul: input must be contiguous") };
-        let candle_core::CpuStorage::F32(x) = storage else { candle_core::bail!("bf16-matmul: f32 input only") };
-        let b = crate::bf16_gemm::PackedB::from_weight(&self.w, self.input_grad)?;
-        let dst = crate::bf16_gemm::gemm(&x[xs..xe], n, &b);
-        Ok((candle_core::CpuStorage::F32(dst), candle_core::Shape::from((n, cols))))
+        let (n, _) = layout.shape().dims2()?;
+        let x = cpu_f32("frozen-matmul", storage, layout)?;
+        let y = frozen_gemm(x, n, &self.w, self.input_grad)?;
+        let cols = y.len().checked_div(n).unwrap_or(0);
+        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((n, cols))))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         if self.input_grad {
             return Ok(None); // no second derivatives through a frozen matmul
         }
-        let op = Bf16Matmul { w: self.w.clone(), input_grad: true };
+        let op = FrozenMatmul { w: self.w.clone(), input_grad: true };
         Ok(Some(grad_res.contiguous()?.apply_op1(op)?))
     }
 }
 
-/// x [N, in] @ W^T for a frozen W [out, in] -> [N, out], with no weight gradient.
-/// On CPU with f32 activations: our GEMM call for an f32 W, the bf16 kernel for a bf16 W (the
-/// weight source hands out bf16 only when `bf16_gemm::available()`); candle's matmul elsewhere.
+/// Where the fused CPU ops apply: f32 activations on CPU with an f32 W, or a bf16 W on a CPU
+/// with a bf16 unit (the weight source hands out bf16 only then).
+fn frozen_on_cpu(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && (w.dtype() == DType::F32 || (w.dtype() == DType::BF16 && crate::bf16_gemm::available()))
+}
+
+/// x [N, in] @ W^T for a frozen W [out, in] -> [N, out], with no weight gradient: the
+/// [`FrozenMatmul`] op on CPU, candle's matmul elsewhere.
 pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32;
-    if cpu_f32 && w.dtype() == DType::F32 {
-        let w = w.contiguous()?;
-        x.contiguous()?.apply_op1(FrozenMatmul { w })
-    } else if cpu_f32 && w.dtype() == DType::BF16 && crate::bf16_gemm::available() {
-        let w = w.contiguous()?;
-        x.contiguous()?.apply_op1(Bf16Matmul { w, input_grad: false })
+    if frozen_on_cpu(x, w) {
+        let op = FrozenMatmul { w: w.contiguous()?, input_grad: false };
+        x.contiguous()?.apply_op1(op)
     } else {
         x.matmul(&w.to_dtype(x.dtype())?.t()?)
+    }
+}
+
+/// A LoRA linear without its bias, y = x Wᵀ + s · (m ⊙ x) Aᵀ Bᵀ, as one op on CPU: x [N, in],
+/// A [R, in], B [out, R], frozen W [out, in], scale s, dropout mask m [N, in] (or none).
+///
+/// Why: built from candle ops this is six graph nodes per projection, each of whose backward
+/// zeroes and adds full [N, out] or [N, in] buffers; here the backward is
+///   u = g B [N, R],  dx = g W + s · m ⊙ (u A),  dA = s · uᵀ (m ⊙ x),  dB = s · gᵀ (m ⊙ x) Aᵀ
+/// with (m ⊙ x) Aᵀ recomputed (N·in·R, small) rather than kept.
+pub fn lora_linear(x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor, scale: f64, mask: Option<Vec<f32>>) -> Result<Tensor> {
+    let fused = frozen_on_cpu(x, w) && a.dtype() == DType::F32 && b.dtype() == DType::F32 && a.device().is_cpu();
+    if !fused {
+        // The same math from candle ops (any device). The scale sits on B ([out, R]) rather
+        // than on the [N, out] product: exact for a power-of-two alpha / rank.
+        let xd = match mask {
+            Some(m) => (x * Tensor::from_vec(m, x.shape(), x.device())?.to_dtype(x.dtype())?)?,
+            None => x.clone(),
+        };
+        let xd = xd.to_dtype(DType::F32)?;
+        let l = xd.matmul(&a.t()?)?.matmul(&(b * scale)?.t()?)?.to_dtype(x.dtype())?;
+        return frozen_linear(x, w)? + l;
+    }
+    let op = LoraMatmul { w: w.contiguous()?, scale: scale as f32, mask };
+    x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, op)
+}
+
+struct LoraMatmul {
+    /// [out, in], contiguous, f32 or bf16.
+    w: Tensor,
+    scale: f32,
+    /// [N * in] dropout mask (0 or 1 / (1 - p)) on the adapter's input.
+    mask: Option<Vec<f32>>,
+}
+
+impl LoraMatmul {
+    /// m ⊙ x [N, in] (borrowed when there is no mask).
+    fn dropped<'a>(&self, x: &'a [f32]) -> std::borrow::Cow<'a, [f32]> {
+        match &self.mask {
+            Some(m) => x.iter().zip(m).map(|(x, m)| x * m).collect::<Vec<f32>>().into(),
+            None => x.into(),
+        }
+    }
+}
+
+impl candle_core::CustomOp3 for LoraMatmul {
+    fn name(&self) -> &'static str {
+        "lora-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &candle_core::CpuStorage,
+        xl: &candle_core::Layout,
+        as_: &candle_core::CpuStorage,
+        al: &candle_core::Layout,
+        bs: &candle_core::CpuStorage,
+        bl: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (n, inp) = xl.shape().dims2()?;
+        let (r, inp2) = al.shape().dims2()?;
+        let (out, r2) = bl.shape().dims2()?;
+        if inp != inp2 || r != r2 || self.w.dims() != [out, inp] || self.mask.as_ref().is_some_and(|m| m.len() != n * inp) {
+            candle_core::bail!("lora-matmul: x {:?}, A {:?}, B {:?}, W {:?} do not fit", xl.shape(), al.shape(), bl.shape(), self.w.shape());
+        }
+        let (x, a, b) = (cpu_f32("lora-matmul", xs, xl)?, cpu_f32("lora-matmul", as_, al)?, cpu_f32("lora-matmul", bs, bl)?);
+        let threads = candle_core::utils::get_num_threads();
+        let mut y = frozen_gemm(x, n, &self.w, false)?; // [N, out]
+        // xa [N, R] = (m ⊙ x) Aᵀ;  y += s · xa Bᵀ
+        let mut xa = vec![0f32; n * r];
+        sgemm(n, r, inp, &mut xa, r, false, &self.dropped(x), inp, 1, a, 1, inp, 1.0, threads);
+        sgemm(n, out, r, &mut y, out, true, &xa, r, 1, b, 1, r, self.scale, threads);
+        Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((n, out))))
+    }
+
+    fn bwd(&self, x: &Tensor, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let ((n, inp), (r, _), (out, _)) = (x.dims2()?, a.dims2()?, b.dims2()?);
+        let (xe, ae, be, ge) = (f32_elems(x)?, f32_elems(a)?, f32_elems(b)?, f32_elems(g)?);
+        let threads = candle_core::utils::get_num_threads();
+        let s = self.scale;
+        let xd = self.dropped(&xe); // [N, in]
+        // u [N, R] = g B
+        let mut u = vec![0f32; n * r];
+        sgemm(n, r, out, &mut u, r, false, &ge, out, 1, &be, r, 1, 1.0, threads);
+        // dx [N, in] = g W + s · m ⊙ (u A)
+        let mut dx = frozen_gemm(&ge, n, &self.w, true)?;
+        match &self.mask {
+            None => sgemm(n, inp, r, &mut dx, inp, true, &u, r, 1, &ae, inp, 1, s, threads),
+            Some(m) => {
+                let mut ua = vec![0f32; n * inp];
+                sgemm(n, inp, r, &mut ua, inp, false, &u, r, 1, &ae, inp, 1, s, threads);
+                dx.iter_mut().zip(&ua).zip(m).for_each(|((d, v), m)| *d += v * m);
+            }
+        }
+        // dA [R, in] = s · uᵀ (m ⊙ x)
+        let mut da = vec![0f32; r * inp];
+        sgemm(r, inp, n, &mut da, inp, false, &u, 1, r, &xd, inp, 1, s, threads);
+        // dB [out, R] = s · gᵀ xa, xa = (m ⊙ x) Aᵀ [N, R] recomputed
+        let mut xa = vec![0f32; n * r];
+        sgemm(n, r, inp, &mut xa, r, false, &xd, inp, 1, &ae, 1, inp, 1.0, threads);
+        let mut db = vec![0f32; out * r];
+        sgemm(out, r, n, &mut db, r, false, &ge, 1, out, &xa, r, 1, s, threads);
+        let dev = x.device();
+        Ok((
+            Some(Tensor::from_vec(dx, (n, inp), dev)?),
+            Some(Tensor::from_vec(da, (r, inp), dev)?),
+            Some(Tensor::from_vec(db, (out, r), dev)?),
+        ))
     }
 }
 
@@ -520,6 +653,64 @@ mod frozen_tests {
         let diff = (gx - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         println!("{kernel:?} input gradient: max |diff| {diff:e}");
         assert!(diff < 1e-5, "input gradient differs by {diff}");
+        Ok(())
+    }
+
+    /// The fused LoRA op against the same math from candle ops: value and the gradients of
+    /// x, A and B, with and without a dropout mask, for an f32 W and (where there is a bf16
+    /// unit) a bf16 W against f32 math on bf16-rounded inputs.
+    #[test]
+    fn lora_linear_matches_candle_ops_in_value_and_gradients_of_x_a_and_b() -> Result<()> {
+        let dev = Device::Cpu;
+        let (n, i, o, r) = (37, 70, 50, 4);
+        let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect::<Vec<_>>();
+        let w32 = Tensor::from_vec(vals(o * i, 5, 11), (o, i), &dev)?;
+        let g = Tensor::from_vec(vals(n * o, 7, 9), (n, o), &dev)?;
+        let mask: Vec<f32> = (0..n * i).map(|v| if v % 7 == 3 { 0.0 } else { 1.25 }).collect();
+        let mut weights = vec![("f32", w32.clone())];
+        if crate::bf16_gemm::available() {
+            weights.push(("bf16", w32.to_dtype(DType::BF16)?));
+        }
+        for (wname, w) in &weights {
+            for masked in [false, true] {
+                let x = Var::from_vec(vals(n * i, 17, 13), (n, i), &dev)?;
+                let a = Var::from_vec(vals(r * i, 3, 7), (r, i), &dev)?;
+                let b = Var::from_vec(vals(o * r, 11, 5), (o, r), &dev)?;
+                let m = masked.then(|| mask.clone());
+                let got = lora_linear(x.as_tensor(), w, a.as_tensor(), b.as_tensor(), 2.0, m.clone())?;
+                // Reference: candle ops, with the frozen matmul's bf16 rounding of its input
+                // (x forward, g backward) applied explicitly for a bf16 W.
+                let round = |t: &Tensor| -> Result<Tensor> {
+                    if *wname == "bf16" { t.to_dtype(DType::BF16)?.to_dtype(DType::F32) } else { Ok(t.clone()) }
+                };
+                let xd = match &m {
+                    Some(m) => (x.as_tensor() * Tensor::from_vec(m.clone(), (n, i), &dev)?)?,
+                    None => x.as_tensor().clone(),
+                };
+                let lora = xd.matmul(&a.t()?)?.matmul(&(b.as_tensor() * 2.0)?.t()?)?;
+                let wf = w.to_dtype(DType::F32)?; // W as the kernel sees it
+                let base = round(x.as_tensor())?.detach().matmul(&wf.t()?)?;
+                let want = (&base + &lora)?;
+                let d = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(d < 1e-5, "{wname} masked={masked}: value differs by {d}");
+                let gg = (got * &g)?.sum_all()?.backward()?;
+                let gw = (want * &g)?.sum_all()?.backward()?;
+                // x's gradient through W is g W (rounded g for bf16), added by hand to the
+                // reference, whose base term was detached.
+                let dx_base = round(&g)?.matmul(&wf)?;
+                let pairs = [
+                    ("dx", gg.get(&x).cloned(), Some((gw.get(&x).expect("dx").clone() + dx_base)?)),
+                    ("dA", gg.get(&a).cloned(), gw.get(&a).cloned()),
+                    ("dB", gg.get(&b).cloned(), gw.get(&b).cloned()),
+                ];
+                for (name, got, want) in pairs {
+                    let (got, want) = (got.expect("fused grad"), want.expect("reference grad"));
+                    let d = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    println!("{wname} W, mask {masked}: {name} max |diff| {d:e}");
+                    assert!(d < 1e-5, "{wname} masked={masked}: {name} differs by {d}");
+                }
+            }
+        }
         Ok(())
     }
 
