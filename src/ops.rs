@@ -485,7 +485,8 @@ impl candle_core::CustomOp1 for FrozenMatmul {
         let (n, _) = layout.shape().dims2()?;
         let x = cpu_f32("frozen-matmul", storage, layout)?;
         let y = frozen_gemm(x, n, &self.w, self.input_grad)?;
-        let cols = y.len().checked_div(n).unwrap_or(0);
+        let (out, inp) = self.w.dims2()?;
+        let cols = if self.input_grad { inp } else { out };
         Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((n, cols))))
     }
 
