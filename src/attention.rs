@@ -26,7 +26,7 @@
 //! instead of tiling them because one strip row fits in cache at the lengths we train.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
-use crate::ops::{exp_f32, sgemm, sum_f32};
+use crate::ops::{exp_f32, sgemm, sum_f32, zeros_f32};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -125,7 +125,7 @@ impl candle_core::CustomOp3 for CausalAttention {
         let (b, nh, kv, s, d) = dims(ql, kl)?;
         let (q, k, v) = (f32_slice(qs, ql, "q")?, f32_slice(ks, kl, "k")?, f32_slice(vs, vl, "v")?);
         let r = nh / kv;
-        let mut out = vec![0f32; b * nh * s * d];
+        let mut out = zeros_f32(b * nh * s * d);
         let mut lse = vec![0f32; b * nh * s];
         let scale = self.scale;
         // One unit per (b, h): its out rows [S, D] and lse [S].
@@ -173,10 +173,10 @@ impl candle_core::CustomOp3 for CausalAttention {
         let (qe, ke, ve, oe, ge) = (e(q)?, e(k)?, e(v)?, e(out)?, e(g)?);
         let (qh, kh, vh, oh, gh): (&[f32], &[f32], &[f32], &[f32], &[f32]) = (&qe, &ke, &ve, &oe, &ge);
         let scale = self.scale;
-        let mut dq = vec![0f32; b * nh * s * d];
+        let mut dq = zeros_f32(b * nh * s * d);
         // Per query head: its contribution to its kv head's dk and dv.
-        let mut dk_h = vec![0f32; b * nh * s * d];
-        let mut dv_h = vec![0f32; b * nh * s * d];
+        let mut dk_h = zeros_f32(b * nh * s * d);
+        let mut dv_h = zeros_f32(b * nh * s * d);
         dq.par_chunks_mut(s * d)
             .zip(dk_h.par_chunks_mut(s * d))
             .zip(dv_h.par_chunks_mut(s * d))
@@ -227,7 +227,7 @@ impl candle_core::CustomOp3 for CausalAttention {
             });
         // dk, dv [B, KV, S, D]: the R query heads of each kv head, summed in head order.
         let fold = |per_head: &[f32]| -> Vec<f32> {
-            let mut acc = vec![0f32; b * kv * s * d];
+            let mut acc = zeros_f32(b * kv * s * d);
             acc.par_chunks_mut(s * d).enumerate().for_each(|(unit, a)| {
                 let (bi, gi) = (unit / kv, unit % kv);
                 for j in 0..r {

@@ -124,11 +124,8 @@ impl PackedB {
     fn packed(k: usize, n: usize, fill: impl Fn(usize, &mut [u16]) + Sync) -> Self {
         let kb = round_up(k, TK) / TK;
         let nb = round_up(n, 2 * TM) / TM;
-        let mut tiles = vec![0u16; nb * kb * TM * TK];
-        if !tiles.is_empty() {
-            // (k or n is 0 otherwise: `gemm` returns zeros or nothing)
-            tiles.par_chunks_mut(kb * TM * TK).enumerate().for_each(|(bn, strip)| fill(bn, strip));
-        }
+        // (k or n is 0 when this is empty: `gemm` then returns zeros or nothing)
+        let tiles = crate::ops::par_zeroed(nb * kb * TM * TK, kb * TM * TK, fill);
         PackedB { k, n, kb, nb, tiles }
     }
 
@@ -233,10 +230,11 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     let mp = round_up(m, 2 * TM);
     let np = b.nb * TM;
     // A as bf16 [MP, KP], zero padded: rows are tile rows, so the loads need no masking.
-    let mut ab = vec![0u16; mp * kp];
-    ab.par_chunks_mut(kp).zip(a[..m * k].par_chunks(k)).for_each(|(dst, src)| {
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = bf16_bits(s);
+    let ab = crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
+        if r < m {
+            for (d, &s) in dst.iter_mut().zip(&a[r * k..][..k]) {
+                *d = bf16_bits(s);
+            }
         }
     });
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
@@ -269,14 +267,11 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     // SAFETY: k >= 1, so b.kb >= 1, the panel loop ran and its first panel stored every block
     // of the [MP, NP] buffer (the tasks cover all row blocks x column pairs), i.e. every element.
     unsafe { cbuf_vec.set_len(mp * np) };
-    if mp == m && np == n {
+    if np == n {
+        cbuf_vec.truncate(m * n); // padding rows are at the end
         return cbuf_vec;
     }
-    let mut c = Vec::with_capacity(m * n);
-    for row in cbuf_vec.chunks(np).take(m) {
-        c.extend_from_slice(&row[..n]);
-    }
-    c
+    crate::ops::par_zeroed(m * n, n, |r, row: &mut [f32]| row.copy_from_slice(&cbuf_vec[r * np..][..n]))
 }
 
 /// A must be exactly [M, K] for B's K: rows of another width would be read with the wrong

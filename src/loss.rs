@@ -102,7 +102,7 @@ fn softmax_ce_rows(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64,
     };
     let Some((o, e)) = layout.contiguous_offsets() else { candle_core::bail!("softmax_ce_rows: contiguous logits expected") };
     let data = &data[o..e];
-    let mut grad = vec![0f32; c * v];
+    let mut grad = crate::ops::zeros_f32(c * v);
     let scale = scale as f32;
     let ce: f64 = grad
         .par_chunks_mut(v)

@@ -35,6 +35,37 @@ pub fn sum_f32(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `len` zeros, zeroed in parallel chunks of `chunk`, each chunk then handed to `fill(index,
+/// chunk)`. Why not `vec![0; len]` and a parallel fill: that zeroes the whole buffer on the
+/// calling thread first, a serial memset (and page faults) of up to tens of MB per GEMM or op
+/// while the other cores wait.
+pub fn par_zeroed<T: Copy + Default + Send>(len: usize, chunk: usize, fill: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut v: Vec<T> = Vec::with_capacity(len);
+    v.spare_capacity_mut()[..len].par_chunks_mut(chunk.max(1)).enumerate().for_each(|(i, c)| {
+        for x in c.iter_mut() {
+            x.write(T::default());
+        }
+        // SAFETY: every element of `c` was initialised just above.
+        let c = unsafe { &mut *(c as *mut [std::mem::MaybeUninit<T>] as *mut [T]) };
+        fill(i, c);
+    });
+    // SAFETY: the chunks cover 0..len and each was initialised.
+    unsafe { v.set_len(len) };
+    v
+}
+
+/// `len` f32 zeros, zeroed in parallel when large: output buffers of the fused ops are
+/// allocated on the calling thread, and `vec![0f32; len]` there was a serial memset (plus
+/// first-touch page faults) of every activation-sized buffer while the pool waited.
+pub fn zeros_f32(len: usize) -> Vec<f32> {
+    const SERIAL: usize = 1 << 16;
+    if len <= SERIAL {
+        return vec![0f32; len];
+    }
+    par_zeroed(len, SERIAL / 4, |_, _: &mut [f32]| {})
+}
+
 /// RMSNorm as transformers' LlamaRMSNorm: `x * rsqrt(mean(x^2) + eps) * weight`, in f32.
 /// The weight is a frozen constant (it gets no gradient). On CPU f32 this is one fused op
 /// (one pass forward, one backward) instead of eight element-wise ops, each with its own
@@ -139,7 +170,7 @@ impl candle_core::CustomOp1 for RmsNorm {
         if layout.shape().dims().last() != Some(&h) || h == 0 {
             candle_core::bail!("rms-norm: input {:?} does not end in the weight's {h}", layout.shape());
         }
-        let mut y = vec![0f32; x.len()];
+        let mut y = zeros_f32(x.len());
         y.par_chunks_mut(h).zip(x.par_chunks(h)).for_each(|(yr, xr)| {
             let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
             let inv = 1.0 / (ms + self.eps).sqrt();
@@ -154,7 +185,7 @@ impl candle_core::CustomOp1 for RmsNorm {
         // dx_j = r w_j g_j − x_j r³ / H · Σ_i w_i g_i x_i
         let (x, g) = (f32_elems(arg)?, f32_elems(grad_res)?);
         let h = self.w.len();
-        let mut dx = vec![0f32; x.len()];
+        let mut dx = zeros_f32(x.len());
         dx.par_chunks_mut(h).zip(x.par_chunks(h)).zip(g.par_chunks(h)).for_each(|((dr, xr), gr)| {
             let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
             let r = 1.0 / (ms + self.eps).sqrt();
@@ -185,7 +216,7 @@ impl candle_core::CustomOp2 for SwiGlu {
     fn cpu_fwd(&self, s1: &candle_core::CpuStorage, l1: &candle_core::Layout, s2: &candle_core::CpuStorage, l2: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
         use rayon::prelude::*;
         let (g, u) = (cpu_f32("swiglu", s1, l1)?, cpu_f32("swiglu", s2, l2)?);
-        let mut y = vec![0f32; g.len()];
+        let mut y = zeros_f32(g.len());
         y.par_chunks_mut(4096).zip(g.par_chunks(4096)).zip(u.par_chunks(4096)).for_each(|((y, g), u)| {
             y.iter_mut().zip(g).zip(u).for_each(|((o, &g), &u)| *o = g / (1.0 + exp_f32(-g)) * u);
         });
@@ -196,8 +227,8 @@ impl candle_core::CustomOp2 for SwiGlu {
         use rayon::prelude::*;
         // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g)))
         let (gv, uv, dy) = (f32_elems(g)?, f32_elems(u)?, f32_elems(grad_res)?);
-        let mut dg = vec![0f32; gv.len()];
-        let mut du = vec![0f32; gv.len()];
+        let mut dg = zeros_f32(gv.len());
+        let mut du = zeros_f32(gv.len());
         // Zipped chunks, no indexing: the loop vectorises (exp_f32 included).
         dg.par_chunks_mut(4096)
             .zip(du.par_chunks_mut(4096))
@@ -312,7 +343,7 @@ impl Heads {
     fn map(&self, src: &[f32], src_heads_first: bool, f: impl Fn(&[f32], &mut [f32], usize) + Sync) -> Vec<f32> {
         use rayon::prelude::*;
         let (_, s, n, d) = self.dims;
-        let mut dst = vec![0f32; src.len()];
+        let mut dst = zeros_f32(src.len());
         // One chunk per (b, s) row of [B, S, N, D] or per (b, n) of [B, N, S, D], whichever dst is.
         let chunk = if src_heads_first { n * d } else { s * d };
         dst.par_chunks_mut(chunk).enumerate().for_each(|(c, out)| {
@@ -604,7 +635,7 @@ impl candle_core::CustomOp3 for LoraMatmul {
         match &self.mask {
             None => sgemm(n, inp, r, &mut dx, inp, true, &u, r, 1, &ae, inp, 1, s, threads),
             Some(m) => {
-                let mut ua = vec![0f32; n * inp];
+                let mut ua = zeros_f32(n * inp);
                 sgemm(n, inp, r, &mut ua, inp, false, &u, r, 1, &ae, inp, 1, s, threads);
                 dx.iter_mut().zip(&ua).zip(m).for_each(|((d, v), m)| *d += v * m);
             }

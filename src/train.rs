@@ -654,7 +654,7 @@ pub fn evaluate_part(model: &Llama, adapters: &Adapters, examples: &[crate::data
         let j = round * world + rank;
         let (chunk, keep) = if j < chunks.len() { (chunks[j], true) } else { (chunks[0], false) };
         let mb = MicroBatch::collate(chunk);
-        let device = model.embed_tokens()?.device().clone();
+        let device = model.device();
         let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), None, &device)?;
         let ids = Tensor::from_slice(&mb.input_ids, (mb.rows, mb.seq), &device)?;
         let mut x = model.embed(&ids)?;
@@ -713,7 +713,7 @@ pub fn forward_backward(
     checkpointing: bool,
     grads: &mut [Option<Tensor>],
 ) -> Result<f64> {
-    let device = model.embed_tokens()?.device().clone();
+    let device = model.device();
     let (b, s) = (mb.rows, mb.seq);
     let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), dropout, &device)?;
     let ids = Tensor::from_slice(&mb.input_ids, (b, s), &device)?;

@@ -20,6 +20,9 @@ pub trait WeightSource: Send + Sync {
     fn compute_dtype(&self) -> DType;
     /// Whether a tensor exists (for optional tensors such as a tied lm_head).
     fn contains(&self, name: &str) -> bool;
+    /// Where `get` puts tensors (asking for a tensor just to learn this would convert it,
+    /// or under ZeRO-3 gather it).
+    fn device(&self) -> &Device;
     /// The dtype of frozen matmul operands (`get_matmul`): the compute dtype, unless the
     /// source was told to hand bf16 weights to `ops::frozen_linear` (a bf16 base on a CPU with a bf16 unit).
     fn matmul_dtype(&self) -> DType {
@@ -282,6 +285,9 @@ impl WeightSource for ResidentWeights {
     fn compute_dtype(&self) -> DType {
         self.compute_dtype
     }
+    fn device(&self) -> &Device {
+        &self.device
+    }
     fn matmul_dtype(&self) -> DType {
         self.matmul_dtype
     }
@@ -330,6 +336,9 @@ impl StreamingWeights {
 impl WeightSource for StreamingWeights {
     fn compute_dtype(&self) -> DType {
         self.compute_dtype
+    }
+    fn device(&self) -> &Device {
+        &self.device
     }
     fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.files.load(name, shape, &self.device)

@@ -287,6 +287,9 @@ impl WeightSource for ShardedWeights {
     fn compute_dtype(&self) -> DType {
         self.compute_dtype
     }
+    fn device(&self) -> &Device {
+        &self.device
+    }
     fn matmul_dtype(&self) -> DType {
         self.matmul_dtype
     }
