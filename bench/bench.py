@@ -4,6 +4,7 @@ threads and batch, measured in one run so only ratios matter.
 
   make bench                      # builds, prepares .venv and the model, runs everything
   python3 bench/bench.py --quick  # fewer steps
+  python3 bench/bench.py --sections main,batch1 --steps 5   # the speed tables, more timed steps
 
 The model is a random-weight SmolLM2-135M-shaped Llama written by `finetune synth` (HF layout,
 so PEFT loads the very same files). LoRA rank 16 on q/k/v/o, 2 threads. Sections: the data
@@ -200,12 +201,18 @@ def table(title, rows, peak, fpt_of):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed step")
+    # Each row is its own process, so a noisy neighbour can slow one row and not the next; the
+    # median of 3 timed steps shrugs off one slow step, which 2 could not (their median is the
+    # mean). More steps cost a longer run (each row is ~10-40 s per step here).
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per row (median taken), after 1 warm-up")
     ap.add_argument("--data-only", action="store_true", help="only the data-loader benchmark")
     ap.add_argument("--data-rows", type=int, default=1_000_000)
     ap.add_argument("--sections", default="data,main,batch1,scaling",
                     help="comma list of: data, main (4 x 512 f32/bf16), batch1 (1 x 512), scaling (seq 256..2048, 2048 tokens/step)")
     a = ap.parse_args()
-    steps, warmup = (1, 1) if a.quick else (2, 1)
+    if a.steps < 1:
+        sys.exit("bench: --steps must be at least 1")
+    steps, warmup = (1, 1) if a.quick else (a.steps, 1)
     sections = set(a.sections.split(","))
     cache = os.path.join(ROOT, ".cache", "bench")
     os.makedirs(cache, exist_ok=True)
