@@ -20,8 +20,9 @@
 //!   dv += p^T · dout,  dp = dout · v^T,  ds = p ⊙ (dp − rowsum(dout ⊙ out)) · scale,
 //!   dq = ds · k,  dk += ds^T · q
 //! GQA: query head h reads kv head h / R (transformers' `repeat_kv` order). Each query head
-//! accumulates its own dk/dv, summed over the R heads of a group afterwards in a fixed order,
-//! so heads run in parallel and results do not depend on the thread count.
+//! (with few heads, each of two groups of its strips: `parts_for`) accumulates its own dk/dv,
+//! summed over the R heads of a group afterwards in a fixed order, so heads run in parallel
+//! and results do not depend on the thread count.
 //! Reference: Dao, "FlashAttention-2" (2023), Algorithm 2; we keep whole strips of keys
 //! instead of tiling them because one strip row fits in cache at the lengths we train.
 
@@ -95,6 +96,34 @@ fn strip_keys(starts: &[u32], q0: usize, m: usize) -> (usize, usize) {
     (kbeg, q0 + m)
 }
 
+/// Strip groups per (b, head) unit. With few units (batch 1: 9 heads, which 2 threads run as
+/// 5 + 4) each unit's strips are dealt into 2 groups of equal work, twice as many tasks. A
+/// function of the shapes only, so results do not depend on the thread count.
+fn parts_for(units: usize) -> usize {
+    if units < 16 { 2 } else { 1 }
+}
+
+/// Whether strip `i` of `n` is in group `g` of `parts`: strips pair up from both ends (i and
+/// n − 1 − i see about n + 1 strips of keys together) and the pairs are dealt in turn.
+fn in_part(i: usize, n: usize, g: usize, parts: usize) -> bool {
+    i.min(n - 1 - i) % parts == g
+}
+
+/// A buffer that tasks write disjoint ranges of (strips of one unit go to different tasks).
+struct Shared(*mut f32);
+// SAFETY: only used through `rows`, whose callers write disjoint ranges.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// # Safety
+    /// `at..at + len` is inside the buffer and no other task touches it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn rows(&self, at: usize, len: usize) -> &mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+    }
+}
+
 /// Shapes of one call: (B, NH, KV, S, D).
 fn dims(q: &Layout, k: &Layout) -> Result<(usize, usize, usize, usize, usize)> {
     let (b, nh, s, d) = q.shape().dims4()?;
@@ -128,16 +157,26 @@ impl candle_core::CustomOp3 for CausalAttention {
         let mut out = zeros_f32(b * nh * s * d);
         let mut lse = vec![0f32; b * nh * s];
         let scale = self.scale;
-        // One unit per (b, h): its out rows [S, D] and lse [S].
-        out.par_chunks_mut(s * d).zip(lse.par_chunks_mut(s)).enumerate().for_each(|(unit, (o, l))| {
+        let units = b * nh;
+        let parts = parts_for(units);
+        let n_strips = s.div_ceil(STRIP);
+        let (out_at, lse_at) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
+        // One task per (b, h) unit and strip group: its strips' out rows [m, D] and lse [m].
+        (0..units * parts).into_par_iter().for_each(|task| {
+            let (unit, part) = (task / parts, task % parts);
             let (bi, h) = (unit / nh, unit % nh);
             let q = &q[unit * s * d..][..s * d]; // [S, D]
             let kvo = (bi * kv + h / r) * s * d;
             let (k, v) = (&k[kvo..][..s * d], &v[kvo..][..s * d]); // [S, D] each
             let starts = &self.key_start[bi * s..][..s];
             let mut p = vec![0f32; STRIP * s];
-            for q0 in (0..s).step_by(STRIP) {
+            for (si, q0) in (0..s).step_by(STRIP).enumerate() {
+                if !in_part(si, n_strips, part, parts) {
+                    continue;
+                }
                 let m = STRIP.min(s - q0);
+                // SAFETY: strip si of this unit is in exactly one group, i.e. one task.
+                let (o, l) = unsafe { (out_at.rows((unit * s + q0) * d, m * d), lse_at.rows(unit * s + q0, m)) };
                 let (kbeg, kend) = strip_keys(starts, q0, m);
                 let w = kend - kbeg;
                 let p = &mut p[..m * w]; // [m, w]: query q0 + i against key kbeg + j
@@ -151,10 +190,10 @@ impl candle_core::CustomOp3 for CausalAttention {
                     row[lo..hi].iter_mut().for_each(|x| *x *= inv);
                     row[..lo].fill(0.0);
                     row[hi..].fill(0.0);
-                    l[q0 + i] = max + sum.ln();
+                    l[i] = max + sum.ln();
                 }
                 // out[q0..q0+m] [m, D] = p [m, w] · v[kbeg..kend] [w, D]
-                sgemm(m, d, w, &mut o[q0 * d..], d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0, 1);
+                sgemm(m, d, w, o, d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0, 1);
             }
         });
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
@@ -174,14 +213,18 @@ impl candle_core::CustomOp3 for CausalAttention {
         let (qh, kh, vh, oh, gh): (&[f32], &[f32], &[f32], &[f32], &[f32]) = (&qe, &ke, &ve, &oe, &ge);
         let scale = self.scale;
         let mut dq = zeros_f32(b * nh * s * d);
-        // Per query head: its contribution to its kv head's dk and dv.
-        let mut dk_h = zeros_f32(b * nh * s * d);
-        let mut dv_h = zeros_f32(b * nh * s * d);
-        dq.par_chunks_mut(s * d)
-            .zip(dk_h.par_chunks_mut(s * d))
+        let units = b * nh;
+        let parts = parts_for(units);
+        let n_strips = s.div_ceil(STRIP);
+        // Per task (query head and strip group): its contribution to its kv head's dk and dv.
+        let mut dk_h = zeros_f32(units * parts * s * d);
+        let mut dv_h = zeros_f32(units * parts * s * d);
+        let dq_at = Shared(dq.as_mut_ptr());
+        dk_h.par_chunks_mut(s * d)
             .zip(dv_h.par_chunks_mut(s * d))
             .enumerate()
-            .for_each(|(unit, ((dq, dk), dv))| {
+            .for_each(|(task, (dk, dv))| {
+                let (unit, part) = (task / parts, task % parts);
                 let (bi, h) = (unit / nh, unit % nh);
                 let at = unit * s * d;
                 let (q, o, g) = (&qh[at..][..s * d], &oh[at..][..s * d], &gh[at..][..s * d]); // [S, D] each
@@ -191,7 +234,10 @@ impl candle_core::CustomOp3 for CausalAttention {
                 let starts = &self.key_start[bi * s..][..s];
                 let mut p = vec![0f32; STRIP * s];
                 let mut dp = vec![0f32; STRIP * s];
-                for q0 in (0..s).step_by(STRIP) {
+                for (si, q0) in (0..s).step_by(STRIP).enumerate() {
+                    if !in_part(si, n_strips, part, parts) {
+                        continue;
+                    }
                     let m = STRIP.min(s - q0);
                     let (kbeg, kend) = strip_keys(starts, q0, m);
                     let w = kend - kbeg;
@@ -219,20 +265,23 @@ impl candle_core::CustomOp3 for CausalAttention {
                             *x = pv * (*x - delta) * scale;
                         }
                     }
+                    // SAFETY: strip si of this unit is in exactly one group, i.e. one task.
+                    let dq = unsafe { dq_at.rows((unit * s + q0) * d, m * d) };
                     // dq_strip [m, D] = ds [m, w] · k[kbeg..kend] [w, D]
-                    sgemm(m, d, w, &mut dq[q0 * d..], d, false, dp, w, 1, ks, d, 1, 1.0, 1);
+                    sgemm(m, d, w, dq, d, false, dp, w, 1, ks, d, 1, 1.0, 1);
                     // dk[kbeg..kend] += ds^T [w, m] · q_strip [m, D]
                     sgemm(w, d, m, &mut dk[kbeg * d..], d, true, dp, 1, w, &q[q0 * d..], d, 1, 1.0, 1);
                 }
             });
-        // dk, dv [B, KV, S, D]: the R query heads of each kv head, summed in head order.
-        let fold = |per_head: &[f32]| -> Vec<f32> {
+        // dk, dv [B, KV, S, D]: the R query heads of each kv head (and their strip groups),
+        // summed in a fixed order.
+        let fold = |per_task: &[f32]| -> Vec<f32> {
             let mut acc = zeros_f32(b * kv * s * d);
             acc.par_chunks_mut(s * d).enumerate().for_each(|(unit, a)| {
                 let (bi, gi) = (unit / kv, unit % kv);
-                for j in 0..r {
-                    let h = (bi * nh + gi * r + j) * s * d;
-                    a.iter_mut().zip(&per_head[h..][..s * d]).for_each(|(x, y)| *x += y);
+                for j in 0..r * parts {
+                    let t = (bi * nh + gi * r) * parts + j;
+                    a.iter_mut().zip(&per_task[t * s * d..][..s * d]).for_each(|(x, y)| *x += y);
                 }
             });
             acc
@@ -256,11 +305,20 @@ mod tests {
 
     /// The fused op equals the generic path in value and in all three gradients, with GQA
     /// (R = 3), several strips, a short last strip (S = 150 = 2 x 64 + 22), and packed
-    /// records (one of a single token) in the second row.
+    /// records (one of a single token) in the second row; with few heads (strips split into
+    /// two groups per head) and with enough heads (one task per head).
     #[test]
     fn fused_causal_attention_matches_the_generic_path() -> Result<()> {
+        for (nh, kv) in [(6, 2), (9, 3)] {
+            assert_eq!(parts_for(2 * nh), if nh == 6 { 2 } else { 1 }, "both task splits are covered");
+            fused_matches_generic(nh, kv)?;
+        }
+        Ok(())
+    }
+
+    fn fused_matches_generic(nh: usize, kv: usize) -> Result<()> {
         let dev = Device::Cpu;
-        let (b, nh, kv, s, d) = (2, 6, 2, 150, 16);
+        let (b, s, d) = (2, 150, 16);
         let q = Var::from_vec(pseudo(b * nh * s * d, 1), (b, nh, s, d), &dev)?;
         let k = Var::from_vec(pseudo(b * kv * s * d, 2), (b, kv, s, d), &dev)?;
         let v = Var::from_vec(pseudo(b * kv * s * d, 3), (b, kv, s, d), &dev)?;
