@@ -2,6 +2,7 @@
 //! `rotary_emb::rope` have no backward (autograd silently treats them as constants, see
 //! shared/CANDLE-FACTS.md), so training code must use these instead.
 
+use std::sync::Mutex;
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// e^x in f32 within 2 ulp of `f32::exp` on [-87, 88] (clamped outside), written so the
@@ -158,32 +159,24 @@ impl<G: std::ops::Deref<Target = candle_core::Storage>> std::ops::Deref for F32E
     }
 }
 
-impl candle_core::CustomOp1 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "rms-norm"
-    }
-
-    fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+impl RmsNorm {
+    /// x [rows, H] -> y = x · r · w per row, r = (mean(x²) + eps)^-1/2.
+    fn forward_rows(&self, x: &[f32]) -> Vec<f32> {
         use rayon::prelude::*;
-        let x = cpu_f32("rms-norm", storage, layout)?;
         let h = self.w.len();
-        if layout.shape().dims().last() != Some(&h) || h == 0 {
-            candle_core::bail!("rms-norm: input {:?} does not end in the weight's {h}", layout.shape());
-        }
         let mut y = zeros_f32(x.len());
         y.par_chunks_mut(h).zip(x.par_chunks(h)).for_each(|(yr, xr)| {
             let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
             let inv = 1.0 / (ms + self.eps).sqrt();
             yr.iter_mut().zip(xr).zip(&self.w).for_each(|((o, &v), &w)| *o = v * inv * w);
         });
-        Ok((candle_core::CpuStorage::F32(y), layout.shape().clone()))
+        y
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+    /// dx for x [rows, H] and dy [rows, H]:
+    /// dx_j = r w_j g_j − x_j r³ / H · Σ_i w_i g_i x_i
+    fn backward_rows(&self, x: &[f32], g: &[f32]) -> Vec<f32> {
         use rayon::prelude::*;
-        // y_j = w_j x_j r with r = (mean(x²) + eps)^-1/2:
-        // dx_j = r w_j g_j − x_j r³ / H · Σ_i w_i g_i x_i
-        let (x, g) = (f32_elems(arg)?, f32_elems(grad_res)?);
         let h = self.w.len();
         let mut dx = zeros_f32(x.len());
         dx.par_chunks_mut(h).zip(x.par_chunks(h)).zip(g.par_chunks(h)).for_each(|((dr, xr), gr)| {
@@ -193,7 +186,27 @@ impl candle_core::CustomOp1 for RmsNorm {
             let c = r * r * r * dot / h as f32;
             dr.iter_mut().zip(xr).zip(gr).zip(&self.w).for_each(|(((o, &x), &g), &w)| *o = r * w * g - x * c);
         });
-        Ok(Some(Tensor::from_vec(dx, arg.shape(), arg.device())?))
+        dx
+    }
+}
+
+impl candle_core::CustomOp1 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let x = cpu_f32("rms-norm", storage, layout)?;
+        let h = self.w.len();
+        if layout.shape().dims().last() != Some(&h) || h == 0 {
+            candle_core::bail!("rms-norm: input {:?} does not end in the weight's {h}", layout.shape());
+        }
+        Ok((candle_core::CpuStorage::F32(self.forward_rows(x)), layout.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let (x, g) = (f32_elems(arg)?, f32_elems(grad_res)?);
+        Ok(Some(Tensor::from_vec(self.backward_rows(&x, &g), arg.shape(), arg.device())?))
     }
 }
 
@@ -208,38 +221,49 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
 
 struct SwiGlu;
 
+/// silu(g) ⊙ u, elementwise.
+fn swiglu_rows(g: &[f32], u: &[f32]) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut y = zeros_f32(g.len());
+    y.par_chunks_mut(4096).zip(g.par_chunks(4096)).zip(u.par_chunks(4096)).for_each(|((y, g), u)| {
+        y.iter_mut().zip(g).zip(u).for_each(|((o, &g), &u)| *o = g / (1.0 + exp_f32(-g)) * u);
+    });
+    y
+}
+
+/// (dg, du) of silu(g) ⊙ u for the upstream dy:
+/// silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
+fn swiglu_rows_bwd(gv: &[f32], uv: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    use rayon::prelude::*;
+    let mut dg = zeros_f32(gv.len());
+    let mut du = zeros_f32(gv.len());
+    // Zipped chunks, no indexing: the loop vectorises (exp_f32 included).
+    dg.par_chunks_mut(4096)
+        .zip(du.par_chunks_mut(4096))
+        .zip(gv.par_chunks(4096).zip(uv.par_chunks(4096)).zip(dy.par_chunks(4096)))
+        .for_each(|((dg, du), ((x, uu), d))| {
+            for ((((dg, du), &x), &uu), &d) in dg.iter_mut().zip(du.iter_mut()).zip(x).zip(uu).zip(d) {
+                let sig = 1.0 / (1.0 + exp_f32(-x));
+                *du = d * x * sig;
+                *dg = d * uu * sig * (1.0 + x * (1.0 - sig));
+            }
+        });
+    (dg, du)
+}
+
 impl candle_core::CustomOp2 for SwiGlu {
     fn name(&self) -> &'static str {
         "swiglu"
     }
 
     fn cpu_fwd(&self, s1: &candle_core::CpuStorage, l1: &candle_core::Layout, s2: &candle_core::CpuStorage, l2: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use rayon::prelude::*;
         let (g, u) = (cpu_f32("swiglu", s1, l1)?, cpu_f32("swiglu", s2, l2)?);
-        let mut y = zeros_f32(g.len());
-        y.par_chunks_mut(4096).zip(g.par_chunks(4096)).zip(u.par_chunks(4096)).for_each(|((y, g), u)| {
-            y.iter_mut().zip(g).zip(u).for_each(|((o, &g), &u)| *o = g / (1.0 + exp_f32(-g)) * u);
-        });
-        Ok((candle_core::CpuStorage::F32(y), l1.shape().clone()))
+        Ok((candle_core::CpuStorage::F32(swiglu_rows(g, u)), l1.shape().clone()))
     }
 
     fn bwd(&self, g: &Tensor, u: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        use rayon::prelude::*;
-        // silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g)))
         let (gv, uv, dy) = (f32_elems(g)?, f32_elems(u)?, f32_elems(grad_res)?);
-        let mut dg = zeros_f32(gv.len());
-        let mut du = zeros_f32(gv.len());
-        // Zipped chunks, no indexing: the loop vectorises (exp_f32 included).
-        dg.par_chunks_mut(4096)
-            .zip(du.par_chunks_mut(4096))
-            .zip(gv.par_chunks(4096).zip(uv.par_chunks(4096)).zip(dy.par_chunks(4096)))
-            .for_each(|((dg, du), ((x, uu), d))| {
-                for ((((dg, du), &x), &uu), &d) in dg.iter_mut().zip(du.iter_mut()).zip(x).zip(uu).zip(d) {
-                    let sig = 1.0 / (1.0 + exp_f32(-x));
-                    *du = d * x * sig;
-                    *dg = d * uu * sig * (1.0 + x * (1.0 - sig));
-                }
-            });
+        let (dg, du) = swiglu_rows_bwd(&gv, &uv, &dy);
         let dg = Tensor::from_vec(dg, g.shape(), g.device())?;
         let du = Tensor::from_vec(du, u.shape(), u.device())?;
         Ok((Some(dg), Some(du)))
@@ -484,7 +508,7 @@ fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> Result<Vec<
     match w.dtype() {
         DType::F32 => {
             let w = f32_elems(w)?;
-            let mut dst = vec![0f32; n * cols];
+            let mut dst = zeros_f32(n * cols);
             // B = Wᵀ: B[kk, j] = W[j, kk]; B = W: B[kk, j] = W[kk, j].
             let (rs, cs) = if input_grad { (inp, 1) } else { (1, inp) };
             sgemm(n, cols, k, &mut dst, cols, false, x, k, 1, &w, rs, cs, 1.0, candle_core::utils::get_num_threads());
@@ -547,6 +571,82 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     } else {
         x.matmul(&w.to_dtype(x.dtype())?.t()?)
     }
+}
+
+/// The MLP half of a decoder layer when none of its projections is adapted (the default
+/// q/k/v/o targets): y = x + down(silu(gate(n)) ⊙ up(n)) with n = rms_norm(x, norm), for
+/// x [N, H], frozen gate/up [I, H] and down [H, I]. One op on CPU (`None` elsewhere: the caller
+/// then builds it from the separate ops, with the same result).
+///
+/// Why: with frozen projections this half has nothing to train, so candle's graph gains
+/// nothing from its seven nodes, while each of their edges costs a zeroed gradient buffer and
+/// an add of [N, H] or [N, I] floats on the calling thread. The backward, by hand:
+///   ds = dy Wd,  (dg, du) = swiglu'(g, u) ds,  dn = dg Wg + du Wu,  dx = dy + rms'(x) dn
+/// with g and u kept from the forward (recomputing them would be two of the three GEMMs).
+/// The sums are the ones the separate ops' backward makes (two terms each, so in any order),
+/// so both paths give the same bits.
+pub fn frozen_mlp_residual(x: &Tensor, norm: &Tensor, eps: f64, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Option<Tensor>> {
+    if x.rank() != 2 || ![gate, up, down].iter().all(|w| frozen_on_cpu(x, w)) {
+        return Ok(None);
+    }
+    let (h, i) = (x.dim(1)?, gate.dim(0)?);
+    if norm.dims() != [h] || gate.dims() != [i, h] || up.dims() != [i, h] || down.dims() != [h, i] {
+        candle_core::bail!(
+            "frozen-mlp: x {:?}, norm {:?}, gate {:?}, up {:?}, down {:?} do not form an MLP",
+            x.dims(), norm.dims(), gate.dims(), up.dims(), down.dims()
+        );
+    }
+    let rms = RmsNorm { w: norm.to_dtype(DType::F32)?.to_vec1::<f32>()?, eps: eps as f32 };
+    let op = FrozenMlp { rms, gate: gate.contiguous()?, up: up.contiguous()?, down: down.contiguous()?, kept: Mutex::new(None) };
+    Ok(Some(x.contiguous()?.apply_op1(op)?))
+}
+
+struct FrozenMlp {
+    rms: RmsNorm,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    /// g and u [N, I] from the forward, taken by the backward.
+    kept: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+}
+
+impl candle_core::CustomOp1 for FrozenMlp {
+    fn name(&self) -> &'static str {
+        "frozen-mlp"
+    }
+
+    fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (n, _) = layout.shape().dims2()?;
+        let x = cpu_f32("frozen-mlp", storage, layout)?;
+        let nx = self.rms.forward_rows(x); // [N, H]
+        let g = frozen_gemm(&nx, n, &self.gate, false)?; // [N, I]
+        let u = frozen_gemm(&nx, n, &self.up, false)?; // [N, I]
+        let mut y = frozen_gemm(&swiglu_rows(&g, &u), n, &self.down, false)?; // [N, H]
+        add_into(&mut y, x);
+        *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some((g, u));
+        Ok((candle_core::CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let n = x.dim(0)?;
+        let Some((g, u)) = self.kept.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            candle_core::bail!("frozen-mlp: backward without a forward");
+        };
+        let (xv, dyv) = (f32_elems(x)?, f32_elems(dy)?);
+        let ds = frozen_gemm(&dyv, n, &self.down, true)?; // [N, I]
+        let (dg, du) = swiglu_rows_bwd(&g, &u, &ds);
+        let mut dn = frozen_gemm(&dg, n, &self.gate, true)?; // [N, H]
+        add_into(&mut dn, &frozen_gemm(&du, n, &self.up, true)?);
+        let mut dx = self.rms.backward_rows(&xv, &dn);
+        add_into(&mut dx, &dyv);
+        Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}
+
+/// a += b, elementwise, in parallel chunks.
+fn add_into(a: &mut [f32], b: &[f32]) {
+    use rayon::prelude::*;
+    a.par_chunks_mut(1 << 14).zip(b.par_chunks(1 << 14)).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(x, y)| *x += y));
 }
 
 /// A LoRA linear without its bias, y = x Wᵀ + s · (m ⊙ x) Aᵀ Bᵀ, as one op on CPU: x [N, in],
@@ -742,6 +842,39 @@ mod frozen_tests {
                     assert!(d < 1e-5, "{wname} masked={masked}: {name} differs by {d}");
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The fused MLP half equals the separate ops it replaces (rms_norm, frozen_linear x3,
+    /// swiglu, residual add) bit for bit, in value and in x's gradient: same kernels, and each
+    /// gradient sum has two terms. For an f32 W and, with a bf16 unit, a bf16 W.
+    #[test]
+    fn frozen_mlp_residual_equals_the_separate_ops_in_value_and_input_gradient() -> Result<()> {
+        let dev = Device::Cpu;
+        let (n, h, i) = (37, 24, 70);
+        let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.05).collect::<Vec<_>>();
+        let norm = Tensor::from_vec(vals(h, 3, 7).iter().map(|v| 1.0 + v).collect::<Vec<_>>(), h, &dev)?;
+        let g = Tensor::from_vec(vals(n * h, 7, 9), (n, h), &dev)?;
+        let mut dtypes = vec![DType::F32];
+        if crate::bf16_gemm::available() {
+            dtypes.push(DType::BF16);
+        }
+        for dt in dtypes {
+            let gate = Tensor::from_vec(vals(i * h, 5, 11), (i, h), &dev)?.to_dtype(dt)?;
+            let up = Tensor::from_vec(vals(i * h, 13, 17), (i, h), &dev)?.to_dtype(dt)?;
+            let down = Tensor::from_vec(vals(h * i, 11, 13), (h, i), &dev)?.to_dtype(dt)?;
+            let x = Var::from_vec(vals(n * h, 17, 19), (n, h), &dev)?;
+            let got = frozen_mlp_residual(x.as_tensor(), &norm, 1e-5, &gate, &up, &down)?.expect("fused on cpu");
+            let nx = rms_norm(x.as_tensor(), &norm, 1e-5)?;
+            let m = frozen_linear(&swiglu(&frozen_linear(&nx, &gate)?, &frozen_linear(&nx, &up)?)?, &down)?;
+            let want = (x.as_tensor() + m)?;
+            let dv = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let dx_got = (got * &g)?.sum_all()?.backward()?.get(&x).cloned().expect("fused dx");
+            let dx_want = (want * &g)?.sum_all()?.backward()?.get(&x).cloned().expect("reference dx");
+            let dd = (dx_got - dx_want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            println!("{dt:?} W: value max |diff| {dv:e}, dx max |diff| {dd:e}");
+            assert!(dv == 0.0 && dd == 0.0, "{dt:?} W: value differs by {dv}, dx by {dd}");
         }
         Ok(())
     }

@@ -185,6 +185,16 @@ impl<'a> Mlp<'a> {
         })
     }
 
+    /// x + mlp(rms_norm(x, norm)) as one op (`ops::frozen_mlp_residual`) when no projection
+    /// here is adapted or biased; `None` when the separate ops must run (adapters, or not CPU).
+    pub fn frozen_residual(&self, x: &Tensor, norm: &Tensor, eps: f64) -> Result<Option<Tensor>> {
+        let plain = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|p| p.lora.is_none() && p.bias.is_none());
+        if !plain {
+            return Ok(None);
+        }
+        Ok(ops::frozen_mlp_residual(x, norm, eps, &self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight)?)
+    }
+
     /// x [N, H] -> [N, H]
     pub fn forward(&self, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
         let g = self.gate_proj.forward(x, drop)?; // [N, I]
@@ -225,9 +235,14 @@ impl<'a> DecoderLayer<'a> {
         let x = if x.rank() == 2 { x.clone() } else { x.reshape(((), h))? }; // [N, H]
         let a = self.self_attn.forward_cached(&ops::rms_norm(&x, &self.input_layernorm, self.eps)?, ctx, cache)?;
         let x = (x + a)?;
-        let n = ops::rms_norm(&x, &self.post_attention_layernorm, self.eps)?; // [N, H]
-        let m = self.mlp.forward(&n, ctx.dropout)?; // [N, H]
-        let y = (x + m)?;
+        let y = match self.mlp.frozen_residual(&x, &self.post_attention_layernorm, self.eps)? {
+            Some(y) => y, // [N, H]
+            None => {
+                let n = ops::rms_norm(&x, &self.post_attention_layernorm, self.eps)?; // [N, H]
+                let m = self.mlp.forward(&n, ctx.dropout)?; // [N, H]
+                (x + m)?
+            }
+        };
         Ok(if y.shape() == &shape { y } else { y.reshape(shape)? })
     }
 }
