@@ -27,7 +27,7 @@
 //! instead of tiling them because one strip row fits in cache at the lengths we train.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
-use crate::ops::{exp_f32, sgemm, sum_f32, zeros_f32};
+use crate::ops::{exp_f32, sgemm, sum_f32, zeros_f32, Shared};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -107,21 +107,6 @@ fn parts_for(units: usize) -> usize {
 /// n − 1 − i see about n + 1 strips of keys together) and the pairs are dealt in turn.
 fn in_part(i: usize, n: usize, g: usize, parts: usize) -> bool {
     i.min(n - 1 - i) % parts == g
-}
-
-/// A buffer that tasks write disjoint ranges of (strips of one unit go to different tasks).
-struct Shared(*mut f32);
-// SAFETY: only used through `rows`, whose callers write disjoint ranges.
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    /// # Safety
-    /// `at..at + len` is inside the buffer and no other task touches it meanwhile.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn rows(&self, at: usize, len: usize) -> &mut [f32] {
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
-    }
 }
 
 /// Shapes of one call: (B, NH, KV, S, D).

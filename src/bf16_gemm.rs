@@ -239,7 +239,7 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     });
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
     let mut cbuf_vec: Vec<f32> = Vec::with_capacity(mp * np);
-    let cbuf = SendPtr(cbuf_vec.as_mut_ptr());
+    let cbuf = crate::ops::Shared(cbuf_vec.as_mut_ptr());
     let rows = mp / (2 * TM);
     let pairs = b.nb / 2;
     let threads = rayon::current_num_threads().max(1);
@@ -321,11 +321,6 @@ pub fn matmul(a: &candle_core::Tensor, b: &PackedB) -> candle_core::Result<candl
     drop(st);
     candle_core::Tensor::from_vec(out, (m, b.n), a.device())
 }
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
 
 #[cfg(target_arch = "x86_64")]
 mod amx {

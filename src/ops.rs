@@ -56,6 +56,22 @@ pub fn par_zeroed<T: Copy + Default + Send>(len: usize, chunk: usize, fill: impl
     v
 }
 
+/// An f32 buffer that parallel tasks write disjoint parts of (attention strips, GEMM tiles).
+#[derive(Clone, Copy)]
+pub(crate) struct Shared(pub(crate) *mut f32);
+// SAFETY: users write only disjoint ranges from different tasks (see `rows`).
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// # Safety
+    /// `at..at + len` is inside the buffer and no other task touches it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn rows(&self, at: usize, len: usize) -> &mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+    }
+}
+
 /// `len` f32 zeros, zeroed in parallel when large: output buffers of the fused ops are
 /// allocated on the calling thread, and `vec![0f32; len]` there was a serial memset (plus
 /// first-touch page faults) of every activation-sized buffer while the pool waited.
@@ -73,8 +89,7 @@ pub fn zeros_f32(len: usize) -> Vec<f32> {
 /// buffer and backward, plus a full-size gradient for the broadcast weight.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if x.device().is_cpu() && x.dtype() == DType::F32 {
-        let w = weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        return x.contiguous()?.apply_op1(RmsNorm { w, eps: eps as f32 });
+        return x.contiguous()?.apply_op1(RmsNorm::new(weight, eps)?);
     }
     rms_norm_generic(x, weight, eps)
 }
@@ -160,6 +175,11 @@ impl<G: std::ops::Deref<Target = candle_core::Storage>> std::ops::Deref for F32E
 }
 
 impl RmsNorm {
+    /// From the frozen weight [H] (any float dtype) and eps.
+    fn new(weight: &Tensor, eps: f64) -> Result<Self> {
+        Ok(RmsNorm { w: weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, eps: eps as f32 })
+    }
+
     /// x [rows, H] -> y = x · r · w per row, r = (mean(x²) + eps)^-1/2.
     fn forward_rows(&self, x: &[f32]) -> Vec<f32> {
         use rayon::prelude::*;
@@ -596,8 +616,7 @@ pub fn frozen_mlp_residual(x: &Tensor, norm: &Tensor, eps: f64, gate: &Tensor, u
             x.dims(), norm.dims(), gate.dims(), up.dims(), down.dims()
         );
     }
-    let rms = RmsNorm { w: norm.to_dtype(DType::F32)?.to_vec1::<f32>()?, eps: eps as f32 };
-    let op = FrozenMlp { rms, gate: gate.contiguous()?, up: up.contiguous()?, down: down.contiguous()?, kept: Mutex::new(None) };
+    let op = FrozenMlp { rms: RmsNorm::new(norm, eps)?, gate: gate.contiguous()?, up: up.contiguous()?, down: down.contiguous()?, kept: Mutex::new(None) };
     Ok(Some(x.contiguous()?.apply_op1(op)?))
 }
 
