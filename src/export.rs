@@ -32,6 +32,8 @@ pub struct ExportOptions {
     pub max_shard_size: Option<u64>,
     /// Skip the logits check (not recommended).
     pub no_verify: bool,
+    /// The kernels the check's forwards run on (the recipe's `model.kernels`).
+    pub kernels: crate::ops::Kernels,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -341,7 +343,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
             }
         }
         if !opts.no_verify {
-            let diff = verify_merge(base, &adapters, tmp, opts.dtype)?;
+            let diff = verify_merge(base, &adapters, tmp, opts)?;
             rep.max_logit_diff = Some(diff);
         }
         Ok(rep)
@@ -351,17 +353,18 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
 
 /// Logits of the merged folder vs base + adapter on fixed token batches; errors when they
 /// disagree beyond what the output dtype's rounding explains.
-fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, out_dtype: Option<DType>) -> Result<f32> {
+fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &ExportOptions) -> Result<f32> {
+    let out_dtype = opts.dtype;
     let cfg = ModelConfig::from_file(&base.config_path())?;
     let mut rng = crate::rng::Rng::new(0x5EED);
     let ids: Vec<u32> = (0..2 * 16).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
     let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu)?;
     let src = Arc::new(StreamingWeights::new(SafetensorsFiles::open(&base.weight_files()?)?, DType::F32, Device::Cpu));
-    let reference = Llama::load(src, cfg.clone(), adapters)?.logits(&ids, adapters)?;
+    let reference = Llama::load(src, cfg.clone(), adapters)?.with_kernels(opts.kernels).logits(&ids, adapters)?;
     let merged_dir = ModelDir { dir: merged_dir.to_path_buf(), name: String::new() };
     let src = Arc::new(StreamingWeights::new(SafetensorsFiles::open(&merged_dir.weight_files()?)?, DType::F32, Device::Cpu));
     let none = Adapters::init(&cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)?;
-    let merged = Llama::load(src, cfg, &none)?.logits(&ids, &none)?;
+    let merged = Llama::load(src, cfg, &none)?.with_kernels(opts.kernels).logits(&ids, &none)?;
     let diff = (&merged - &reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
     let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0);
     let half = matches!(out_dtype, Some(DType::BF16 | DType::F16)) || base_is_half(base);

@@ -1,8 +1,6 @@
 //! finetune: LoRA fine-tuning of DeepSeek-style (Llama / Qwen2) checkpoints on candle.
 //! See ARCHITECTURE.md for the map.
 
-pub mod attention;
-pub mod bf16_gemm;
 pub mod checkpoint;
 pub mod chat;
 pub mod config;
@@ -15,7 +13,6 @@ pub mod fsutil;
 pub mod generate;
 pub mod gguf;
 pub mod lora;
-pub mod loss;
 pub mod model;
 pub mod ops;
 pub mod optim;

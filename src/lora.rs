@@ -226,9 +226,9 @@ pub struct LoraLinear<'a> {
 
 impl LoraLinear<'_> {
     /// x [N, in] -> [N, out]
-    pub fn forward(&self, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
+    pub fn forward(&self, kern: crate::ops::Kernels, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
         let y = match self.lora {
-            None => crate::ops::frozen_linear(x, &self.weight)?,
+            None => crate::ops::frozen_linear(kern, x, &self.weight)?,
             Some(ad) => {
                 let mask = match drop {
                     Some(ctx) if self.dropout > 0.0 => {
@@ -237,11 +237,11 @@ impl LoraLinear<'_> {
                     }
                     _ => None,
                 };
-                crate::ops::lora_linear(x, &self.weight, ad.a.as_tensor(), ad.b.as_tensor(), self.scale, mask)?
+                crate::ops::lora_linear(kern, x, &self.weight, ad.a.as_tensor(), ad.b.as_tensor(), self.scale, mask)?
             }
         };
         Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
+            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
             None => y,
         })
     }

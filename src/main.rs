@@ -307,7 +307,7 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
         eprintln!("adapter (PEFT format) written to {} ({} bytes)", r.out.display(), r.total_bytes);
         return Ok(());
     }
-    let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify };
+    let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify, ..Default::default() };
     let r = merge(&base, &adapter, &a.out, &opts)?;
     print_merge_report(&r);
     Ok(())
@@ -422,7 +422,8 @@ fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> any
     let cfg = finetune::config::ModelConfig::from_file(&dir.config_path())?;
     let layout = finetune::dist::layout(&r.dist, &r.model.device, &|_| None)
         .map_err(|(key, msg)| finetune::Error::Recipe { file: recipe.display().to_string(), key, msg })?;
-    let on_gpu = layout.local.iter().any(|(_, d)| *d != finetune::device::DeviceSpec::Cpu);
+    // The portable path allocates on a CPU what it allocates on a GPU: plan it as one.
+    let on_gpu = layout.local.iter().any(|(_, d)| *d != finetune::device::DeviceSpec::Cpu) || r.model.kernels() == finetune::ops::Kernels::Portable;
     let worlds = if worlds.is_empty() { vec![layout.world] } else { worlds.to_vec() };
     if let Some(0) = worlds.iter().min() {
         anyhow::bail!("--world-size: world sizes must be at least 1");
@@ -452,6 +453,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     dtype: e.dtype.as_deref().map(finetune::weights::parse_dtype),
                     max_shard_size: e.max_shard_size.as_deref().map(finetune::export::parse_size).transpose().map_err(|m| anyhow::anyhow!("export.max_shard_size: {m}"))?,
                     no_verify: false,
+                    kernels: recipe.recipe.model.kernels(),
                 };
                 print_merge_report(&finetune::export::merge(&base, &adapter, &out, &opts)?);
             }

@@ -81,7 +81,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
     (
         "model",
         true,
-        &[req("path", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"])],
+        &[req("path", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"]), one_of("kernels", &["auto", "portable"])],
     ),
     (
         "lora",
@@ -266,6 +266,20 @@ pub struct ModelSection {
     /// "f32": f32 math everywhere on CPU.
     #[serde(default = "default_matmul")]
     pub matmul: String,
+    /// Which op versions run (`ops::dispatch`). "auto": the fused CPU kernels on a CPU (f32
+    /// activations, fastest there), the portable ones on a GPU. "portable": the portable
+    /// versions on any device: on a CPU, the exact path a GPU run takes, with activations in
+    /// `dtype` (a bf16 base trains with bf16 activations); slower on a CPU, for checking what
+    /// a GPU run will compute.
+    #[serde(default = "default_matmul")]
+    pub kernels: String,
+}
+
+impl ModelSection {
+    /// `kernels` as the dispatch reads it (validated on load).
+    pub fn kernels(&self) -> crate::ops::Kernels {
+        crate::ops::Kernels::parse(&self.kernels).unwrap_or_default()
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -11,7 +11,7 @@ use crate::config::ModelConfig;
 use crate::data::{Formatter, Loader, LoaderOptions, MicroBatch, Role, IGNORE};
 use crate::error::{CandleContext, Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraSpec, MODULES};
-use crate::model::llama::{ForwardCtx, Llama};
+use crate::model::llama::Llama;
 use crate::dist::collective::{Collective, InProcessGroup};
 use crate::dist::Partition;
 use crate::dist::zero::{Account, MemoryUse, ShardedWeights};
@@ -230,18 +230,6 @@ pub fn run_ranks(
     Ok(s)
 }
 
-/// The dtype frozen projection weights reach `ops::frozen_linear` in: a bf16 base on a CPU
-/// with a bf16 unit (AMX or AVX512-BF16, `bf16_gemm::kernel`) keeps them bf16 so the matmul
-/// runs on it (what PyTorch does with a bf16 model; activations are rounded to bf16, sums stay
-/// f32). Everything else gets the compute dtype. `model.matmul = "f32"` opts out.
-pub fn matmul_dtype(policy: &str, storage: DType, compute: DType, device: &candle_core::Device) -> DType {
-    if policy == "auto" && device.is_cpu() && storage == DType::BF16 && compute == DType::F32 && crate::bf16_gemm::available() {
-        DType::BF16
-    } else {
-        compute
-    }
-}
-
 /// The training loop of one rank: setup, resume, train, cleanup. Every rank runs the same
 /// code and the same collectives in the same order; rank 0 (the lead) alone writes files and
 /// prints. With one rank the collectives are identities.
@@ -260,12 +248,16 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let cfg = ModelConfig::from_file(&model_dir.config_path())?;
     let files = SafetensorsFiles::open(&model_dir.weight_files()?)?;
     let storage_dtype = parse_dtype(&r.model.dtype);
-    // CPUs have no fast half-precision matmul (candle converts to f32 anyway), so compute in
-    // f32 there and keep bf16/f16 only as the storage format of the frozen base.
-    let compute_dtype = if device.is_cpu() { DType::F32 } else { storage_dtype };
-    let matmul = matmul_dtype(&r.model.matmul, storage_dtype, compute_dtype, &device);
+    // The fused CPU kernels compute in f32 (a bf16/f16 base is only the storage format of the
+    // frozen weights there); GPUs and the portable path compute in the storage dtype.
+    let kernels = r.model.kernels();
+    let compute_dtype = kernels.compute_dtype(storage_dtype, &device);
+    let matmul = kernels.matmul_dtype(&r.model.matmul, storage_dtype, compute_dtype, &device);
+    if lead && kernels == crate::ops::Kernels::Portable {
+        eprintln!("portable kernels (the GPU path): activations in {compute_dtype:?}");
+    }
     if lead && matmul != compute_dtype {
-        let unit = crate::bf16_gemm::kernel().map_or("?", crate::bf16_gemm::Kernel::name);
+        let unit = crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name);
         eprintln!("frozen matmuls run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
     }
     let account = Arc::new(Account::default());
@@ -285,7 +277,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     if let Some(init) = &r.lora.init_from {
         adapters.load_peft(&loaded.resolve(init))?;
     }
-    let model = Llama::load(src.clone(), cfg, &adapters)?;
+    let model = Llama::load(src.clone(), cfg, &adapters)?.with_kernels(kernels);
     match &sharded {
         Some(s) => s.seal(),
         None => {
@@ -655,7 +647,7 @@ pub fn evaluate_part(model: &Llama, adapters: &Adapters, examples: &[crate::data
         let (chunk, keep) = if j < chunks.len() { (chunks[j], true) } else { (chunks[0], false) };
         let mb = MicroBatch::collate(chunk);
         let device = model.device();
-        let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), None, &device)?;
+        let ctx = model.forward_ctx(&mb.positions, mb.segments.as_deref(), None)?;
         let ids = Tensor::from_slice(&mb.input_ids, (mb.rows, mb.seq), &device)?;
         let mut x = model.embed(&ids)?;
         for i in 0..model.cfg.num_hidden_layers {
@@ -670,7 +662,7 @@ pub fn evaluate_part(model: &Llama, adapters: &Adapters, examples: &[crate::data
             continue;
         }
         let rows = normed.index_select(&Tensor::from_vec(idx, tgt.len(), &device)?, 0)?; // [M, H]
-        let (ce, _) = crate::loss::cross_entropy_sum_and_grad(&rows, &head, &tgt, 0.0).ctx("eval cross-entropy")?;
+        let (ce, _) = crate::ops::loss::cross_entropy_sum_and_grad(model.kernels(), &rows, &head, &tgt, 0.0).ctx("eval cross-entropy")?;
         sum += ce;
         count += tgt.len();
     }
@@ -715,7 +707,7 @@ pub fn forward_backward(
 ) -> Result<f64> {
     let device = model.device();
     let (b, s) = (mb.rows, mb.seq);
-    let ctx = ForwardCtx::new(&mb.positions, mb.segments.as_deref(), model.inv_freq(), dropout, &device)?;
+    let ctx = model.forward_ctx(&mb.positions, mb.segments.as_deref(), dropout)?;
     let ids = Tensor::from_slice(&mb.input_ids, (b, s), &device)?;
     let h = model.cfg.hidden_size;
     // The hidden states stay [N, H] through every layer (no reshape nodes in the graph).
@@ -732,7 +724,7 @@ pub fn forward_backward(
         let rows = model.final_norm(x)?.index_select(&idx, 0)?; // [N, H] -> [M, H]
         // Fetched just in time: under ZeRO-3 the head is gathered only while it is used.
         let head = model.lm_head()?;
-        let (ce, g_rows) = crate::loss::cross_entropy_sum_and_grad(&rows, &head, &tgt, scale).ctx("cross-entropy")?;
+        let (ce, g_rows) = crate::ops::loss::cross_entropy_sum_and_grad(model.kernels(), &rows, &head, &tgt, scale).ctx("cross-entropy")?;
         Ok((ce, (rows * g_rows.detach())?.sum_all()?))
     };
     // Accumulated in f64: a sum of a few f32 gradients is then exact in practice, so it does
@@ -788,19 +780,4 @@ pub fn forward_backward(
         inputs.pop();
     }
     Ok(ce)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_bf16_base_on_a_cpu_with_a_bf16_unit_and_matmul_auto_gets_bf16_matmuls() {
-        let cpu = candle_core::Device::Cpu;
-        let bf16 = if crate::bf16_gemm::available() { DType::BF16 } else { DType::F32 };
-        assert_eq!(matmul_dtype("auto", DType::BF16, DType::F32, &cpu), bf16);
-        assert_eq!(matmul_dtype("f32", DType::BF16, DType::F32, &cpu), DType::F32);
-        assert_eq!(matmul_dtype("auto", DType::F32, DType::F32, &cpu), DType::F32);
-        assert_eq!(matmul_dtype("auto", DType::F16, DType::F32, &cpu), DType::F32);
-    }
 }

@@ -264,7 +264,7 @@ impl ResidentWeights {
         ResidentWeights { files, tensors: Default::default(), storage_dtype, compute_dtype, matmul_dtype: compute_dtype, device }
     }
 
-    /// Hand projection weights to the frozen matmul in `dtype` (see `train::matmul_dtype`).
+    /// Hand projection weights to the frozen matmul in `dtype` (see `ops::Kernels::matmul_dtype`).
     pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
         self.matmul_dtype = dtype;
         self

@@ -86,27 +86,36 @@ fn compare(root: &Path, a: &str, b: &str) -> (f64, f32) {
 }
 
 fn check_world_sizes(arch: &'static str, tie: bool) {
-    let root = workspace(arch, tie);
+    check_world_sizes_with(workspace(arch, tie), arch, tie, &[]);
+}
+
+fn check_world_sizes_with(root: tempfile::TempDir, arch: &'static str, tie: bool, extra: &[&str]) {
     let r = root.path();
+    let with = |more: &[String]| -> Vec<String> { extra.iter().map(|s| s.to_string()).chain(more.iter().cloned()).collect() };
+    let portable = extra.contains(&"model.kernels=portable");
     // The reference: one rank, the whole base resident, accumulation over 4 micro-batches.
-    run(r, "single", &["dist.zero_stage=0"]).unwrap();
+    let single = with(&["dist.zero_stage=0".into()]);
+    run(r, "single", &single.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
     let cfg = finetune::config::ModelConfig::from_file(&r.join("model/config.json")).unwrap();
-    let base_bytes = cfg.base_param_count() as usize * 4;
+    let es = finetune::weights::parse_dtype(&LoadedRecipe::load(&r.join("single/recipe.toml"), &single).unwrap().recipe.model.dtype).size_in_bytes();
+    let base_bytes = cfg.base_param_count() as usize * es;
     for (world, accum) in [(1, 4), (2, 2), (4, 1)] {
         let name = format!("w{world}");
-        let s = run(r, &name, &[&format!("dist.world_size={world}"), &format!("train.grad_accum_steps={accum}")]).unwrap();
+        let o = with(&[format!("dist.world_size={world}"), format!("train.grad_accum_steps={accum}")]);
+        let s = run(r, &name, &o.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         let (dl, dw) = compare(r, "single", &name);
         println!("{arch} tie={tie} world {world} x accum {accum}: max loss rel diff {dl:.2e}, max adapter abs diff {dw:.2e}");
         assert!(dl < 1e-5 && dw < 1e-5, "world {world} differs from one rank: loss {dl:e}, adapter {dw:e}");
 
         // What each rank held, against what `finetune plan` says from the config alone.
-        let loaded = LoadedRecipe::load(&r.join(&name).join("recipe.toml"), &[format!("dist.world_size={world}"), format!("train.grad_accum_steps={accum}")]).unwrap();
-        let plan = finetune::dist::plan::plan(&cfg, &loaded.recipe, world, false);
+        // On the portable path the run allocates what a GPU run would: the plan for a GPU.
+        let loaded = LoadedRecipe::load(&r.join(&name).join("recipe.toml"), &o).unwrap();
+        let plan = finetune::dist::plan::plan(&cfg, &loaded.recipe, world, portable);
         assert_eq!(s.memory.len(), world);
         for m in &s.memory {
             println!("  {m}  (plan: frozen {} gathered {} optimizer {})", plan.frozen, plan.gathered_peak, plan.optimizer);
             assert_eq!(m.frozen, plan.frozen, "rank {}: frozen shard bytes", m.rank);
-            assert!(m.frozen <= base_bytes / world + cfg.frozen_tensors().len() * 4, "rank {} holds more than 1/{world} of the base", m.rank);
+            assert!(m.frozen <= base_bytes / world + cfg.frozen_tensors().len() * es, "rank {} holds more than 1/{world} of the base", m.rank);
             assert_eq!(m.gathered_peak, plan.gathered_peak, "rank {}: gathered peak", m.rank);
             assert_eq!(m.lora_params, plan.lora_params);
             assert_eq!(m.lora_grads, plan.lora_grads);
@@ -120,6 +129,17 @@ fn check_world_sizes(arch: &'static str, tie: bool) {
 #[test]
 fn world_sizes_1_2_4_train_the_same_adapter_with_a_sharded_base() {
     check_world_sizes("LlamaForCausalLM", false);
+}
+
+/// The portable path with a bf16 base (bf16 activations, as on a GPU): world sizes agree, and
+/// each rank's account equals `finetune plan`'s figures for a GPU run.
+#[test]
+fn world_sizes_1_2_4_agree_on_the_portable_path_with_a_bf16_base_and_match_the_gpu_plan() {
+    let d = tempfile::tempdir().unwrap();
+    let shape = TinyShape { layers: 3, dtype: candle_core::DType::BF16, ..TinyShape::default() };
+    write_model(&d.path().join("model"), &shape, 0, 1).unwrap();
+    write_tokenized_dataset(&d.path().join("data"), &counting_rows(40, 256, 1, 5, 22)).unwrap();
+    check_world_sizes_with(d, "LlamaForCausalLM", false, &["model.kernels=portable", "model.dtype=bf16"]);
 }
 
 #[test]

@@ -109,6 +109,18 @@ fn merged_logits_equal_base_plus_adapter_for_llama_and_qwen2_tied_and_untied() {
     }
 }
 
+/// Merge verification (merged logits against base + adapter) also holds when the forwards
+/// run on the portable path, and both paths measure about the same difference.
+#[test]
+fn merge_verification_passes_on_the_portable_path() {
+    let (d, run) = trained(TinyShape::default(), 1);
+    let auto = merge_run(&run, &d.path().join("merged-auto"), ExportOptions::default());
+    let portable = merge_run(&run, &d.path().join("merged-portable"), ExportOptions { kernels: finetune::ops::Kernels::Portable, ..Default::default() });
+    let (a, p) = (auto.max_logit_diff.unwrap(), portable.max_logit_diff.unwrap());
+    println!("merge verification: max logits diff auto {a:e}, portable {p:e}");
+    assert!(p < 1e-4 && a < 1e-4);
+}
+
 #[test]
 fn sharded_base_keeps_its_layout_with_a_valid_index() {
     let (d, run) = trained(TinyShape::default(), 3);

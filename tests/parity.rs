@@ -1,5 +1,7 @@
 //! Parity with PyTorch + transformers + PEFT: each fixture under tests/fixtures/parity-* was
 //! produced by `parity_fixture.py` (kept beside it, with the exact command in its README).
+//! Every fixture runs twice: on the fused CPU kernels (`model.kernels = "auto"`) and on the
+//! portable path a GPU takes (`"portable"`), at the same tolerances.
 //! Every step's loss, lr and grad_norm must agree within 1e-4 relative and every adapter
 //! tensor within 1e-4 absolute. The max differences are printed (`cargo test -- --nocapture`).
 
@@ -77,4 +79,26 @@ fn qwen2_tied_with_bias_matches_peft() {
 #[test]
 fn llama_mlp_targets_with_wraparound_match_peft() {
     check_parity("parity-llama-mlp", &[]);
+}
+
+// The portable path (what CUDA runs), on the same fixtures at the same tolerances.
+
+#[test]
+fn llama_gqa_matches_peft_on_the_portable_path() {
+    check_parity("parity-llama-gqa", &["model.kernels=portable"]);
+}
+
+#[test]
+fn llama_gqa_matches_peft_on_the_portable_path_without_activation_checkpointing() {
+    check_parity("parity-llama-gqa", &["model.kernels=portable", "train.activation_checkpointing=false"]);
+}
+
+#[test]
+fn qwen2_tied_with_bias_matches_peft_on_the_portable_path() {
+    check_parity("parity-qwen2-tied", &["model.kernels=portable"]);
+}
+
+#[test]
+fn llama_mlp_targets_with_wraparound_match_peft_on_the_portable_path() {
+    check_parity("parity-llama-mlp", &["model.kernels=portable"]);
 }

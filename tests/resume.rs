@@ -66,23 +66,20 @@ fn adapter_bytes(dir: &Path) -> Vec<u8> {
     std::fs::read(dir.join("out/adapter/adapter_model.safetensors")).unwrap()
 }
 
-fn copy_dir(src: &Path, dst: &Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dst.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-        }
-    }
+#[test]
+fn resume_from_any_step_reproduces_the_uninterrupted_run_bit_for_bit() {
+    check_resume_from_any_step(&[]);
 }
 
 #[test]
-fn resume_from_any_step_reproduces_the_uninterrupted_run_bit_for_bit() {
+fn resume_on_the_portable_path_reproduces_the_uninterrupted_run_bit_for_bit() {
+    check_resume_from_any_step(&["model.kernels=portable"]);
+}
+
+fn check_resume_from_any_step(extra: &[&str]) {
     let root = setup();
     let full = run_dir(root.path(), "full", RECIPE);
-    train(&full, &[]).unwrap();
+    train(&full, extra).unwrap();
     let want = metric_lines(&full);
     assert_eq!(want.len(), 8);
     for k in [1, 2, 5, 7] {
@@ -92,7 +89,7 @@ fn resume_from_any_step_reproduces_the_uninterrupted_run_bit_for_bit() {
         // The metrics of the steps before the checkpoint, as the stopped run left them.
         let lines: String = std::fs::read_to_string(full.join("out/metrics.jsonl")).unwrap().lines().take(k).map(|l| format!("{l}\n")).collect();
         std::fs::write(part.join("out/metrics.jsonl"), lines).unwrap();
-        let s = train(&part, &[]).unwrap();
+        let s = train(&part, extra).unwrap();
         assert_eq!(s.steps.len(), 8 - k, "resumed at step {k}");
         assert_eq!(metric_lines(&part), want, "metrics after resuming at step {k}");
         assert_eq!(adapter_bytes(&part), adapter_bytes(&full), "adapter bytes after resuming at step {k}");

@@ -41,8 +41,9 @@ impl Plan {
     }
 }
 
-/// The plan of `r` on `world` ranks. `on_gpu` selects the compute dtype (the storage dtype on
-/// GPUs, f32 on CPUs) used for the activation estimate.
+/// The plan of `r` on `world` ranks. `on_gpu` plans the portable path a GPU runs (also what
+/// `model.kernels = "portable"` allocates on a CPU): activations in the storage dtype and
+/// tall attention strips; otherwise the fused CPU path (f32 activations).
 pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
     let es = crate::weights::parse_dtype(&r.model.dtype).size_in_bytes();
     let tensors = cfg.frozen_tensors();
@@ -63,7 +64,7 @@ pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
     let lora: usize = crate::train::trainable_parameters(cfg, r.lora.rank, &r.lora.targets).0 as usize;
     // Rank 0's share, the largest (the last rank's may be shorter).
     let optimizer = 2 * super::Partition::new(lora, 0, world).len() * 4;
-    let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 });
+    let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 }, on_gpu);
     Plan {
         world,
         zero_stage: r.dist.zero_stage,
@@ -105,13 +106,15 @@ fn replay_peak(cfg: &ModelConfig, r: &Recipe, unit_bytes: &HashMap<Unit, usize>)
 /// Estimated activation bytes per rank: (with checkpointing, without). With checkpointing a
 /// rank keeps each layer's input and one layer's tensors at a time (recomputed in backward);
 /// without, every layer's. A layer keeps per token its norms, projections, attention output
-/// and MLP intermediates, plus the f32 attention scores and probabilities (S per head).
-fn activations(cfg: &ModelConfig, r: &Recipe, a: usize) -> (usize, usize) {
+/// and MLP intermediates, plus the f32 log-sum-exp of each query head (attention runs in
+/// strips and never keeps scores); one strip's f32 scores are transient on top. `gpu` is the
+/// portable path (activations in the storage dtype, tall strips), else the fused CPU ops.
+fn activations(cfg: &ModelConfig, r: &Recipe, a: usize, gpu: bool) -> (usize, usize) {
     let (b, s) = (r.train.micro_batch_size, r.data.max_seq_len);
     let (h, i, l) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers);
     let (q, kv) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
-    let per_token = (8 * h + 3 * q + 3 * kv + 4 * i) * a + 2 * cfg.num_attention_heads * s * 4;
-    let layer = b * s * per_token;
+    let per_token = (8 * h + 3 * q + 3 * kv + 4 * i) * a + cfg.num_attention_heads * 4;
+    let layer = b * s * per_token + crate::ops::attention::strip_scratch_bytes(gpu, b, cfg.num_attention_heads, s);
     // The loss head: one [chunk, V] block of f32 logits and its gradient.
     let head = 2 * (8 << 20) * 4;
     let saved_inputs = l * b * s * h * a;

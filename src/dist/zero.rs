@@ -209,7 +209,7 @@ impl ShardedWeights {
         }
     }
 
-    /// Hand projection weights to the frozen matmul in `dtype` (see `train::matmul_dtype`).
+    /// Hand projection weights to the frozen matmul in `dtype` (see `ops::Kernels::matmul_dtype`).
     pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
         self.matmul_dtype = dtype;
         self

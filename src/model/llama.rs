@@ -8,13 +8,14 @@
 //!
 //! The model holds no frozen tensors of its own: each block is built by `load(vb, cfg, ..)`
 //! from a [`Frozen`] view just before it runs, so a sharded weight source can gather one
-//! layer at a time. Fields are named after the HF keys. All ops used here have correct
-//! gradients in candle (see `ops.rs`).
+//! layer at a time. Fields are named after the HF keys. Every op comes from `ops` and is
+//! handed the run's [`Kernels`] (in [`ForwardCtx`]); which version runs on which device is
+//! decided there, never here.
 
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::lora::{Adapters, DropoutCtx, LoraAdapter, LoraLinear, MODULES};
-use crate::ops;
+use crate::ops::{self, KeyStarts, Kernels};
 use crate::weights::{Frozen, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
@@ -24,39 +25,36 @@ pub type KvCache = Option<(Tensor, Tensor)>;
 
 /// Per-forward inputs shared by all layers.
 pub struct ForwardCtx {
-    /// [B, 1, S, D]
+    /// [B, 1, S, D], in the compute dtype (transformers' `cos.to(x.dtype)`)
     pub cos: Tensor,
-    /// [B, 1, S, D]
+    /// [B, 1, S, D], in the compute dtype
     pub sin: Tensor,
-    /// [B * S]: query i of row b attends to keys `key_start[b * S + i]..=i` (0 without
-    /// packing; the first position of its record with packing).
-    pub key_start: Vec<u32>,
+    /// Query i of row b attends to keys `key_start.host[b * S + i]..=i` (0 without packing;
+    /// the first position of its record with packing).
+    pub key_start: KeyStarts,
     /// Generation only: an additive mask [1, 1, S, T] (0 or -inf) over cached + new keys.
     pub cache_mask: Option<Tensor>,
     /// Dropout masks are drawn only when training.
     pub dropout: Option<DropoutCtx>,
+    /// Which op versions run (`ops::dispatch`).
+    pub kernels: Kernels,
 }
 
 impl ForwardCtx {
-    /// Context for rows whose positions are 0..S-1 with a causal mask (no packing).
-    pub fn causal(b: usize, s: usize, inv_freq: &[f64], dropout: Option<DropoutCtx>, device: &candle_core::Device) -> Result<Self> {
-        let positions: Vec<Vec<u32>> = (0..b).map(|_| (0..s as u32).collect()).collect();
-        Self::new(&positions, None, inv_freq, dropout, device)
-    }
-
     /// positions [B][S]; with `segments` [B][S] (packed rows: contiguous runs of one id per
     /// record, as `MicroBatch::collate` makes them), a token attends only to earlier tokens of
-    /// its own record; without, to all earlier tokens.
+    /// its own record; without, to all earlier tokens. RoPE tables in `dtype`, on `device`.
     pub fn new(
         positions: &[Vec<u32>],
         segments: Option<&[Vec<u32>]>,
         inv_freq: &[f64],
         dropout: Option<DropoutCtx>,
-        device: &candle_core::Device,
+        kernels: Kernels,
+        (dtype, device): (DType, &Device),
     ) -> Result<Self> {
         let b = positions.len();
         let s = positions.first().map_or(0, |p| p.len());
-        let (cos, sin) = ops::rope_tables(positions, inv_freq, device, DType::F32)?;
+        let (cos, sin) = ops::rope_tables(positions, inv_freq, device, dtype)?;
         let mut key_start = vec![0u32; b * s];
         if let Some(seg) = segments {
             for (row, ids) in seg.iter().enumerate() {
@@ -69,7 +67,8 @@ impl ForwardCtx {
                 }
             }
         }
-        Ok(ForwardCtx { cos, sin, key_start, cache_mask: None, dropout })
+        let key_start = KeyStarts::new(key_start, b, s, device)?;
+        Ok(ForwardCtx { cos, sin, key_start, cache_mask: None, dropout, kernels })
     }
 }
 
@@ -133,13 +132,14 @@ impl<'a> Attention<'a> {
     pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
         let (b, _, s, _) = ctx.cos.dims4()?;
         let (nh, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self.q_proj.forward(x, ctx.dropout)?; // [N, NH*D]
-        let k = self.k_proj.forward(x, ctx.dropout)?; // [N, KV*D]
-        let v = self.v_proj.forward(x, ctx.dropout)?; // [N, KV*D]
+        let kern = ctx.kernels;
+        let q = self.q_proj.forward(kern, x, ctx.dropout)?; // [N, NH*D]
+        let k = self.k_proj.forward(kern, x, ctx.dropout)?; // [N, KV*D]
+        let v = self.v_proj.forward(kern, x, ctx.dropout)?; // [N, KV*D]
         // Rotated and transposed to heads-first in one pass.
-        let q = ops::rope_heads(&q, &ctx.cos, &ctx.sin)?; // [B, NH, S, D]
-        let mut k = ops::rope_heads(&k, &ctx.cos, &ctx.sin)?; // [B, KV, S, D]
-        let mut v = ops::split_heads(&v, b, s, kv)?; // [B, KV, S, D]
+        let q = ops::rope_heads(kern, &q, nh, &ctx.cos, &ctx.sin)?; // [B, NH, S, D]
+        let mut k = ops::rope_heads(kern, &k, kv, &ctx.cos, &ctx.sin)?; // [B, KV, S, D]
+        let mut v = ops::split_heads(kern, &v, b, s, kv)?; // [B, KV, S, D]
         if let Some(cache) = cache {
             if let Some((pk, pv)) = cache.take() {
                 k = Tensor::cat(&[&pk, &k], 2)?; // [B, KV, T, D]
@@ -149,23 +149,13 @@ impl<'a> Attention<'a> {
         }
         let scale = 1.0 / (d as f64).sqrt();
         let out = match &ctx.cache_mask {
-            // Training and prefill: the fused op never holds [S, S] scores (attention.rs).
-            None => crate::attention::causal_attention(&q, &k, &v, scale, &ctx.key_start)?, // [B, NH, S, D]
-            Some(mask) => {
-                // Generation over cached keys. GQA without copying k/v (transformers'
-                // repeat_kv): query head h uses kv head h / R, so the R query heads of a kv
-                // head are contiguous and fold into the row dim.
-                let t = k.dim(2)?;
-                let r = nh / kv;
-                let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
-                let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, t))?; // [B, NH, S, T]
-                let probs = ops::softmax_last(&(scores * scale)?.broadcast_add(mask)?.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
-                let probs = probs.reshape((b, kv, r * s, t))?; // [B, KV, R*S, T]
-                probs.matmul(&v)?.reshape((b, nh, s, d))? // [B, NH, S, D]
-            }
+            // Training and prefill: strips, never [S, S] scores (ops/attention.rs).
+            None => ops::causal_attention(kern, &q, &k, &v, scale, &ctx.key_start)?, // [B, NH, S, D]
+            // Generation over cached keys.
+            Some(mask) => ops::attention::cached_attention(&q, &k, &v, scale, mask)?, // [B, NH, S, D]
         };
-        let out = ops::merge_heads(&out)?; // [N, NH*D]
-        self.o_proj.forward(&out, ctx.dropout) // [N, H]
+        let out = ops::merge_heads(kern, &out)?; // [N, NH*D]
+        self.o_proj.forward(kern, &out, ctx.dropout) // [N, H]
     }
 }
 
@@ -186,20 +176,21 @@ impl<'a> Mlp<'a> {
     }
 
     /// x + mlp(rms_norm(x, norm)) as one op (`ops::frozen_mlp_residual`) when no projection
-    /// here is adapted or biased; `None` when the separate ops must run (adapters, or not CPU).
-    pub fn frozen_residual(&self, x: &Tensor, norm: &Tensor, eps: f64) -> Result<Option<Tensor>> {
+    /// here is adapted or biased; `None` when the separate ops must run (adapters, or the
+    /// portable path).
+    pub fn frozen_residual(&self, kern: Kernels, x: &Tensor, norm: &Tensor, eps: f64) -> Result<Option<Tensor>> {
         let plain = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|p| p.lora.is_none() && p.bias.is_none());
         if !plain {
             return Ok(None);
         }
-        Ok(ops::frozen_mlp_residual(x, norm, eps, &self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight)?)
+        Ok(ops::frozen_mlp_residual(kern, x, norm, eps, &self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight)?)
     }
 
     /// x [N, H] -> [N, H]
-    pub fn forward(&self, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
-        let g = self.gate_proj.forward(x, drop)?; // [N, I]
-        let u = self.up_proj.forward(x, drop)?; // [N, I]
-        self.down_proj.forward(&ops::swiglu(&g, &u)?, drop)
+    pub fn forward(&self, kern: Kernels, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
+        let g = self.gate_proj.forward(kern, x, drop)?; // [N, I]
+        let u = self.up_proj.forward(kern, x, drop)?; // [N, I]
+        self.down_proj.forward(kern, &ops::swiglu(kern, &g, &u)?, drop)
     }
 }
 
@@ -233,13 +224,14 @@ impl<'a> DecoderLayer<'a> {
         let shape = x.shape().clone();
         let h = x.dim(D::Minus1)?;
         let x = if x.rank() == 2 { x.clone() } else { x.reshape(((), h))? }; // [N, H]
-        let a = self.self_attn.forward_cached(&ops::rms_norm(&x, &self.input_layernorm, self.eps)?, ctx, cache)?;
+        let kern = ctx.kernels;
+        let a = self.self_attn.forward_cached(&ops::rms_norm(kern, &x, &self.input_layernorm, self.eps)?, ctx, cache)?;
         let x = (x + a)?;
-        let y = match self.mlp.frozen_residual(&x, &self.post_attention_layernorm, self.eps)? {
+        let y = match self.mlp.frozen_residual(kern, &x, &self.post_attention_layernorm, self.eps)? {
             Some(y) => y, // [N, H]
             None => {
-                let n = ops::rms_norm(&x, &self.post_attention_layernorm, self.eps)?; // [N, H]
-                let m = self.mlp.forward(&n, ctx.dropout)?; // [N, H]
+                let n = ops::rms_norm(kern, &x, &self.post_attention_layernorm, self.eps)?; // [N, H]
+                let m = self.mlp.forward(kern, &n, ctx.dropout)?; // [N, H]
                 (x + m)?
             }
         };
@@ -252,13 +244,14 @@ pub struct Llama {
     pub cfg: ModelConfig,
     src: Arc<dyn WeightSource>,
     inv_freq: Vec<f64>,
+    kernels: Kernels,
 }
 
 impl Llama {
     /// Check every frozen tensor exists with the right shape (so a bad checkpoint fails
     /// before training starts, naming the tensor), and keep the source.
     pub fn load(src: Arc<dyn WeightSource>, cfg: ModelConfig, lora: &Adapters) -> Result<Self> {
-        let m = Llama { inv_freq: cfg.inv_freq(), cfg, src };
+        let m = Llama { inv_freq: cfg.inv_freq(), cfg, src, kernels: Kernels::Auto };
         m.embed_tokens()?;
         m.norm_weight()?;
         m.lm_head()?;
@@ -267,6 +260,21 @@ impl Llama {
             DecoderLayer::load(&vb.pp(format!("model.layers.{i}")), &m.cfg, i, lora)?;
         }
         Ok(m)
+    }
+
+    /// Run with `kernels` (the recipe's `model.kernels`).
+    pub fn with_kernels(mut self, kernels: Kernels) -> Self {
+        self.kernels = kernels;
+        self
+    }
+
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// The per-forward context for rows at `positions` (packed when `segments` is given).
+    pub fn forward_ctx(&self, positions: &[Vec<u32>], segments: Option<&[Vec<u32>]>, dropout: Option<DropoutCtx>) -> Result<ForwardCtx> {
+        ForwardCtx::new(positions, segments, &self.inv_freq, dropout, self.kernels, (self.src.compute_dtype(), self.src.device()))
     }
 
     pub fn source(&self) -> &dyn WeightSource {
@@ -324,7 +332,8 @@ impl Llama {
     /// Inference forward (no dropout): ids [B, S] -> logits [B, S, V] in f32.
     pub fn logits(&self, ids: &Tensor, lora: &Adapters) -> Result<Tensor> {
         let (b, s) = ids.dims2()?;
-        let ctx = ForwardCtx::causal(b, s, &self.inv_freq, None, ids.device())?;
+        let positions: Vec<Vec<u32>> = (0..b).map(|_| (0..s as u32).collect()).collect();
+        let ctx = self.forward_ctx(&positions, None, None)?;
         let mut x = self.embed(ids)?;
         for i in 0..self.cfg.num_hidden_layers {
             x = self.layer_forward(i, &x, &ctx, lora)?;
@@ -339,10 +348,9 @@ impl Llama {
     pub fn step(&self, ids: &Tensor, offset: usize, caches: &mut [KvCache], lora: &Adapters) -> Result<Tensor> {
         let (b, s) = ids.dims2()?;
         let positions: Vec<Vec<u32>> = (0..b).map(|_| (offset as u32..(offset + s) as u32).collect()).collect();
-        let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq, ids.device(), DType::F32)?;
         let t = offset + s;
-        let mask = ops::causal_mask(s, t, offset, ids.device())?.reshape((1, 1, s, t))?; // [1, 1, S, T]
-        let ctx = ForwardCtx { cos, sin, key_start: Vec::new(), cache_mask: Some(mask), dropout: None };
+        let mut ctx = self.forward_ctx(&positions, None, None)?;
+        ctx.cache_mask = Some(ops::causal_mask(s, t, offset, ids.device())?.reshape((1, 1, s, t))?); // [1, 1, S, T]
         let mut x = self.embed(ids)?;
         for (i, cache) in caches.iter_mut().enumerate().take(self.cfg.num_hidden_layers) {
             let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
@@ -356,6 +364,6 @@ impl Llama {
 
     /// Final RMSNorm: [.., H] -> [.., H]
     pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(ops::rms_norm(x, &self.norm_weight()?, self.cfg.rms_norm_eps)?)
+        Ok(ops::rms_norm(self.kernels, x, &self.norm_weight()?, self.cfg.rms_norm_eps)?)
     }
 }

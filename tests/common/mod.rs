@@ -55,3 +55,16 @@ pub fn tiny_workspace(rows: usize, len: (usize, usize), recipe: Option<&str>) ->
     }
     d
 }
+
+/// A recursive copy of a folder (a checkpoint, say) into `dst`.
+pub fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+        }
+    }
+}

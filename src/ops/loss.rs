@@ -6,7 +6,8 @@
 //! We compute it chunk by chunk for the target rows only, never holding more than one
 //! [C, V] chunk, and hand the result to autograd as the upstream gradient of the hidden rows.
 
-use crate::bf16_gemm::PackedB;
+use super::bf16_gemm::PackedB;
+use super::{Kernels, Op, Path};
 use candle_core::{DType, Result, Tensor, D};
 
 /// Most logits elements held at once (28 MB of f32). Kept under glibc's largest mmap
@@ -26,39 +27,34 @@ fn chunk_rows(v: usize, threads: usize) -> usize {
 
 /// rows [M, H] (final-normed hidden states of the positions that have a target),
 /// head [V, H], targets [M] -> (sum of token cross-entropies, d(scale * sum)/d rows [M, H]).
-pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32], scale: f64) -> Result<(f64, Tensor)> {
-    let (m, _h) = rows.dims2()?;
+///
+/// Fused path (CPU f32 rows): one parallel pass per chunk computes the cross-entropy and
+/// softmax − onehot together. Portable path: the same from candle ops; the logits of a chunk
+/// come out of the head's own dtype (as transformers computes `lm_head` in the model dtype)
+/// and the softmax and cross-entropy run in f32 (as its loss upcasts the logits).
+pub fn cross_entropy_sum_and_grad(k: Kernels, rows: &Tensor, head: &Tensor, targets: &[u32], scale: f64) -> Result<(f64, Tensor)> {
+    let (m, h) = rows.dims2()?;
     let v = head.dim(0)?;
+    if head.dim(1)? != h || targets.len() != m {
+        candle_core::bail!("cross-entropy: rows {:?}, head {:?} and {} targets do not fit", rows.dims(), head.dims(), targets.len());
+    }
     let chunk = chunk_rows(v, rayon::current_num_threads());
     let mut total = 0f64;
     let mut grads = Vec::new();
     let mut start = 0;
-    let head = Head::new(head, rows)?;
+    let path = k.pick(Op::LossHead, rows, &[head]);
+    let head = Head::new(path, head)?;
     while start < m {
         let c = chunk.min(m - start);
-        let x = rows.narrow(0, start, c)?.to_dtype(DType::F32)?; // [C, H]
-        let logits = head.logits(&x)?; // [C, V]
-        if logits.device().is_cpu() {
+        let x = rows.narrow(0, start, c)?; // [C, H]
+        let logits = head.logits(&x)?; // [C, V] f32
+        let t = &targets[start..start + c];
+        let (ce, g_logits) = match path {
             // One parallel pass per row instead of seven whole-tensor ops.
-            let (ce, g_logits) = softmax_ce_rows(&logits, &targets[start..start + c], scale)?;
-            total += ce;
-            grads.push(head.input_grad(&g_logits)?.to_dtype(rows.dtype())?); // [C, H]
-            start += c;
-            continue;
-        }
-        let max = logits.max_keepdim(D::Minus1)?; // [C, 1]
-        let shifted = logits.broadcast_sub(&max)?; // [C, V]
-        let exp = shifted.exp()?;
-        let sum = exp.sum_keepdim(D::Minus1)?; // [C, 1]
-        let t = Tensor::from_slice(&targets[start..start + c], (c, 1), rows.device())?;
-        let picked = shifted.gather(&t, 1)?; // [C, 1]
-        // CE = log(sum exp(l - max)) - (l_t - max), summed in f64.
-        let ce = (sum.log()? - picked)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+            Path::Fused => softmax_ce_rows(&logits, t, scale)?,
+            Path::Portable => softmax_ce_portable(&logits, t, scale)?,
+        };
         total += ce;
-        // d CE / d logits = softmax - onehot.
-        let probs = exp.broadcast_div(&sum)?; // [C, V]
-        let minus_one = Tensor::full(-1f32, (c, 1), rows.device())?;
-        let g_logits = (probs.scatter_add(&t, &minus_one, 1)? * scale)?; // [C, V]
         grads.push(head.input_grad(&g_logits)?.to_dtype(rows.dtype())?); // [C, H]
         start += c;
     }
@@ -66,36 +62,59 @@ pub fn cross_entropy_sum_and_grad(rows: &Tensor, head: &Tensor, targets: &[u32],
     Ok((total, grad))
 }
 
+/// The CE sum (f64) and scale · (softmax − onehot) [C, V] of f32 logits [C, V], from candle
+/// ops (any device).
+fn softmax_ce_portable(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64, Tensor)> {
+    let c = logits.dim(0)?;
+    let max = logits.max_keepdim(D::Minus1)?; // [C, 1]
+    let shifted = logits.broadcast_sub(&max)?; // [C, V]
+    let exp = shifted.exp()?;
+    let sum = exp.sum_keepdim(D::Minus1)?; // [C, 1]
+    let t = Tensor::from_slice(targets, (c, 1), logits.device())?;
+    let picked = shifted.gather(&t, 1)?; // [C, 1]
+    // CE = log(sum exp(l - max)) - (l_t - max), summed in f64.
+    let ce = (sum.log()? - picked)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    // d CE / d logits = softmax - onehot.
+    let probs = exp.broadcast_div(&sum)?; // [C, V]
+    let minus_one = Tensor::full(-1f32, (c, 1), logits.device())?;
+    Ok((ce, (probs.scatter_add(&t, &minus_one, 1)? * scale)?)) // [C, V]
+}
+
 /// The frozen head [V, H] in the form its two matmuls per chunk want, prepared once per call.
 enum Head {
-    /// f32 [V, H] (any device; a bf16/f16 head is converted once, not per chunk).
+    /// Fused, f32 head: the f32 GEMM.
     F32(Tensor),
-    /// A bf16 head on a CPU with a bf16 unit (the weight source hands one out only then):
+    /// Fused, bf16 head on a CPU with a bf16 unit (the weight source hands one out only then):
     /// packed for x @ Wᵀ and for g @ W, so both run on it like the frozen projections.
     Bf16 { nk: PackedB, kn: PackedB },
+    /// Portable: the head in its own dtype (never converted whole), chunks meeting it there.
+    Native(Tensor),
 }
 
 impl Head {
-    fn new(head: &Tensor, rows: &Tensor) -> Result<Self> {
-        if head.dtype() == DType::BF16 && head.device().is_cpu() && rows.dtype() == DType::F32 && crate::bf16_gemm::available() {
-            return Ok(Head::Bf16 { nk: PackedB::from_weight(head, false)?, kn: PackedB::from_weight(head, true)? });
-        }
-        Ok(Head::F32(head.to_dtype(DType::F32)?))
+    fn new(path: Path, head: &Tensor) -> Result<Self> {
+        Ok(match (path, head.dtype()) {
+            (Path::Fused, DType::BF16) => Head::Bf16 { nk: PackedB::from_weight(head, false)?, kn: PackedB::from_weight(head, true)? },
+            (Path::Fused, _) => Head::F32(head.to_dtype(DType::F32)?),
+            (Path::Portable, _) => Head::Native(head.clone()),
+        })
     }
 
-    /// x [C, H] f32 -> logits [C, V]
+    /// x [C, H] -> logits [C, V] f32
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Head::F32(w) => x.matmul(&w.t()?),
-            Head::Bf16 { nk, .. } => crate::bf16_gemm::matmul(x, nk),
+            Head::Bf16 { nk, .. } => super::bf16_gemm::matmul(x, nk),
+            Head::Native(w) => x.to_dtype(w.dtype())?.matmul(&w.t()?)?.to_dtype(DType::F32),
         }
     }
 
-    /// g [C, V] f32 -> g @ W [C, H]
+    /// g [C, V] f32 -> g @ W [C, H] (f32, or the head's dtype on the portable path)
     fn input_grad(&self, g: &Tensor) -> Result<Tensor> {
         match self {
             Head::F32(w) => g.matmul(w),
-            Head::Bf16 { kn, .. } => crate::bf16_gemm::matmul(g, kn),
+            Head::Bf16 { kn, .. } => super::bf16_gemm::matmul(g, kn),
+            Head::Native(w) => g.to_dtype(w.dtype())?.matmul(w),
         }
     }
 }
@@ -112,7 +131,7 @@ fn softmax_ce_rows(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64,
     };
     let Some((o, e)) = layout.contiguous_offsets() else { candle_core::bail!("softmax_ce_rows: contiguous logits expected") };
     let data = &data[o..e];
-    let mut grad = crate::ops::zeros_f32(c * v);
+    let mut grad = super::zeros_f32(c * v);
     let scale = scale as f32;
     let ce: f64 = grad
         .par_chunks_mut(v)
@@ -120,8 +139,8 @@ fn softmax_ce_rows(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64,
         .zip(targets.par_iter())
         .map(|((g, l), &t)| {
             let max = l.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            g.iter_mut().zip(l).for_each(|(gi, &li)| *gi = crate::ops::exp_f32(li - max));
-            let sum = crate::ops::sum_f32(g);
+            g.iter_mut().zip(l).for_each(|(gi, &li)| *gi = super::exp_f32(li - max));
+            let sum = super::sum_f32(g);
             let k = scale / sum;
             g.iter_mut().for_each(|gi| *gi *= k);
             g[t as usize] -= scale;
@@ -142,7 +161,7 @@ mod tests {
     /// rows and head (the rounding is the contract; the sums are f32 either way).
     #[test]
     fn a_bf16_head_on_a_bf16_unit_matches_the_f32_head_on_rounded_rows() -> Result<()> {
-        if !crate::bf16_gemm::available() {
+        if !crate::ops::bf16_gemm::available() {
             eprintln!("SKIPPED: no AMX or AVX512-BF16 here, so a bf16 head is converted to f32");
             return Ok(());
         }
@@ -151,9 +170,9 @@ mod tests {
         let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
         let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05).collect(), (v, h), &dev)?.to_dtype(DType::BF16)?;
         let targets: Vec<u32> = (0..m as u32).map(|i| i * 7 % v as u32).collect();
-        let (ce, grad) = cross_entropy_sum_and_grad(&rows, &head, &targets, 0.25)?;
+        let (ce, grad) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &head, &targets, 0.25)?;
         let rounded = rows.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
-        let (ce32, _) = cross_entropy_sum_and_grad(&rounded, &head.to_dtype(DType::F32)?, &targets, 0.25)?;
+        let (ce32, _) = cross_entropy_sum_and_grad(Kernels::Auto, &rounded, &head.to_dtype(DType::F32)?, &targets, 0.25)?;
         // The input gradient rounds g = softmax - onehot to bf16 too: compare with that.
         let logits = rounded.matmul(&head.to_dtype(DType::F32)?.t()?)?;
         let (_, g_logits) = softmax_ce_rows(&logits, &targets, 0.25)?;
@@ -172,7 +191,7 @@ mod tests {
         let rows = Var::from_vec((0..24).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (4, 6), &dev)?;
         let head = Tensor::from_vec((0..60).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.2).collect(), (10, 6), &dev)?;
         let targets = [3u32, 0, 9, 3];
-        let (loss, grad) = cross_entropy_sum_and_grad(rows.as_tensor(), &head, &targets, 0.5)?;
+        let (loss, grad) = cross_entropy_sum_and_grad(Kernels::Auto, rows.as_tensor(), &head, &targets, 0.5)?;
         let logits = rows.matmul(&head.t()?)?;
         let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         let t = Tensor::new(&targets, &dev)?.unsqueeze(1)?;
@@ -183,6 +202,29 @@ mod tests {
         assert!((loss - ref_loss).abs() < 1e-5, "{loss} vs {ref_loss}");
         let diff = (grad - ref_grad)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-6, "max diff {diff}");
+        Ok(())
+    }
+
+    /// The portable loss equals the fused one (f32), and with a bf16 head and bf16 rows stays
+    /// bf16 in and out with the CE within bf16 rounding of the f32 value.
+    #[test]
+    fn portable_loss_matches_the_fused_loss_and_keeps_a_bf16_head_bf16() -> Result<()> {
+        let dev = Device::Cpu;
+        let (m, h, v) = (45, 64, 300);
+        let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
+        let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05).collect(), (v, h), &dev)?;
+        let targets: Vec<u32> = (0..m as u32).map(|i| i * 7 % v as u32).collect();
+        let (ce_f, g_f) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &head, &targets, 0.25)?;
+        let (ce_p, g_p) = cross_entropy_sum_and_grad(Kernels::Portable, &rows, &head, &targets, 0.25)?;
+        let dg = (&g_f - &g_p)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        println!("portable vs fused loss: |ce diff| {:.1e}, max |grad diff| {dg:.1e}", (ce_f - ce_p).abs());
+        assert!((ce_f - ce_p).abs() < 1e-6 * ce_f.abs() && dg < 1e-6);
+        let (rb, hb) = (rows.to_dtype(DType::BF16)?, head.to_dtype(DType::BF16)?);
+        let (ce_b, g_b) = cross_entropy_sum_and_grad(Kernels::Portable, &rb, &hb, &targets, 0.25)?;
+        assert_eq!(g_b.dtype(), DType::BF16);
+        let rel = (ce_b - ce_f).abs() / ce_f.abs();
+        println!("bf16 portable loss: relative CE diff {rel:.1e}");
+        assert!(rel < 2f64.powi(-8), "{rel}");
         Ok(())
     }
 }

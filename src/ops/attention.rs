@@ -1,0 +1,667 @@
+//! Causal self-attention with its own backward, computed in strips of query rows so no
+//! [S, S] score matrix (or its gradient) is ever held: the fused CPU op over f32 slices
+//! (`CausalAttention`) and the portable one from candle ops (`PortableAttention`, what CUDA
+//! runs). Both keep the log-sum-exp of each query row and recompute the probabilities from it
+//! in backward.
+//!
+//! Dimension legend (as in `model/llama.rs`):
+//!   B  micro-batch rows   NH query heads   KV key/value heads   R = NH / KV
+//!   S  sequence length    D  head_dim      Q  query rows per strip (`STRIP`, the last may be shorter)
+//!
+//! Why: attention from plain candle ops (`reference_attention`, kept for the tests)
+//! materialises scores, probabilities and their gradients as [B, NH, S, S] tensors under
+//! autograd, and computes the masked upper half anyway. Cost and memory then grow with S² per
+//! layer, which is what made long sequences slow, and is what makes a GPU run run out of
+//! memory.
+//!
+//! Forward, per (row b, query head h) and per strip of Q query rows starting at q0 (keys
+//! kbeg..q0+Q are the only ones a strip can see: kbeg = 0 for plain causal attention, the
+//! first record start among the strip's queries for packed rows; W = q0 + Q − kbeg):
+//!   scores [Q, W] = q_strip · k[kbeg..]^T · scale    (one GEMM)
+//!   p = causal softmax of each row; lse = log Σ exp  (kept: S floats per head)
+//!   out_strip [Q, D] = p · v                         (one GEMM)
+//! Backward (FlashAttention-2's recurrences, strip by strip, recomputing p from lse):
+//!   dv += p^T · dout,  dp = dout · v^T,  ds = p ⊙ (dp − rowsum(dout ⊙ out)) · scale,
+//!   dq = ds · k,  dk += ds^T · q
+//! GQA: query head h reads kv head h / R (transformers' `repeat_kv` order). Each query head
+//! (with few heads, each of two groups of its strips: `parts_for`) accumulates its own dk/dv,
+//! summed over the R heads of a group afterwards in a fixed order, so heads run in parallel
+//! and results do not depend on the thread count.
+//! Reference: Dao, "FlashAttention-2" (2023), Algorithm 2; we keep whole strips of keys
+//! instead of tiling them because one strip row fits in cache at the lengths we train.
+
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, D};
+use super::{exp_f32, sgemm, sum_f32, zeros_f32, Kernels, Op, Path, Shared};
+use rayon::prelude::*;
+use std::sync::Mutex;
+
+/// Query rows per strip of the fused op: a strip's scores are STRIP x S floats (512 KB at S = 2048).
+const STRIP: usize = 64;
+
+/// Most bytes of f32 scores one strip of the portable op holds ([B, NH, Q, W]): strips are
+/// as tall as fit, so a GPU runs few, large matmuls, and at most this much is transient.
+const PORTABLE_STRIP_BYTES: usize = 32 << 20;
+
+/// Where each query's keys start: query i of row b sees keys `host[b * S + i]..=i`. All zeros
+/// is plain causal attention; the start of each record is packed rows (attention stays within
+/// a record). Built once per forward: the fused op reads `host`, the portable one `tensor`,
+/// [B, S] u32 on the activations' device, and builds each strip's mask from it there.
+#[derive(Clone)]
+pub struct KeyStarts {
+    pub host: Vec<u32>,
+    pub tensor: Tensor,
+}
+
+impl KeyStarts {
+    pub fn new(host: Vec<u32>, b: usize, s: usize, device: &Device) -> Result<Self> {
+        if host.len() != b * s || host.iter().enumerate().any(|(r, &st)| st as usize > r % s.max(1)) {
+            candle_core::bail!("causal-attention: key starts must be B x S = {} values, each at most its query's position", b * s);
+        }
+        let tensor = Tensor::from_slice(&host, (b, s), device)?;
+        Ok(KeyStarts { host, tensor })
+    }
+
+    /// Plain causal attention over B rows of S.
+    pub fn causal(b: usize, s: usize, device: &Device) -> Result<Self> {
+        Self::new(vec![0; b * s], b, s, device)
+    }
+
+    /// The keys a strip of queries q0..q0+m of any row can see: kbeg..kend (kend = q0 + m).
+    fn strip_keys(&self, b: usize, s: usize, q0: usize, m: usize) -> (usize, usize) {
+        let kbeg = (0..b).map(|bi| strip_keys(&self.host[bi * s..][..s], q0, m).0).min().unwrap_or(0);
+        (kbeg, q0 + m)
+    }
+}
+
+/// softmax(q k^T · scale + mask) v for q [B, NH, S, D], k and v [B, KV, S, D] -> [B, NH, S, D],
+/// where query i of row b sees keys `starts.host[b * S + i]..=i`.
+pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, starts: &KeyStarts) -> Result<Tensor> {
+    let (b, nh, s, d) = q.dims4()?;
+    let (_, kv, _, _) = k.dims4()?;
+    if kv == 0 || nh % kv != 0 || k.dims() != v.dims() || k.dim(0)? != b || k.dim(2)? != s || k.dim(3)? != d {
+        candle_core::bail!("causal-attention: q {:?} and k/v {:?}/{:?} do not form GQA shapes", q.dims(), k.dims(), v.dims());
+    }
+    if starts.host.len() != b * s {
+        candle_core::bail!("causal-attention: {} key starts for B x S = {}", starts.host.len(), b * s);
+    }
+    if s == 0 || d == 0 {
+        return q.zeros_like();
+    }
+    match kern.pick(Op::Attention, q, &[]) {
+        Path::Fused if [k.dtype(), v.dtype()].iter().all(|&t| t == DType::F32) => {
+            let op = CausalAttention { scale: scale as f32, key_start: starts.host.clone(), lse: Mutex::new(Vec::new()) };
+            q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+        }
+        _ => portable_attention(q, k, v, scale, starts, portable_strip_rows(b, nh, s)),
+    }
+}
+
+/// Query rows per portable strip: as many as keep [B, NH, Q, S] f32 scores within
+/// `PORTABLE_STRIP_BYTES`, a multiple of 64, at least 64.
+fn portable_strip_rows(b: usize, nh: usize, s: usize) -> usize {
+    let per_row = (b * nh * s * 4).max(1);
+    ((PORTABLE_STRIP_BYTES / per_row) / 64 * 64).clamp(64, s.max(64))
+}
+
+/// Transient f32 bytes one attention strip holds in flight (scores, their exponentials and
+/// the probabilities): the portable op's tall strips over all heads at once, or the fused
+/// op's 64-row strip per task (one task per thread, counted for two).
+pub fn strip_scratch_bytes(portable: bool, b: usize, nh: usize, s: usize) -> usize {
+    if portable {
+        3 * portable_strip_rows(b, nh, s).min(s) * b * nh * s * 4
+    } else {
+        2 * STRIP * s * 4
+    }
+}
+
+/// The portable attention: each strip of `strip` query rows from candle ops (two batched
+/// matmuls, the mask built on the device from `starts.tensor`, softmax statistics in f32),
+/// with no autograd graph inside. One [`PortableAttention`] node joins q, k and v to the
+/// result, and its backward runs FlashAttention-2's recurrences strip by strip in tensor ops.
+///
+/// Why a node that adopts a result computed outside it: candle hands a custom op storages,
+/// not tensors, so a forward written in tensor ops cannot run inside one. Computing it on
+/// detached inputs and letting the node take the finished output (one copy of [B, NH, S, D])
+/// keeps autograd from storing every strip's [Q, W] probabilities, which is the point.
+fn portable_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, starts: &KeyStarts, strip: usize) -> Result<Tensor> {
+    let st = Strips::new(q, k, scale, starts, strip)?;
+    let (out, lse) = st.forward(&q.detach(), &k.detach(), &v.detach())?;
+    let op = PortableAttention { strips: st, out: Mutex::new(Some(out)), lse };
+    q.apply_op3(k, v, op)
+}
+
+/// One portable attention call's shapes and strips. GQA folds the R query heads of a kv head
+/// into the rows of one matmul: q [B, NH, S, D] is viewed as [B, KV, R, S, D].
+struct Strips {
+    dims: (usize, usize, usize, usize, usize), // (B, NH, KV, S, D)
+    scale: f64,
+    starts: KeyStarts,
+    /// (q0, m, kbeg, kend) per strip.
+    list: Vec<(usize, usize, usize, usize)>,
+}
+
+impl Strips {
+    fn new(q: &Tensor, k: &Tensor, scale: f64, starts: &KeyStarts, strip: usize) -> Result<Self> {
+        let (b, nh, s, d) = q.dims4()?;
+        let kv = k.dim(1)?;
+        let list = (0..s)
+            .step_by(strip.max(1))
+            .map(|q0| {
+                let m = strip.min(s - q0);
+                let (kbeg, kend) = starts.strip_keys(b, s, q0, m);
+                (q0, m, kbeg, kend)
+            })
+            .collect();
+        Ok(Strips { dims: (b, nh, kv, s, d), scale, starts: starts.clone(), list })
+    }
+
+    /// Rows q0..q0+m of every head of x [B, NH, S, D] -> [B, KV, R*m, D].
+    fn rows(&self, x: &Tensor, q0: usize, m: usize) -> Result<Tensor> {
+        let (b, nh, kv, s, d) = self.dims;
+        x.reshape((b, kv, nh / kv, s, d))?.narrow(3, q0, m)?.contiguous()?.reshape((b, kv, nh / kv * m, d)) // [B, KV, R*m, D]
+    }
+
+    /// Additive mask [B, 1, 1, m, W] (0 or -inf) of strip (q0, m) over keys kbeg..kend,
+    /// built on the device: key j is seen by query i of row b iff start(b, i) <= j <= i.
+    fn mask(&self, q0: usize, m: usize, kbeg: usize, kend: usize) -> Result<Tensor> {
+        let b = self.dims.0;
+        let (dev, w) = (self.starts.tensor.device(), kend - kbeg);
+        let first = self.starts.tensor.narrow(1, q0, m)?.unsqueeze(2)?; // [B, m, 1]
+        let keys = Tensor::arange(kbeg as u32, kend as u32, dev)?.reshape((1, 1, w))?; // [1, 1, W]
+        let query = Tensor::arange(q0 as u32, (q0 + m) as u32, dev)?.reshape((1, m, 1))?; // [1, m, 1]
+        let seen = keys.broadcast_ge(&first)?.broadcast_mul(&keys.broadcast_le(&query)?)?; // [B, m, W] u8
+        let zero = Tensor::zeros((b, m, w), DType::F32, dev)?;
+        let hidden = Tensor::full(f32::NEG_INFINITY, (b, m, w), dev)?;
+        seen.where_cond(&zero, &hidden)?.reshape((b, 1, 1, m, w)) // [B, 1, 1, m, W]
+    }
+
+    /// Scaled, masked f32 scores of strip (q0, m): qs [B, KV, R*m, D] against keys
+    /// kbeg..kend -> [B, KV, R, m, W].
+    fn scores(&self, qs: &Tensor, k: &Tensor, (q0, m, kbeg, kend): (usize, usize, usize, usize)) -> Result<Tensor> {
+        let (b, nh, kv, _, _) = self.dims;
+        let ks = k.narrow(2, kbeg, kend - kbeg)?; // [B, KV, W, D]
+        let sc = qs.matmul(&ks.t()?)?.to_dtype(DType::F32)?; // [B, KV, R*m, W]
+        let sc = (sc.reshape((b, kv, nh / kv, m, kend - kbeg))? * self.scale)?; // [B, KV, R, m, W]
+        sc.broadcast_add(&self.mask(q0, m, kbeg, kend)?)
+    }
+
+    /// (out [B, NH, S, D] in q's dtype, lse [B, KV, R, S, 1] f32).
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, nh, kv, _, d) = self.dims;
+        let (mut outs, mut lses) = (Vec::new(), Vec::new());
+        for &(q0, m, kbeg, kend) in &self.list {
+            let sc = self.scores(&self.rows(q, q0, m)?, k, (q0, m, kbeg, kend))?; // [B, KV, R, m, W]
+            // Every query sees at least itself, so the max is finite.
+            let max = sc.max_keepdim(D::Minus1)?; // [B, KV, R, m, 1]
+            let lse = (sc.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?; // [B, KV, R, m, 1]
+            let p = sc.broadcast_sub(&lse)?.exp()?.to_dtype(v.dtype())?.reshape((b, kv, nh / kv * m, kend - kbeg))?; // [B, KV, R*m, W]
+            let o = p.matmul(&v.narrow(2, kbeg, kend - kbeg)?)?; // [B, KV, R*m, D]
+            outs.push(o.reshape((b, kv, nh / kv, m, d))?); // [B, KV, R, m, D]
+            lses.push(lse);
+        }
+        let out = Tensor::cat(&outs, 3)?.reshape((b, nh, self.dims.3, d))?; // [B, NH, S, D]
+        Ok((out, Tensor::cat(&lses, 3)?))
+    }
+
+    /// (dq, dk, dv) for the upstream gradient g [B, NH, S, D] of out = attention(q, k, v):
+    ///   p = exp(s − lse),  dv += pᵀ g,  dp = g vᵀ,  ds = p ⊙ (dp − rowsum(g ⊙ out)) · scale,
+    ///   dq = ds k,  dk += dsᵀ q
+    /// dk and dv sum over the R query heads of each kv head inside the matmuls (their rows),
+    /// and accumulate over strips in f32.
+    fn backward(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, lse: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, nh, kv, s, d) = self.dims;
+        let (r, dt) = (nh / kv, q.dtype());
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
+        let delta = (f32_of(g)? * f32_of(out)?)?.sum_keepdim(D::Minus1)?.reshape((b, kv, r, s, 1))?; // [B, KV, R, S, 1]
+        let dk = Tensor::zeros((b, kv, s, d), DType::F32, q.device())?;
+        let dv = Tensor::zeros((b, kv, s, d), DType::F32, q.device())?;
+        let mut dqs = Vec::new();
+        for &(q0, m, kbeg, kend) in &self.list {
+            let w = kend - kbeg;
+            let (qs, gs) = (self.rows(q, q0, m)?, self.rows(g, q0, m)?); // [B, KV, R*m, D] each
+            let (ks, vs) = (k.narrow(2, kbeg, w)?, v.narrow(2, kbeg, w)?); // [B, KV, W, D] each
+            let sc = self.scores(&qs, k, (q0, m, kbeg, kend))?; // [B, KV, R, m, W]
+            let p = sc.broadcast_sub(&lse.narrow(3, q0, m)?)?.exp()?; // [B, KV, R, m, W]
+            let pd = p.to_dtype(dt)?.reshape((b, kv, r * m, w))?; // [B, KV, R*m, W]
+            let dv_s = pd.t()?.matmul(&gs)?; // [B, KV, W, D]
+            let dp = f32_of(&gs.matmul(&vs.t()?)?)?.reshape((b, kv, r, m, w))?; // [B, KV, R, m, W]
+            let ds = ((p * dp.broadcast_sub(&delta.narrow(3, q0, m)?)?)? * self.scale)?; // [B, KV, R, m, W]
+            let ds = ds.to_dtype(dt)?.reshape((b, kv, r * m, w))?; // [B, KV, R*m, W]
+            dqs.push(ds.matmul(&ks)?.reshape((b, kv, r, m, d))?); // [B, KV, R, m, D]
+            let dk_s = ds.t()?.matmul(&qs)?; // [B, KV, W, D]
+            for (acc, part) in [(&dk, dk_s), (&dv, dv_s)] {
+                let sum = (acc.narrow(2, kbeg, w)? + f32_of(&part)?)?.contiguous()?;
+                acc.slice_set(&sum, 2, kbeg)?;
+            }
+        }
+        let dq = Tensor::cat(&dqs, 3)?.reshape((b, nh, s, d))?; // [B, NH, S, D]
+        Ok((dq, dk.to_dtype(k.dtype())?, dv.to_dtype(v.dtype())?))
+    }
+}
+
+/// The autograd node of the portable attention (see [`portable_attention`]).
+struct PortableAttention {
+    strips: Strips,
+    /// The finished output, taken by the forward.
+    out: Mutex<Option<Tensor>>,
+    /// [B, KV, R, S, 1] f32, for the backward.
+    lse: Tensor,
+}
+
+impl PortableAttention {
+    /// The output computed outside the node, as the storage the node returns (a copy).
+    fn adopt<S>(&self, pick: impl Fn(&candle_core::Storage, &Layout) -> Option<Result<S>>) -> Result<(S, Shape)> {
+        let out = self.out.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(out) = out else { candle_core::bail!("portable-attention: forward ran twice") };
+        let (st, layout) = out.storage_and_layout();
+        // `cat` made it: contiguous from offset 0, so the whole storage is the output.
+        if !layout.is_contiguous() || layout.start_offset() != 0 {
+            candle_core::bail!("portable-attention: output is not a fresh contiguous tensor");
+        }
+        let storage = pick(&st, layout).unwrap_or_else(|| Err(candle_core::Error::Msg("portable-attention: output on another device".into())))?;
+        Ok((storage, out.shape().clone()))
+    }
+}
+
+impl candle_core::CustomOp3 for PortableAttention {
+    fn name(&self) -> &'static str {
+        "portable-attention"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        self.adopt(|st, layout| match st {
+            candle_core::Storage::Cpu(s) => Some(s.try_clone(layout)),
+            _ => None,
+        })
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        self.adopt(|st, layout| match st {
+            candle_core::Storage::Cuda(s) => Some(s.try_clone(layout)),
+            _ => None,
+        })
+    }
+
+    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = self.strips.backward(q, k, v, res, &grad.contiguous()?, &self.lse)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// Attention of new queries over cached + new keys, for generation (no backward): q
+/// [B, NH, S, D], k and v [B, KV, T, D], `mask` [1, 1, S, T] additive (0 or -inf) in f32.
+/// GQA without copying k/v (transformers' repeat_kv): query head h uses kv head h / R, so the
+/// R query heads of a kv head are contiguous and fold into the row dim. S is small here (a
+/// prompt, then one token), so the [S, T] scores are held whole.
+pub fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor> {
+    let (b, nh, s, d) = q.dims4()?;
+    let (kv, t) = (k.dim(1)?, k.dim(2)?);
+    let r = nh / kv.max(1);
+    let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
+    let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, t))?.to_dtype(DType::F32)?; // [B, NH, S, T]
+    let probs = super::softmax_last(&(scores * scale)?.broadcast_add(&mask.to_dtype(DType::F32)?)?)?.to_dtype(v.dtype())?;
+    let probs = probs.reshape((b, kv, r * s, t))?; // [B, KV, R*S, T]
+    probs.matmul(v)?.reshape((b, nh, s, d)) // [B, NH, S, D]
+}
+
+/// Additive causal mask [S, T] (0 or -inf): query i sits at position `offset + i` and sees
+/// keys 0..=offset + i. `offset` is the number of cached positions during generation.
+pub fn causal_mask(s: usize, t: usize, offset: usize, device: &Device) -> Result<Tensor> {
+    let m: Vec<f32> = (0..s * t).map(|x| if x % t > offset + x / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+    Tensor::from_vec(m, (s, t), device)
+}
+
+/// Attention from plain candle ops over whole [B, NH, S, S] scores under autograd, with a
+/// host-built mask: the reference both strip ops are tested against.
+#[cfg(test)]
+pub(crate) fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, key_start: &[u32]) -> Result<Tensor> {
+    let (b, nh, s, d) = q.dims4()?;
+    let kv = k.dim(1)?;
+    let r = nh / kv;
+    let q = q.reshape((b, kv, r * s, d))?; // [B, KV, R*S, D]
+    let scores = q.matmul(&k.t()?)?.reshape((b, nh, s, s))?.to_dtype(DType::F32)?; // [B, NH, S, S]
+    let mut m = Vec::with_capacity(b * s * s);
+    for (row, &st) in key_start.iter().enumerate() {
+        let i = row % s;
+        m.extend((0..s).map(|j| if j >= st as usize && j <= i { 0.0 } else { f32::NEG_INFINITY }));
+    }
+    let mask = Tensor::from_vec(m, (b, 1, s, s), q.device())?; // [B, 1, S, S]
+    let probs = super::softmax_last(&(scores * scale)?.broadcast_add(&mask)?)?;
+    let probs = probs.to_dtype(v.dtype())?.reshape((b, kv, r * s, s))?; // [B, KV, R*S, S]
+    probs.matmul(v)?.reshape((b, nh, s, d)) // [B, NH, S, D]
+}
+
+struct CausalAttention {
+    scale: f32,
+    /// [B * S]: the first key each query sees.
+    key_start: Vec<u32>,
+    /// Log-sum-exp of each query row's scores, [B, NH, S], written by the forward for the
+    /// backward (which recomputes the probabilities from it instead of storing them).
+    lse: Mutex<Vec<f32>>,
+}
+
+/// The keys a strip of queries q0..q0+m can see: kbeg..kend (kend = q0 + m).
+fn strip_keys(starts: &[u32], q0: usize, m: usize) -> (usize, usize) {
+    let kbeg = starts[q0..q0 + m].iter().min().map_or(0, |&x| x as usize);
+    (kbeg, q0 + m)
+}
+
+/// Strip groups per (b, head) unit. With few units (batch 1: 9 heads, which 2 threads run as
+/// 5 + 4) each unit's strips are dealt into 2 groups of equal work, twice as many tasks. A
+/// function of the shapes only, so results do not depend on the thread count.
+fn parts_for(units: usize) -> usize {
+    if units < 16 { 2 } else { 1 }
+}
+
+/// Whether strip `i` of `n` is in group `g` of `parts`: strips pair up from both ends (i and
+/// n − 1 − i see about n + 1 strips of keys together) and the pairs are dealt in turn.
+fn in_part(i: usize, n: usize, g: usize, parts: usize) -> bool {
+    i.min(n - 1 - i) % parts == g
+}
+
+/// Shapes of one call: (B, NH, KV, S, D).
+fn dims(q: &Layout, k: &Layout) -> Result<(usize, usize, usize, usize, usize)> {
+    let (b, nh, s, d) = q.shape().dims4()?;
+    let (b2, kv, s2, d2) = k.shape().dims4()?;
+    if b != b2 || s != s2 || d != d2 {
+        candle_core::bail!("causal-attention: q {:?} and k {:?} differ in batch, length or head_dim", q.shape(), k.shape());
+    }
+    Ok((b, nh, kv, s, d))
+}
+
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    let CpuStorage::F32(x) = s else { candle_core::bail!("causal-attention: {what} must be f32") };
+    let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("causal-attention: {what} must be contiguous") };
+    Ok(&x[a..b])
+}
+
+/// Scores of a strip: sc [m, kend] = q_strip [m, D] · k[..kend]^T · scale.
+fn strip_scores(sc: &mut [f32], q: &[f32], k: &[f32], m: usize, kend: usize, d: usize, scale: f32) {
+    sgemm(m, kend, d, sc, kend, false, q, d, 1, k, 1, d, scale, 1);
+}
+
+impl candle_core::CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(&self, qs: &CpuStorage, ql: &Layout, ks: &CpuStorage, kl: &Layout, vs: &CpuStorage, vl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, nh, kv, s, d) = dims(ql, kl)?;
+        let (q, k, v) = (f32_slice(qs, ql, "q")?, f32_slice(ks, kl, "k")?, f32_slice(vs, vl, "v")?);
+        let r = nh / kv;
+        let mut out = zeros_f32(b * nh * s * d);
+        let mut lse = vec![0f32; b * nh * s];
+        let scale = self.scale;
+        let units = b * nh;
+        let parts = parts_for(units);
+        let n_strips = s.div_ceil(STRIP);
+        let (out_at, lse_at) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
+        // One task per (b, h) unit and strip group: its strips' out rows [m, D] and lse [m].
+        (0..units * parts).into_par_iter().for_each(|task| {
+            let (unit, part) = (task / parts, task % parts);
+            let (bi, h) = (unit / nh, unit % nh);
+            let q = &q[unit * s * d..][..s * d]; // [S, D]
+            let kvo = (bi * kv + h / r) * s * d;
+            let (k, v) = (&k[kvo..][..s * d], &v[kvo..][..s * d]); // [S, D] each
+            let starts = &self.key_start[bi * s..][..s];
+            let mut p = vec![0f32; STRIP * s];
+            for (si, q0) in (0..s).step_by(STRIP).enumerate() {
+                if !in_part(si, n_strips, part, parts) {
+                    continue;
+                }
+                let m = STRIP.min(s - q0);
+                // SAFETY: strip si of this unit is in exactly one group, i.e. one task.
+                let (o, l) = unsafe { (out_at.rows((unit * s + q0) * d, m * d), lse_at.rows(unit * s + q0, m)) };
+                let (kbeg, kend) = strip_keys(starts, q0, m);
+                let w = kend - kbeg;
+                let p = &mut p[..m * w]; // [m, w]: query q0 + i against key kbeg + j
+                strip_scores(p, &q[q0 * d..], &k[kbeg * d..], m, w, d, scale);
+                for (i, row) in p.chunks_mut(w).enumerate() {
+                    let (lo, hi) = (starts[q0 + i] as usize - kbeg, q0 + i - kbeg + 1); // keys seen: lo..hi
+                    let max = row[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                    row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x - max));
+                    let sum = sum_f32(&row[lo..hi]);
+                    let inv = 1.0 / sum;
+                    row[lo..hi].iter_mut().for_each(|x| *x *= inv);
+                    row[..lo].fill(0.0);
+                    row[hi..].fill(0.0);
+                    l[i] = max + sum.ln();
+                }
+                // out[q0..q0+m] [m, D] = p [m, w] · v[kbeg..kend] [w, D]
+                sgemm(m, d, w, o, d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0, 1);
+            }
+        });
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+        Ok((CpuStorage::F32(out), ql.shape().clone()))
+    }
+
+    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (b, nh, s, d) = q.dims4()?;
+        let kv = k.dim(1)?;
+        let r = nh / kv;
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if lse.len() != b * nh * s {
+            candle_core::bail!("causal-attention: backward without a forward");
+        }
+        let e = crate::ops::f32_elems;
+        let (qe, ke, ve, oe, ge) = (e(q)?, e(k)?, e(v)?, e(out)?, e(g)?);
+        let (qh, kh, vh, oh, gh): (&[f32], &[f32], &[f32], &[f32], &[f32]) = (&qe, &ke, &ve, &oe, &ge);
+        let scale = self.scale;
+        let mut dq = zeros_f32(b * nh * s * d);
+        let units = b * nh;
+        let parts = parts_for(units);
+        let n_strips = s.div_ceil(STRIP);
+        // Per task (query head and strip group): its contribution to its kv head's dk and dv.
+        let mut dk_h = zeros_f32(units * parts * s * d);
+        let mut dv_h = zeros_f32(units * parts * s * d);
+        let dq_at = Shared(dq.as_mut_ptr());
+        dk_h.par_chunks_mut(s * d)
+            .zip(dv_h.par_chunks_mut(s * d))
+            .enumerate()
+            .for_each(|(task, (dk, dv))| {
+                let (unit, part) = (task / parts, task % parts);
+                let (bi, h) = (unit / nh, unit % nh);
+                let at = unit * s * d;
+                let (q, o, g) = (&qh[at..][..s * d], &oh[at..][..s * d], &gh[at..][..s * d]); // [S, D] each
+                let kvo = (bi * kv + h / r) * s * d;
+                let (k, v) = (&kh[kvo..][..s * d], &vh[kvo..][..s * d]);
+                let l = &lse[unit * s..][..s];
+                let starts = &self.key_start[bi * s..][..s];
+                let mut p = vec![0f32; STRIP * s];
+                let mut dp = vec![0f32; STRIP * s];
+                for (si, q0) in (0..s).step_by(STRIP).enumerate() {
+                    if !in_part(si, n_strips, part, parts) {
+                        continue;
+                    }
+                    let m = STRIP.min(s - q0);
+                    let (kbeg, kend) = strip_keys(starts, q0, m);
+                    let w = kend - kbeg;
+                    let (p, dp) = (&mut p[..m * w], &mut dp[..m * w]); // [m, w] each
+                    let (ks, vs) = (&k[kbeg * d..kend * d], &v[kbeg * d..kend * d]); // [w, D] each
+                    strip_scores(p, &q[q0 * d..], ks, m, w, d, scale);
+                    for (i, row) in p.chunks_mut(w).enumerate() {
+                        let (lo, hi) = (starts[q0 + i] as usize - kbeg, q0 + i - kbeg + 1);
+                        let li = l[q0 + i];
+                        row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x - li));
+                        row[..lo].fill(0.0);
+                        row[hi..].fill(0.0);
+                    }
+                    let gs = &g[q0 * d..][..m * d]; // [m, D]
+                    // dv[kbeg..kend] += p^T [w, m] · g_strip [m, D]
+                    sgemm(w, d, m, &mut dv[kbeg * d..], d, true, p, 1, w, gs, d, 1, 1.0, 1);
+                    // dp [m, w] = g_strip [m, D] · v[kbeg..kend]^T [D, w]
+                    sgemm(m, w, d, dp, w, false, gs, d, 1, vs, 1, d, 1.0, 1);
+                    // ds = p ⊙ (dp − Σ_d g ⊙ out) · scale, in place of dp (0 where p is)
+                    for i in 0..m {
+                        let row = q0 + i;
+                        let delta: f32 = g[row * d..][..d].iter().zip(&o[row * d..][..d]).map(|(a, b)| a * b).sum();
+                        let (pr, dr) = (&p[i * w..][..w], &mut dp[i * w..][..w]);
+                        for (x, &pv) in dr.iter_mut().zip(pr) {
+                            *x = pv * (*x - delta) * scale;
+                        }
+                    }
+                    // SAFETY: strip si of this unit is in exactly one group, i.e. one task.
+                    let dq = unsafe { dq_at.rows((unit * s + q0) * d, m * d) };
+                    // dq_strip [m, D] = ds [m, w] · k[kbeg..kend] [w, D]
+                    sgemm(m, d, w, dq, d, false, dp, w, 1, ks, d, 1, 1.0, 1);
+                    // dk[kbeg..kend] += ds^T [w, m] · q_strip [m, D]
+                    sgemm(w, d, m, &mut dk[kbeg * d..], d, true, dp, 1, w, &q[q0 * d..], d, 1, 1.0, 1);
+                }
+            });
+        // dk, dv [B, KV, S, D]: the R query heads of each kv head (and their strip groups),
+        // summed in a fixed order.
+        let fold = |per_task: &[f32]| -> Vec<f32> {
+            let mut acc = zeros_f32(b * kv * s * d);
+            acc.par_chunks_mut(s * d).enumerate().for_each(|(unit, a)| {
+                let (bi, gi) = (unit / kv, unit % kv);
+                for j in 0..r * parts {
+                    let t = (bi * nh + gi * r) * parts + j;
+                    a.iter_mut().zip(&per_task[t * s * d..][..s * d]).for_each(|(x, y)| *x += y);
+                }
+            });
+            acc
+        };
+        let dev = q.device();
+        let dq = Tensor::from_vec(dq, q.shape(), dev)?;
+        let dk = Tensor::from_vec(fold(&dk_h), k.shape(), dev)?;
+        let dv = Tensor::from_vec(fold(&dv_h), v.shape(), dev)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::{max_diff, pseudo};
+    use candle_core::{Device, Var};
+
+    /// q, k, v as variables and an upstream gradient, for B = 2 rows of S with NH / KV heads.
+    fn inputs(nh: usize, kv: usize, s: usize, d: usize, dt: DType) -> Result<(Var, Var, Var, Tensor)> {
+        let (dev, b) = (Device::Cpu, 2);
+        let var = |n: usize, seed: usize, shape: (usize, usize, usize, usize)| Var::from_tensor(&Tensor::from_vec(pseudo(n, seed), shape, &dev)?.to_dtype(dt)?);
+        let q = var(b * nh * s * d, 1, (b, nh, s, d))?;
+        let k = var(b * kv * s * d, 2, (b, kv, s, d))?;
+        let v = var(b * kv * s * d, 3, (b, kv, s, d))?;
+        let g = Tensor::from_vec(pseudo(b * nh * s * d, 4), (b, nh, s, d), &dev)?.to_dtype(dt)?;
+        Ok((q, k, v, g))
+    }
+
+    /// Row 0 plain causal; row 1 packed: records at 0..40, 40..41 (one token), 41..S.
+    fn packed_starts(s: usize) -> Result<KeyStarts> {
+        let mut starts = vec![0u32; 2 * s];
+        for i in 0..s {
+            starts[s + i] = if i < 40 { 0 } else if i < 41 { 40 } else { 41 };
+        }
+        KeyStarts::new(starts, 2, s, &Device::Cpu)
+    }
+
+    /// Max |diff| of the outputs and of the q, k, v gradients of two attentions.
+    fn compare(a: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, b: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, nh: usize, kv: usize, dt: DType) -> Result<Vec<(&'static str, f32)>> {
+        let (q, k, v, g) = inputs(nh, kv, 150, 16, dt)?;
+        let (ya, yb) = (a(&q, &k, &v)?, b(&q, &k, &v)?);
+        let mut worst = vec![("out", max_diff(&ya, &yb)?)];
+        let ga = (ya.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
+        let gb = (yb.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
+        for (name, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+            worst.push((name, max_diff(ga.get(var).expect("grad a"), gb.get(var).expect("grad b"))?));
+        }
+        Ok(worst)
+    }
+
+    /// The fused op and the portable one (several strips of 64, a short last strip: S = 150
+    /// = 2 x 64 + 22) each equal the whole-matrix reference in value and in all three
+    /// gradients, with GQA (R = 3) and packed records; the fused op with few heads (strips
+    /// split into two groups per head) and with enough heads (one task per head).
+    #[test]
+    fn fused_and_portable_attention_match_the_reference() -> Result<()> {
+        let starts = packed_starts(150)?;
+        let scale = 0.25;
+        for (nh, kv) in [(6, 2), (9, 3)] {
+            assert_eq!(parts_for(2 * nh), if nh == 6 { 2 } else { 1 }, "both task splits are covered");
+            let reference = |q: &Tensor, k: &Tensor, v: &Tensor| reference_attention(q, k, v, scale, &starts.host);
+            let fused = compare(|q, k, v| causal_attention(Kernels::Auto, q, k, v, scale, &starts), reference, nh, kv, DType::F32)?;
+            let portable = compare(|q, k, v| portable_attention(q, k, v, scale, &starts, 64), reference, nh, kv, DType::F32)?;
+            println!("NH {nh} KV {kv}: fused vs reference {fused:?}; portable vs reference {portable:?}");
+            for (name, d) in fused.iter().chain(&portable) {
+                assert!(*d < 1e-5, "{name} differs by {d}");
+            }
+        }
+        Ok(())
+    }
+
+    /// `kernels = "portable"` on CPU f32 takes the portable op, which then equals the fused one.
+    #[test]
+    fn portable_kernels_run_the_portable_op_and_agree_with_the_fused_one() -> Result<()> {
+        let starts = packed_starts(150)?;
+        let d = compare(
+            |q, k, v| causal_attention(Kernels::Portable, q, k, v, 0.25, &starts),
+            |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts),
+            4,
+            2,
+            DType::F32,
+        )?;
+        println!("portable vs fused: {d:?}");
+        assert!(d.iter().all(|(_, d)| *d < 1e-5), "{d:?}");
+        Ok(())
+    }
+
+    /// bf16 q, k, v: the portable op keeps bf16 in and out, its statistics in f32, and stays
+    /// within bf16 rounding of the f32 result on the same (bf16-valued) inputs.
+    #[test]
+    fn portable_attention_in_bf16_tracks_f32_within_bf16_rounding() -> Result<()> {
+        let starts = packed_starts(150)?;
+        let (q, k, v, _) = inputs(4, 2, 150, 16, DType::BF16)?;
+        let y = portable_attention(&q, &k, &v, 0.25, &starts, 64)?;
+        assert_eq!(y.dtype(), DType::BF16);
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        let want = portable_attention(&f(&q)?, &f(&k)?, &f(&v)?, 0.25, &starts, 64)?;
+        let d = max_diff(&y, &want)?;
+        println!("bf16 portable attention vs f32: max |diff| {d:.1e}");
+        // Outputs are convex combinations of v (|v| <= 1): probabilities rounded to bf16
+        // (relative 2^-8 each) and a bf16 output rounding bound the error by about 2 * 2^-8.
+        assert!(d < 2.0 * 2f32.powi(-8), "{d}");
+        Ok(())
+    }
+
+    /// Strips see only their past: a position's output is the same with the rest of the
+    /// sequence cut off.
+    #[test]
+    fn attention_output_depends_only_on_earlier_positions() -> Result<()> {
+        let dev = Device::Cpu;
+        let (s, d) = (300, 8);
+        let q = Tensor::from_vec(pseudo(s * d, 5), (1, 1, s, d), &dev)?;
+        let k = Tensor::from_vec(pseudo(s * d, 6), (1, 1, s, d), &dev)?;
+        let v = Tensor::from_vec(pseudo(s * d, 7), (1, 1, s, d), &dev)?;
+        for kern in [Kernels::Auto, Kernels::Portable] {
+            let full = causal_attention(kern, &q, &k, &v, 0.5, &KeyStarts::causal(1, s, &dev)?)?;
+            // Position 100's output depends only on keys 0..=100: the prefix alone gives it too.
+            let (qp, kp, vp) = (q.narrow(2, 0, 101)?, k.narrow(2, 0, 101)?, v.narrow(2, 0, 101)?);
+            let prefix = causal_attention(kern, &qp, &kp, &vp, 0.5, &KeyStarts::causal(1, 101, &dev)?)?;
+            let dmax = max_diff(&full.narrow(2, 100, 1)?, &prefix.narrow(2, 100, 1)?)?;
+            assert!(dmax < 1e-6, "{kern:?}: position 100 saw the future: {dmax}");
+        }
+        Ok(())
+    }
+
+    /// Strip heights fit the byte budget, in multiples of 64, never below 64 (where 64 rows
+    /// exceed the budget, 64 it is) or past S rounded up to 64.
+    #[test]
+    fn portable_strips_hold_at_most_the_budget_of_scores() {
+        assert_eq!(portable_strip_rows(4, 9, 512), 448); // SmolLM2 4 x 512: two strips
+        assert_eq!(portable_strip_rows(1, 32, 4096), 64);
+        assert_eq!(portable_strip_rows(1, 1, 30), 64);
+        assert_eq!(portable_strip_rows(8, 32, 2048), 64); // the floor: 64 MiB of scores per strip
+        let rows = portable_strip_rows(2, 16, 1024);
+        assert!(rows > 64 && rows * 2 * 16 * 1024 * 4 <= PORTABLE_STRIP_BYTES && rows % 64 == 0, "{rows}");
+    }
+}

@@ -1,0 +1,228 @@
+//! Differentiable building blocks, one file per op family, and the one place that picks
+//! which version of each runs ([`dispatch`]).
+//!
+//! Every family has up to three versions side by side in its file:
+//! - the fused CPU kernel: one candle custom op over f32 slices (rayon, the gemm crate, the
+//!   CPU's bf16 unit) with a hand-written backward;
+//! - the portable version: candle ops, plus custom-op nodes whose forward calls the backend
+//!   (`BackendStorage`) and whose backward is written in tensor ops. It is what CUDA and any
+//!   other device run, and what `model.kernels = "portable"` runs on CPU;
+//! - a CUDA forward where the op has its own node (`linear::FrozenMatmul`, the portable
+//!   attention node), through the same backend call.
+//!
+//! Call sites pass the recipe's [`Kernels`] and never look at the device: [`Kernels::pick`]
+//! does. ARCHITECTURE.md tabulates, per op, what runs on CPU f32, CPU bf16 and CUDA, and what
+//! each version is tested against.
+//!
+//! Why not candle's own fused ops: `softmax_last_dim`, `rms_norm` and `rotary_emb::rope` have
+//! no backward (autograd silently treats them as constants, see shared/CANDLE-FACTS.md).
+
+pub mod attention;
+pub mod bf16_gemm;
+pub mod dispatch;
+mod gemm;
+pub mod linear;
+pub mod loss;
+pub mod mlp;
+pub mod norm;
+pub mod rope;
+
+pub use attention::{causal_attention, causal_mask, KeyStarts};
+pub use dispatch::{Kernels, Op, Path};
+pub(crate) use gemm::sgemm;
+pub use linear::{frozen_linear, lora_linear};
+pub use mlp::{frozen_mlp_residual, swiglu};
+pub use norm::rms_norm;
+pub use rope::{merge_heads, rope_heads, rope_tables, split_heads};
+
+use candle_core::{DType, Result, Tensor, D};
+
+/// e^x in f32 within 2 ulp of `f32::exp` on [-87, 88] (clamped outside), written so the
+/// compiler vectorises loops over it: libm's `expf` is a scalar call, and softmax rows,
+/// attention strips, the loss and SwiGLU evaluate hundreds of millions per step.
+/// Cephes' `expf`: x = n·ln2 + r with |r| ≤ ln2/2 (n rounded by the 1.5·2^23 trick, so no
+/// float→int conversion), e^r by a degree-6 polynomial, 2^n from its exponent bits.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let x = x.clamp(-87.0, 88.0); // e^-87 ≈ 1.6e-38 is still a normal f32; e^88 < f32::MAX
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4; // ln2 split in two for precision
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
+    let er = p * r * r + r + 1.0;
+    let pow2n = f32::from_bits(((t.to_bits() as i32 - MAGIC.to_bits() as i32 + 127) as u32) << 23);
+    er * pow2n
+}
+
+/// Σ x with eight running sums (vectorisable; a single running sum is a serial chain).
+pub fn sum_f32(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `len` zeros, zeroed in parallel chunks of `chunk`, each chunk then handed to `fill(index,
+/// chunk)`. Why not `vec![0; len]` and a parallel fill: that zeroes the whole buffer on the
+/// calling thread first, a serial memset (and page faults) of up to tens of MB per GEMM or op
+/// while the other cores wait.
+pub fn par_zeroed<T: Copy + Default + Send>(len: usize, chunk: usize, fill: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut v: Vec<T> = Vec::with_capacity(len);
+    v.spare_capacity_mut()[..len].par_chunks_mut(chunk.max(1)).enumerate().for_each(|(i, c)| {
+        for x in c.iter_mut() {
+            x.write(T::default());
+        }
+        // SAFETY: every element of `c` was initialised just above.
+        let c = unsafe { &mut *(c as *mut [std::mem::MaybeUninit<T>] as *mut [T]) };
+        fill(i, c);
+    });
+    // SAFETY: the chunks cover 0..len and each was initialised.
+    unsafe { v.set_len(len) };
+    v
+}
+
+/// An f32 buffer that parallel tasks write disjoint parts of (attention strips, GEMM tiles).
+#[derive(Clone, Copy)]
+pub(crate) struct Shared(pub(crate) *mut f32);
+// SAFETY: users write only disjoint ranges from different tasks (see `rows`).
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// # Safety
+    /// `at..at + len` is inside the buffer and no other task touches it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn rows(&self, at: usize, len: usize) -> &mut [f32] {
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+    }
+}
+
+/// `len` f32 zeros, zeroed in parallel when large: output buffers of the fused ops are
+/// allocated on the calling thread, and `vec![0f32; len]` there was a serial memset (plus
+/// first-touch page faults) of every activation-sized buffer while the pool waited.
+pub fn zeros_f32(len: usize) -> Vec<f32> {
+    const SERIAL: usize = 1 << 16;
+    if len <= SERIAL {
+        return vec![0f32; len];
+    }
+    par_zeroed(len, SERIAL / 4, |_, _: &mut [f32]| {})
+}
+/// f32 rows of a contiguous CPU tensor, or an error naming the op.
+pub(crate) fn cpu_f32<'a>(op: &str, storage: &'a candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<&'a [f32]> {
+    let candle_core::CpuStorage::F32(x) = storage else { candle_core::bail!("{op}: f32 only") };
+    let Some((a, b)) = layout.contiguous_offsets() else { candle_core::bail!("{op}: input must be contiguous") };
+    Ok(&x[a..b])
+}
+
+/// A host copy of a tensor's elements in f32 (for custom-op backwards).
+pub(crate) fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+/// A tensor's elements as an f32 slice: borrowed from its storage when it is a contiguous
+/// f32 CPU tensor (what custom-op backwards are handed almost always), else a host copy.
+/// Borrowing saves a full-size copy per operand per backward.
+pub(crate) enum F32Elems<G> {
+    /// (read guard of the storage, element range)
+    Borrowed(G, usize, usize),
+    Owned(Vec<f32>),
+}
+
+pub(crate) fn f32_elems(t: &Tensor) -> Result<F32Elems<impl std::ops::Deref<Target = candle_core::Storage> + '_>> {
+    let (st, layout) = t.storage_and_layout();
+    if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(_)), Some((a, b))) = (&*st, layout.contiguous_offsets()) {
+        return Ok(F32Elems::Borrowed(st, a, b));
+    }
+    drop(st);
+    Ok(F32Elems::Owned(host_f32(t)?))
+}
+
+impl<G: std::ops::Deref<Target = candle_core::Storage>> std::ops::Deref for F32Elems<G> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            F32Elems::Borrowed(st, a, b) => match &**st {
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => &v[*a..*b],
+                _ => unreachable!("f32_elems borrows only f32 CPU storage"),
+            },
+            F32Elems::Owned(v) => v,
+        }
+    }
+}
+/// result, so it needs no gradient (saves a backward through `max`).
+pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&s)
+}
+/// a += b, elementwise, in parallel chunks.
+pub(crate) fn add_into(a: &mut [f32], b: &[f32]) {
+    use rayon::prelude::*;
+    a.par_chunks_mut(1 << 14).zip(b.par_chunks(1 << 14)).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(x, y)| *x += y));
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    use candle_core::{Device, Result, Tensor, Var};
+
+    /// Deterministic values in [-1, 1).
+    pub fn pseudo(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i * 2654435761 + seed * 97) % 1000) as f32 / 1000.0 - 0.5) * 2.0).collect()
+    }
+
+    /// Value and input gradient of `a(x)` against `b(x)`, as max abs differences.
+    pub fn compare(shape: &[usize], a: impl Fn(&Tensor) -> Result<Tensor>, b: impl Fn(&Tensor) -> Result<Tensor>) -> Result<(f32, f32)> {
+        let n: usize = shape.iter().product();
+        let x = Var::from_vec(pseudo(n, 1), shape, &Device::Cpu)?;
+        let (ya, yb) = (a(&x)?, b(&x)?);
+        let g = Tensor::from_vec(pseudo(ya.elem_count(), 2), ya.shape(), &Device::Cpu)?;
+        let dv = (&ya - &yb)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let ga = (ya * &g)?.sum_all()?.backward()?.get(&x).expect("grad").clone();
+        let gb = (yb * &g)?.sum_all()?.backward()?.get(&x).expect("grad").clone();
+        Ok((dv, (ga - gb)?.abs()?.max_all()?.to_scalar::<f32>()?))
+    }
+
+    /// Max |a - b| in f32, whatever the dtypes.
+    pub fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let f = |t: &Tensor| t.to_dtype(candle_core::DType::F32);
+        (f(a)? - f(b)?)?.abs()?.max_all()?.to_scalar::<f32>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::pseudo;
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn fast_exp_is_within_two_ulp_of_libm_on_its_range() {
+        let mut worst = 0f32;
+        for i in 0..=4_000_000 {
+            let x = -87.0 + 175.0 * i as f32 / 4_000_000.0;
+            let (a, b) = (exp_f32(x), x.exp());
+            worst = worst.max((a - b).abs() / b);
+        }
+        println!("fast exp: max relative error {worst:.2e} on [-87, 88]");
+        assert!(worst < 2.5e-7, "{worst}");
+        let x: Vec<f32> = pseudo(1001, 9);
+        let d = (sum_f32(&x) as f64 - x.iter().map(|&v| v as f64).sum::<f64>()).abs();
+        assert!(d < 1e-4, "sum off by {d}");
+    }
+
+    #[test]
+    fn softmax_last_rows_sum_to_one() -> Result<()> {
+        let x = Tensor::new(&[[1f32, 2.0, f32::NEG_INFINITY], [0.5, 0.5, 0.5]], &Device::Cpu)?;
+        let s: Vec<f32> = softmax_last(&x)?.sum(D::Minus1)?.to_vec1()?;
+        assert!(s.iter().all(|v| (v - 1.0).abs() < 1e-6));
+        Ok(())
+    }
+}
