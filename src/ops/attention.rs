@@ -163,6 +163,8 @@ impl Strips {
 
     /// Additive mask [B, 1, 1, m, W] (0 or -inf) of strip (q0, m) over keys kbeg..kend,
     /// built on the device: key j is seen by query i of row b iff start(b, i) <= j <= i.
+    /// Rebuilt by the backward rather than kept: a few small device ops per strip, while all
+    /// of a layer's strip masks together would be B·S²/2 floats held until backward.
     fn mask(&self, q0: usize, m: usize, kbeg: usize, kend: usize) -> Result<Tensor> {
         let b = self.dims.0;
         let (dev, w) = (self.starts.tensor.device(), kend - kbeg);
