@@ -23,6 +23,9 @@ pub struct ChatTemplate {
     origin: PathBuf,
     bos_token: String,
     eos_token: String,
+    /// Why this template cannot be used (kept rather than failing at load, so a model whose
+    /// template is unusable still loads for plain generation).
+    problem: Option<String>,
 }
 
 /// `bos_token` and `eos_token` of a tokenizer_config.json (plain strings or {content: ...}).
@@ -48,27 +51,49 @@ impl ChatTemplate {
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
             let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
-            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token }));
+            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token, problem: None }));
         }
         let source = match cfg.get("chat_template") {
             Some(serde_json::Value::String(s)) => s.clone(),
-            // A list of named templates: take "default".
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .and_then(|t| t.get("template").and_then(|s| s.as_str()))
-                .map(String::from)
-                .unwrap_or_default(),
+            // A list of named templates: take "default", as transformers does. Without one,
+            // transformers refuses; an empty template here would render every conversation as
+            // "" and make every record bad for a reason nobody could see.
+            Some(serde_json::Value::Array(list)) => {
+                let name = |t: &serde_json::Value| t.get("name").and_then(|n| n.as_str()).map(String::from);
+                let default = list.iter().find(|t| name(t).as_deref() == Some("default"));
+                match default.map(|t| t.get("template").and_then(|s| s.as_str())) {
+                    Some(Some(s)) => s.to_string(),
+                    Some(None) => return Ok(Some(Self::unusable(cfg_path, "chat_template `default` has no string `template`".into()))),
+                    None => {
+                        let names: Vec<String> = list.iter().filter_map(name).collect();
+                        let msg = format!("chat_template lists named templates ({}) but none is called `default`", names.join(", "));
+                        return Ok(Some(Self::unusable(cfg_path, msg)));
+                    }
+                }
+            }
             _ => return Ok(None),
         };
-        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token }))
+        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token, problem: None }))
+    }
+
+    fn unusable(origin: PathBuf, problem: String) -> Self {
+        ChatTemplate { source: String::new(), origin, bos_token: String::new(), eos_token: String::new(), problem: Some(problem) }
     }
 
     pub fn from_source(source: &str, bos_token: &str, eos_token: &str) -> Self {
-        ChatTemplate { source: source.into(), origin: PathBuf::from("(built-in)"), bos_token: bos_token.into(), eos_token: eos_token.into() }
+        ChatTemplate { source: source.into(), origin: PathBuf::from("(built-in)"), bos_token: bos_token.into(), eos_token: eos_token.into(), problem: None }
+    }
+
+    /// Whether the template can render at all (an error naming the file and why not).
+    pub fn usable(&self) -> Result<()> {
+        match &self.problem {
+            Some(p) => Err(Error::Tokenizer { path: self.origin.clone(), msg: p.clone() }),
+            None => Ok(()),
+        }
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.usable()?;
         let err = |e: minijinja::Error| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {e}") };
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);

@@ -97,8 +97,7 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
     }
     let meta: std::collections::HashMap<String, String> = [("adam_step".to_string(), adam_step.to_string())].into();
     let opt_path = tmp.join("optimizer.safetensors");
-    safetensors::serialize_to_file(moments.iter().collect::<Vec<_>>(), Some(meta), &opt_path)
-        .map_err(|e| Error::Safetensors { file: opt_path.clone(), msg: e.to_string() })?;
+    crate::fsutil::write_safetensors(moments.iter().collect::<Vec<_>>(), Some(meta), &opt_path)?;
     std::fs::File::open(&opt_path).and_then(|f| f.sync_all()).map_err(|e| Error::io(&opt_path, e))?;
     let st = serde_json::to_vec_pretty(state).map_err(|e| Error::Train(e.to_string()))?;
     write_file(&tmp.join("state.json"), &st)?;
@@ -156,13 +155,27 @@ pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {
 
 /// The newest checkpoint whose manifest verifies; damaged ones are reported and skipped.
 pub fn latest_valid(out_dir: &Path) -> Option<PathBuf> {
-    for (_, dir) in list(out_dir) {
+    scan(out_dir).valid.map(|(_, dir)| dir)
+}
+
+/// The checkpoints of an output folder as `resume = "auto"` sees them.
+pub struct Scan {
+    /// The newest checkpoint that verifies, with its step.
+    pub valid: Option<(usize, PathBuf)>,
+    /// Checkpoints newer than `valid` (all of them when none is valid) that do not verify,
+    /// with what is wrong with each.
+    pub damaged: Vec<(PathBuf, String)>,
+}
+
+pub fn scan(out_dir: &Path) -> Scan {
+    let mut damaged = Vec::new();
+    for (step, dir) in list(out_dir) {
         match verify(&dir) {
-            Ok(_) => return Some(dir),
-            Err(why) => eprintln!("warning: skipping damaged checkpoint {}: {why}", dir.display()),
+            Ok(_) => return Scan { valid: Some((step, dir)), damaged },
+            Err(why) => damaged.push((dir, why)),
         }
     }
-    None
+    Scan { valid: None, damaged }
 }
 
 /// Load a verified checkpoint: the adapter into `adapters`, the rest returned.
@@ -222,7 +235,9 @@ pub fn clean_temporaries(out_dir: &Path) {
 }
 
 /// Keys that may change between a checkpoint and its resume (with a warning).
-const MAY_CHANGE: &[&str] = &["train.max_steps", "train.warmup_steps", "train.log_every", "output.dir"];
+/// Besides these, `checkpoint.*`, `export.*` (what is written after training) and `dist.*`
+/// (checked separately) may change. `data.eval` only chooses what is evaluated.
+const MAY_CHANGE: &[&str] = &["train.max_steps", "train.warmup_steps", "train.log_every", "train.eval_every", "data.eval", "output.dir"];
 
 /// Compare the recipe a checkpoint was written with against the current one. Returns the
 /// warnings for allowed changes, or an error naming the first key that may not change.
@@ -257,7 +272,8 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         // Checkpoints are consolidated, so the world size and how it is split may change;
         // the trainer checks that the micro-batches per step (the global batch) stay equal.
         let layout_change = key.starts_with("dist.") || key == "train.grad_accum_steps";
-        if key.starts_with("checkpoint.") || MAY_CHANGE.contains(&key.as_str()) || layout_change {
+        let after_training = key.starts_with("checkpoint.") || key.starts_with("export.");
+        if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
             return Err(format!(

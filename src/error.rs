@@ -8,7 +8,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
+    #[error("{path}: {source}{}", errno_note(source))]
     Io {
         path: PathBuf,
         #[source]
@@ -36,6 +36,11 @@ pub enum Error {
 
     #[error("adapter {dir}: {msg}")]
     Adapter { dir: PathBuf, msg: String },
+
+    /// A GGUF file `finetune import` cannot turn into a model folder: `key` is the metadata
+    /// key at fault (`llama.attention.head_count`), else the tensor name or the header field.
+    #[error("GGUF {file}: `{key}`: {msg}")]
+    Gguf { file: PathBuf, key: String, msg: String },
 
     #[error("dataset {path}: {msg}")]
     Data { path: PathBuf, msg: String },
@@ -70,6 +75,20 @@ impl Error {
     pub fn model(what: impl Into<String>, msg: impl Into<String>) -> Self {
         Error::Model { what: what.into(), msg: msg.into() }
     }
+}
+
+/// The errno name of the I/O failures a user must act on outside this tool, so the message
+/// says "disk full" in words a search finds, not only as "os error 28".
+fn errno_note(e: &std::io::Error) -> String {
+    let name = match e.raw_os_error() {
+        Some(libc::ENOSPC) => "ENOSPC: the disk is full",
+        Some(libc::EDQUOT) => "EDQUOT: the disk quota is used up",
+        Some(libc::EROFS) => "EROFS: the file system is read-only",
+        Some(libc::EACCES) => "EACCES: permission denied",
+        Some(libc::EFBIG) => "EFBIG: the file size limit (ulimit -f) was reached",
+        _ => return String::new(),
+    };
+    format!(" [{name}]")
 }
 
 /// Message of a candle error without its backtrace wrapper.

@@ -16,7 +16,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::lora::{peft_prefix, Adapters, LoraSpec, MODULES};
 use crate::model::llama::Llama;
-use crate::weights::{ModelDir, SafetensorsFiles, StreamingWeights};
+use crate::weights::{ModelDir, StreamingWeights};
 use candle_core::{DType, Device, Tensor};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -75,40 +75,11 @@ pub struct PeftAdapter {
 }
 
 impl PeftAdapter {
+    /// Read `adapter_config.json` (with the reader `lora.init_from` uses, so both refuse the
+    /// same adapters).
     pub fn open(dir: &Path) -> Result<Self> {
-        let err = |msg: String| Error::Adapter { dir: dir.to_path_buf(), msg };
-        let p = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))?;
-        let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("adapter_config.json: {e}")))?;
-        if c.get("peft_type").and_then(|v| v.as_str()).is_some_and(|t| t != "LORA") {
-            return Err(err(format!("peft_type {} is not LORA", c["peft_type"])));
-        }
-        for (k, what) in [("use_dora", "DoRA"), ("use_rslora", "rsLoRA scaling"), ("fan_in_fan_out", "fan_in_fan_out")] {
-            if c.get(k).and_then(|v| v.as_bool()) == Some(true) {
-                return Err(err(format!("{what} adapters are not supported ({k} = true)")));
-            }
-        }
-        if c.get("rank_pattern").and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty())
-            || c.get("alpha_pattern").and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty())
-        {
-            return Err(err("per-module rank_pattern / alpha_pattern are not supported".into()));
-        }
-        let rank = c.get("r").and_then(|v| v.as_u64()).ok_or_else(|| err("adapter_config.json has no `r`".into()))? as usize;
-        let alpha = c.get("lora_alpha").and_then(|v| v.as_f64()).ok_or_else(|| err("adapter_config.json has no `lora_alpha`".into()))?;
-        let listed: Vec<String> = match c.get("target_modules") {
-            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_str().map(String::from)).collect(),
-            Some(serde_json::Value::String(s)) => return Err(err(format!("target_modules as a regex (`{s}`) is not supported"))),
-            _ => return Err(err("adapter_config.json has no `target_modules`".into())),
-        };
-        for t in &listed {
-            if !MODULES.contains(&t.as_str()) {
-                return Err(err(format!("target module `{t}` is not one of {}", MODULES.join(", "))));
-            }
-        }
-        let targets = MODULES.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
-        let dropout = c.get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
-        let base_model = c.get("base_model_name_or_path").and_then(|v| v.as_str()).map(String::from);
-        Ok(PeftAdapter { dir: dir.to_path_buf(), spec: LoraSpec { rank, alpha, dropout, targets }, base_model })
+        let c = crate::lora::AdapterConfig::read(dir)?;
+        Ok(PeftAdapter { dir: dir.to_path_buf(), spec: c.spec, base_model: c.base_model })
     }
 
     /// Load the adapter's A/B tensors for a model config (strict, as for training).
@@ -240,7 +211,7 @@ pub fn export_adapter_only(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -
 pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
     let cfg = ModelConfig::from_file(&base.config_path())?;
     let adapters = adapter.load(&cfg)?;
-    let files = SafetensorsFiles::open(&base.weight_files()?)?;
+    let files = base.open_weights()?;
     // name -> (A, B) of every targeted projection.
     let mut lora: HashMap<String, (Tensor, Tensor)> = HashMap::new();
     for (i, row) in adapters.layers.iter().enumerate() {
@@ -262,7 +233,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
                 let mut cur: Vec<String> = Vec::new();
                 let mut size = 0u64;
                 for name in by_file.iter().flat_map(|(_, n)| n.iter()) {
-                    let v = files.view(name)?;
+                    let v = files.raw_view(name)?;
                     let out_elem = opts.dtype.map(|d| d.size_in_bytes()).unwrap_or_else(|| v.dtype().bitsize() / 8);
                     let bytes = (v.shape().iter().product::<usize>() * out_elem) as u64;
                     if !cur.is_empty() && size + bytes > limit {
@@ -285,7 +256,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
             let mut tensors: Vec<(String, OutTensor)> = Vec::with_capacity(names.len());
             let mut held = 0u64;
             for name in names {
-                let v = files.view(name)?;
+                let v = files.raw_view(name)?;
                 let stored = candle_dtype(v.dtype());
                 let out_dtype = opts.dtype.or(stored);
                 let t = if let Some((a, b)) = lora.get(name) {
@@ -312,7 +283,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
             let path = tmp.join(&fname);
             let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
             let data: Vec<(&str, &OutTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-            safetensors::serialize_to_file(data, Some(meta), &path).map_err(|e| Error::Safetensors { file: path.clone(), msg: e.to_string() })?;
+            crate::fsutil::write_safetensors(data, Some(meta), &path)?;
             std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(|e| Error::io(&path, e))?;
         }
         if n > 1 {
@@ -359,10 +330,10 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
     let mut rng = crate::rng::Rng::new(0x5EED);
     let ids: Vec<u32> = (0..2 * 16).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
     let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu)?;
-    let src = Arc::new(StreamingWeights::new(SafetensorsFiles::open(&base.weight_files()?)?, DType::F32, Device::Cpu));
+    let src = Arc::new(StreamingWeights::new(base.open_weights()?, DType::F32, Device::Cpu));
     let reference = Llama::load(src, cfg.clone(), adapters)?.with_kernels(opts.kernels).logits(&ids, adapters)?;
     let merged_dir = ModelDir { dir: merged_dir.to_path_buf(), name: String::new() };
-    let src = Arc::new(StreamingWeights::new(SafetensorsFiles::open(&merged_dir.weight_files()?)?, DType::F32, Device::Cpu));
+    let src = Arc::new(StreamingWeights::new(merged_dir.open_weights()?, DType::F32, Device::Cpu));
     let none = Adapters::init(&cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)?;
     let merged = Llama::load(src, cfg, &none)?.with_kernels(opts.kernels).logits(&ids, &none)?;
     let diff = (&merged - &reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
@@ -378,8 +349,7 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
 }
 
 fn base_is_half(base: &ModelDir) -> bool {
-    base.weight_files()
-        .and_then(|f| SafetensorsFiles::open(&f))
+    base.open_weights()
         .ok()
         .and_then(|f| {
             let name = f.names().next()?.clone();

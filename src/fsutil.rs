@@ -28,3 +28,62 @@ pub fn rename_durable(tmp: &Path, dst: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// Write a safetensors file. The safetensors crate writes through a private temporary file
+/// (mode 0600) and renames it; give the result the mode any other file we write gets (0666
+/// less the umask), and report I/O failures (a full disk) as I/O errors naming the file,
+/// never as a malformed safetensors file.
+pub fn write_safetensors<S, V, I>(data: I, meta: Option<std::collections::HashMap<String, String>>, path: &Path) -> Result<()>
+where
+    S: AsRef<str> + Ord + std::fmt::Display,
+    V: safetensors::View,
+    I: IntoIterator<Item = (S, V)>,
+{
+    safetensors::serialize_to_file(data, meta, path).map_err(|e| safetensors_write_error(path, e))?;
+    use std::os::unix::fs::PermissionsExt;
+    let mode = 0o666 & !umask();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| Error::io(path, e))
+}
+
+fn safetensors_write_error(path: &Path, e: safetensors::SafeTensorError) -> Error {
+    match e {
+        safetensors::SafeTensorError::IoError(io) => Error::io(path, io),
+        other => Error::Safetensors { file: path.to_path_buf(), msg: other.to_string() },
+    }
+}
+
+/// The process umask, read without changing it (`umask(2)` can only be read by setting it,
+/// which would race with other threads creating files).
+fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Umask:").map(|v| v.trim().to_string())))
+        .and_then(|v| u32::from_str_radix(&v, 8).ok())
+        .unwrap_or(0o022)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_disk_while_writing_weights_is_an_io_error_naming_enospc() {
+        let path = Path::new("/out/adapter_model.safetensors");
+        let e = safetensors_write_error(path, safetensors::SafeTensorError::IoError(std::io::Error::from_raw_os_error(libc::ENOSPC)));
+        assert!(matches!(e, Error::Io { .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains("/out/adapter_model.safetensors") && text.contains("ENOSPC") && text.contains("full"), "{text}");
+    }
+
+    #[test]
+    fn written_weights_are_as_readable_as_the_umask_allows() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        let t = candle_core::Tensor::zeros(2, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        write_safetensors([("w", &t)], None, &path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o666 & !umask(), "mode {mode:o}");
+        assert_ne!(mode, 0o600, "the safetensors crate's temporary-file mode leaked through");
+    }
+}

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::lora::{Adapters, LoraSpec};
 use crate::model::llama::{KvCache, Llama};
 use crate::rng::Rng;
-use crate::weights::{ModelDir, ResidentWeights, SafetensorsFiles};
+use crate::weights::{ModelDir, ResidentWeights};
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::sync::Arc;
@@ -44,7 +44,7 @@ impl Generator {
             Some(dir) => crate::export::PeftAdapter::open(dir)?.load(&cfg)?,
             None => Adapters::init(&cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)?,
         };
-        let files = SafetensorsFiles::open(&model.weight_files()?)?;
+        let files = model.open_weights()?;
         let src = Arc::new(ResidentWeights::new(files, DType::F32, DType::F32, Device::Cpu));
         let llama = Llama::load(src, cfg, &adapters)?;
         let tok_path = model.dir.join("tokenizer.json");
@@ -104,6 +104,14 @@ impl Generator {
         if prompt.is_empty() {
             return Err(Error::Train("empty prompt".into()));
         }
+        // A NaN temperature makes every probability NaN and the sampler falls back to
+        // whatever sorts first: garbage text with exit 0. Refuse the options instead.
+        if !(opts.temperature.is_finite() && opts.temperature >= 0.0) {
+            return Err(Error::Train(format!("--temperature {}: expected a finite number >= 0 (0 = greedy)", opts.temperature)));
+        }
+        if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
+            return Err(Error::Train(format!("--top-p {}: expected a number in (0, 1]", opts.top_p)));
+        }
         let mut caches: Vec<KvCache> = vec![None; self.model.cfg.num_hidden_layers];
         let mut rng = Rng::new(opts.seed);
         let mut out = Vec::new();
@@ -112,6 +120,14 @@ impl Generator {
         for _ in 0..opts.max_new_tokens {
             let ids = Tensor::from_slice(&input, (1, input.len()), &Device::Cpu)?;
             let logits: Vec<f32> = self.model.step(&ids, offset, &mut caches, adapters)?.to_vec1()?;
+            if logits.iter().any(|l| !l.is_finite()) {
+                return Err(Error::Train(format!(
+                    "the model's logits hold NaN or inf at position {}: the base weights{} are not finite \
+                     (or overflow in this dtype)",
+                    offset + input.len() - 1,
+                    if adapters.num_params() > 0 { " or the adapter" } else { "" }
+                )));
+            }
             offset += input.len();
             let next = sample(&logits, opts, &mut rng);
             if self.stop.contains(&next) {

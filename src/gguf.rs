@@ -1,7 +1,10 @@
 //! `finetune import --gguf`: a llama-architecture GGUF file (llama.cpp's format, often
 //! quantized) to an HF model folder our trainer, transformers and candle load.
 //!
-//! - Tensors are dequantized (candle's GGUF reader) and renamed from llama.cpp's names
+//! - The header is read by [`read_header`], which bounds every length, count, dimension and
+//!   offset by the file's size; the llama metadata is then checked against itself and the
+//!   tensors present (`Llama::from_gguf`) before any tensor is read or anything written.
+//! - Tensors are dequantized (candle) and renamed from llama.cpp's names
 //!   (`blk.N.attn_q.weight`) to HF's (`model.layers.N.self_attn.q_proj.weight`).
 //! - llama.cpp's converter permutes the rows of q/k so that its interleaved RoPE equals HF's
 //!   rotate-half RoPE; we undo it (see `unpermute`), since our model uses rotate-half.
@@ -11,10 +14,12 @@
 //!   chat template and special tokens.
 
 use crate::error::{Error, Result};
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::gguf_file::{Content, TensorInfo, Value, VersionedMagic};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use std::collections::HashMap;
-use std::path::Path;
+use std::collections::{HashMap, HashSet};
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
 pub struct ImportReport {
     pub tensors: usize,
@@ -22,22 +27,473 @@ pub struct ImportReport {
     pub shards: usize,
 }
 
-fn meta<'a>(c: &'a Content, key: &str, file: &Path) -> Result<&'a Value> {
-    c.metadata.get(key).ok_or_else(|| Error::data(file, format!("GGUF metadata has no `{key}`")))
+fn gguf_err(file: &Path, key: impl Into<String>, msg: impl Into<String>) -> Error {
+    Error::Gguf { file: file.to_path_buf(), key: key.into(), msg: msg.into() }
 }
 
-fn meta_u32(c: &Content, key: &str, file: &Path) -> Result<u32> {
-    let v = meta(c, key, file)?;
-    v.to_u32().or_else(|_| v.to_u64().map(|x| x as u32)).or_else(|_| v.to_i32().map(|x| x as u32))
-        .map_err(|_| Error::data(file, format!("GGUF metadata `{key}` is not an integer")))
+// ---------------------------------------------------------------------------------------
+// The header reader. candle's `Content::read` trusts more of the header than a converter
+// fed arbitrary files should (`general.alignment = 0` divides by zero; dimension products
+// can overflow; every metadata array is materialised), so the header is read here: every
+// length, count, dimension and offset is checked against the bytes the file still has
+// before anything is allocated or multiplied, and the result is candle's `Content`, whose
+// tensor reads bound themselves by the file size too.
+
+/// ggml's GGML_MAX_DIMS: llama.cpp rejects tensors of more dimensions.
+const MAX_DIMS: u32 = 4;
+/// Arrays in arrays: the spec allows nesting, llama models never use it; this bounds the
+/// recursion a crafted chain of nested arrays could drive.
+const MAX_DEPTH: usize = 8;
+/// Elements of one array the reader keeps in memory (a `Value` is 32 bytes, so a kept array
+/// costs up to 32x its bytes on disk). The largest real vocabularies and merge lists are
+/// ~10^6; a longer array is a corrupt or hostile file, not a tokenizer.
+const MAX_KEPT_ARRAY: u64 = 1 << 22;
+
+/// Metadata the import reads; the values of other keys are checked for their type and
+/// length and skipped, so a large unrelated array costs no memory.
+fn kept(key: &str) -> bool {
+    key == "general.architecture" || key == "general.alignment" || key.starts_with("llama.") || key.starts_with("tokenizer.")
 }
 
-fn meta_f32(c: &Content, key: &str, file: &Path) -> Result<f32> {
-    meta(c, key, file)?.to_f32().map_err(|_| Error::data(file, format!("GGUF metadata `{key}` is not a float")))
+struct Reader<'a, R> {
+    r: R,
+    /// Bytes consumed so far.
+    pos: u64,
+    /// The file's length: nothing the header declares may reach past it.
+    size: u64,
+    file: &'a Path,
+    /// GGUF v1 writes lengths and dimensions as u32, v2 and v3 as u64.
+    v1: bool,
 }
 
-fn meta_opt_u32(c: &Content, key: &str) -> Option<u32> {
-    c.metadata.get(key).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|x| x as u32)))
+impl<R: Read> Reader<'_, R> {
+    fn err(&self, key: &str, msg: impl Into<String>) -> Error {
+        gguf_err(self.file, key, msg)
+    }
+
+    fn left(&self) -> u64 {
+        self.size.saturating_sub(self.pos)
+    }
+
+    /// `n` more bytes must be in the file: checked before they are allocated or read.
+    fn need(&self, n: u64, key: &str, what: &str) -> Result<()> {
+        if n > self.left() {
+            return Err(self.err(key, format!("{what}: {n} bytes needed at offset {}, but the file has {} left (truncated or corrupt header)", self.pos, self.left())));
+        }
+        Ok(())
+    }
+
+    fn fixed<const N: usize>(&mut self, key: &str, what: &str) -> Result<[u8; N]> {
+        self.need(N as u64, key, what)?;
+        let mut b = [0u8; N];
+        self.r.read_exact(&mut b).map_err(|e| self.err(key, format!("reading {what}: {e}")))?;
+        self.pos += N as u64;
+        Ok(b)
+    }
+
+    fn u32(&mut self, key: &str, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.fixed(key, what)?))
+    }
+
+    fn u64(&mut self, key: &str, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.fixed(key, what)?))
+    }
+
+    /// A string length, array length or dimension: u32 in v1, u64 after.
+    fn len(&mut self, key: &str, what: &str) -> Result<u64> {
+        if self.v1 {
+            Ok(self.u32(key, what)? as u64)
+        } else {
+            self.u64(key, what)
+        }
+    }
+
+    fn len_prefix(&self) -> u64 {
+        if self.v1 {
+            4
+        } else {
+            8
+        }
+    }
+
+    /// `n` bytes, kept (`Some`) or skipped.
+    fn bytes(&mut self, n: u64, key: &str, what: &str, keep: bool) -> Result<Option<Vec<u8>>> {
+        self.need(n, key, what)?;
+        // n <= the file's remaining length, so it fits in memory's address space.
+        let got = if keep {
+            let mut v = vec![0u8; n as usize];
+            self.r.read_exact(&mut v).map_err(|e| self.err(key, format!("reading {what}: {e}")))?;
+            Some(v)
+        } else {
+            let copied = std::io::copy(&mut (&mut self.r).take(n), &mut std::io::sink()).map_err(|e| self.err(key, format!("reading {what}: {e}")))?;
+            if copied != n {
+                return Err(self.err(key, format!("{what}: the file ended early")));
+            }
+            None
+        };
+        self.pos += n;
+        Ok(got)
+    }
+
+    fn string(&mut self, key: &str, what: &str, keep: bool) -> Result<Option<String>> {
+        let n = self.len(key, &format!("the length of {what}"))?;
+        Ok(self.bytes(n, key, what, keep)?.map(|mut v| {
+            // As candle reads them: writers are meant to leave strings unterminated, some
+            // do not; and not every tokenizer string is valid UTF-8.
+            while v.last() == Some(&0) {
+                v.pop();
+            }
+            String::from_utf8_lossy(&v).into_owned()
+        }))
+    }
+
+    /// Bytes one value of GGUF type `ty` takes at least: what an array's length is checked
+    /// against before its elements are read.
+    fn min_size(&self, ty: u32) -> u64 {
+        match ty {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            10..=12 => 8,
+            8 => self.len_prefix(),
+            _ => 4 + self.len_prefix(), // an array: its element type and length
+        }
+    }
+
+    fn value(&mut self, ty: u32, key: &str, depth: usize, keep: bool) -> Result<Option<Value>> {
+        macro_rules! num {
+            ($variant:ident, $t:ty) => {{
+                let b = self.fixed::<{ std::mem::size_of::<$t>() }>(key, "the value")?;
+                Value::$variant(<$t>::from_le_bytes(b))
+            }};
+        }
+        let v = match ty {
+            0 => num!(U8, u8),
+            1 => num!(I8, i8),
+            2 => num!(U16, u16),
+            3 => num!(I16, i16),
+            4 => num!(U32, u32),
+            5 => num!(I32, i32),
+            6 => num!(F32, f32),
+            10 => num!(U64, u64),
+            11 => num!(I64, i64),
+            12 => num!(F64, f64),
+            7 => match self.fixed::<1>(key, "the value")?[0] {
+                0 => Value::Bool(false),
+                1 => Value::Bool(true),
+                b => return Err(self.err(key, format!("bool value is {b}, expected 0 or 1"))),
+            },
+            8 => match self.string(key, "the string value", keep)? {
+                Some(s) => Value::String(s),
+                None => return Ok(None),
+            },
+            9 => {
+                if depth >= MAX_DEPTH {
+                    return Err(self.err(key, format!("arrays nested more than {MAX_DEPTH} deep")));
+                }
+                let elem = self.u32(key, "the array's element type")?;
+                if elem > 12 {
+                    return Err(self.err(key, format!("array element type {elem} is not a GGUF type (0..=12)")));
+                }
+                let n = self.len(key, "the array's length")?;
+                self.need(n.saturating_mul(self.min_size(elem)), key, &format!("an array of {n} elements of GGUF type {elem}"))?;
+                if keep && n > MAX_KEPT_ARRAY {
+                    return Err(self.err(key, format!("array of {n} elements; more than {MAX_KEPT_ARRAY} is not a llama model's metadata")));
+                }
+                if !keep && elem != 8 && elem != 9 {
+                    // Fixed-size elements: skipped in one go (the length was checked above).
+                    self.bytes(n * self.min_size(elem), key, "the array", false)?;
+                    return Ok(None);
+                }
+                let mut vs = Vec::new();
+                for _ in 0..n {
+                    if let Some(v) = self.value(elem, key, depth + 1, keep)? {
+                        vs.push(v);
+                    }
+                }
+                if !keep {
+                    return Ok(None);
+                }
+                Value::Array(vs)
+            }
+            t => return Err(self.err(key, format!("value type {t} is not a GGUF type (0..=12)"))),
+        };
+        Ok(keep.then_some(v))
+    }
+}
+
+/// ggml's type codes, as candle maps them (its own mapping is crate-private).
+fn ggml_dtype(code: u32) -> Option<GgmlDType> {
+    Some(match code {
+        0 => GgmlDType::F32,
+        1 => GgmlDType::F16,
+        2 => GgmlDType::Q4_0,
+        3 => GgmlDType::Q4_1,
+        6 => GgmlDType::Q5_0,
+        7 => GgmlDType::Q5_1,
+        8 => GgmlDType::Q8_0,
+        9 => GgmlDType::Q8_1,
+        10 => GgmlDType::Q2K,
+        11 => GgmlDType::Q3K,
+        12 => GgmlDType::Q4K,
+        13 => GgmlDType::Q5K,
+        14 => GgmlDType::Q6K,
+        15 => GgmlDType::Q8K,
+        30 => GgmlDType::BF16,
+        _ => return None,
+    })
+}
+
+/// Read and check a GGUF header: the open file and candle's `Content` for it, holding the
+/// metadata the import uses (`general.architecture`, `general.alignment`, `llama.*`,
+/// `tokenizer.*`; other keys are checked and skipped) and every tensor's record.
+///
+/// Nothing the header declares is trusted: lengths and counts are checked against the bytes
+/// left in the file before anything is allocated, dimension products and data ranges with
+/// checked arithmetic, and each tensor's data must lie inside the file. Errors are
+/// [`Error::Gguf`] naming the file and the key, tensor or header field.
+pub fn read_header(gguf: &Path) -> Result<(std::fs::File, Content)> {
+    let f = std::fs::File::open(gguf).map_err(|e| Error::io(gguf, e))?;
+    let size = f.metadata().map_err(|e| Error::io(gguf, e))?.len();
+    let mut r = Reader { r: std::io::BufReader::new(&f), pos: 0, size, file: gguf, v1: false };
+    let magic = r.fixed::<4>("magic", "the magic bytes")?;
+    if &magic != b"GGUF" {
+        return Err(r.err("magic", format!("starts with {magic:02x?}, not `GGUF`: not a GGUF file")));
+    }
+    let version = r.u32("version", "the version")?;
+    let magic = match version {
+        1 => VersionedMagic::GgufV1,
+        2 => VersionedMagic::GgufV2,
+        3 => VersionedMagic::GgufV3,
+        v if v.swap_bytes() <= 3 => return Err(r.err("version", format!("{v:#x} is a big-endian GGUF file; only little-endian ones are supported"))),
+        v => return Err(r.err("version", format!("{v}: only GGUF versions 1, 2 and 3 exist"))),
+    };
+    r.v1 = version == 1;
+    let n_tensors = r.len("tensor_count", "the tensor count")?;
+    let n_kv = r.len("metadata_kv_count", "the metadata count")?;
+    // A metadata entry is at least a key length, a type and one byte; a tensor record at
+    // least a name length, a dimension count, a type and an offset.
+    let p = r.len_prefix();
+    let kv_least = n_kv.saturating_mul(p + 4 + 1);
+    r.need(kv_least, "metadata_kv_count", &format!("{n_kv} metadata entries"))?;
+    let least = kv_least.saturating_add(n_tensors.saturating_mul(p + 4 + 4 + 8));
+    r.need(least, "tensor_count", &format!("{n_tensors} tensor records after {n_kv} metadata entries"))?;
+
+    let mut metadata = HashMap::new();
+    let mut seen = HashSet::new();
+    for i in 0..n_kv {
+        let key = r.string(&format!("metadata entry {i}"), "its key", true)?.unwrap_or_default();
+        if !seen.insert(key.clone()) {
+            return Err(r.err(&key, "appears twice in the metadata"));
+        }
+        let ty = r.u32(&key, "the value type")?;
+        let keep = kept(&key);
+        if let Some(v) = r.value(ty, &key, 0, keep)? {
+            metadata.insert(key, v);
+        }
+    }
+
+    let mut records = Vec::new();
+    let mut names = HashSet::new();
+    for i in 0..n_tensors {
+        let name = r.string(&format!("tensor record {i}"), "the tensor name", true)?.unwrap_or_default();
+        if !names.insert(name.clone()) {
+            return Err(r.err(&name, "two tensors have this name"));
+        }
+        let n_dims = r.u32(&name, "the dimension count")?;
+        if n_dims > MAX_DIMS {
+            return Err(r.err(&name, format!("{n_dims} dimensions; GGUF tensors have at most {MAX_DIMS}")));
+        }
+        let mut dims = Vec::new();
+        for _ in 0..n_dims {
+            let d = r.len(&name, "a dimension")?;
+            dims.push(usize::try_from(d).map_err(|_| r.err(&name, format!("dimension {d} does not fit this machine's address space")))?);
+        }
+        let code = r.u32(&name, "the tensor type")?;
+        let dtype = ggml_dtype(code).ok_or_else(|| r.err(&name, format!("tensor type {code} is not one candle reads (f32, f16, bf16, q4_0..q8_1, q2_k..q8_k)")))?;
+        let offset = r.u64(&name, "the data offset")?;
+        records.push((name, dims, dtype, offset));
+    }
+
+    let alignment = match metadata.get("general.alignment") {
+        None => candle_core::quantized::gguf_file::DEFAULT_ALIGNMENT,
+        Some(v) => match as_uint(v) {
+            Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 30 => a,
+            Some(a) => return Err(gguf_err(gguf, "general.alignment", format!("is {a}; the data alignment must be a power of two"))),
+            None => return Err(gguf_err(gguf, "general.alignment", format!("has GGUF type {}, expected an unsigned integer (uint32)", type_name(v)))),
+        },
+    };
+    // pos <= size and alignment <= 2^30, so this cannot overflow.
+    let data_start = r.pos.div_ceil(alignment) * alignment;
+
+    let mut tensor_infos = HashMap::new();
+    for (name, mut dims, dtype, offset) in records {
+        let err = |msg: String| gguf_err(gguf, &name, msg);
+        let elems = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| err(format!("dimensions {dims:?} multiply past 2^64 elements")))?;
+        // ggml stores rows of whole blocks: the first (innermost) dimension is a multiple.
+        let block = dtype.block_size();
+        if dims.first().is_some_and(|d| d % block != 0) {
+            return Err(err(format!("rows of {} elements do not split into {dtype:?} blocks of {block}", dims[0])));
+        }
+        let bytes = (elems / block).checked_mul(dtype.type_size()).ok_or_else(|| err(format!("{elems} {dtype:?} elements overflow a byte count")))?;
+        if offset % alignment != 0 {
+            return Err(err(format!("data offset {offset} is not a multiple of the alignment {alignment}")));
+        }
+        let end = data_start.checked_add(offset).and_then(|s| s.checked_add(bytes as u64));
+        if end.is_none_or(|e| e > size) {
+            return Err(err(format!("{bytes} bytes of data at offset {offset} after the header ({data_start}) reach past the end of the file ({size} bytes)")));
+        }
+        // GGUF lists dimensions innermost first; candle's shapes (and HF's) outermost first.
+        dims.reverse();
+        tensor_infos.insert(name, TensorInfo { ggml_dtype: dtype, shape: candle_core::Shape::from(dims), offset });
+    }
+    drop(r);
+    Ok((f, Content { magic, metadata, tensor_infos, tensor_data_offset: data_start }))
+}
+
+// ---------------------------------------------------------------------------------------
+// Typed metadata access: a missing required key, a value of the wrong GGUF type, or a
+// value out of range is an error naming the key, never a silent default or a cast.
+
+fn type_name(v: &Value) -> String {
+    match v {
+        Value::U8(_) => "uint8".into(),
+        Value::I8(_) => "int8".into(),
+        Value::U16(_) => "uint16".into(),
+        Value::I16(_) => "int16".into(),
+        Value::U32(_) => "uint32".into(),
+        Value::I32(_) => "int32".into(),
+        Value::U64(_) => "uint64".into(),
+        Value::I64(_) => "int64".into(),
+        Value::F32(_) => "float32".into(),
+        Value::F64(_) => "float64".into(),
+        Value::Bool(_) => "bool".into(),
+        Value::String(_) => "string".into(),
+        Value::Array(a) => match a.first() {
+            Some(e) => format!("array of {}", type_name(e)),
+            None => "empty array".into(),
+        },
+    }
+}
+
+/// Any non-negative integer (writers differ in the width they use for counts).
+fn as_uint(v: &Value) -> Option<u64> {
+    match *v {
+        Value::U8(x) => Some(x as u64),
+        Value::U16(x) => Some(x as u64),
+        Value::U32(x) => Some(x as u64),
+        Value::U64(x) => Some(x),
+        Value::I8(x) => u64::try_from(x).ok(),
+        Value::I16(x) => u64::try_from(x).ok(),
+        Value::I32(x) => u64::try_from(x).ok(),
+        Value::I64(x) => u64::try_from(x).ok(),
+        _ => None,
+    }
+}
+
+fn as_int(v: &Value) -> Option<i64> {
+    match *v {
+        Value::U8(x) => Some(x as i64),
+        Value::U16(x) => Some(x as i64),
+        Value::U32(x) => Some(x as i64),
+        Value::U64(x) => i64::try_from(x).ok(),
+        Value::I8(x) => Some(x as i64),
+        Value::I16(x) => Some(x as i64),
+        Value::I32(x) => Some(x as i64),
+        Value::I64(x) => Some(x),
+        _ => None,
+    }
+}
+
+/// The metadata of one file, each access checked and its errors naming the file and key.
+struct Meta<'a> {
+    c: &'a Content,
+    file: &'a Path,
+}
+
+impl Meta<'_> {
+    fn err(&self, key: &str, msg: impl Into<String>) -> Error {
+        gguf_err(self.file, key, msg)
+    }
+
+    fn missing(&self, key: &str) -> Error {
+        self.err(key, "missing: a llama GGUF file must have this key")
+    }
+
+    /// A uint32 count or id (any integer type holding a value in 0..=u32::MAX).
+    fn uint(&self, key: &str) -> Result<Option<u64>> {
+        let Some(v) = self.c.metadata.get(key) else { return Ok(None) };
+        match as_uint(v) {
+            Some(x) if x <= u32::MAX as u64 => Ok(Some(x)),
+            Some(x) => Err(self.err(key, format!("is {x}, more than a uint32 holds"))),
+            None => match as_int(v) {
+                Some(x) => Err(self.err(key, format!("is {x}, expected an unsigned integer"))),
+                None => Err(self.err(key, format!("has GGUF type {}, expected an unsigned integer (uint32)", type_name(v)))),
+            },
+        }
+    }
+
+    /// A count that must be present and at least 1.
+    fn count(&self, key: &str, what: &str) -> Result<usize> {
+        let n = self.uint(key)?.ok_or_else(|| self.missing(key))?;
+        self.positive(key, n, what)
+    }
+
+    fn positive(&self, key: &str, n: u64, what: &str) -> Result<usize> {
+        if n == 0 {
+            return Err(self.err(key, format!("is 0; a llama model has at least one {what}")));
+        }
+        Ok(n as usize)
+    }
+
+    /// A float32 (or float64) that is finite and positive.
+    fn positive_float(&self, key: &str) -> Result<Option<f32>> {
+        let Some(v) = self.c.metadata.get(key) else { return Ok(None) };
+        let x = match *v {
+            Value::F32(x) => x,
+            Value::F64(x) => x as f32,
+            _ => return Err(self.err(key, format!("has GGUF type {}, expected a float (float32)", type_name(v)))),
+        };
+        if !(x.is_finite() && x > 0.0) {
+            return Err(self.err(key, format!("is {x}, expected a finite positive number")));
+        }
+        Ok(Some(x))
+    }
+
+    fn string(&self, key: &str) -> Result<Option<&str>> {
+        match self.c.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.err(key, format!("has GGUF type {}, expected a string", type_name(v)))),
+        }
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.c.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.err(key, format!("has GGUF type {}, expected a bool", type_name(v)))),
+        }
+    }
+
+    fn array(&self, key: &str) -> Result<Option<&[Value]>> {
+        match self.c.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => Ok(Some(a)),
+            Some(v) => Err(self.err(key, format!("has GGUF type {}, expected an array", type_name(v)))),
+        }
+    }
+
+    fn strings(&self, key: &str) -> Result<Vec<String>> {
+        let a = self.array(key)?.ok_or_else(|| self.missing(key))?;
+        a.iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(s.clone()),
+                v => Err(self.err(key, format!("element {i} has GGUF type {}, expected an array of strings", type_name(v)))),
+            })
+            .collect()
+    }
 }
 
 /// llama.cpp name -> HF name.
@@ -48,9 +504,7 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "output.weight" => return Some("lm_head.weight".into()),
         _ => {}
     }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, name) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
+    let (layer, name) = block_of(gguf)?;
     let hf = match name {
         "attn_q.weight" => "self_attn.q_proj.weight",
         "attn_k.weight" => "self_attn.k_proj.weight",
@@ -69,13 +523,179 @@ pub fn hf_name(gguf: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}"))
 }
 
+/// `blk.N.rest` -> (N, rest), N written canonically (`blk.01` would alias `blk.1`).
+fn block_of(gguf: &str) -> Option<(usize, &str)> {
+    let (layer, name) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    let n: usize = layer.parse().ok()?;
+    (n.to_string() == layer).then_some((n, name))
+}
+
+/// The tensors every block of a llama GGUF has.
+const BLOCK_TENSORS: [&str; 9] =
+    ["attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_norm.weight", "ffn_norm.weight"];
+
+/// The model a GGUF file describes, every number checked against the others and against
+/// the tensors present before any tensor is read or anything written.
+struct Llama {
+    heads: usize,
+    kv_heads: usize,
+    hidden: usize,
+    layers: usize,
+    inter: usize,
+    head_dim: usize,
+    vocab: usize,
+    eps: f32,
+    theta: f32,
+    context: usize,
+    tied: bool,
+}
+
+impl Llama {
+    fn from_gguf(m: &Meta) -> Result<Self> {
+        let arch = m.string("general.architecture")?.ok_or_else(|| m.missing("general.architecture"))?;
+        if arch != "llama" {
+            return Err(m.err("general.architecture", format!("is `{arch}`; only `llama` is supported")));
+        }
+        let heads = m.count("llama.attention.head_count", "attention head")?;
+        let kv_heads = match m.uint("llama.attention.head_count_kv")? {
+            Some(n) => m.positive("llama.attention.head_count_kv", n, "key/value head")?,
+            None => heads,
+        };
+        if heads % kv_heads != 0 {
+            return Err(m.err("llama.attention.head_count_kv", format!("is {kv_heads}, which does not divide llama.attention.head_count {heads} (each key/value head serves a whole group of query heads)")));
+        }
+        let hidden = m.count("llama.embedding_length", "embedding dimension")?;
+        let layers = m.count("llama.block_count", "block")?;
+        let inter = m.count("llama.feed_forward_length", "feed-forward unit")?;
+        let eps = m.positive_float("llama.attention.layer_norm_rms_epsilon")?.ok_or_else(|| m.missing("llama.attention.layer_norm_rms_epsilon"))?;
+        let theta = m.positive_float("llama.rope.freq_base")?.unwrap_or(10000.0);
+        let context = match m.uint("llama.context_length")? {
+            Some(n) => m.positive("llama.context_length", n, "position")?,
+            None => 2048,
+        };
+
+        // The head size: key_length where the file states it, else the RoPE dimension (all
+        // of a llama head rotates), else embedding / heads.
+        let key_len = m.uint("llama.attention.key_length")?;
+        if let (Some(k), Some(v)) = (key_len, m.uint("llama.attention.value_length")?) {
+            if k != v {
+                return Err(m.err("llama.attention.value_length", format!("is {v} but llama.attention.key_length is {k}; a llama head has one size")));
+            }
+        }
+        let rope = m.uint("llama.rope.dimension_count")?;
+        let head_dim = match (key_len, rope) {
+            (Some(k), _) => m.positive("llama.attention.key_length", k, "dimension per head")?,
+            (None, Some(r)) => m.positive("llama.rope.dimension_count", r, "rotated dimension")?,
+            (None, None) if hidden % heads == 0 => hidden / heads,
+            (None, None) => {
+                return Err(m.err("llama.embedding_length", format!("is {hidden}, not a multiple of llama.attention.head_count {heads}, and the file states no head size (llama.rope.dimension_count)")))
+            }
+        };
+        if let Some(r) = rope {
+            if r % 2 != 0 {
+                return Err(m.err("llama.rope.dimension_count", format!("is {r}, odd; RoPE rotates pairs of dimensions")));
+            }
+            if r as usize != head_dim {
+                return Err(m.err("llama.rope.dimension_count", format!("is {r} but heads have {head_dim} dimensions; rotating part of a head is not supported")));
+            }
+        }
+        if head_dim % 2 != 0 {
+            return Err(m.err("llama.attention.key_length", format!("is {head_dim}, odd; RoPE rotates pairs of dimensions")));
+        }
+
+        let t = &m.c.tensor_infos;
+        let embd = t.get("token_embd.weight").ok_or_else(|| m.err("token_embd.weight", "missing: the file has no token embedding"))?;
+        let (vocab, width) = match *embd.shape.dims() {
+            [v, w] if v > 0 => (v, w),
+            ref d => return Err(m.err("token_embd.weight", format!("has shape {d:?}, expected [vocabulary, llama.embedding_length {hidden}]"))),
+        };
+        if width != hidden {
+            return Err(m.err("llama.embedding_length", format!("is {hidden} but token_embd.weight is [{vocab}, {width}]: embeddings of {width}")));
+        }
+        if let Some(v) = m.uint("llama.vocab_size")? {
+            if v as usize != vocab {
+                return Err(m.err("llama.vocab_size", format!("is {v} but token_embd.weight has {vocab} rows")));
+            }
+        }
+        let p = Llama { heads, kv_heads, hidden, layers, inter, head_dim, vocab, eps, theta, context, tied: !t.contains_key("output.weight") };
+        p.check_tensors(m)?;
+        Ok(p)
+    }
+
+    /// Every tensor is one we convert, of the shape the metadata implies, and each of the
+    /// `block_count` blocks is complete, with no block beyond it.
+    fn check_tensors(&self, m: &Meta) -> Result<()> {
+        let t = &m.c.tensor_infos;
+        let mut blocks = HashSet::new();
+        let mut names: Vec<&String> = t.keys().collect();
+        names.sort();
+        for name in names {
+            if hf_name(name).is_none() {
+                return Err(m.err(name, "is not a llama tensor this import converts (token_embd, output_norm, output, blk.N.{attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down,attn_norm,ffn_norm}.weight)"));
+            }
+            if let Some((b, rest)) = block_of(name) {
+                if b >= self.layers {
+                    return Err(m.err("llama.block_count", format!("is {} but the file has tensors of block {b} ({name})", self.layers)));
+                }
+                if rest.ends_with(".bias") {
+                    // HF's llama has q/k/v biases only with an o_proj bias too, and
+                    // llama.cpp permutes q/k biases like the rows: not a llama layout.
+                    return Err(m.err(name, "a q/k/v bias is not part of a llama model (no o_proj bias to go with it)"));
+                }
+                blocks.insert(b);
+            }
+            let got = t[name].shape.dims();
+            let want = self.shape_of(name);
+            if got != want.as_slice() {
+                return Err(m.err(name, format!("has shape {got:?}, but {} give {want:?}", self.why(name))));
+            }
+        }
+        if let Some(b) = (0..self.layers).find(|b| !blocks.contains(b)) {
+            return Err(m.err("llama.block_count", format!("is {} but the file has no tensors of block {b} (blk.{b}.*)", self.layers)));
+        }
+        for name in ["output_norm.weight".to_string()].into_iter().chain((0..self.layers).flat_map(|b| BLOCK_TENSORS.iter().map(move |s| format!("blk.{b}.{s}")))) {
+            if !t.contains_key(&name) {
+                return Err(m.err(&name, "missing: every llama block has q, k, v, output, gate, up, down and two norms"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The shape (outermost first) the metadata implies for a tensor `hf_name` accepts.
+    fn shape_of(&self, name: &str) -> Vec<usize> {
+        let (h, q, kv, f) = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.inter);
+        let kind = block_of(name).map(|(_, rest)| rest).unwrap_or(name);
+        match kind {
+            "token_embd.weight" | "output.weight" => vec![self.vocab, h],
+            "attn_q.weight" => vec![q, h],
+            "attn_k.weight" | "attn_v.weight" => vec![kv, h],
+            "attn_output.weight" => vec![h, q],
+            "ffn_gate.weight" | "ffn_up.weight" => vec![f, h],
+            "ffn_down.weight" => vec![h, f],
+            _ => vec![h], // the norms
+        }
+    }
+
+    /// The metadata behind `shape_of`, for messages.
+    fn why(&self, name: &str) -> String {
+        let kind = block_of(name).map(|(_, rest)| rest).unwrap_or(name);
+        let hd = format!("{} dimensions per head", self.head_dim);
+        match kind {
+            "token_embd.weight" | "output.weight" => format!("token_embd.weight's {} rows and llama.embedding_length {}", self.vocab, self.hidden),
+            "attn_q.weight" | "attn_output.weight" => format!("llama.attention.head_count {} x {hd} and llama.embedding_length {}", self.heads, self.hidden),
+            "attn_k.weight" | "attn_v.weight" => format!("llama.attention.head_count_kv {} x {hd} and llama.embedding_length {}", self.kv_heads, self.hidden),
+            "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" => format!("llama.feed_forward_length {} and llama.embedding_length {}", self.inter, self.hidden),
+            _ => format!("llama.embedding_length {}", self.hidden),
+        }
+    }
+}
+
 /// Undo llama.cpp's q/k permutation. The converter maps HF rows with
 /// `w.reshape(heads, 2, d/2, in).swapaxes(1, 2)`, i.e. within each head the two halves
 /// (rotate-half pairs i, i + d/2) become interleaved pairs (2i, 2i + 1). Inverse:
 /// [heads, d/2, 2, in] -> swap -> [heads, 2, d/2, in].
 pub fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
-    let (rows, cols) = w.dims2()?;
-    let d = rows / heads;
+    let (rows, cols, d) = head_rows(w, heads)?;
     w.reshape((heads, d / 2, 2, cols))? // [heads, d/2, 2, in]
         .transpose(1, 2)? // [heads, 2, d/2, in]
         .contiguous()?
@@ -84,34 +704,43 @@ pub fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
 
 /// The forward direction (what llama.cpp's converter does), for writing test files.
 pub fn permute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
-    let (rows, cols) = w.dims2()?;
-    let d = rows / heads;
+    let (rows, cols, d) = head_rows(w, heads)?;
     w.reshape((heads, 2, d / 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))
 }
 
-fn strings(c: &Content, key: &str, file: &Path) -> Result<Vec<String>> {
-    let v = meta(c, key, file)?.to_vec().map_err(|_| Error::data(file, format!("`{key}` is not an array")))?;
-    v.iter()
-        .map(|x| x.to_string().cloned().map_err(|_| Error::data(file, format!("`{key}` holds a non-string"))))
-        .collect()
+/// (rows, cols, rows per head) of a q/k matrix, or an error where the rows do not split
+/// into `heads` heads of an even size (a division by zero or a wrong reshape otherwise).
+fn head_rows(w: &Tensor, heads: usize) -> candle_core::Result<(usize, usize, usize)> {
+    let (rows, cols) = w.dims2()?;
+    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+        candle_core::bail!("{rows} rows do not split into {heads} heads of an even size");
+    }
+    Ok((rows, cols, rows / heads))
 }
 
 /// Build an HF `tokenizer.json` (and the special-token part of `tokenizer_config.json`).
-fn tokenizer_files(c: &Content, file: &Path) -> Result<(serde_json::Value, serde_json::Value)> {
-    let model = meta(c, "tokenizer.ggml.model", file)?.to_string().map_err(|_| Error::data(file, "tokenizer.ggml.model is not a string"))?.clone();
+fn tokenizer_files(m: &Meta, vocab: usize, context: usize) -> Result<(serde_json::Value, serde_json::Value)> {
+    let model = m.string("tokenizer.ggml.model")?.ok_or_else(|| m.missing("tokenizer.ggml.model"))?;
     if model != "gpt2" {
-        return Err(Error::data(file, format!("tokenizer model `{model}` is not supported (byte-level BPE `gpt2` only)")));
+        return Err(m.err("tokenizer.ggml.model", format!("is `{model}`; only byte-level BPE (`gpt2`) vocabularies are supported")));
     }
-    let tokens = strings(c, "tokenizer.ggml.tokens", file)?;
-    let merges = strings(c, "tokenizer.ggml.merges", file)?;
-    let types: Vec<i32> = match c.metadata.get("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok()) {
-        Some(v) => v.iter().map(|x| x.to_i32().unwrap_or(1)).collect(),
+    let tokens = m.strings("tokenizer.ggml.tokens")?;
+    if tokens.is_empty() || tokens.len() > vocab {
+        return Err(m.err("tokenizer.ggml.tokens", format!("has {} tokens; token_embd.weight has rows for {vocab}", tokens.len())));
+    }
+    let merges = m.strings("tokenizer.ggml.merges")?;
+    let types: Vec<i64> = match m.array("tokenizer.ggml.token_type")? {
+        Some(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| as_int(v).ok_or_else(|| m.err("tokenizer.ggml.token_type", format!("element {i} has GGUF type {}, expected an array of integers", type_name(v)))))
+            .collect::<Result<_>>()?,
         None => vec![1; tokens.len()],
     };
-    let mut vocab = serde_json::Map::new();
+    let mut vocab_map = serde_json::Map::new();
     let mut added = Vec::new();
     for (i, t) in tokens.iter().enumerate() {
-        vocab.insert(t.clone(), i.into());
+        vocab_map.insert(t.clone(), i.into());
         // token_type 3 = control (special), 4 = user-defined (added, not special).
         let ty = types.get(i).copied().unwrap_or(1);
         if ty == 3 || ty == 4 {
@@ -119,11 +748,16 @@ fn tokenizer_files(c: &Content, file: &Path) -> Result<(serde_json::Value, serde
                 "rstrip": false, "normalized": ty == 4, "special": ty == 3}));
         }
     }
-    let bos = meta_opt_u32(c, "tokenizer.ggml.bos_token_id");
-    let eos = meta_opt_u32(c, "tokenizer.ggml.eos_token_id");
-    let unk = meta_opt_u32(c, "tokenizer.ggml.unknown_token_id");
-    let pad = meta_opt_u32(c, "tokenizer.ggml.padding_token_id");
-    let add_bos = c.metadata.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false);
+    let id = |key: &str| -> Result<Option<u32>> {
+        match m.uint(key)? {
+            Some(i) if (i as usize) < tokens.len() => Ok(Some(i as u32)),
+            Some(i) => Err(m.err(key, format!("is {i}, not a token id (tokenizer.ggml.tokens has {})", tokens.len()))),
+            None => Ok(None),
+        }
+    };
+    let (bos, eos, unk, pad) = (id("tokenizer.ggml.bos_token_id")?, id("tokenizer.ggml.eos_token_id")?, id("tokenizer.ggml.unknown_token_id")?, id("tokenizer.ggml.padding_token_id")?);
+    let add_bos = m.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+    let chat_template = m.string("tokenizer.chat_template")?;
     let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned();
     let mut single = Vec::new();
     let mut special_tokens = serde_json::Map::new();
@@ -136,7 +770,7 @@ fn tokenizer_files(c: &Content, file: &Path) -> Result<(serde_json::Value, serde
     single.push(serde_json::json!({"Sequence": {"id": "A", "type_id": 0}}));
     let mut pair = single.clone();
     pair.push(serde_json::json!({"Sequence": {"id": "B", "type_id": 1}}));
-    let merges: Vec<serde_json::Value> = merges.iter().map(|m| serde_json::Value::String(m.clone())).collect();
+    let merges: Vec<serde_json::Value> = merges.into_iter().map(serde_json::Value::String).collect();
     let tok = serde_json::json!({
         "version": "1.0",
         "truncation": null,
@@ -148,59 +782,53 @@ fn tokenizer_files(c: &Content, file: &Path) -> Result<(serde_json::Value, serde
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": name(unk), "continuing_subword_prefix": null,
                   "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                  "vocab": vocab, "merges": merges}
+                  "vocab": vocab_map, "merges": merges}
     });
-    let mut cfg = serde_json::json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": false,
-        "model_max_length": meta_opt_u32(c, "llama.context_length").unwrap_or(2048),
-    });
-    let obj = cfg.as_object_mut().ok_or_else(|| Error::data(file, "internal"))?;
+    let mut cfg = serde_json::Map::new();
+    cfg.insert("tokenizer_class".into(), "PreTrainedTokenizerFast".into());
+    cfg.insert("add_bos_token".into(), add_bos.into());
+    cfg.insert("add_eos_token".into(), false.into());
+    cfg.insert("model_max_length".into(), context.into());
     for (k, id) in [("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)] {
         if let Some(n) = name(id) {
-            obj.insert(k.into(), n.into());
+            cfg.insert(k.into(), n.into());
         }
     }
-    if let Some(t) = c.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()) {
-        obj.insert("chat_template".into(), t.clone().into());
+    if let Some(t) = chat_template {
+        cfg.insert("chat_template".into(), t.into());
     }
-    Ok((tok, cfg))
+    Ok((tok, serde_json::Value::Object(cfg)))
 }
 
 /// Import `gguf` into `out` (which must not exist or be empty), storing weights in `dtype`.
+///
+/// Everything is checked before anything is written: the header (see [`read_header`]), the
+/// llama metadata against itself and the tensors, the tokenizer. The folder is then built
+/// under a hidden sibling name and renamed into place, so `out` appears whole or not at all:
+/// a bad file, or a failure while writing, leaves no output behind.
 pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Result<ImportReport> {
-    let mut f = std::fs::File::open(gguf).map_err(|e| Error::io(gguf, e))?;
-    let c = Content::read(&mut f).map_err(|e| Error::data(gguf, format!("not a readable GGUF file: {}", crate::error::candle_msg(&e))))?;
-    let arch = meta(&c, "general.architecture", gguf)?.to_string().map_err(|_| Error::data(gguf, "general.architecture is not a string"))?.clone();
-    if arch != "llama" {
-        return Err(Error::data(gguf, format!("architecture `{arch}` is not supported (llama only)")));
+    // Cheap and before the minutes of dequantizing: the destination must be usable.
+    if out.exists() && !std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_none()) {
+        return Err(Error::io(out, std::io::Error::new(std::io::ErrorKind::AlreadyExists, "output exists and is not an empty folder (choose another --out)")));
     }
-    let heads = meta_u32(&c, "llama.attention.head_count", gguf)? as usize;
-    let kv_heads = meta_opt_u32(&c, "llama.attention.head_count_kv").unwrap_or(heads as u32) as usize;
-    let hidden = meta_u32(&c, "llama.embedding_length", gguf)? as usize;
-    let layers = meta_u32(&c, "llama.block_count", gguf)? as usize;
-    let inter = meta_u32(&c, "llama.feed_forward_length", gguf)? as usize;
-    let eps = meta_f32(&c, "llama.attention.layer_norm_rms_epsilon", gguf)?;
-    let theta = c.metadata.get("llama.rope.freq_base").and_then(|v| v.to_f32().ok()).unwrap_or(10000.0);
-    let embd = c.tensor_infos.get("token_embd.weight").ok_or_else(|| Error::data(gguf, "no token_embd.weight tensor"))?;
-    let vocab = embd.shape.dims()[0];
-    let tied = !c.tensor_infos.contains_key("output.weight");
-    let head_dim = meta_opt_u32(&c, "llama.rope.dimension_count").map(|d| d as usize).unwrap_or(hidden / heads);
+    let (mut f, c) = read_header(gguf)?;
+    let m = Meta { c: &c, file: gguf };
+    let p = Llama::from_gguf(&m)?;
+    let (tok, tok_cfg) = tokenizer_files(&m, p.vocab, p.context)?;
 
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     let mut names: Vec<&String> = c.tensor_infos.keys().collect();
     names.sort();
     for name in names {
-        let hf = hf_name(name).ok_or_else(|| Error::data(gguf, format!("tensor `{name}` has no HF equivalent")))?;
-        let q = c.tensor(&mut f, name, &Device::Cpu).map_err(|e| Error::data(gguf, format!("tensor `{name}`: {}", crate::error::candle_msg(&e))))?;
-        let mut t = q.dequantize(&Device::Cpu)?;
+        let hf = hf_name(name).ok_or_else(|| m.err(name, "has no HF equivalent"))?; // checked above
+        let tensor_err = |e: candle_core::Error| m.err(name, crate::error::candle_msg(&e));
+        let mut t = c.tensor(&mut f, name, &Device::Cpu).and_then(|q| q.dequantize(&Device::Cpu)).map_err(tensor_err)?;
         if name.ends_with("attn_q.weight") {
-            t = unpermute(&t, heads)?;
+            t = unpermute(&t, p.heads).map_err(tensor_err)?;
         } else if name.ends_with("attn_k.weight") {
-            t = unpermute(&t, kv_heads)?;
+            t = unpermute(&t, p.kv_heads).map_err(tensor_err)?;
         }
-        tensors.push((hf, t.to_dtype(dtype)?));
+        tensors.push((hf, t.to_dtype(dtype).map_err(tensor_err)?));
     }
     let torch_dtype = match dtype {
         DType::BF16 => "bfloat16",
@@ -210,46 +838,82 @@ pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Re
     let mut config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": vocab,
-        "rms_norm_eps": eps,
-        "rope_theta": theta,
-        "tie_word_embeddings": tied,
+        "hidden_size": p.hidden,
+        "intermediate_size": p.inter,
+        "num_hidden_layers": p.layers,
+        "num_attention_heads": p.heads,
+        "num_key_value_heads": p.kv_heads,
+        "head_dim": p.head_dim,
+        "vocab_size": p.vocab,
+        "rms_norm_eps": p.eps,
+        "rope_theta": p.theta,
+        "tie_word_embeddings": p.tied,
         "hidden_act": "silu",
-        "max_position_embeddings": meta_opt_u32(&c, "llama.context_length").unwrap_or(2048),
+        "max_position_embeddings": p.context,
         "attention_bias": false,
         "mlp_bias": false,
         "torch_dtype": torch_dtype,
     });
-    let (tok, tok_cfg) = tokenizer_files(&c, gguf)?;
     for (k, key) in [("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"), ("pad_token_id", "tokenizer.ggml.padding_token_id")] {
-        if let (Some(id), Some(o)) = (meta_opt_u32(&c, key), config.as_object_mut()) {
+        // Range-checked against the vocabulary by `tokenizer_files`.
+        if let (Some(id), Some(o)) = (m.uint(key)?, config.as_object_mut()) {
             o.insert(k.into(), id.into());
         }
     }
-    // The folder appears whole or not at all.
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    if std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(false) {
-        return Err(Error::io(out, std::io::Error::new(std::io::ErrorKind::AlreadyExists, "output folder is not empty (choose another --out)")));
-    }
-    let shards = write_weights(out, &tensors, max_shard_bytes)?;
-    let w = |name: &str, v: &serde_json::Value| crate::fsutil::write_atomic(&out.join(name), serde_json::to_string_pretty(v).unwrap_or_default().as_bytes());
-    w("config.json", &config)?;
-    w("tokenizer.json", &tok)?;
-    w("tokenizer_config.json", &tok_cfg)?;
     let mut gen = serde_json::json!({"do_sample": false});
     for k in ["bos_token_id", "eos_token_id", "pad_token_id"] {
         if let (Some(v), Some(o)) = (config.get(k).cloned(), gen.as_object_mut()) {
             o.insert(k.into(), v);
         }
     }
-    w("generation_config.json", &gen)?;
+    let shards = write_folder(out, |dir| {
+        let shards = write_weights(dir, &tensors, max_shard_bytes)?;
+        let w = |name: &str, v: &serde_json::Value| crate::fsutil::write_atomic(&dir.join(name), serde_json::to_string_pretty(v).unwrap_or_default().as_bytes());
+        w("config.json", &config)?;
+        w("tokenizer.json", &tok)?;
+        w("tokenizer_config.json", &tok_cfg)?;
+        w("generation_config.json", &gen)?;
+        Ok(shards)
+    })?;
     Ok(ImportReport { tensors: tensors.len(), config, shards })
+}
+
+/// Fill a hidden sibling folder of `out` with `fill`, then rename it to `out` (which may
+/// exist as an empty folder). On any error the sibling is removed: `out` appears whole or
+/// not at all.
+fn write_folder<T>(out: &Path, fill: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+    /// Removes the staging folder unless the rename happened (also on a panic in `fill`).
+    struct Staging(Option<PathBuf>);
+    impl Drop for Staging {
+        fn drop(&mut self) {
+            if let Some(p) = self.0.take() {
+                let _ = std::fs::remove_dir_all(p);
+            }
+        }
+    }
+    let name = out.file_name().ok_or_else(|| Error::io(out, std::io::Error::new(std::io::ErrorKind::InvalidInput, "--out must name a folder")))?;
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    let tmp = parent.join(format!(".{}.import-{}", name.to_string_lossy(), std::process::id()));
+    if tmp.exists() {
+        // Left by a crashed run of a process that had our id: nothing else writes here.
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let mut staging = Staging(Some(tmp.clone()));
+    let value = fill(&tmp)?;
+    // rename(2) replaces an empty folder; `import` checked that `out` is absent or empty.
+    if let Err(e) = std::fs::rename(&tmp, out) {
+        if !out.is_dir() || std::fs::remove_dir(out).is_err() {
+            return Err(Error::io(out, e));
+        }
+        std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
+    }
+    staging.0 = None;
+    if let Ok(d) = std::fs::File::open(parent) {
+        let _ = d.sync_all(); // make the rename durable where the filesystem allows
+    }
+    Ok(value)
 }
 
 /// Write tensors as `model.safetensors`, or shards of at most `limit` bytes with an index.
@@ -278,7 +942,7 @@ pub fn write_weights(out: &Path, tensors: &[(String, Tensor)], limit: u64) -> Re
             total += (v.elem_count() * v.dtype().size_in_bytes()) as u64;
         }
         let path = out.join(&fname);
-        candle_core::safetensors::save(&map, &path).map_err(|e| Error::Safetensors { file: path.clone(), msg: e.to_string() })?;
+        crate::fsutil::write_safetensors(map.iter().map(|(k, v)| (k.as_str(), v)), None, &path)?;
     }
     if n > 1 {
         let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
@@ -308,5 +972,8 @@ mod tests {
         assert_eq!(hf_name("token_embd.weight").as_deref(), Some("model.embed_tokens.weight"));
         assert_eq!(hf_name("blk.0.ffn_norm.weight").as_deref(), Some("model.layers.0.post_attention_layernorm.weight"));
         assert_eq!(hf_name("rope_freqs.weight"), None);
+        // Only canonical block numbers: `blk.01` or `blk.+1` would alias `blk.1`.
+        assert_eq!(hf_name("blk.01.attn_q.weight"), None);
+        assert_eq!(hf_name("blk.+1.attn_q.weight"), None);
     }
 }

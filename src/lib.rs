@@ -16,6 +16,7 @@ pub mod lora;
 pub mod model;
 pub mod ops;
 pub mod optim;
+pub mod output;
 pub mod progress;
 pub mod recipe;
 pub mod rng;

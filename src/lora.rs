@@ -107,19 +107,12 @@ impl Adapters {
     /// `adapter_config.json` equal to the recipe's.
     pub fn load_peft(&self, dir: &Path) -> Result<()> {
         let err = |msg: String| Error::Adapter { dir: dir.to_path_buf(), msg };
-        let cfg_path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
-        let cfg: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| err(format!("adapter_config.json is not valid JSON: {e}")))?;
-        if let Some(r) = cfg.get("r").and_then(|v| v.as_u64()) {
-            if r as usize != self.spec.rank {
-                return Err(err(format!("adapter has r = {r} but lora.rank = {}; set lora.rank = {r}", self.spec.rank)));
-            }
+        let c = AdapterConfig::read(dir)?;
+        if c.spec.rank != self.spec.rank {
+            return Err(err(format!("adapter has r = {} but lora.rank = {}; set lora.rank = {}", c.spec.rank, self.spec.rank, c.spec.rank)));
         }
-        if let Some(a) = cfg.get("lora_alpha").and_then(|v| v.as_f64()) {
-            if a != self.spec.alpha {
-                return Err(err(format!("adapter has lora_alpha = {a} but lora.alpha = {}; set lora.alpha = {a}", self.spec.alpha)));
-            }
+        if c.spec.alpha != self.spec.alpha {
+            return Err(err(format!("adapter has lora_alpha = {} but lora.alpha = {}; set lora.alpha = {}", c.spec.alpha, self.spec.alpha, c.spec.alpha)));
         }
         let file = dir.join("adapter_model.safetensors");
         if !file.is_file() {
@@ -144,7 +137,12 @@ impl Adapters {
                             got: t.dims().to_vec(),
                         });
                     }
-                    var.set(&t.to_dtype(DType::F32)?.to_device(var.device())?)?;
+                    let t = t.to_dtype(DType::F32)?;
+                    // NaN or inf in an adapter poisons every output; say which tensor.
+                    if t.flatten_all()?.to_vec1::<f32>()?.iter().any(|x| !x.is_finite()) {
+                        return Err(err(format!("tensor `{key}` in {} holds NaN or inf", file.display())));
+                    }
+                    var.set(&t.to_device(var.device())?)?;
                 }
             }
         }
@@ -179,8 +177,7 @@ impl Adapters {
         let file = dir.join("adapter_model.safetensors");
         let tmp = dir.join(".adapter_model.safetensors.tmp");
         let data: Vec<(&String, &Tensor)> = map.iter().collect();
-        safetensors::serialize_to_file(data, None, &tmp)
-            .map_err(|e| Error::Safetensors { file: tmp.clone(), msg: e.to_string() })?;
+        crate::fsutil::write_safetensors(data, None, &tmp)?;
         crate::fsutil::rename_durable(&tmp, &file)?;
         let config = serde_json::json!({
             "peft_type": "LORA",
@@ -244,5 +241,58 @@ impl LoraLinear<'_> {
             Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
             None => y,
         })
+    }
+}
+
+/// What `adapter_config.json` says, read one way for every use (`lora.init_from`, resume,
+/// export): an adapter whose forward is not `W x + (alpha / r) B A x` with one r and alpha
+/// (rsLoRA, DoRA, fan_in_fan_out, rank/alpha patterns, a non-LoRA PEFT type) is refused
+/// everywhere, rather than loaded here and trained or merged with the wrong scale.
+pub struct AdapterConfig {
+    pub spec: LoraSpec,
+    pub base_model: Option<String>,
+}
+
+impl AdapterConfig {
+    pub fn read(dir: &Path) -> Result<Self> {
+        let err = |msg: String| Error::Adapter { dir: dir.to_path_buf(), msg };
+        let p = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))?;
+        let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("adapter_config.json is not valid JSON: {e}")))?;
+        if !c.is_object() {
+            return Err(err("adapter_config.json must hold a JSON object".into()));
+        }
+        if let Some(t) = c.get("peft_type").filter(|t| t.as_str() != Some("LORA")) {
+            return Err(err(format!("adapter_config.json: peft_type {t} is not LORA")));
+        }
+        for (k, what) in [("use_dora", "DoRA"), ("use_rslora", "rsLoRA scaling (alpha / sqrt(r))"), ("fan_in_fan_out", "fan_in_fan_out")] {
+            if c.get(k).and_then(|v| v.as_bool()) == Some(true) {
+                return Err(err(format!("adapter_config.json: {what} adapters are not supported ({k} = true)")));
+            }
+        }
+        for k in ["rank_pattern", "alpha_pattern"] {
+            if c.get(k).and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty()) {
+                return Err(err(format!("adapter_config.json: per-module `{k}` is not supported")));
+            }
+        }
+        // Bounded like the recipe's lora.rank: `r` sizes every A and B allocated from it.
+        let rank = c.get("r").and_then(|v| v.as_u64()).filter(|&r| r > 0 && r <= 1 << 16);
+        let rank = rank.ok_or_else(|| err(format!("adapter_config.json: `r` must be an integer in 1..=65536, got {}", c.get("r").map_or("nothing".into(), |v| v.to_string()))))?;
+        let alpha = c.get("lora_alpha").and_then(|v| v.as_f64()).filter(|a| a.is_finite() && *a > 0.0);
+        let alpha = alpha.ok_or_else(|| err("adapter_config.json: `lora_alpha` must be a positive number".into()))?;
+        let listed: Vec<String> = match c.get("target_modules") {
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_str().map(String::from)).collect(),
+            Some(serde_json::Value::String(s)) => return Err(err(format!("adapter_config.json: target_modules as a regex (`{s}`) is not supported"))),
+            _ => return Err(err("adapter_config.json has no `target_modules` list".into())),
+        };
+        for t in &listed {
+            if !MODULES.contains(&t.as_str()) {
+                return Err(err(format!("adapter_config.json: target module `{t}` is not one of {}", MODULES.join(", "))));
+            }
+        }
+        let targets = MODULES.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+        let dropout = c.get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let base_model = c.get("base_model_name_or_path").and_then(|v| v.as_str()).map(String::from);
+        Ok(AdapterConfig { spec: LoraSpec { rank: rank as usize, alpha, dropout, targets }, base_model })
     }
 }

@@ -319,14 +319,15 @@ fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, 
     let g = finetune::generate::Generator::load(&dir, adapter)?;
     let base = g.no_adapters()?;
     let mut rows = Rows::open(data)?;
+    rows.require_columns(&["instruction", "output"])?;
     let opts = finetune::generate::SampleOptions { max_new_tokens, ..Default::default() };
     let (mut ok_base, mut ok_tuned, mut n) = (0, 0, 0);
     let started = std::time::Instant::now();
     for _ in 0..rows.total_rows {
         let (instruction, input, expected) = {
             let (r, _) = rows.next_row()?;
-            let get = |c: &str| r.string(c).map(|v| v.unwrap_or_default());
-            (get("instruction")?, get("input")?, get("output")?)
+            // A missing instruction or answer is an error naming the row, never "" scored.
+            (r.required_string("instruction")?, r.string("input")?.unwrap_or_default(), r.required_string("output")?)
         };
         let prompt = if chat {
             let user = if input.is_empty() { instruction.clone() } else { format!("{instruction}\n\n{input}") };
@@ -382,6 +383,10 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
         E::Safetensors { .. } | E::MissingTensor { .. } | E::Shape { .. } => {
             Some("the checkpoint does not match its config.json; re-download or re-export it")
         }
+        E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => Some(
+            "free space on that disk (or point output.dir elsewhere) and rerun: the newest complete checkpoint is intact and the run resumes from it",
+        ),
+        E::Gguf { .. } => Some("the GGUF file must be a llama-architecture model llama.cpp loads; check the key named above"),
         E::Data { .. } => Some("check data.train and data.format in the recipe"),
         E::Adapter { .. } => Some("lora.init_from must be a PEFT adapter folder matching lora.rank, lora.alpha and lora.targets"),
         E::Tokenizer { .. } => Some("the model folder needs tokenizer.json for text formats"),

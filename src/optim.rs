@@ -80,6 +80,8 @@ impl Schedule {
         match s {
             "linear" => Schedule::Linear,
             "cosine" => Schedule::Cosine,
+            // "constant" and "constant_with_warmup" share the multiplier; the recipe check
+            // refuses warmup_steps with "constant", which has none in transformers.
             _ => Schedule::Constant,
         }
     }

@@ -125,7 +125,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
             key("grad_accum_steps", Kind::Int),
             req("max_steps", Kind::Int),
             req("lr", Kind::Float),
-            one_of("lr_scheduler", &["constant", "linear", "cosine"]),
+            one_of("lr_scheduler", &["constant", "constant_with_warmup", "linear", "cosine"]),
             key("warmup_steps", Kind::Int),
             key("weight_decay", Kind::Float),
             key("adam_betas", Kind::FloatPair),
@@ -532,6 +532,47 @@ impl LoadedRecipe {
                 return Err(self.err(k, "must be at least 1"));
             }
         }
+        // Upper bounds: each of these sizes something held in memory (a step holds all its
+        // micro-batches, the shuffle buffer holds its rows), so a typo such as 1e12 must be
+        // a message here, not an allocation failure that aborts the process later.
+        for (k, v, max, what) in [
+            ("train.micro_batch_size", r.train.micro_batch_size, 1 << 16, "rows per micro-batch"),
+            ("train.grad_accum_steps", r.train.grad_accum_steps, 1 << 16, "micro-batches held per step"),
+            ("train.max_steps", r.train.max_steps, 1 << 40, "optimizer steps"),
+            ("data.max_seq_len", r.data.max_seq_len, 1 << 20, "tokens per row"),
+            ("data.max_tokens", r.data.max_tokens, 1 << 24, "tokens per micro-batch"),
+            ("data.shuffle_buffer", r.data.shuffle_buffer, 1 << 22, "rows held for shuffling"),
+            ("lora.rank", r.lora.rank, 1 << 16, "LoRA rank"),
+            ("dist.prefetch_layers", r.dist.prefetch_layers, 1 << 10, "layers gathered ahead"),
+            ("dist.timeout_s", r.dist.timeout_s as usize, 10_000_000, "seconds (about 115 days)"),
+            ("dist.world_size", r.dist.world_size.unwrap_or(1), 1 << 16, "ranks"),
+        ] {
+            if v > max {
+                return Err(self.err(k, format!("{v} is more than this tool accepts ({max} {what})")));
+            }
+        }
+        let t = &r.train;
+        if r.lora.alpha <= 0.0 {
+            return Err(self.err("lora.alpha", "must be > 0 (the LoRA update is scaled by alpha / rank)"));
+        }
+        if t.weight_decay < 0.0 {
+            return Err(self.err("train.weight_decay", "must be >= 0"));
+        }
+        if t.adam_eps <= 0.0 {
+            return Err(self.err("train.adam_eps", "must be > 0 (it keeps AdamW from dividing by zero)"));
+        }
+        // transformers' "constant" has no warmup ("constant_with_warmup" has); a recipe moved
+        // over from there must not get another learning rate here.
+        if t.lr_scheduler == "constant" && t.warmup_steps > 0 {
+            return Err(self.err(
+                "train.lr_scheduler",
+                format!(
+                    "\"constant\" has no warmup (as in transformers), but train.warmup_steps = {}; \
+                     use \"constant_with_warmup\", or set train.warmup_steps = 0",
+                    t.warmup_steps
+                ),
+            ));
+        }
         if !(0.0..1.0).contains(&r.data.eval_fraction) {
             return Err(self.err("data.eval_fraction", "must be in [0, 1)"));
         }
@@ -653,6 +694,12 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
             };
             if !spec.kind.accepts(val) {
                 return Err(err(dotted, format!("expected {}, got {}", spec.kind.describe(), show(val))));
+            }
+            // TOML spells NaN and infinity (`nan`, `inf`); no recipe number means either, and a
+            // NaN compares false everywhere, so it would slip through every range check below.
+            let non_finite = |v: &toml::Value| v.as_float().is_some_and(|f| !f.is_finite());
+            if non_finite(val) || val.as_array().is_some_and(|a| a.iter().any(non_finite)) {
+                return Err(err(dotted, format!("expected a finite number, got {}", show(val))));
             }
             if !spec.choices.is_empty() {
                 let s = val.as_str().unwrap_or_default();
@@ -788,6 +835,46 @@ dir = "out"
         assert!(e.contains("did you mean \"q_proj\""), "{e}");
     }
 
+    #[test]
+    fn sizes_beyond_what_can_be_held_are_refused_up_front() {
+        for (o, key) in [
+            ("train.max_steps=1000000000000000", "train.max_steps"),
+            ("train.grad_accum_steps=1000000000000", "train.grad_accum_steps"),
+            ("train.micro_batch_size=10000000", "train.micro_batch_size"),
+            ("data.shuffle_buffer=10000000000", "data.shuffle_buffer"),
+            ("dist.timeout_s=100000000000", "dist.timeout_s"),
+        ] {
+            let e = err_text(MINIMAL, &[o]);
+            assert!(e.contains(&format!("`{key}`")) && e.contains("more than this tool accepts"), "{o}: {e}");
+        }
+    }
+
+    #[test]
+    fn nan_and_infinity_are_refused_wherever_a_number_goes() {
+        for o in ["train.max_grad_norm=nan", "train.lr=inf", "lora.alpha=nan", "train.adam_betas=[0.9, nan]", "train.weight_decay=-inf"] {
+            let key = o.split('=').next().unwrap();
+            let e = err_text(MINIMAL, &[o]);
+            assert!(e.contains(&format!("`{key}`")) && e.contains("finite"), "{o}: {e}");
+        }
+    }
+
+    #[test]
+    fn numbers_outside_their_meaning_are_refused_naming_the_key() {
+        for (o, key) in [("lora.alpha=0", "lora.alpha"), ("train.weight_decay=-0.1", "train.weight_decay"), ("train.adam_eps=0", "train.adam_eps")] {
+            let e = err_text(MINIMAL, &[o]);
+            assert!(e.contains(&format!("`{key}`")), "{o}: {e}");
+        }
+    }
+
+    #[test]
+    fn constant_means_no_warmup_as_in_transformers() {
+        let e = err_text(MINIMAL, &["train.warmup_steps=5"]);
+        assert!(e.contains("`train.lr_scheduler`") && e.contains("constant_with_warmup"), "{e}");
+        let r = load(MINIMAL, &["train.warmup_steps=5", "train.lr_scheduler=constant_with_warmup"]).unwrap().recipe;
+        assert_eq!(r.train.lr_scheduler, "constant_with_warmup");
+        load(MINIMAL, &["train.warmup_steps=5", "train.lr_scheduler=cosine"]).unwrap();
+    }
+
     /// Every key in SCHEMA must be accepted by the serde structs (and vice versa via
     /// deny_unknown_fields): write a recipe with every key set and parse it.
     #[test]
@@ -797,6 +884,8 @@ dir = "out"
             let mut s = toml::Table::new();
             for k in keys.iter() {
                 let v = match (k.kind, k.choices.first()) {
+                    // warmup_steps is set too, which "constant" refuses.
+                    (Kind::Str, Some(_)) if k.name == "lr_scheduler" => toml::Value::String("constant_with_warmup".into()),
                     (Kind::Str, Some(c)) => toml::Value::String(c.to_string()),
                     (Kind::Str, None) => toml::Value::String(match k.name {
                         "device" => "cpu".into(),

@@ -132,7 +132,7 @@ pub fn write_model(dir: &Path, shape: &TinyShape, seed: u64, shards: usize) -> R
             weight_map.insert(name.clone(), file.clone());
         }
         let path = dir.join(&file);
-        candle_core::safetensors::save(&map, &path).map_err(|e| Error::Safetensors { file: path.clone(), msg: e.to_string() })?;
+        crate::fsutil::write_safetensors(map.iter().map(|(k, v)| (k.as_str(), v)), None, &path)?;
     }
     if shards > 1 {
         let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });

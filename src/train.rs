@@ -17,7 +17,7 @@ use crate::dist::Partition;
 use crate::dist::zero::{Account, MemoryUse, ShardedWeights};
 use crate::optim::{AdamW, Moments, Schedule};
 use crate::recipe::LoadedRecipe;
-use crate::weights::{parse_dtype, ModelDir, ResidentWeights, SafetensorsFiles, WeightSource};
+use crate::weights::{parse_dtype, ModelDir, ResidentWeights, WeightSource};
 use candle_core::{DType, Tensor, Var};
 use std::io::Write;
 use std::path::PathBuf;
@@ -84,6 +84,9 @@ pub struct RunSummary {
     pub checkpoint: Option<PathBuf>,
     /// What each local rank held, from its memory account.
     pub memory: Vec<MemoryUse>,
+    /// The lead's hold on the output folder: keep it while writing there after training
+    /// (the merged export), drop it to let another run have the folder.
+    pub lock: Option<crate::output::RunLock>,
 }
 
 /// How the caller talks to a running training loop.
@@ -97,9 +100,11 @@ pub struct RunOptions {
     pub fail_rank_at_step: Option<(usize, usize)>,
 }
 
-/// Train as the recipe says (see [`run_with`]).
+/// Train as the recipe says (see [`run_with`]), and give the output folder up on return.
 pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
-    run_with(loaded, &RunOptions::default())
+    let mut s = run_with(loaded, &RunOptions::default())?;
+    s.lock = None;
+    Ok(s)
 }
 
 /// Train as the recipe says, on every rank `[dist]` asks for. Everything that can be wrong
@@ -246,7 +251,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let lead = rank == 0;
     let model_dir = ModelDir::resolve(&r.model.path, &loaded.dir)?;
     let cfg = ModelConfig::from_file(&model_dir.config_path())?;
-    let files = SafetensorsFiles::open(&model_dir.weight_files()?)?;
+    let files = model_dir.open_weights()?;
     let storage_dtype = parse_dtype(&r.model.dtype);
     // The fused CPU kernels compute in f32 (a bf16/f16 base is only the storage format of the
     // frozen weights there); GPUs and the portable path compute in the storage dtype.
@@ -290,8 +295,12 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let eval_set = if r.data.eval.is_some() || r.data.eval_fraction > 0.0 {
         let mut l = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Eval)?;
         let ex = l.one_pass()?;
-        if ex.is_empty() {
-            return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "data.eval".into(), msg: "the evaluation set has no usable records".into() });
+        // No targets would make every eval_loss 0.0, which reads as a perfect model.
+        let targets: usize = ex.iter().map(|e| e.labels.iter().skip(1).filter(|&&l| l != IGNORE).count()).sum();
+        if ex.is_empty() || targets == 0 {
+            let key = if r.data.eval.is_some() { "data.eval" } else { "data.eval_fraction" };
+            let what = if ex.is_empty() { "no usable records" } else { "no target tokens (every label is -100)" };
+            return Err(Error::Recipe { file: loaded.file.display().to_string(), key: key.into(), msg: format!("the evaluation set has {what}") });
         }
         Some(ex)
     } else {
@@ -316,8 +325,9 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     account.lora_grads.store(total * 8, Ordering::SeqCst); // accumulated in f64
     account.optimizer.store(2 * part.len() * 4, Ordering::SeqCst);
 
-    // The output folder is created only once the first step has run, so input that fails on
-    // its first rows (bad data, a model that does not fit) leaves nothing behind.
+    // The output folder is written only once the first step has run, so input that fails on
+    // its first rows (bad data, a model that does not fit) leaves nothing behind (the lock
+    // taken below removes a folder it created and nothing else wrote to).
     let out_dir = loaded.resolve(&r.output.dir);
     let metrics_path = out_dir.join("metrics.jsonl");
     let mut metrics: Option<std::fs::File>;
@@ -328,10 +338,14 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let mut start_step = 0;
     let mut micro_index = 0u64;
     let mut last_checkpoint = None;
-    if lead && r.checkpoint.resume == "auto" {
-        crate::checkpoint::clean_temporaries(&out_dir);
+    // The lead takes the folder (one run per folder) and sets aside what belongs to another
+    // run; every rank learns whether it could before reading checkpoints.
+    let claimed = if lead { claim_output(loaded, &out_dir).map(Some) } else { Ok(None) };
+    let said = from_lead(&*comm, &device, &[claimed.is_ok() as u8 as f64])?;
+    let run_lock = claimed?;
+    if said[0] == 0.0 {
+        return Err(lead_failed(rank, "to take the output folder"));
     }
-    comm.barrier()?;
     let resume_from = match r.checkpoint.resume.as_str() {
         "never" => None,
         "auto" => crate::checkpoint::latest_valid(&out_dir),
@@ -402,7 +416,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let stop_requested = || run_opts.stop.as_ref().map_or(0, |s| s.load(Ordering::SeqCst));
 
     // ---------------------------------------------------------------- train
-    let mut history = Vec::with_capacity(t.max_steps);
+    let mut history = Vec::new();
     let mut interrupted = None;
     for step in start_step + 1..=t.max_steps {
         if run_opts.fail_rank_at_step == Some((rank, step)) {
@@ -437,7 +451,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         micro_index += (accum * world) as u64;
         let loss = comm.all_reduce(&Tensor::new(&[ce_sum], &device)?)?.to_vec1::<f64>()?[0] / count as f64;
         if !loss.is_finite() {
-            return Err(Error::Train(format!("step {step}: loss is {loss}; stopping (try a lower train.lr)")));
+            return Err(non_finite_loss(loaded, step, step == start_step + 1, loss, &adapters));
         }
         // Each rank keeps the sum over ranks of its slice of the gradient (summed in f64 like
         // the accumulation, then rounded once to f32).
@@ -454,13 +468,26 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         let mut g: Vec<f32> = g.narrow(0, 0, part.len())?.to_dtype(DType::F32)?.to_vec1()?;
         let norm_sq = comm.all_reduce(&Tensor::new(&[crate::optim::sum_squares(&g)], &device)?)?.to_vec1::<f64>()?[0];
         let grad_norm = norm_sq.sqrt();
+        if !grad_norm.is_finite() {
+            // Clipping cannot rescue an inf/NaN gradient; AdamW would spread it into every weight.
+            return Err(Error::Train(format!(
+                "step {step}: the gradient norm is {grad_norm} although the loss ({loss:.4}) is finite: the backward pass \
+                 overflowed{}; stopping before the update",
+                if r.model.dtype == "f16" { " (model.dtype = \"f16\" overflows easily: use \"bf16\")" } else { " (try a lower train.lr)" }
+            )));
+        }
         crate::optim::clip_to(&mut g, grad_norm, t.max_grad_norm);
         let lr = t.lr * schedule.lambda(step - 1, t.warmup_steps, t.max_steps);
         opt.step(&mut master, &g, lr);
         // Updated slices back to every rank.
         let full = part.gather(&*comm, &master, &device)?;
         if full.iter().any(|x| !x.is_finite()) {
-            return Err(Error::Train(format!("step {step}: the update made LoRA weights non-finite; stopping before saving them (try a lower train.lr)")));
+            return Err(Error::Train(format!(
+                "step {step}: the update made LoRA weights non-finite from a finite gradient; stopping before saving them \
+                 (train.lr = {} is too high{})",
+                t.lr,
+                if t.weight_decay > 0.0 { format!(", or train.weight_decay = {}", t.weight_decay) } else { String::new() }
+            )));
         }
         let mut off = 0;
         for v in &vars {
@@ -553,7 +580,119 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             eprintln!("adapter written to {}", out_dir.join("adapter").display());
         }
     }
-    Ok(RunSummary { steps: history, output_dir: out_dir, interrupted, checkpoint: last_checkpoint, memory: vec![memory] })
+    Ok(RunSummary { steps: history, output_dir: out_dir, interrupted, checkpoint: last_checkpoint, memory: vec![memory], lock: run_lock })
+}
+
+/// Why the loss is not finite, naming what to change. Before any update of this run the
+/// learning rate cannot be the cause: the adapters loaded (`lora.init_from`, a checkpoint)
+/// or the base's forward pass are.
+fn non_finite_loss(loaded: &LoadedRecipe, step: usize, first: bool, loss: f64, adapters: &Adapters) -> Error {
+    let r = &loaded.recipe;
+    if !first {
+        return Error::Train(format!("step {step}: the loss became {loss} after earlier updates; stopping (train.lr = {} is likely too high)", r.train.lr));
+    }
+    for (key, v) in adapters.params() {
+        let bad = v.as_tensor().flatten_all().and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.to_vec1::<f32>()).map(|x| x.iter().any(|x| !x.is_finite()));
+        if bad.unwrap_or(false) {
+            let from = match &r.lora.init_from {
+                Some(p) => format!(" (loaded from lora.init_from = {})", p.display()),
+                None => String::new(),
+            };
+            return Error::Train(format!("step {step}: the loss is {loss} before any update: LoRA tensor `{key}` holds NaN or inf{from}"));
+        }
+    }
+    let dtype = if r.model.dtype == "f16" { ", or model.dtype = \"f16\" overflows (use \"bf16\")" } else { "" };
+    Error::Train(format!(
+        "step {step}: the loss is {loss} before any update (so the learning rate is not the cause): the base model's forward pass is not finite \
+         (model.path {} holds NaN/inf weights{dtype})",
+        r.model.path
+    ))
+}
+
+/// Take the output folder for this run (see `output`): lock it, clear half-written
+/// checkpoints, and move aside whatever belongs to a run this one does not continue.
+fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crate::output::RunLock> {
+    use crate::output::{previous_run_files, set_aside};
+    let file = loaded.file.display().to_string();
+    let lock = crate::output::RunLock::acquire(out_dir, &file)?;
+    crate::checkpoint::clean_temporaries(out_dir);
+    let resume = loaded.recipe.checkpoint.resume.as_str();
+    let say = |moved: Option<PathBuf>, why: &str| {
+        if let Some(d) = moved {
+            eprintln!("{why}: moved to {} (nothing was deleted)", d.display());
+        }
+    };
+    let rel = |p: &std::path::Path| p.strip_prefix(out_dir).map(std::path::Path::to_path_buf).unwrap_or_else(|_| p.to_path_buf());
+    match resume {
+        "never" => {
+            let moved = set_aside(out_dir, &previous_run_files(out_dir))?;
+            say(moved, "checkpoint.resume = \"never\" starts a new run; the previous run's files");
+        }
+        "auto" => {
+            let scan = crate::checkpoint::scan(out_dir);
+            match &scan.valid {
+                None if !scan.damaged.is_empty() => {
+                    let list: Vec<String> = scan.damaged.iter().map(|(d, why)| format!("{} ({why})", d.display())).collect();
+                    return Err(Error::Recipe {
+                        file,
+                        key: "checkpoint.resume".into(),
+                        msg: format!(
+                            "{} holds checkpoints but none is valid: {}. Nothing was changed. To start a new run there, set \
+                             checkpoint.resume = \"never\" (the old files are moved to {}/previous/); to try one anyway, \
+                             set checkpoint.resume to its folder; or set output.dir to another folder",
+                            out_dir.display(),
+                            list.join("; "),
+                            out_dir.display()
+                        ),
+                    });
+                }
+                None => {
+                    let moved = set_aside(out_dir, &previous_run_files(out_dir))?;
+                    say(moved, "no checkpoint to continue from; the previous run's files");
+                }
+                Some(_) => {
+                    let damaged: Vec<PathBuf> = scan.damaged.iter().map(|(d, _)| rel(d)).collect();
+                    for (d, why) in &scan.damaged {
+                        eprintln!("warning: checkpoint {} is damaged ({why})", d.display());
+                    }
+                    say(set_aside(out_dir, &damaged)?, "damaged checkpoints newer than the one resumed from");
+                }
+            }
+        }
+        path => {
+            let from = loaded.resolve(std::path::Path::new(path));
+            let ours = crate::checkpoint::list(out_dir).into_iter().find(|(_, d)| same_path(d, &from));
+            match ours {
+                // Continuing from an older checkpoint of this folder abandons the newer ones.
+                Some((step, _)) => {
+                    let mut newer: Vec<PathBuf> = crate::checkpoint::list(out_dir).into_iter().filter(|(s, _)| *s > step).map(|(_, d)| rel(&d)).collect();
+                    if !newer.is_empty() {
+                        newer.extend(["adapter", "merged"].iter().map(PathBuf::from));
+                        let moved = set_aside(out_dir, &newer)?;
+                        if let Some(d) = &moved {
+                            let m = out_dir.join("metrics.jsonl");
+                            if m.is_file() {
+                                std::fs::copy(&m, d.join("metrics.jsonl")).map_err(|e| Error::io(&m, e))?;
+                            }
+                        }
+                        say(moved, &format!("resuming from step {step}: the later checkpoints and a copy of metrics.jsonl"));
+                    }
+                }
+                None => {
+                    let moved = set_aside(out_dir, &previous_run_files(out_dir))?;
+                    say(moved, &format!("resuming from {}, which is not this folder's: the folder's previous run", from.display()));
+                }
+            }
+        }
+    }
+    Ok(lock)
+}
+
+fn same_path(a: &std::path::Path, b: &std::path::Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }
 
 /// Rank 0's `vals` on every rank (a collective; the identity with one rank). Used wherever

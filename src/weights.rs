@@ -124,37 +124,63 @@ impl ModelDir {
     /// The safetensors files: `model.safetensors`, or the shards listed in
     /// `model.safetensors.index.json` (in order of first appearance).
     pub fn weight_files(&self) -> Result<Vec<PathBuf>> {
-        let index = self.dir.join("model.safetensors.index.json");
-        if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| Error::Config { path: index.clone(), msg: format!("not valid JSON: {e}") })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Config {
-                path: index.clone(),
-                msg: "expected a `weight_map` object".into(),
-            })?;
-            let mut files: Vec<PathBuf> = Vec::new();
-            for f in map.values() {
-                let f = f.as_str().ok_or_else(|| Error::Config {
-                    path: index.clone(),
-                    msg: "weight_map values must be file names".into(),
-                })?;
-                let p = self.dir.join(f);
-                if !files.contains(&p) {
-                    files.push(p);
+        Ok(match self.index()? {
+            Some((_, map)) => {
+                let mut files: Vec<PathBuf> = Vec::new();
+                for f in map.values() {
+                    if !files.contains(f) {
+                        files.push(f.clone());
+                    }
                 }
+                files
             }
-            return Ok(files);
+            None => vec![self.single_file()?],
+        })
+    }
+
+    /// The weights, each tensor read from the file the index names for it.
+    pub fn open_weights(&self) -> Result<SafetensorsFiles> {
+        match self.index()? {
+            Some((index, map)) => SafetensorsFiles::open_indexed(&index, &map),
+            None => SafetensorsFiles::open(&[self.single_file()?]),
         }
+    }
+
+    fn single_file(&self) -> Result<PathBuf> {
         let single = self.dir.join("model.safetensors");
         if single.is_file() {
-            return Ok(vec![single]);
+            return Ok(single);
         }
         Err(Error::model(
             self.dir.display().to_string(),
             "no model.safetensors or model.safetensors.index.json (PyTorch .bin checkpoints are not read; \
              convert them to safetensors)",
         ))
+    }
+
+    /// `model.safetensors.index.json` when there is one: its path and the tensor -> shard map.
+    fn index(&self) -> Result<Option<(PathBuf, std::collections::BTreeMap<String, PathBuf>)>> {
+        let index = self.dir.join("model.safetensors.index.json");
+        if !index.is_file() {
+            return Ok(None);
+        }
+        let bad = |msg: String| Error::Config { path: index.clone(), msg };
+        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("expected a `weight_map` object".into()))?;
+        let mut out = std::collections::BTreeMap::new();
+        for (name, f) in map {
+            let f = f.as_str().ok_or_else(|| bad(format!("weight_map[\"{name}\"] must be a file name")))?;
+            // A shard is a file beside the index, never a path out of the model folder.
+            if f.is_empty() || f.contains('/') || f.contains('\\') || f == ".." {
+                return Err(bad(format!("weight_map[\"{name}\"] = \"{f}\" is not a file name in this folder")));
+            }
+            out.insert(name.clone(), self.dir.join(f));
+        }
+        if out.is_empty() {
+            return Err(bad("`weight_map` lists no tensors".into()));
+        }
+        Ok(Some((index, out)))
     }
 }
 
@@ -174,22 +200,77 @@ pub struct SafetensorsFiles {
 }
 
 impl SafetensorsFiles {
+    /// Open files that no index describes: a tensor stored in two of them is an error, since
+    /// nothing says which copy is meant.
     pub fn open(paths: &[PathBuf]) -> Result<Self> {
-        let mut files = Vec::new();
+        let files = Self::map_files(paths)?;
+        let mut routing: HashMap<String, usize> = HashMap::new();
+        for (i, (p, st)) in files.iter().enumerate() {
+            for (name, _) in st.tensors() {
+                if let Some(&j) = routing.get(&name) {
+                    return Err(Error::Safetensors {
+                        file: p.clone(),
+                        msg: format!("tensor `{name}` is also in {}, and no model.safetensors.index.json says which copy to use", files[j].0.display()),
+                    });
+                }
+                routing.insert(name, i);
+            }
+        }
+        Ok(SafetensorsFiles { files, routing })
+    }
+
+    /// Open the shards an index names, routing each tensor to the shard the index gives it
+    /// (a stale copy in another shard is never read). Tensors the index does not list are
+    /// ignored, unless one is stored in two shards: then nothing settles which copy is meant.
+    pub fn open_indexed(index: &Path, map: &std::collections::BTreeMap<String, PathBuf>) -> Result<Self> {
+        let mut paths: Vec<PathBuf> = Vec::new();
+        for f in map.values() {
+            if !paths.contains(f) {
+                paths.push(f.clone());
+            }
+        }
+        let files = Self::map_files(&paths)?;
         let mut routing = HashMap::new();
-        for (i, p) in paths.iter().enumerate() {
+        for (name, f) in map {
+            let i = paths.iter().position(|p| p == f).unwrap_or_default();
+            if files[i].1.get(name).is_err() {
+                return Err(Error::Safetensors {
+                    file: f.clone(),
+                    msg: format!("{} says tensor `{name}` is in this shard, but it is not", index.display()),
+                });
+            }
+            routing.insert(name.clone(), i);
+        }
+        let mut seen: HashMap<String, usize> = HashMap::new();
+        for (i, (p, st)) in files.iter().enumerate() {
+            for (name, _) in st.tensors() {
+                if routing.contains_key(&name) {
+                    continue;
+                }
+                if let Some(&j) = seen.get(&name) {
+                    return Err(Error::Safetensors {
+                        file: p.clone(),
+                        msg: format!("tensor `{name}` is also in {}, and {} does not list it", files[j].0.display(), index.display()),
+                    });
+                }
+                seen.insert(name, i);
+            }
+        }
+        Ok(SafetensorsFiles { files, routing })
+    }
+
+    fn map_files(paths: &[PathBuf]) -> Result<Vec<(PathBuf, candle_core::safetensors::MmapedSafetensors)>> {
+        let mut files = Vec::new();
+        for p in paths {
             if !p.is_file() {
                 return Err(Error::io(p, std::io::Error::new(std::io::ErrorKind::NotFound, "weight file not found")));
             }
             // SAFETY: the file is mapped read-only; we never write to it while mapped.
             let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(p) }
                 .map_err(|e| Error::Safetensors { file: p.clone(), msg: crate::error::candle_msg(&e) })?;
-            for (name, _) in st.tensors() {
-                routing.insert(name, i);
-            }
             files.push((p.clone(), st));
         }
-        Ok(SafetensorsFiles { files, routing })
+        Ok(files)
     }
 
     pub fn names(&self) -> impl Iterator<Item = &String> {
@@ -214,8 +295,22 @@ impl SafetensorsFiles {
         Ok(view.shape().to_vec())
     }
 
-    /// The stored tensor as a zero-copy view into the map.
+    /// The stored tensor as a zero-copy view into the map. Weights are floating point: an
+    /// integer or bool tensor where a weight is asked for is an error, never cast and trained on.
     pub fn view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
+        let view = self.raw_view(name)?;
+        use safetensors::Dtype as D;
+        if !matches!(view.dtype(), D::F32 | D::BF16 | D::F16 | D::F64) {
+            return Err(Error::Safetensors {
+                file: self.file_of(name).map(Path::to_path_buf).unwrap_or_default(),
+                msg: format!("tensor `{name}` is stored as {:?}; a weight must be f32, bf16 or f16", view.dtype()),
+            });
+        }
+        Ok(view)
+    }
+
+    /// The stored tensor whatever its dtype (for copying a checkpoint's tensors as they are).
+    pub fn raw_view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
         let &i = self.routing.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file_list() })?;
         self.files[i].1.get(name).map_err(|e| Error::Safetensors { file: self.files[i].0.clone(), msg: crate::error::candle_msg(&e) })
     }
@@ -235,7 +330,7 @@ impl SafetensorsFiles {
 
     /// Read one tensor (copied out of the map), checking its shape.
     pub fn load(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
-        let got = self.shape(name)?;
+        let got = self.view(name)?.shape().to_vec();
         let &i = self.routing.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file_list() })?;
         let file = &self.files[i].0;
         if got != shape {

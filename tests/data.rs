@@ -257,7 +257,9 @@ fn data_inspect_marks_trained_tokens_and_counts_overflow() {
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
     let p = d.path().join("pc.jsonl");
-    write_jsonl(&p, &[serde_json::json!({"prompt": "Say hi", "completion": "hi there"}).to_string(), serde_json::json!({"prompt": "x ".repeat(50), "completion": "y"}).to_string()]);
+    // The long row is long in its completion: one whose completion lies past max_seq_len has
+    // no target tokens, a bad record (see data_inspect_surfaces_records_with_no_target_tokens).
+    write_jsonl(&p, &[serde_json::json!({"prompt": "Say hi", "completion": "hi there"}).to_string(), serde_json::json!({"prompt": "y", "completion": "x ".repeat(50)}).to_string()]);
     std::fs::write(d.path().join("r.toml"), format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"pc.jsonl\"\nformat = \"prompt_completion\"\nmax_seq_len = 64\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
         .args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "1"])
@@ -316,4 +318,416 @@ fn a_tokenizer_larger_than_the_model_is_a_bad_record_not_a_crash() {
     let f = Formatter::new("text", None, &Default::default(), false, &m, 100).unwrap();
     let Err(BadRecord(msg)) = f.tokenize(Record::Text("Hello world".into()), 7).unwrap() else { panic!("must be rejected") };
     assert!(msg.contains("row 7") && msg.contains("outside the model's vocabulary"), "{msg}");
+}
+
+// ---------------------------------------------------------------- trust under misuse
+
+/// `n` words of a deterministic pseudo-random text (so BPE merges vary along it).
+fn words(n: usize, seed: u64) -> String {
+    const W: &[&str] = &["alpha", "beta", "gamma", "delta", "tokens", "cut", "here", "the", "of", "merge", "a", "récit", "naïve", "x", "1234", "—", "\n"];
+    let mut s = String::new();
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.push_str(W[(x % W.len() as u64) as usize]);
+        s.push(' ');
+    }
+    s
+}
+
+fn skip() -> LoaderOptions {
+    LoaderOptions { on_bad_record: "skip".into(), ..opts() }
+}
+
+fn texts_of(l: &mut Loader, n: usize) -> Vec<Vec<u32>> {
+    (0..n).map(|_| l.next_example().unwrap().input_ids).collect()
+}
+
+#[test]
+fn jsonl_with_a_bom_reads_like_without() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let lines = ["one two", "three"].map(|t| serde_json::json!({"text": t}).to_string());
+    let plain = d.path().join("plain.jsonl");
+    write_jsonl(&plain, &lines);
+    let bom = d.path().join("bom.jsonl");
+    std::fs::write(&bom, [b"\xEF\xBB\xBF".as_slice(), (lines.join("\n") + "\n").as_bytes()].concat()).unwrap();
+    let mut a = loader(&[plain], None, formatter(&m, "text", None, false), opts()).unwrap();
+    let mut b = loader(&[bom], None, formatter(&m, "text", None, false), opts()).unwrap();
+    assert_eq!(b.total_rows(), 2);
+    assert_eq!(texts_of(&mut b, 4), texts_of(&mut a, 4));
+    assert_eq!(b.stats.bad, 0);
+}
+
+#[test]
+fn a_broken_or_non_object_first_jsonl_line_is_one_bad_record_not_the_columns() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let good = serde_json::json!({"text": "hello"}).to_string();
+    for first in ["{\"text\": \"unterminated", "[1, 2, 3]", "\"just a string\""] {
+        let p = d.path().join("first.jsonl");
+        write_jsonl(&p, &[first.to_string(), good.clone(), good.clone()]);
+        // skip: the columns come from the valid records; the first line is counted and reported.
+        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), skip()).unwrap();
+        let ex = l.next_example().unwrap();
+        assert_eq!(l.formatter().decode(&ex.input_ids), "hello<|im_end|>");
+        assert_eq!(l.stats.bad, 1, "{first}");
+        let report = l.stats.report(4096).join(" ");
+        assert!(report.contains("line 1"), "{first}: {report}");
+        // error: the run stops at that line, naming the file and the line.
+        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), opts()).unwrap();
+        let e = l.next_example().err().unwrap().to_string();
+        assert!(e.contains("first.jsonl") && e.contains("line 1") && e.contains("on_bad_record"), "{first}: {e}");
+    }
+    // Blank lines do not shift the line numbers reported.
+    let p = d.path().join("gaps.jsonl");
+    write_jsonl(&p, &[good.clone(), String::new(), "  ".into(), "{oops".into()]);
+    let mut l = loader(&[p], None, formatter(&m, "text", None, false), opts()).unwrap();
+    l.next_example().unwrap();
+    let e = l.next_example().err().unwrap().to_string();
+    assert!(e.contains("row 1") && e.contains("line 4"), "{e}");
+}
+
+#[test]
+fn a_jsonl_file_with_no_valid_record_is_an_error_naming_a_bad_line() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("all-bad.jsonl");
+    write_jsonl(&p, &["{nope".to_string(), "[1]".to_string()]);
+    let e = loader(&[p], None, formatter(&m, "text", None, false), skip()).err().unwrap().to_string();
+    assert!(e.contains("all-bad.jsonl") && e.contains("line 1") && e.contains("no line"), "{e}");
+}
+
+#[test]
+fn a_jsonl_key_spelled_like_an_internal_marker_is_just_data() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("k.jsonl");
+    write_jsonl(&p, &[serde_json::json!({"text": "hi", "__bad_record__": "not an error"}).to_string()]);
+    let mut l = loader(&[p], None, formatter(&m, "text", None, false), opts()).unwrap();
+    let ex = l.next_example().unwrap();
+    assert_eq!(l.formatter().decode(&ex.input_ids), "hi<|im_end|>");
+}
+
+#[test]
+fn a_utf16_jsonl_file_is_an_error_saying_so() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("u16.jsonl");
+    let text: Vec<u8> = "{\"text\": \"hi\"}\n".encode_utf16().flat_map(|u| u.to_le_bytes()).collect();
+    std::fs::write(&p, [b"\xFF\xFE".as_slice(), &text].concat()).unwrap();
+    let e = loader(&[p], None, formatter(&m, "text", None, false), skip()).err().unwrap().to_string();
+    assert!(e.contains("u16.jsonl") && e.contains("UTF-16"), "{e}");
+}
+
+/// A prompt_completion dataset: row 0 fine, row 1 a prompt so long that the completion is cut
+/// away at max_seq_len = 64, row 2 fine.
+fn cut_response_data(dir: &Path) -> PathBuf {
+    let p = dir.join("cut.jsonl");
+    write_jsonl(
+        &p,
+        &[
+            serde_json::json!({"prompt": "Say hi", "completion": "hi"}).to_string(),
+            serde_json::json!({"prompt": "x ".repeat(200), "completion": "the answer"}).to_string(),
+            serde_json::json!({"prompt": "Say bye", "completion": "bye"}).to_string(),
+        ],
+    );
+    p
+}
+
+#[test]
+fn a_record_whose_response_is_cut_away_is_a_bad_record() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = cut_response_data(d.path());
+    let o = LoaderOptions { max_seq_len: 64, ..opts() };
+    let mut l = loader(&[p.clone()], None, formatter(&m, "prompt_completion", None, false), o.clone()).unwrap();
+    l.next_example().unwrap();
+    let e = l.next_example().err().unwrap().to_string();
+    assert!(e.contains("cut.jsonl") && e.contains("row 1") && e.contains("no target tokens"), "{e}");
+
+    let mut l = loader(&[p], None, formatter(&m, "prompt_completion", None, false), LoaderOptions { on_bad_record: "skip".into(), ..o }).unwrap();
+    for _ in 0..2 {
+        let ex = l.next_example().unwrap();
+        assert!(ex.labels.iter().skip(1).any(|&t| t != IGNORE));
+    }
+    assert_eq!(l.stats.bad, 1);
+    let report = l.stats.report(64).join(" ");
+    assert!(report.contains("row 1") && report.contains("no target tokens"), "{report}");
+}
+
+#[test]
+fn tokenized_records_with_every_label_ignored_and_empty_texts_are_bad_records() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("tok.jsonl");
+    write_jsonl(
+        &p,
+        &[
+            serde_json::json!({"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}).to_string(),
+            serde_json::json!({"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}).to_string(),
+            // Only the first token is labelled, and position 0 predicts nothing of it.
+            serde_json::json!({"input_ids": [1, 2], "labels": [1, -100]}).to_string(),
+        ],
+    );
+    let tok = || Formatter::new("tokenized", None, &Default::default(), false, &m, 49152).unwrap();
+    let mut l = loader(&[p.clone()], None, tok(), skip()).unwrap();
+    let a = l.next_example().unwrap();
+    assert_eq!(l.next_example().unwrap(), a, "rows 1 and 2 skipped");
+    assert_eq!(l.stats.bad, 2);
+    let mut l = loader(&[p], None, tok(), opts()).unwrap();
+    l.next_example().unwrap();
+    let e = l.next_example().err().unwrap().to_string();
+    assert!(e.contains("tok.jsonl") && e.contains("row 1") && e.contains("no target tokens"), "{e}");
+    // An empty text is only an end-of-text token: nothing to predict it from.
+    let t = d.path().join("empty-text.jsonl");
+    write_jsonl(&t, &[r#"{"text": ""}"#.to_string(), r#"{"text": "ok"}"#.to_string()]);
+    let mut l = loader(&[t], None, formatter(&m, "text", None, false), skip()).unwrap();
+    l.next_example().unwrap();
+    assert_eq!(l.stats.bad, 1);
+}
+
+#[test]
+fn scanning_lengths_reports_records_with_no_target_tokens_or_stops_on_them() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = cut_response_data(d.path());
+    let o = LoaderOptions { max_seq_len: 64, ..opts() };
+    let mut l = loader(&[p.clone()], None, formatter(&m, "prompt_completion", None, false), LoaderOptions { on_bad_record: "skip".into(), ..o.clone() }).unwrap();
+    let (lengths, bad, examples) = l.scan_lengths(u64::MAX).unwrap();
+    assert_eq!((lengths.len(), bad), (2, 1));
+    assert!(examples[0].contains("row 1") && examples[0].contains("no target tokens"), "{examples:?}");
+    let mut l = loader(&[p], None, formatter(&m, "prompt_completion", None, false), o).unwrap();
+    let e = l.scan_lengths(u64::MAX).err().unwrap().to_string();
+    assert!(e.contains("cut.jsonl") && e.contains("row 1") && e.contains("no target tokens"), "{e}");
+}
+
+#[test]
+fn data_inspect_surfaces_records_with_no_target_tokens() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    cut_response_data(d.path());
+    let recipe = |policy: &str| {
+        let r = d.path().join(format!("{policy}.toml"));
+        std::fs::write(&r, format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"cut.jsonl\"\nformat = \"prompt_completion\"\nmax_seq_len = 64\non_bad_record = \"{policy}\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
+        std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe", &r.display().to_string(), "--n", "1"]).output().unwrap()
+    };
+    let out = recipe("skip");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("1 bad record") && text.contains("no target tokens"), "{text}");
+    let out = recipe("error");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(err.contains("cut.jsonl") && err.contains("row 1") && err.contains("no target tokens"), "{err}");
+}
+
+/// The loader's first example of `p` beside the unbounded tokenization of the same record
+/// truncated to `max`.
+fn bounded_and_full(m: &Path, p: &Path, format: &str, template: Option<&str>, max: usize) -> (finetune::data::Example, finetune::data::Example) {
+    let mut l = loader(&[p.to_path_buf()], None, formatter(m, format, template, false), LoaderOptions { max_seq_len: max, ..opts() }).unwrap();
+    let got = l.next_example().unwrap();
+    assert_eq!(l.stats.truncated, 1, "{format}");
+    let f = formatter(m, format, template, false);
+    let mut rows = finetune::data::source::Rows::open(p).unwrap();
+    let (r, _) = rows.next_row().unwrap();
+    let mut want = f.tokenize(f.read(&r).unwrap().ok().unwrap(), 0).unwrap().ok().unwrap();
+    assert!(want.input_ids.len() > max);
+    want.input_ids.truncate(max);
+    want.labels.truncate(max);
+    want.positions.truncate(max);
+    want.segments.truncate(max);
+    (got, want)
+}
+
+#[test]
+fn a_field_cut_before_tokenizing_keeps_the_tokens_the_whole_field_gives() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let big = words(60_000, 1); // ~400 KB: cut at max_seq_len = 300, cheap to tokenize whole
+    let cases = [
+        ("text", None, serde_json::json!({"text": big})),
+        ("prompt_completion", Some("raw"), serde_json::json!({"prompt": "Q: ", "completion": big})),
+        ("prompt_completion", None, serde_json::json!({"prompt": words(20, 2), "completion": big})),
+        ("alpaca", None, serde_json::json!({"instruction": words(10, 3), "input": "", "output": big})),
+        // Tokens of 80 bytes (newline and indentation): the first prefix is too short for the
+        // limit and has to grow.
+        ("text", None, serde_json::json!({"text": format!("x\n{}", " ".repeat(80)).repeat(5000)})),
+    ];
+    for (i, (format, template, rec)) in cases.into_iter().enumerate() {
+        let p = d.path().join(format!("c{i}.jsonl"));
+        write_jsonl(&p, &[rec.to_string()]);
+        let (got, want) = bounded_and_full(&m, &p, format, template, 300);
+        assert_eq!(got, want, "{format} {template:?}");
+    }
+    // Many turns: only the ones before the bound are rendered, with the same result.
+    let mut msgs = Vec::new();
+    for t in 0..400 {
+        msgs.push(serde_json::json!({"role": "user", "content": words(30, 10 + t)}));
+        msgs.push(serde_json::json!({"role": "assistant", "content": words(40, 1000 + t)}));
+    }
+    let p = d.path().join("turns.jsonl");
+    write_jsonl(&p, &[serde_json::json!({"messages": msgs}).to_string()]);
+    let (got, want) = bounded_and_full(&m, &p, "messages", None, 300);
+    assert_eq!(got, want, "messages");
+    // A cut field means the record is over max_seq_len: overflow = "drop" drops it.
+    let p = d.path().join("drop.jsonl");
+    write_jsonl(&p, &[serde_json::json!({"text": big}).to_string(), serde_json::json!({"text": "short"}).to_string()]);
+    let mut l = loader(&[p], None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 300, overflow: "drop".into(), ..opts() }).unwrap();
+    assert!(l.next_example().unwrap().input_ids.len() < 10);
+    assert_eq!(l.stats.dropped, 1);
+}
+
+#[test]
+fn a_20_mb_field_streams_in_bounded_memory_and_keeps_its_first_tokens() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let mut big = String::new();
+    let mut seed = 0;
+    while big.len() < 20 << 20 {
+        big.push_str(&words(10_000, seed));
+        seed += 1;
+    }
+    let short: String = big.chars().take(4000).collect();
+    let p = d.path().join("big.jsonl");
+    write_jsonl(&p, &[serde_json::json!({"text": big}).to_string(), serde_json::json!({"text": short}).to_string()]);
+    drop(big);
+    let recipe = d.path().join("r.toml");
+    std::fs::write(&recipe, format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"big.jsonl\"\nformat = \"text\"\nmax_seq_len = 256\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .args(["data", "stream", "--recipe", &recipe.display().to_string(), "--rows", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let peak = report["peak_rss_mb"].as_f64().unwrap();
+    // The process starts at ~35 MB and the record itself is 20 MB (held twice or three times
+    // while parsed and read); tokenizing the whole field took 2.5 GB.
+    assert!(peak < 250.0, "peak {peak} MB");
+    let mut l = loader(&[p], None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 256, ..opts() }).unwrap();
+    let (a, b) = (l.next_example().unwrap(), l.next_example().unwrap());
+    assert_eq!(a.input_ids.len(), 256);
+    assert_eq!(a, b, "the first 256 tokens of the 20 MB record are those of its 4000-char prefix");
+    assert_eq!(l.stats.truncated, 2);
+}
+
+#[test]
+fn rows_require_columns_names_the_missing_ones_and_the_file() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("texts.jsonl");
+    write_jsonl(&p, &["{broken".to_string(), serde_json::json!({"text": "a", "instruction": "b"}).to_string()]);
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let e = rows.require_columns(&["instruction", "output"]).err().unwrap().to_string();
+    assert!(e.contains("texts.jsonl") && e.contains("`output`") && !e.contains("`instruction`,") && e.contains("columns are: instruction, text"), "{e}");
+    rows.require_columns(&["text"]).unwrap();
+    rows.require_columns(&[]).unwrap();
+    // A bad line read as a string is an error naming its line, not an empty cell.
+    let (r, _) = rows.next_row().unwrap();
+    let e = r.string("instruction").err().unwrap().to_string();
+    assert!(e.contains("texts.jsonl") && e.contains("line 1"), "{e}");
+    // A cell that must be there, absent in this row.
+    let (r, _) = rows.next_row().unwrap();
+    assert_eq!(r.required_string("instruction").unwrap(), "b");
+    let e = r.required_string("output").err().unwrap().to_string();
+    assert!(e.contains("texts.jsonl") && e.contains("row 1 (line 2)") && e.contains("`output`") && e.contains("missing"), "{e}");
+}
+
+#[test]
+fn null_token_ids_in_an_arrow_list_are_a_bad_record_not_token_zero() {
+    use arrow_array::builder::Int32Builder;
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let mut lb = ListBuilder::new(Int32Builder::new());
+    lb.values().append_value(5);
+    lb.values().append_null();
+    lb.values().append_value(7);
+    lb.append(true);
+    let col: ArrayRef = Arc::new(lb.finish());
+    let batch = RecordBatch::try_from_iter(vec![("input_ids", col)]).unwrap();
+    let p = d.path().join("nulls.arrow");
+    finetune::synth::write_arrow_stream(&p, &[batch]).unwrap();
+    let fmt = Formatter::new("tokenized", None, &Default::default(), false, &m, 49152).unwrap();
+    let mut l = loader(&[p], None, fmt, opts()).unwrap();
+    let e = l.next_example().err().unwrap().to_string();
+    assert!(e.contains("nulls.arrow") && e.contains("row 0") && e.contains("null"), "{e}");
+}
+
+#[test]
+fn evaluation_passes_apply_the_bad_record_policy() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("ev.jsonl");
+    write_jsonl(&p, &[r#"{"text": "one"}"#.to_string(), r#"{"text": 5}"#.to_string(), r#"{"text": "two"}"#.to_string()]);
+    let o = LoaderOptions { role: Role::Eval, ..opts() };
+    let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), o.clone()).unwrap();
+    let e = l.one_pass().err().unwrap().to_string();
+    assert!(e.contains("ev.jsonl") && e.contains("row 1"), "{e}");
+    let mut l = loader(&[p], None, formatter(&m, "text", None, false), LoaderOptions { on_bad_record: "skip".into(), ..o }).unwrap();
+    assert_eq!(l.one_pass().unwrap().len(), 2);
+    assert_eq!(l.stats.bad, 1);
+}
+
+#[test]
+fn truncation_and_padding_saved_in_tokenizer_json_do_not_cut_or_pad_records() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let plain = formatter(&m, "text", None, false).tokenize(Record::Text(words(40, 5)), 0).unwrap().ok().unwrap();
+    let mut tj: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(m.join("tokenizer.json")).unwrap()).unwrap();
+    tj["truncation"] = serde_json::json!({"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0});
+    tj["padding"] = serde_json::json!({"strategy": {"Fixed": 200}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"});
+    std::fs::write(m.join("tokenizer.json"), tj.to_string()).unwrap();
+    let got = formatter(&m, "text", None, false).tokenize(Record::Text(words(40, 5)), 0).unwrap().ok().unwrap();
+    assert_eq!(got, plain);
+}
+
+#[test]
+fn named_chat_templates_without_a_default_are_an_error_listing_the_names() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(m.join("tokenizer_config.json")).unwrap()).unwrap();
+    cfg["chat_template"] = serde_json::json!([{"name": "tool_use", "template": "{{ messages[0]['content'] }}"}, {"name": "rag", "template": "x"}]);
+    std::fs::write(m.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let e = Formatter::new("messages", None, &Default::default(), false, &m, 49152).err().unwrap().to_string();
+    assert!(e.contains("tokenizer_config.json") && e.contains("tool_use") && e.contains("rag") && e.contains("default"), "{e}");
+}
+
+#[test]
+fn a_dataset_dict_json_that_is_not_json_is_an_error_saying_so() {
+    let d = tempfile::tempdir().unwrap();
+    let dd = d.path().join("dict");
+    std::fs::create_dir_all(dd.join("train")).unwrap();
+    std::fs::write(dd.join("dataset_dict.json"), "{\"splits\": [\"train\"").unwrap();
+    let e = finetune::data::source::shard_files(&dd, Some("train")).err().unwrap().to_string();
+    assert!(e.contains("dataset_dict.json") && e.contains("not valid JSON"), "{e}");
+}
+
+#[test]
+fn a_damaged_arrow_batch_is_an_error_naming_the_file_not_a_panic() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let col: ArrayRef = Arc::new(StringArray::from(vec!["one", "two"]));
+    let p = d.path().join("damaged.arrow");
+    finetune::synth::write_arrow_stream(&p, &[RecordBatch::try_from_iter(vec![("text", col)]).unwrap()]).unwrap();
+    // Walk the stream's messages to the record batch and point its last buffer far past the
+    // end of the message body.
+    let mut bytes = std::fs::read(&p).unwrap();
+    let mut pos = 0;
+    let patch_at = loop {
+        let u32_at = |b: &[u8], i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap()) as usize;
+        let (len, header) = if u32_at(&bytes, pos) == 0xFFFF_FFFF { (u32_at(&bytes, pos + 4), 8) } else { (u32_at(&bytes, pos), 4) };
+        let meta = &bytes[pos + header..pos + header + len];
+        let msg = arrow_ipc::root_as_message(meta).unwrap();
+        if let Some(rb) = msg.header_as_record_batch() {
+            let bufs = rb.buffers().unwrap();
+            let last = bufs.bytes().as_ptr() as usize + (bufs.len() - 1) * 16 - bytes.as_ptr() as usize;
+            break last + 8; // the length field of the last {offset, length} pair
+        }
+        pos += header + len + msg.bodyLength() as usize;
+    };
+    bytes[patch_at..patch_at + 8].copy_from_slice(&(1i64 << 40).to_le_bytes());
+    std::fs::write(&p, bytes).unwrap();
+    let e = loader(&[p], None, formatter(&m, "text", None, false), skip()).err().unwrap().to_string();
+    assert!(e.contains("damaged.arrow") && e.contains("outside"), "{e}");
 }

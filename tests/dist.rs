@@ -60,7 +60,11 @@ fn run_opts(root: &Path, name: &str, extra: &[&str], opts: &finetune::train::Run
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("recipe.toml"), RECIPE).unwrap();
     let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-    finetune::train::run_with(&LoadedRecipe::load(&dir.join("recipe.toml"), &o)?, opts)
+    // Released on return, as `train::run` does: the next call may train in the same folder.
+    finetune::train::run_with(&LoadedRecipe::load(&dir.join("recipe.toml"), &o)?, opts).map(|mut s| {
+        s.lock = None;
+        s
+    })
 }
 
 /// Training losses and evaluation losses (at the steps that evaluate), in step order.

@@ -5,109 +5,14 @@ mod common;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
+use common::gguf::*;
 use common::*;
 use finetune::generate::Generator;
 use finetune::gguf::{import, permute};
 use finetune::model::llama::KvCache;
 use finetune::synth::{write_model, TinyShape};
 use finetune::weights::ModelDir;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-
-/// GPT-2's byte -> printable-char table (byte-level BPE symbols).
-fn byte_chars() -> Vec<char> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    let mut table = vec![' '; 256];
-    for (b, c) in bs.iter().zip(cs) {
-        table[*b as usize] = char::from_u32(c).unwrap();
-    }
-    table
-}
-
-/// A byte-level vocabulary of `vocab` tokens: 256 bytes, a few merges, two special tokens.
-fn tokenizer_metadata(vocab: usize) -> Vec<(String, Value)> {
-    let mut tokens: Vec<String> = byte_chars().iter().map(|c| c.to_string()).collect();
-    let merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or"];
-    for m in merges {
-        tokens.push(m.replace(' ', ""));
-    }
-    let mut types = vec![1i32; tokens.len()];
-    for s in ["<|im_start|>", "<|im_end|>"] {
-        tokens.push(s.into());
-        types.push(3);
-    }
-    while tokens.len() < vocab {
-        tokens.push(format!("[unused{}]", tokens.len()));
-        types.push(1);
-    }
-    let strs = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
-    vec![
-        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.tokens".into(), strs(tokens)),
-        ("tokenizer.ggml.merges".into(), strs(merges.iter().map(|s| s.to_string()).collect())),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
-        ("tokenizer.ggml.bos_token_id".into(), Value::U32(263)),
-        ("tokenizer.ggml.eos_token_id".into(), Value::U32(264)),
-        ("tokenizer.chat_template".into(), Value::String("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}".into())),
-    ]
-}
-
-/// Write `model` (an HF folder) as a llama.cpp-style GGUF with matrices in `dtype`.
-fn write_gguf(model: &Path, shape: &TinyShape, dtype: GgmlDType, out: &Path) {
-    let hf = load_tensors(&model.join("model.safetensors"));
-    let reverse: HashMap<String, String> = (0..shape.layers)
-        .flat_map(|l| {
-            [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-             ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"), ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")]
-                .into_iter()
-                .map(move |(g, h)| (format!("model.layers.{l}.{h}.weight"), format!("blk.{l}.{g}.weight")))
-        })
-        .chain([("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.weight", "output_norm.weight"), ("lm_head.weight", "output.weight")].map(|(a, b)| (a.to_string(), b.to_string())))
-        .collect();
-    let mut qs: Vec<(String, QTensor)> = Vec::new();
-    for (name, t) in &hf {
-        let g = reverse[name].clone();
-        let mut t = t.clone();
-        if g.ends_with("attn_q.weight") {
-            t = permute(&t, shape.heads).unwrap();
-        } else if g.ends_with("attn_k.weight") {
-            t = permute(&t, shape.kv_heads).unwrap();
-        }
-        let d = if t.rank() == 1 { GgmlDType::F32 } else { dtype };
-        qs.push((g, QTensor::quantize(&t, d).unwrap()));
-    }
-    let head_dim = shape.hidden / shape.heads;
-    let mut md: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("llama".into())),
-        ("llama.attention.head_count".into(), Value::U32(shape.heads as u32)),
-        ("llama.attention.head_count_kv".into(), Value::U32(shape.kv_heads as u32)),
-        ("llama.block_count".into(), Value::U32(shape.layers as u32)),
-        ("llama.embedding_length".into(), Value::U32(shape.hidden as u32)),
-        ("llama.feed_forward_length".into(), Value::U32(shape.inter as u32)),
-        ("llama.rope.dimension_count".into(), Value::U32(head_dim as u32)),
-        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-6)),
-        ("llama.rope.freq_base".into(), Value::F32(10000.0)),
-        ("llama.context_length".into(), Value::U32(256)),
-    ];
-    md.extend(tokenizer_metadata(shape.vocab));
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut f = std::fs::File::create(out).unwrap();
-    gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
-}
-
-fn shape() -> TinyShape {
-    TinyShape { vocab: 288, init_std: 0.2, ..Default::default() }
-}
 
 fn setup(dtype: GgmlDType, tie: bool) -> (tempfile::TempDir, PathBuf, PathBuf) {
     let d = tempfile::tempdir().unwrap();
@@ -302,4 +207,373 @@ fn smollm2_import_matches_transformers_tokenizer_and_quantized_predictions() {
                  g.decode(&a).unwrap(), g.decode(&b).unwrap(), g.decode(&direct).unwrap());
         assert_eq!(a, b, "greedy tokens differ for {p:?}");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad input: every broken file is an `Error::Gguf` naming the file and the key at fault,
+// never a panic, and leaves no output folder behind.
+
+/// The parts of a valid tiny GGUF (F32), to break one thing in.
+fn good_parts() -> (tempfile::TempDir, Vec<(String, Value)>, Vec<(String, QTensor)>) {
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("hf"), &shape(), 11, 1).unwrap();
+    let (md, qs) = gguf_parts(&d.path().join("hf"), &shape(), GgmlDType::F32);
+    (d, md, qs)
+}
+
+fn set(md: &mut Vec<(String, Value)>, key: &str, v: Value) {
+    md.retain(|(k, _)| k != key);
+    md.push((key.to_string(), v));
+}
+
+fn unset(md: &mut Vec<(String, Value)>, key: &str) {
+    let n = md.len();
+    md.retain(|(k, _)| k != key);
+    assert_eq!(md.len(), n - 1, "{key} was not in the metadata");
+}
+
+/// Import `gguf` expecting an error; checks that it did not panic and that neither the
+/// output folder nor a staging folder beside it was left behind.
+fn import_error(gguf: &Path) -> finetune::Error {
+    let dir = gguf.parent().unwrap();
+    let out = dir.join("imported");
+    let got = std::panic::catch_unwind(|| import(gguf, &out, DType::F32, 5_000_000_000));
+    let err = match got {
+        Ok(Ok(_)) => panic!("{}: import succeeded on a broken file", gguf.display()),
+        Ok(Err(e)) => e,
+        Err(_) => panic!("{}: import panicked", gguf.display()),
+    };
+    assert!(!out.exists(), "{}: a failed import left {}", gguf.display(), out.display());
+    let stray: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name()).filter(|n| n.to_string_lossy().contains("imported")).collect();
+    assert!(stray.is_empty(), "a failed import left {stray:?}");
+    err
+}
+
+/// The error is `Error::Gguf` for `gguf` and `key`, and its text names both.
+fn assert_names(err: &finetune::Error, gguf: &Path, key: &str) {
+    let text = err.to_string();
+    match err {
+        finetune::Error::Gguf { file, key: k, .. } => {
+            assert_eq!((file.as_path(), k.as_str()), (gguf, key), "{text}");
+        }
+        other => panic!("expected a GGUF error naming `{key}`, got {other:?}"),
+    }
+    assert!(text.contains(key) && text.contains(&gguf.display().to_string()), "{text}");
+}
+
+/// Write the parts after `broken` changed them, import, and check the error names `key`.
+fn rejects(what: &str, key: &str, broken: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>)) -> String {
+    let (d, mut md, mut qs) = good_parts();
+    broken(&mut md, &mut qs);
+    let g = d.path().join("broken.gguf");
+    write_parts(&md, &qs, &g);
+    let err = import_error(&g);
+    assert_names(&err, &g, key);
+    println!("{what}: {err}");
+    err.to_string()
+}
+
+#[test]
+fn zero_or_non_dividing_head_counts_are_errors_naming_the_key_not_panics() {
+    let head_count = "llama.attention.head_count";
+    let kv = "llama.attention.head_count_kv";
+    let e = rejects("head_count 0", head_count, |md, _| set(md, head_count, Value::U32(0)));
+    assert!(e.contains("is 0"), "{e}");
+    rejects("head_count_kv 0", kv, |md, _| set(md, kv, Value::U32(0)));
+    // 4 query heads cannot be shared out among 3 key/value heads.
+    let e = rejects("head_count_kv 3 of 4", kv, |md, _| set(md, kv, Value::U32(3)));
+    assert!(e.contains("does not divide"), "{e}");
+    // Counts that agree with each other but not with the tensors are caught by the shapes.
+    let e = rejects("head_count 8", "blk.0.attn_output.weight", |md, _| set(md, head_count, Value::U32(8)));
+    assert!(e.contains(head_count), "the shape error names the metadata behind it: {e}");
+}
+
+#[test]
+fn an_odd_or_partial_rope_dimension_is_an_error_naming_the_key() {
+    let rope = "llama.rope.dimension_count";
+    let e = rejects("rope 15", rope, |md, _| set(md, rope, Value::U32(15)));
+    assert!(e.contains("odd"), "{e}");
+    // Heads of 16 (key_length) of which RoPE would rotate 8: partial rotary is not llama.
+    let e = rejects("rope 8 of 16", rope, |md, _| {
+        set(md, rope, Value::U32(8));
+        set(md, "llama.attention.key_length", Value::U32(16));
+    });
+    assert!(e.contains("16 dimensions"), "{e}");
+}
+
+#[test]
+fn a_block_count_that_disagrees_with_the_blocks_present_is_an_error_naming_the_key() {
+    let key = "llama.block_count";
+    let e = rejects("block_count 3 with 2 blocks", key, |md, _| set(md, key, Value::U32(3)));
+    assert!(e.contains("blk.2"), "{e}");
+    let e = rejects("block_count 1 with 2 blocks", key, |md, _| set(md, key, Value::U32(1)));
+    assert!(e.contains("block 1"), "{e}");
+    // One tensor of a block missing: named itself.
+    rejects("a block without ffn_up", "blk.1.ffn_up.weight", |_, qs| qs.retain(|(n, _)| n != "blk.1.ffn_up.weight"));
+}
+
+#[test]
+fn missing_required_keys_are_errors_naming_the_key() {
+    for key in [
+        "general.architecture",
+        "llama.attention.head_count",
+        "llama.embedding_length",
+        "llama.block_count",
+        "llama.feed_forward_length",
+        "llama.attention.layer_norm_rms_epsilon",
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+    ] {
+        let e = rejects("missing", key, |md, _| unset(md, key));
+        assert!(e.contains("missing"), "{e}");
+    }
+}
+
+#[test]
+fn values_of_the_wrong_gguf_type_or_range_are_errors_naming_the_key() {
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("llama.attention.head_count", Value::String("4".into()), "type string"),
+        ("llama.attention.head_count", Value::F32(4.0), "type float32"),
+        ("llama.attention.head_count", Value::Array(vec![Value::U32(4), Value::U32(4)]), "array of uint32"),
+        ("llama.attention.head_count", Value::I32(-4), "-4"),
+        ("llama.attention.head_count", Value::U64(1 << 40), "uint32"),
+        ("llama.attention.layer_norm_rms_epsilon", Value::U32(1), "type uint32"),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(f32::NAN), "NaN"),
+        ("llama.rope.freq_base", Value::String("10000".into()), "type string"),
+        ("llama.rope.freq_base", Value::F32(-1.0), "positive"),
+        ("llama.context_length", Value::F32(256.0), "type float32"),
+        ("general.architecture", Value::String("gpt2".into()), "`gpt2`"),
+        ("general.architecture", Value::U32(1), "type uint32"),
+        ("tokenizer.ggml.model", Value::String("llama".into()), "`llama`"),
+        ("tokenizer.ggml.tokens", Value::Array(vec![Value::U32(1)]), "strings"),
+        ("tokenizer.ggml.token_type", Value::Array(vec![Value::String("3".into())]), "integers"),
+        ("tokenizer.ggml.bos_token_id", Value::U32(100_000), "not a token id"),
+        ("tokenizer.ggml.bos_token_id", Value::String("<s>".into()), "type string"),
+        ("tokenizer.ggml.add_bos_token", Value::U8(1), "bool"),
+        ("tokenizer.chat_template", Value::Bool(true), "type bool"),
+        ("general.alignment", Value::U32(0), "power of two"),
+        ("general.alignment", Value::U32(24), "power of two"),
+    ];
+    for (key, v, says) in cases {
+        let what = format!("{key} = {v:?}");
+        let e = rejects(&what, key, |md, _| set(md, key, v));
+        assert!(e.contains(says), "{what}: expected the message to say {says:?}: {e}");
+    }
+}
+
+#[test]
+fn an_embedding_length_that_does_not_match_the_tensors_is_an_error_naming_the_key() {
+    let key = "llama.embedding_length";
+    // 128 divides by the head count, so only the tensors can tell it is wrong.
+    let e = rejects("embedding_length 128 for 64-wide tensors", key, |md, _| set(md, key, Value::U32(128)));
+    assert!(e.contains("[288, 64]"), "{e}");
+    let e = rejects("vocab_size 300 for 288 rows", "llama.vocab_size", |md, _| set(md, "llama.vocab_size", Value::U32(300)));
+    assert!(e.contains("288"), "{e}");
+    rejects("feed_forward_length 100", "blk.0.ffn_down.weight", |md, _| set(md, "llama.feed_forward_length", Value::U32(100)));
+}
+
+#[test]
+fn tensors_a_llama_folder_cannot_hold_are_errors_naming_the_tensor() {
+    let (_, _, qs) = good_parts();
+    let bias = QTensor::quantize(&Tensor::zeros(64, DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+    let embd_1d = QTensor::quantize(&Tensor::zeros(64, DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+    rejects("a q bias", "blk.0.attn_q.bias", |_, qs| qs.push(("blk.0.attn_q.bias".into(), bias)));
+    rejects("a 1-d token embedding", "token_embd.weight", |_, qs| {
+        qs.retain(|(n, _)| n != "token_embd.weight");
+        qs.push(("token_embd.weight".into(), embd_1d));
+    });
+    rejects("no token embedding", "token_embd.weight", |_, qs| qs.retain(|(n, _)| n != "token_embd.weight"));
+    rejects("an unknown tensor", "rope_freqs.weight", |_, qs| {
+        let t = QTensor::quantize(&Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+        qs.push(("rope_freqs.weight".into(), t));
+    });
+    // `blk.01` would alias `blk.1`.
+    rejects("a block written blk.01", "blk.01.ffn_up.weight", |_, qs| {
+        let t = qs.iter().position(|(n, _)| n == "blk.1.ffn_up.weight").unwrap();
+        qs[t].0 = "blk.01.ffn_up.weight".into();
+    });
+    drop(qs);
+}
+
+/// `finetune import` on head_count = 0: exits non-zero, names the file and the key, prints
+/// the import hint (not the dataset one), does not panic, and writes no output folder.
+#[test]
+fn cli_import_of_a_zero_head_count_fails_naming_the_key_and_writes_nothing() {
+    let (d, mut md, qs) = good_parts();
+    set(&mut md, "llama.attention.head_count", Value::U32(0));
+    let g = d.path().join("zero-heads.gguf");
+    write_parts(&md, &qs, &g);
+    let out = d.path().join("out");
+    let r = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .args(["import", "--gguf"])
+        .arg(&g)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    println!("{stderr}");
+    assert!(!r.status.success(), "exit {:?}: {stderr}", r.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("llama.attention.head_count") && stderr.contains("zero-heads.gguf"), "{stderr}");
+    assert!(stderr.contains("hint: the GGUF file must be a llama-architecture model"), "{stderr}");
+    assert!(!stderr.contains("data.train"), "the dataset hint is not for import: {stderr}");
+    assert!(!out.exists(), "a failed import left {}", out.display());
+}
+
+#[test]
+fn import_fills_an_empty_out_folder_and_refuses_a_non_empty_one_untouched() {
+    let (d, md, qs) = good_parts();
+    let g = d.path().join("model.gguf");
+    write_parts(&md, &qs, &g);
+    let out = d.path().join("empty");
+    std::fs::create_dir(&out).unwrap();
+    import(&g, &out, DType::F32, 5_000_000_000).unwrap();
+    assert!(out.join("config.json").is_file() && out.join("model.safetensors").is_file());
+    let full = d.path().join("full");
+    std::fs::create_dir(&full).unwrap();
+    std::fs::write(full.join("keep.txt"), "mine").unwrap();
+    let Err(err) = import(&g, &full, DType::F32, 5_000_000_000) else { panic!("imported into a non-empty folder") };
+    let err = err.to_string();
+    assert!(err.contains("not an empty folder"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&full).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(left, ["keep.txt"]);
+    assert_eq!(std::fs::read_to_string(full.join("keep.txt")).unwrap(), "mine");
+}
+
+// Hostile headers, written byte by byte: sizes that would allocate or overflow.
+
+/// A GGUF v3 header: counts, then `body` (metadata entries and tensor records).
+fn raw(tensors: u64, kvs: u64, body: &[u8]) -> Vec<u8> {
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(tensors.to_le_bytes());
+    b.extend(kvs.to_le_bytes());
+    b.extend(body);
+    b
+}
+
+fn gstr(s: &str) -> Vec<u8> {
+    let mut b = (s.len() as u64).to_le_bytes().to_vec();
+    b.extend(s.as_bytes());
+    b
+}
+
+/// One metadata entry: key, type, value bytes.
+fn kv(key: &str, ty: u32, value: &[u8]) -> Vec<u8> {
+    [gstr(key), ty.to_le_bytes().to_vec(), value.to_vec()].concat()
+}
+
+/// One tensor record: name, dimensions (innermost first), type, offset.
+fn tensor_record(name: &str, dims: &[u64], ty: u32, offset: u64) -> Vec<u8> {
+    let mut b = gstr(name);
+    b.extend((dims.len() as u32).to_le_bytes());
+    for d in dims {
+        b.extend(d.to_le_bytes());
+    }
+    b.extend(ty.to_le_bytes());
+    b.extend(offset.to_le_bytes());
+    b
+}
+
+#[test]
+fn hostile_header_sizes_are_errors_without_huge_allocations_overflow_or_panics() {
+    let d = tempfile::tempdir().unwrap();
+    let arch = kv("general.architecture", 8, &gstr("llama"));
+    let array = |elem: u32, len: u64| [elem.to_le_bytes().to_vec(), len.to_le_bytes().to_vec()].concat();
+    let mut nested = Vec::new();
+    for _ in 0..100 {
+        nested.extend(array(9, 1)); // an array holding one array, 100 deep
+    }
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("a key length of 2^64 - 1", raw(0, 1, &[u64::MAX.to_le_bytes().as_slice(), &[0; 64]].concat()), "metadata entry 0"),
+        ("a string value of 2^62 bytes", raw(0, 1, &[gstr("general.architecture"), 8u32.to_le_bytes().to_vec(), (1u64 << 62).to_le_bytes().to_vec()].concat()), "general.architecture"),
+        ("a kept array of 2^63 strings", raw(0, 1, &kv("tokenizer.ggml.tokens", 9, &array(8, 1 << 63))), "tokenizer.ggml.tokens"),
+        ("a skipped array of 2^40 bytes", raw(0, 1, &kv("general.blob", 9, &array(0, 1 << 40))), "general.blob"),
+        ("arrays nested 100 deep", raw(0, 1, &kv("llama.nested", 9, &nested)), "llama.nested"),
+        ("an unknown value type", raw(0, 1, &kv("llama.x", 77, &[0; 8])), "llama.x"),
+        ("2^64 - 1 tensors", raw(u64::MAX, 1, &arch), "tensor_count"),
+        ("2^60 metadata entries", raw(0, 1 << 60, &arch), "metadata_kv_count"),
+        ("a tensor of 1000 dimensions", raw(1, 1, &[arch.clone(), gstr("token_embd.weight"), 1000u32.to_le_bytes().to_vec()].concat()), "token_embd.weight"),
+        ("dimensions whose product overflows", raw(1, 1, &[arch.clone(), tensor_record("token_embd.weight", &[1 << 40, 1 << 40], 0, 0)].concat()), "token_embd.weight"),
+        ("data far past the end of the file", raw(1, 1, &[arch.clone(), tensor_record("token_embd.weight", &[64, 4], 0, u64::MAX - 31)].concat()), "token_embd.weight"),
+        ("an unknown tensor type", raw(1, 1, &[arch.clone(), tensor_record("token_embd.weight", &[64, 4], 99, 0)].concat()), "token_embd.weight"),
+        ("a misaligned data offset", raw(1, 1, &[arch.clone(), tensor_record("token_embd.weight", &[4, 1], 0, 4)].concat()), "token_embd.weight"),
+        ("rows that are not whole quantization blocks", raw(1, 1, &[arch.clone(), tensor_record("token_embd.weight", &[33, 1], 8, 0)].concat()), "token_embd.weight"),
+        ("two tensors of one name", raw(2, 1, &[arch.clone(), tensor_record("t.weight", &[1], 0, 0), tensor_record("t.weight", &[1], 0, 0)].concat()), "t.weight"),
+        ("a key given twice", raw(0, 2, &[arch.clone(), arch.clone()].concat()), "general.architecture"),
+        ("a bool that is 7", raw(0, 1, &kv("tokenizer.ggml.add_bos_token", 7, &[7])), "tokenizer.ggml.add_bos_token"),
+        ("not GGUF", b"GGML\x03\0\0\0".to_vec(), "magic"),
+        ("version 4", [b"GGUF".to_vec(), 4u32.to_le_bytes().to_vec()].concat(), "version"),
+        ("big-endian", [b"GGUF".to_vec(), 3u32.to_be_bytes().to_vec()].concat(), "version"),
+        ("empty", Vec::new(), "magic"),
+    ];
+    for (i, (what, bytes, key)) in cases.into_iter().enumerate() {
+        let dir = d.path().join(format!("case{i}"));
+        std::fs::create_dir(&dir).unwrap();
+        let g = dir.join("hostile.gguf");
+        std::fs::write(&g, bytes).unwrap();
+        let err = import_error(&g);
+        println!("{what}: {err}");
+        assert_names(&err, &g, key);
+    }
+}
+
+/// A valid file cut short anywhere in its header, or with header bytes overwritten, is an
+/// error (or, where the damage happens to leave a valid file, an import): never a panic, an
+/// abort on a huge allocation, or a half-written folder.
+#[test]
+fn truncated_or_corrupted_headers_never_panic_or_leave_output() {
+    let (d, md, qs) = good_parts();
+    let good = d.path().join("good.gguf");
+    write_parts(&md, &qs, &good);
+    let bytes = std::fs::read(&good).unwrap();
+    let (_, c) = finetune::gguf::read_header(&good).unwrap();
+    let header = c.tensor_data_offset as usize;
+    let mut cuts: Vec<usize> = (0..64).chain((64..header).step_by(97)).collect();
+    cuts.push(header);
+    for (i, cut) in cuts.into_iter().enumerate() {
+        let dir = d.path().join(format!("cut{i}"));
+        std::fs::create_dir(&dir).unwrap();
+        let g = dir.join("cut.gguf");
+        std::fs::write(&g, &bytes[..cut]).unwrap();
+        let err = import_error(&g);
+        assert!(err.to_string().contains(&g.display().to_string()), "cut at {cut}: {err}");
+    }
+    // Overwrite 8 header bytes at pseudo-random places with values that make large numbers.
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for i in 0..300 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let at = (x as usize) % (header - 8);
+        let mut b = bytes.clone();
+        let fill = [0xffu8, 0x00, 0x7f, 0x80][i % 4];
+        b[at..at + 8].fill(fill);
+        let dir = d.path().join(format!("flip{i}"));
+        std::fs::create_dir(&dir).unwrap();
+        let g = dir.join("flipped.gguf");
+        std::fs::write(&g, &b).unwrap();
+        let out = dir.join("imported");
+        match std::panic::catch_unwind(|| import(&g, &out, DType::F32, 5_000_000_000)) {
+            Ok(Ok(_)) => assert!(out.join("config.json").is_file()),
+            Ok(Err(e)) => {
+                assert!(!out.exists(), "bytes {at}..{}: a failed import left its folder: {e}", at + 8);
+                assert!(e.to_string().contains(&g.display().to_string()), "{e}");
+            }
+            Err(_) => panic!("bytes {at}..{} set to {fill:#x}: import panicked", at + 8),
+        }
+    }
+}
+
+#[test]
+fn unpermute_rejects_rows_that_do_not_split_into_even_heads_instead_of_dividing_by_zero() {
+    let w = Tensor::zeros((12, 4), DType::F32, &Device::Cpu).unwrap();
+    for heads in [0, 5, 4] {
+        // 12 rows: 0 heads divides by zero, 5 does not divide, 4 heads of 3 rows are odd.
+        assert!(finetune::gguf::unpermute(&w, heads).is_err(), "{heads} heads");
+        assert!(permute(&w, heads).is_err(), "{heads} heads");
+    }
+    assert!(finetune::gguf::unpermute(&w, 3).is_ok());
 }

@@ -29,6 +29,7 @@ max_steps = 8
 micro_batch_size = 2
 grad_accum_steps = 2
 lr = 1e-2
+lr_scheduler = "constant_with_warmup"
 warmup_steps = 2
 seed = 5
 [checkpoint]

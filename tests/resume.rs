@@ -3,9 +3,9 @@
 mod common;
 use common::*;
 use finetune::recipe::LoadedRecipe;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
 
 const RECIPE: &str = r#"
 [model]
@@ -40,13 +40,6 @@ dir = "out"
 /// <tmp>/model, <tmp>/data, and run folders <tmp>/<name>/recipe.toml.
 fn setup() -> tempfile::TempDir {
     tiny_workspace(23, (4, 18), None)
-}
-
-fn run_dir(root: &Path, name: &str, recipe: &str) -> PathBuf {
-    let dir = root.join(name);
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("recipe.toml"), recipe).unwrap();
-    dir
 }
 
 fn train(dir: &Path, extra: &[&str]) -> finetune::Result<finetune::train::RunSummary> {
@@ -159,33 +152,14 @@ fn a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
     let root = setup();
     let dir = run_dir(root.path(), "run", RECIPE);
     let e = train(&dir, &["train.lr=1e30", "train.warmup_steps=0", "train.max_grad_norm=0.0"]).err().expect("must stop").to_string();
-    assert!(e.contains("non-finite") || e.contains("loss is"), "{e}");
+    // Names the learning rate: the NaN came after updates, from a finite start.
+    assert!(e.contains("train.lr") && (e.contains("non-finite") || e.contains("NaN")), "{e}");
     for (_, ck) in finetune::checkpoint::list(&dir.join("out")) {
         finetune::checkpoint::verify(&ck).unwrap();
         for (k, t) in load_tensors(&ck.join("adapter/adapter_model.safetensors")) {
             let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
             assert!(v.iter().all(|x| x.is_finite()), "{k} in {} is not finite", ck.display());
         }
-    }
-}
-
-fn spawn(dir: &Path, extra: &[&str]) -> std::process::Child {
-    Command::new(env!("CARGO_BIN_EXE_finetune"))
-        .arg("--recipe")
-        .arg(dir.join("recipe.toml"))
-        .args(extra.iter().flat_map(|s| ["--set", s]))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn wait_for_steps(dir: &Path, n: usize, child: &mut std::process::Child) {
-    let start = Instant::now();
-    while std::fs::read_to_string(dir.join("out/metrics.jsonl")).map_or(0, |t| t.lines().count()) < n {
-        assert!(child.try_wait().unwrap().is_none(), "run ended early");
-        assert!(start.elapsed() < Duration::from_secs(60), "no progress");
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
 

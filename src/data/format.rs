@@ -13,6 +13,10 @@
 //! text and its end-of-turn marker, found by rendering the conversation up to each turn (with
 //! and without the generation prompt) and marking the tokens whose text lies in between.
 //! `train_on_prompt = true` trains on every token.
+//!
+//! Truncation happens before the cost: with a token limit set (the loader sets
+//! `data.max_seq_len`), only a bounded prefix of each text field, and of a conversation's
+//! turns, is rendered and tokenized; see [`Formatter::set_token_limit`].
 
 use super::{Example, IGNORE};
 use crate::chat::{ChatTemplate, Message};
@@ -65,6 +69,15 @@ enum Template {
     Chat(ChatTemplate),
 }
 
+/// Tokens past the limit that a cut prefix must still yield: merges across the cut only
+/// change the last few tokens before it, so with this many to spare the kept ones are those
+/// of the whole text.
+const CUT_MARGIN: usize = 64;
+/// Upper end for the bytes one token is assumed to cover when sizing a prefix. Real vocabs
+/// hold runs of 80+ spaces; sizing every prefix for those would tokenize 2-3x more than typical
+/// text needs, and a prefix that turns out too short is simply doubled.
+const MAX_TOKEN_BYTES: usize = 64;
+
 pub struct Formatter {
     pub format: String,
     columns: BTreeMap<String, String>,
@@ -74,6 +87,10 @@ pub struct Formatter {
     template: Template,
     train_on_prompt: bool,
     vocab: usize,
+    /// Only the first this many tokens of a record are kept (None: tokenize everything).
+    token_limit: Option<usize>,
+    /// Bytes of text one token covers at most: the longest vocab entry's length, capped.
+    token_bytes: usize,
 }
 
 impl Formatter {
@@ -96,10 +113,23 @@ impl Formatter {
                     msg: format!("not found; data.format = \"{format}\" needs the model's tokenizer.json (or use format = \"tokenized\")"),
                 });
             }
-            Some(tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?)
+            let mut t = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
+            // tokenizer.json may carry the truncation and padding its exporter last used
+            // (e.g. max_length 512, pad to 128). transformers resets both on every call, and
+            // here they would silently cut records short or fill them with pad tokens that are
+            // then trained on: the loader does its own truncation and the collator its own
+            // padding.
+            t.with_truncation(None).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
+            t.with_padding(None);
+            Some(t)
         } else {
             None
         };
+        let token_bytes = tokenizer
+            .as_ref()
+            .and_then(|t| t.get_vocab(true).keys().map(String::len).max())
+            .unwrap_or(1)
+            .clamp(1, MAX_TOKEN_BYTES);
         let (bos_s, eos_s) = special_tokens(model_dir);
         let eos = tokenizer.as_ref().and_then(|t| eos_s.as_deref().and_then(|e| t.token_to_id(e))).or_else(|| eos_from_config(model_dir));
         let name = template.unwrap_or(match format {
@@ -115,15 +145,52 @@ impl Formatter {
             "chatml" => Template::Chat(ChatTemplate::from_source(CHATML, &bos, &eos_text)),
             "deepseek" => Template::Chat(ChatTemplate::from_source(DEEPSEEK, &bos, &eos_text)),
             "llama3" => Template::Chat(ChatTemplate::from_source(LLAMA3, &bos, &eos_text)),
-            _ => Template::Chat(ChatTemplate::from_model_dir(model_dir)?.ok_or_else(|| Error::Tokenizer {
-                path: model_dir.join("tokenizer_config.json"),
-                msg: "the model has no chat template; set data.template to chatml, deepseek, llama3 or alpaca".into(),
-            })?),
+            _ => {
+                let t = ChatTemplate::from_model_dir(model_dir)?.ok_or_else(|| Error::Tokenizer {
+                    path: model_dir.join("tokenizer_config.json"),
+                    msg: "the model has no chat template; set data.template to chatml, deepseek, llama3 or alpaca".into(),
+                })?;
+                // Before any record: an unusable template would make every one of them bad.
+                t.usable().map_err(|e| match e {
+                    Error::Tokenizer { path, msg } => Error::Tokenizer { path, msg: format!("{msg}; set data.template to chatml, deepseek, llama3 or alpaca") },
+                    other => other,
+                })?;
+                Template::Chat(t)
+            }
         };
         if format == "messages" && matches!(template, Template::Alpaca | Template::Raw) {
             return Err(Error::Train(format!("data.template = \"{name}\" cannot render multi-turn messages; use model, chatml, deepseek or llama3")));
         }
-        Ok(Formatter { format: format.into(), columns: columns.clone(), tokenizer, tok_path, eos, template, train_on_prompt, vocab })
+        Ok(Formatter {
+            format: format.into(),
+            columns: columns.clone(),
+            tokenizer,
+            tok_path,
+            eos,
+            template,
+            train_on_prompt,
+            vocab,
+            token_limit: None,
+            token_bytes,
+        })
+    }
+
+    /// Keep only the first `limit` tokens of each record, and spend only what that needs: a
+    /// text field is tokenized from a prefix of `(limit + 64) * K` bytes (cut on a char
+    /// boundary), K being the most bytes one token covers (the longest vocab entry, capped at
+    /// 64), and a conversation is rendered from the turns within that many bytes. The prefix
+    /// must still yield `limit + 64` tokens, else it is doubled and tried again, so the first
+    /// `limit` tokens are those of the whole record (the 64 absorb merges across the cut) and a
+    /// cut record is always longer than `limit`. Records are then at least `limit + 64` tokens
+    /// long, not their full length, when cut.
+    pub fn set_token_limit(&mut self, limit: Option<usize>) {
+        self.token_limit = limit;
+    }
+
+    /// Tokens a cut prefix must yield, and the byte bound to try first; None without a limit.
+    fn cut_budget(&self) -> Option<(usize, usize)> {
+        let need = self.token_limit?.saturating_add(CUT_MARGIN);
+        Some((need, need.saturating_mul(self.token_bytes)))
     }
 
     fn col<'a>(&'a self, name: &'a str) -> &'a str {
@@ -149,7 +216,7 @@ impl Formatter {
         }
         let bad = |e: Error| BadRecord(e.to_string());
         let need = |c: &str| -> std::result::Result<String, BadRecord> {
-            r.string(self.col(c)).map_err(bad)?.ok_or_else(|| BadRecord(format!("row {}: `{}` is missing or null", r.index, self.col(c))))
+            r.string(self.col(c)).map_err(bad)?.ok_or_else(|| BadRecord(format!("{}: `{}` is missing or null", r.at(), self.col(c))))
         };
         Ok(Ok(match self.format.as_str() {
             "tokenized" => {
@@ -204,11 +271,11 @@ impl Formatter {
             _ => match r.messages(self.col("messages")) {
                 Ok(Some(m)) => {
                     if !m.iter().any(|m| m.role == "assistant") {
-                        return Ok(Err(BadRecord(format!("row {}: no assistant turn in `{}`", r.index, self.col("messages")))));
+                        return Ok(Err(BadRecord(format!("{}: no assistant turn in `{}`", r.at(), self.col("messages")))));
                     }
                     Record::Conversation(m)
                 }
-                Ok(None) => return Ok(Err(BadRecord(format!("row {}: `{}` is missing or null", r.index, self.col("messages"))))),
+                Ok(None) => return Ok(Err(BadRecord(format!("{}: `{}` is missing or null", r.at(), self.col("messages"))))),
                 Err(e) => return Ok(Err(bad(e))),
             },
         }))
@@ -217,6 +284,22 @@ impl Formatter {
     fn encode(&self, text: &str, special: bool) -> Result<tokenizers::Encoding> {
         let t = self.tokenizer.as_ref().ok_or_else(|| Error::Tokenizer { path: self.tok_path.clone(), msg: "no tokenizer loaded".into() })?;
         t.encode(text, special).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })
+    }
+
+    /// Token ids of `text`, or with a token limit of a prefix long enough for the limit (see
+    /// [`Self::set_token_limit`]); `true` when the text was cut.
+    fn encode_bounded(&self, text: &str, special: bool) -> Result<(Vec<u32>, bool)> {
+        let Some((need, mut bytes)) = self.cut_budget() else { return Ok((self.encode(text, special)?.get_ids().to_vec(), false)) };
+        loop {
+            if text.len() <= bytes {
+                return Ok((self.encode(text, special)?.get_ids().to_vec(), false));
+            }
+            let ids = self.encode(&text[..char_floor(text, bytes)], special)?.get_ids().to_vec();
+            if ids.len() >= need {
+                return Ok((ids, true));
+            }
+            bytes = bytes.saturating_mul(2);
+        }
     }
 
     /// Tokenize a record. `index` names the row in messages.
@@ -240,14 +323,15 @@ impl Formatter {
                 Example::new(input_ids, labels)
             }
             Record::Text(t) => {
-                let mut ids = self.encode(&t, true)?.get_ids().to_vec();
+                let (mut ids, _) = self.encode_bounded(&t, true)?;
                 ids.extend(self.eos);
                 let labels = ids.iter().map(|&x| x as i64).collect();
                 Example::new(ids, labels)
             }
             Record::PromptCompletion(p, c) => {
-                let prompt = self.encode(&p, true)?.get_ids().to_vec();
-                let mut resp = self.encode(&c, false)?.get_ids().to_vec();
+                let (prompt, cut) = self.encode_bounded(&p, true)?;
+                // A prompt that had to be cut fills the limit: the completion lies past it.
+                let mut resp = if cut { Vec::new() } else { self.encode_bounded(&c, false)?.0 };
                 resp.extend(self.eos);
                 let mut labels: Vec<i64> =
                     if self.train_on_prompt { prompt.iter().map(|&x| x as i64).collect() } else { vec![IGNORE; prompt.len()] };
@@ -271,8 +355,24 @@ impl Formatter {
         Ok(Ok(ex))
     }
 
-    /// Render with the chat template; label the assistant spans.
+    /// Render with the chat template; label the assistant spans. With a token limit, only the
+    /// turns (and the part of the last one) within the byte bound are rendered, as long as
+    /// that still yields the limit's worth of tokens (see [`Self::set_token_limit`]).
     pub fn render_conversation(&self, m: &[Message], index: u64) -> Result<std::result::Result<Example, BadRecord>> {
+        let Some((need, mut bytes)) = self.cut_budget() else { return self.render_whole(m, index) };
+        loop {
+            let Some(cut) = cut_turns(m, bytes) else { return self.render_whole(m, index) };
+            match self.render_whole(&cut, index)? {
+                Ok(ex) if ex.input_ids.len() >= need => return Ok(Ok(ex)),
+                Ok(_) => bytes = bytes.saturating_mul(2),
+                // A template that rejects the shortened conversation (it may insist on how one
+                // ends) decides nothing: render what the record really holds.
+                Err(_) => return self.render_whole(m, index),
+            }
+        }
+    }
+
+    fn render_whole(&self, m: &[Message], index: u64) -> Result<std::result::Result<Example, BadRecord>> {
         let Template::Chat(t) = &self.template else {
             return Ok(Err(BadRecord(format!("row {index}: the template cannot render conversations"))));
         };
@@ -321,6 +421,35 @@ impl Formatter {
     }
 }
 
+/// The largest char boundary of `s` at or below `n`.
+fn char_floor(s: &str, n: usize) -> usize {
+    let mut i = n.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// The turns of `m` within `bytes` of content (each turn counts one byte more, so thousands
+/// of empty turns are bounded too), the last one cut to fit; None when everything fits.
+fn cut_turns(m: &[Message], bytes: usize) -> Option<Vec<Message>> {
+    let mut out = Vec::new();
+    let mut used = 0usize;
+    for msg in m {
+        let room = bytes.saturating_sub(used);
+        if room == 0 {
+            return Some(out);
+        }
+        if msg.content.len() >= room {
+            out.push(Message::new(&msg.role, &msg.content[..char_floor(&msg.content, room)]));
+            return Some(out);
+        }
+        used += msg.content.len() + 1;
+        out.push(msg.clone());
+    }
+    None
+}
+
 fn special_tokens(model_dir: &Path) -> (Option<String>, Option<String>) {
     let Ok(text) = std::fs::read_to_string(model_dir.join("tokenizer_config.json")) else { return (None, None) };
     let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return (None, None) };
@@ -332,4 +461,31 @@ fn eos_from_config(model_dir: &Path) -> Option<u32> {
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     let id = v.get("eos_token_id")?;
     id.as_u64().or_else(|| id.get(0).and_then(|x| x.as_u64())).map(|x| x as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cut_never_splits_a_character() {
+        let s = "aé€😀";
+        assert_eq!(char_floor(s, 2), 1, "inside é");
+        assert_eq!(char_floor(s, 3), 3);
+        assert_eq!(char_floor(s, 5), 3, "inside €");
+        assert_eq!(char_floor(s, 8), 6, "inside 😀");
+        assert_eq!(char_floor(s, 100), s.len());
+    }
+
+    #[test]
+    fn turns_past_the_byte_bound_are_dropped_and_the_crossing_one_cut() {
+        let m = vec![Message::new("user", "aaaa"), Message::new("assistant", "bbbbbbbb"), Message::new("user", "cc")];
+        assert!(cut_turns(&m, 100).is_none(), "everything fits");
+        let cut = cut_turns(&m, 8).unwrap();
+        // "aaaa" and its turn use 5 bytes; 3 are left for the assistant.
+        assert_eq!(cut, vec![Message::new("user", "aaaa"), Message::new("assistant", "bbb")]);
+        // Empty turns still count, so a flood of them is bounded.
+        let empty = vec![Message::new("user", ""); 1000];
+        assert_eq!(cut_turns(&empty, 10).unwrap().len(), 10);
+    }
 }

@@ -125,9 +125,9 @@ pub struct LoaderState {
 }
 
 impl Loader {
-    pub fn open(specs: &[PathBuf], split: Option<&str>, fmt: Formatter, opts: LoaderOptions) -> Result<Self> {
+    pub fn open(specs: &[PathBuf], split: Option<&str>, mut fmt: Formatter, opts: LoaderOptions) -> Result<Self> {
         let mut rows = Rows::open_all(specs, split)?;
-        let names = rows.peek_columns()?;
+        let (names, names_file) = rows.columns_and_file()?;
         for n in fmt.required_columns() {
             if !names.contains(&n) {
                 let hint = format!(
@@ -136,9 +136,11 @@ impl Loader {
                     fmt.required_columns().join(", "),
                     format::FORMATS.join(", ")
                 );
-                return Err(Error::data(rows.first_file(), format!("no `{n}` column; columns are: {}{hint}", names.join(", "))));
+                return Err(Error::data(names_file, format!("no `{n}` column; columns are: {}{hint}", names.join(", "))));
             }
         }
+        // Tokens past max_seq_len are cut anyway: never tokenize (much) more than that.
+        fmt.set_token_limit(Some(opts.max_seq_len));
         if opts.shuffle {
             rows.shuffle_blocks(opts.seed);
         }
@@ -195,8 +197,8 @@ impl Loader {
     fn example_at(&mut self, pos: RowPos) -> Result<Example> {
         let r = self.rows.row_at(pos)?;
         match convert(&self.fmt, &r, &self.opts)? {
-            Converted::Ok(ex, _) => Ok(ex),
-            _ => Err(Error::data(r.file, format!("row {} changed since the checkpoint (no longer usable)", r.index))),
+            Converted::Ok { ex, .. } => Ok(ex),
+            _ => Err(Error::data(r.file, format!("{} changed since the checkpoint (no longer usable)", r.at()))),
         }
     }
 
@@ -217,27 +219,32 @@ impl Loader {
             }
             let file = r.file.to_path_buf();
             match convert(fmt, &r, opts)? {
-                Converted::Ok(ex, truncated) => {
-                    self.stats.truncated += u64::from(truncated);
+                Converted::Ok { ex, full_len } => {
+                    self.stats.truncated += u64::from(full_len > opts.max_seq_len);
                     self.unusable_run = 0;
                     return Ok((ex, pos));
                 }
-                Converted::Dropped => self.stats.dropped += 1,
-                Converted::Bad(BadRecord(msg)) => {
-                    if self.opts.on_bad_record != "skip" {
-                        return Err(Error::data(&file, format!("{msg} (set data.on_bad_record = \"skip\" to skip such records)")));
-                    }
-                    self.stats.bad += 1;
-                    if self.stats.bad_examples.len() < 5 {
-                        self.stats.bad_examples.push(msg);
-                    }
-                }
+                Converted::Dropped { .. } => self.stats.dropped += 1,
+                Converted::Bad(b) => self.skip_bad(&file, b)?,
             }
             self.unusable_run += 1;
             if self.unusable_run > total {
                 return Err(Error::data(&file, "no usable records: every row was bad or too long (see data.on_bad_record, data.overflow)"));
             }
         }
+    }
+
+    /// A bad record under data.on_bad_record: "skip" counts it (and keeps the first few
+    /// messages for the report), anything else stops with an error naming the file and row.
+    fn skip_bad(&mut self, file: &std::path::Path, BadRecord(msg): BadRecord) -> Result<()> {
+        if self.opts.on_bad_record != "skip" {
+            return Err(Error::data(file, format!("{msg} (set data.on_bad_record = \"skip\" to skip such records)")));
+        }
+        self.stats.bad += 1;
+        if self.stats.bad_examples.len() < 5 {
+            self.stats.bad_examples.push(msg);
+        }
+        Ok(())
     }
 
     /// The next example: in dataset order, or drawn from a seeded shuffle buffer of
@@ -321,20 +328,26 @@ impl Loader {
     }
 
     /// Token lengths (before truncation) of the first `limit` rows, and the bad records among
-    /// them (count, first few messages). For `finetune data inspect`.
+    /// them (count, first few messages), for `finetune data inspect`. Bad records are what
+    /// training would find bad, records left with no target tokens after truncation included.
+    /// With data.on_bad_record = "error" any bad record is an error (naming the first one's
+    /// file and row, and how many there were), as training would stop on it. A record longer
+    /// than the tokenized prefix bound (see [`Formatter::set_token_limit`]) reports a length
+    /// of at least max_seq_len + 64 rather than its full length.
     pub fn scan_lengths(&mut self, limit: u64) -> Result<(Vec<usize>, u64, Vec<String>)> {
         let (mut lengths, mut bad, mut examples) = (Vec::new(), 0u64, Vec::new());
+        let mut first_bad: Option<(PathBuf, String)> = None;
+        let scanned = self.rows.total_rows.min(limit);
         self.rows.seek(Cursor::default())?;
-        for _ in 0..self.rows.total_rows.min(limit) {
+        for _ in 0..scanned {
             let (r, _) = self.rows.next_row()?;
-            let outcome = match self.fmt.read(&r)? {
-                Ok(rec) => self.fmt.tokenize(rec, r.index)?,
-                Err(b) => Err(b),
-            };
-            match outcome {
-                Ok(ex) => lengths.push(ex.input_ids.len()),
-                Err(BadRecord(m)) => {
+            match convert(&self.fmt, &r, &self.opts)? {
+                Converted::Ok { full_len, .. } | Converted::Dropped { full_len } => lengths.push(full_len),
+                Converted::Bad(BadRecord(m)) => {
                     bad += 1;
+                    if first_bad.is_none() {
+                        first_bad = Some((r.file.to_path_buf(), m.clone()));
+                    }
                     if examples.len() < 5 {
                         examples.push(m);
                     }
@@ -342,10 +355,18 @@ impl Loader {
             }
         }
         self.rows.seek(Cursor::default())?;
+        if let (Some((file, m)), true) = (first_bad, self.opts.on_bad_record != "skip") {
+            return Err(Error::data(
+                file,
+                format!("{m} ({bad} bad record(s) among the {scanned} rows scanned; set data.on_bad_record = \"skip\" to skip such records)"),
+            ));
+        }
         Ok((lengths, bad, examples))
     }
 
-    /// Every usable example of this loader's split once, in order (for evaluation).
+    /// Every usable example of this loader's split once, in order (for evaluation). Bad
+    /// records follow data.on_bad_record as in training; records over max_seq_len follow
+    /// data.overflow. Both are counted in `stats`.
     pub fn one_pass(&mut self) -> Result<Vec<Example>> {
         let mut out = Vec::new();
         let total = self.rows.total_rows;
@@ -355,8 +376,14 @@ impl Loader {
             if self.opts.eval_fraction > 0.0 && is_held_out(r.index, self.opts.eval_fraction, self.opts.seed) != (self.opts.role == Role::Eval) {
                 continue;
             }
-            if let Converted::Ok(ex, _) = convert(&self.fmt, &r, &self.opts)? {
-                out.push(ex);
+            let file = r.file.to_path_buf();
+            match convert(&self.fmt, &r, &self.opts)? {
+                Converted::Ok { ex, full_len } => {
+                    self.stats.truncated += u64::from(full_len > self.opts.max_seq_len);
+                    out.push(ex);
+                }
+                Converted::Dropped { .. } => self.stats.dropped += 1,
+                Converted::Bad(b) => self.skip_bad(&file, b)?,
             }
         }
         Ok(out)
@@ -364,12 +391,15 @@ impl Loader {
 }
 
 enum Converted {
-    Ok(Example, bool),
-    Dropped,
+    /// A usable example (truncated to max_seq_len) and its length before truncation.
+    Ok { ex: Example, full_len: usize },
+    Dropped { full_len: usize },
     Bad(BadRecord),
 }
 
-/// A row as an example, truncated (or dropped) at `max_seq_len`.
+/// A row as an example, truncated (or dropped) at `max_seq_len`. A record left without a
+/// single target token (position t predicts labels[t + 1], so labels[0] is never one) is bad:
+/// it would cost a row of compute and train nothing, and a step of only such rows has no loss.
 fn convert(fmt: &Formatter, r: &RowRef, opts: &LoaderOptions) -> Result<Converted> {
     let rec = match fmt.read(r)? {
         Ok(rec) => rec,
@@ -379,17 +409,26 @@ fn convert(fmt: &Formatter, r: &RowRef, opts: &LoaderOptions) -> Result<Converte
         Ok(ex) => ex,
         Err(b) => return Ok(Converted::Bad(b)),
     };
-    let truncated = ex.input_ids.len() > opts.max_seq_len;
+    let full_len = ex.input_ids.len();
+    let truncated = full_len > opts.max_seq_len;
     if truncated {
         if opts.overflow == "drop" {
-            return Ok(Converted::Dropped);
+            return Ok(Converted::Dropped { full_len });
         }
         ex.input_ids.truncate(opts.max_seq_len);
         ex.labels.truncate(opts.max_seq_len);
         ex.positions.truncate(opts.max_seq_len);
         ex.segments.truncate(opts.max_seq_len);
     }
-    Ok(Converted::Ok(ex, truncated))
+    if ex.labels.iter().skip(1).all(|&l| l == IGNORE) {
+        let why = if truncated {
+            format!("every label is -100 after truncation to data.max_seq_len = {} (the trained part starts later, or was cut away)", opts.max_seq_len)
+        } else {
+            "every label is -100 (nothing to train on; an empty text or an all -100 labels list?)".to_string()
+        };
+        return Ok(Converted::Bad(BadRecord(format!("{}: no target tokens: {why}", r.at()))));
+    }
+    Ok(Converted::Ok { ex, full_len })
 }
 
 /// A padded micro-batch. `targets[b][t]` is the label position t predicts (labels shifted by

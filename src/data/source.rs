@@ -6,9 +6,10 @@
 //! Every shard is cut into blocks at open without decoding data: Arrow IPC files are
 //! memory-mapped and their message framing scanned (record batches); Parquet files expose
 //! their row groups from the footer; JSONL files are scanned once for line offsets (one block
-//! per 1024 lines). A block is decoded only when one of its rows is needed, and only one is
-//! kept. So memory stays at one block however large the data, and a saved [`Cursor`] is
-//! reached directly on resume without reading what came before.
+//! per 1024 lines; a UTF-8 byte-order mark is skipped, and a line that is not a JSON object is
+//! a bad record named by its line number). A block is decoded only when one of its rows is
+//! needed, and only one is kept. So memory stays at one block however large the data, and a
+//! saved [`Cursor`] is reached directly on resume without reading what came before.
 
 use crate::error::{Error, Result};
 use arrow_array::cast::AsArray;
@@ -63,10 +64,12 @@ pub fn shard_files(spec: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
     let dict = path.join("dataset_dict.json");
     if dict.is_file() {
         let text = std::fs::read_to_string(&dict).map_err(|e| Error::io(&dict, e))?;
-        let splits: Vec<String> = serde_json::from_str::<serde_json::Value>(&text)
-            .ok()
-            .and_then(|v| v.get("splits").and_then(|s| s.as_array().cloned()))
-            .unwrap_or_default()
+        // A broken file must not read as "no splits" (which blames the split name instead).
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::data(&dict, format!("not valid JSON: {e}")))?;
+        let splits: Vec<String> = v
+            .get("splits")
+            .and_then(|s| s.as_array())
+            .ok_or_else(|| Error::data(&dict, "expected a `splits` list"))?
             .iter()
             .filter_map(|s| s.as_str().map(String::from))
             .collect();
@@ -108,21 +111,108 @@ fn release(map: &memmap2::Mmap, range: Range<usize>) {
     }
 }
 
+/// One non-blank line of a JSONL file: an object, or why it is not one. Kept apart from the
+/// data (rather than as a marker key in a JSON value) so no user key can be mistaken for it.
+pub enum JsonRow {
+    Object(serde_json::Map<String, serde_json::Value>),
+    Bad(String),
+}
+
+/// Run a third-party decoder over bytes from `path`, turning a panic into an error naming the
+/// file. arrow-ipc and parquet return errors for most malformed input, but some (a schema type
+/// they do not know, a child count they assume, a length past a buffer) reach `panic!` or a
+/// slice bound instead; the cheap checks in [`check_batch_layout`] catch the common ones
+/// before decoding (and without the panic message on stderr), this catches the rest.
+fn guarded<T>(path: &Path, what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            Err(Error::data(path, format!("{what}: malformed data ({msg}); the file is damaged or not what its name says")))
+        }
+    }
+}
+
+/// The parts of a record batch message arrow-ipc trusts without checking: every buffer must
+/// lie inside the message body, and a column with nulls cannot have more rows than its
+/// validity bits could cover.
+fn check_batch_layout(rb: &arrow_ipc::RecordBatch, body: usize) -> std::result::Result<(), String> {
+    if rb.length() < 0 {
+        return Err(format!("negative row count {}", rb.length()));
+    }
+    for (i, b) in rb.buffers().iter().flatten().enumerate() {
+        let (o, l) = (b.offset(), b.length());
+        let inside = o >= 0 && l >= 0 && (o as u64).checked_add(l as u64).is_some_and(|e| e <= body as u64);
+        if !inside {
+            return Err(format!("buffer {i} (offset {o}, length {l}) lies outside the {body}-byte message body"));
+        }
+    }
+    for (i, n) in rb.nodes().iter().flatten().enumerate() {
+        let (len, nulls) = (n.length(), n.null_count());
+        if len < 0 || nulls < 0 || nulls > len || (nulls > 0 && len as u64 > 8 * body as u64) {
+            return Err(format!("column node {i} claims {len} values with {nulls} nulls in a {body}-byte body"));
+        }
+    }
+    Ok(())
+}
+
+/// Field types arrow-ipc would `panic!` on rather than refuse: a type tag of NONE, an integer
+/// width other than 8, 16, 32 or 64 (at any depth).
+fn check_field_type(f: arrow_ipc::Field<'_>) -> std::result::Result<(), String> {
+    let name = f.name().unwrap_or("?");
+    if f.type_type() == arrow_ipc::Type::NONE {
+        return Err(format!("field `{name}` has no type"));
+    }
+    if let Some(i) = f.type_as_int() {
+        if ![8, 16, 32, 64].contains(&i.bitWidth()) {
+            return Err(format!("field `{name}` is a {}-bit integer", i.bitWidth()));
+        }
+    }
+    for c in f.children().into_iter().flatten() {
+        check_field_type(c)?;
+    }
+    Ok(())
+}
+
 /// A decoded block of rows.
 pub enum Block {
     Arrow(RecordBatch),
-    Json(Vec<serde_json::Value>),
+    /// Rows with their 1-based line numbers in the file (blank lines are not rows).
+    Json(Vec<(u64, JsonRow)>),
 }
 
 impl Block {
-    fn columns(&self) -> Vec<String> {
+    /// Column names: the schema's, or for JSON lines every key of the valid records (`None`
+    /// when no line of the block is a JSON object, so a broken first line decides nothing).
+    fn columns(&self) -> Option<Vec<String>> {
         match self {
-            Block::Arrow(b) => b.schema().fields().iter().map(|f| f.name().clone()).collect(),
-            Block::Json(rows) => rows
-                .first()
-                .and_then(|r| r.as_object())
-                .map(|o| o.keys().cloned().collect())
-                .unwrap_or_default(),
+            Block::Arrow(b) => Some(b.schema().fields().iter().map(|f| f.name().clone()).collect()),
+            Block::Json(rows) => {
+                let (mut names, mut seen) = (Vec::new(), std::collections::HashSet::new());
+                let mut any = false;
+                for (_, r) in rows {
+                    if let JsonRow::Object(o) = r {
+                        any = true;
+                        for k in o.keys() {
+                            if seen.insert(k.as_str()) {
+                                names.push(k.clone());
+                            }
+                        }
+                    }
+                }
+                any.then_some(names)
+            }
+        }
+    }
+
+    /// The first bad line of a JSON block, as "line N: why".
+    fn first_bad_line(&self) -> Option<String> {
+        match self {
+            Block::Json(rows) => rows.iter().find_map(|(line, r)| match r {
+                JsonRow::Bad(m) => Some(format!("line {line}: {m}")),
+                JsonRow::Object(_) => None,
+            }),
+            Block::Arrow(_) => None,
         }
     }
 }
@@ -171,10 +261,17 @@ impl IpcShard {
                 return Err(bad(format!("message at byte {pos} runs past the end of the file (truncated?)")));
             }
             match msg.header_type() {
-                MessageHeader::Schema => schema = Some(start..end),
+                MessageHeader::Schema => {
+                    for f in msg.header_as_schema().and_then(|s| s.fields()).into_iter().flatten() {
+                        check_field_type(f).map_err(|m| bad(format!("schema: {m}")))?;
+                    }
+                    schema = Some(start..end);
+                }
                 MessageHeader::RecordBatch => {
-                    let rows = msg.header_as_record_batch().map(|r| r.length()).unwrap_or(0);
-                    batches.push((start..end, usize::try_from(rows).unwrap_or(0)));
+                    let rb = msg.header_as_record_batch().ok_or_else(|| bad(format!("record batch at byte {pos} has no header")))?;
+                    check_batch_layout(&rb, body).map_err(|m| bad(format!("record batch at byte {pos}: {m}")))?;
+                    let rows = usize::try_from(rb.length()).map_err(|_| bad(format!("record batch at byte {pos}: bad row count")))?;
+                    batches.push((start..end, rows));
                 }
                 MessageHeader::DictionaryBatch => return Err(bad("dictionary-encoded columns are not supported".into())),
                 _ => {}
@@ -191,6 +288,10 @@ impl IpcShard {
     }
 
     fn decode(&self, batch: usize) -> Result<RecordBatch> {
+        guarded(&self.path, &format!("record batch {batch}"), || self.decode_unguarded(batch))
+    }
+
+    fn decode_unguarded(&self, batch: usize) -> Result<RecordBatch> {
         let mut dec = arrow_ipc::reader::StreamDecoder::new();
         let bad = |e: arrow_schema::ArrowError| Error::data(&self.path, format!("corrupt record batch {batch}: {e}"));
         let mut s = self.buffer(&self.schema);
@@ -219,12 +320,18 @@ impl ParquetShard {
     fn open(path: &Path) -> Result<Self> {
         use parquet::file::reader::{FileReader, SerializedFileReader};
         let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let r = SerializedFileReader::new(f).map_err(|e| Error::data(path, format!("not a readable Parquet file: {e}")))?;
-        let groups = r.metadata().row_groups().iter().map(|g| g.num_rows().max(0) as usize).collect();
+        let groups = guarded(path, "Parquet footer", || {
+            let r = SerializedFileReader::new(f).map_err(|e| Error::data(path, format!("not a readable Parquet file: {e}")))?;
+            Ok(r.metadata().row_groups().iter().map(|g| g.num_rows().max(0) as usize).collect())
+        })?;
         Ok(ParquetShard { path: path.to_path_buf(), groups })
     }
 
     fn decode(&self, group: usize) -> Result<RecordBatch> {
+        guarded(&self.path, &format!("row group {group}"), || self.decode_unguarded(group))
+    }
+
+    fn decode_unguarded(&self, group: usize) -> Result<RecordBatch> {
         use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
         let bad = |e: String| Error::data(&self.path, format!("row group {group}: {e}"));
         let f = std::fs::File::open(&self.path).map_err(|e| Error::io(&self.path, e))?;
@@ -244,11 +351,17 @@ impl ParquetShard {
 struct JsonlShard {
     path: PathBuf,
     map: Arc<memmap2::Mmap>,
-    /// Byte range and line count of each block.
-    blocks: Vec<(Range<usize>, usize)>,
+    /// Byte range, row count and the 1-based line number of the range's first line, per block.
+    blocks: Vec<(Range<usize>, usize, u64)>,
 }
 
 const JSONL_BLOCK: usize = 1024;
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// A line that holds no record (blank lines between records are allowed).
+fn blank(line: &[u8]) -> bool {
+    line.iter().all(|b| b.is_ascii_whitespace())
+}
 
 impl JsonlShard {
     fn open(path: &Path) -> Result<Self> {
@@ -258,27 +371,36 @@ impl JsonlShard {
         let map = if len == 0 { None } else { Some(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?) };
         let mut blocks = Vec::new();
         if let Some(m) = &map {
-            let (mut start, mut lines, mut pos) = (0usize, 0usize, 0usize);
+            // Every line of a UTF-16 file is "invalid UTF-8": say what the file is instead.
+            if m.starts_with(b"\xFF\xFE") || m.starts_with(b"\xFE\xFF") {
+                return Err(Error::data(path, "is UTF-16 (it starts with a UTF-16 byte-order mark); JSON lines must be UTF-8 (convert it, e.g. with `iconv -f UTF-16 -t UTF-8`)"));
+            }
+            // Editors on Windows write a UTF-8 byte-order mark; it is not part of line 1.
+            let body = if m.starts_with(UTF8_BOM) { UTF8_BOM.len() } else { 0 };
+            let (mut start, mut lines, mut pos) = (body, 0usize, body);
+            let (mut line_no, mut first_line) = (0u64, 1u64);
             let mut released = 0usize;
-            for line in m.split(|&b| b == b'\n') {
+            for line in m[body..].split(|&b| b == b'\n') {
                 // Keep the scan itself from making the whole file resident.
                 if pos - released > 32 << 20 {
                     release(m, released..pos);
                     released = pos;
                 }
+                line_no += 1;
                 let end = pos + line.len();
-                if !line.iter().all(|b| b.is_ascii_whitespace()) {
+                if !blank(line) {
                     lines += 1;
                 }
                 pos = end + 1;
                 if lines == JSONL_BLOCK {
-                    blocks.push((start..end.min(m.len()), lines));
+                    blocks.push((start..end.min(m.len()), lines, first_line));
                     start = pos.min(m.len());
+                    first_line = line_no + 1;
                     lines = 0;
                 }
             }
             if lines > 0 {
-                blocks.push((start..m.len(), lines));
+                blocks.push((start..m.len(), lines, first_line));
             }
             release(m, 0..m.len());
         }
@@ -289,21 +411,46 @@ impl JsonlShard {
         Ok(JsonlShard { path: path.to_path_buf(), map, blocks })
     }
 
-    /// Lines of a block as JSON values; a line that is not JSON becomes a string value holding
-    /// the parse error, reported per row by the format code.
-    fn decode(&self, block: usize) -> Result<Vec<serde_json::Value>> {
-        let range = self.blocks[block].0.clone();
+    /// Lines of a block as JSON objects; a line that is not one becomes `JsonRow::Bad` with
+    /// the reason, reported per row by the format code.
+    fn decode(&self, block: usize) -> Result<Vec<(u64, JsonRow)>> {
+        let (range, _, first_line) = self.blocks[block].clone();
         let bytes = &self.map[range.clone()];
         let rows = bytes
             .split(|&b| b == b'\n')
-            .filter(|l| !l.iter().all(|b| b.is_ascii_whitespace()))
-            .map(|l| match std::str::from_utf8(l) {
-                Err(_) => serde_json::json!({"__bad_record__": "invalid UTF-8"}),
-                Ok(s) => serde_json::from_str(s).unwrap_or_else(|e| serde_json::json!({"__bad_record__": format!("not valid JSON: {e}")})),
-            })
+            .zip(first_line..)
+            .filter(|(l, _)| !blank(l))
+            .map(|(l, line)| (line, parse_line(l)))
             .collect();
         release(&self.map, range);
         Ok(rows)
+    }
+}
+
+fn parse_line(l: &[u8]) -> JsonRow {
+    let s = match std::str::from_utf8(l) {
+        Ok(s) => s,
+        Err(e) => return JsonRow::Bad(format!("invalid UTF-8 at byte {} of the line", e.valid_up_to())),
+    };
+    match serde_json::from_str::<serde_json::Value>(s) {
+        Ok(serde_json::Value::Object(o)) => JsonRow::Object(o),
+        Ok(other) => {
+            let kind = match other {
+                serde_json::Value::Array(_) => "an array",
+                serde_json::Value::String(_) => "a string",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Bool(_) => "a boolean",
+                _ => "null",
+            };
+            JsonRow::Bad(format!("expected a JSON object with the record's fields, got {kind}"))
+        }
+        Err(e) => {
+            // serde_json says "at line 1 column N" (of this line alone): give the column only,
+            // so it cannot be mistaken for the file's line number.
+            let text = e.to_string();
+            let msg = text.rsplit_once(" at line ").map_or(text.as_str(), |(m, _)| m);
+            JsonRow::Bad(format!("not valid JSON: {msg} (column {})", e.column()))
+        }
     }
 }
 
@@ -366,7 +513,10 @@ pub struct RowPos {
 /// One row of a block.
 pub enum Row<'a> {
     Arrow { batch: &'a RecordBatch, row: usize },
-    Json(&'a serde_json::Value),
+    /// A JSON line (1-based `line` in its file) holding an object.
+    Json { line: u64, fields: &'a serde_json::Map<String, serde_json::Value> },
+    /// A JSON line that holds no record, and why.
+    BadLine { line: u64, msg: &'a str },
 }
 
 /// A row and where it came from.
@@ -454,10 +604,46 @@ impl Rows {
         self.shards[0].path()
     }
 
-    /// Column names of the first non-empty block.
+    /// Column names of the first block with a valid record.
     pub fn peek_columns(&mut self) -> Result<Vec<String>> {
-        let (f, b) = self.blocks.iter().enumerate().find_map(|(f, bl)| bl.iter().position(|&n| n > 0).map(|b| (f, b))).unwrap_or((0, 0));
-        Ok(self.block(f, b)?.columns())
+        Ok(self.columns_and_file()?.0)
+    }
+
+    /// Column names and the file they were read from: an Arrow or Parquet file's schema, or
+    /// the keys of the valid records of the first JSONL block that has one (a broken or
+    /// non-object line is a bad record, not what the columns are).
+    pub fn columns_and_file(&mut self) -> Result<(Vec<String>, PathBuf)> {
+        let mut first_bad: Option<(PathBuf, String)> = None;
+        for f in 0..self.shards.len() {
+            for b in 0..self.blocks[f].len() {
+                if self.blocks[f][b] == 0 {
+                    continue;
+                }
+                let block = self.block(f, b)?;
+                if let Some(cols) = block.columns() {
+                    return Ok((cols, self.shards[f].path().to_path_buf()));
+                }
+                if first_bad.is_none() {
+                    first_bad = block.first_bad_line().map(|m| (self.shards[f].path().to_path_buf(), m));
+                }
+            }
+        }
+        match first_bad {
+            Some((file, m)) => Err(Error::data(file, format!("no line is a JSON object with a record's fields (e.g. {m})"))),
+            None => Err(Error::data(self.first_file(), "dataset has no rows")),
+        }
+    }
+
+    /// Fail unless the data has every column in `names` (as found by [`Self::columns_and_file`]),
+    /// naming the missing ones, the file, and the columns it does have.
+    pub fn require_columns(&mut self, names: &[&str]) -> Result<()> {
+        let (have, file) = self.columns_and_file()?;
+        let missing: Vec<String> = names.iter().filter(|n| !have.iter().any(|h| h == *n)).map(|n| format!("`{n}`")).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let s = if missing.len() == 1 { "" } else { "s" };
+        Err(Error::data(file, format!("no {} column{s} (needed: {}); columns are: {}", missing.join(", "), names.join(", "), have.join(", "))))
     }
 
     pub fn cursor(&self) -> Cursor {
@@ -515,9 +701,16 @@ impl Rows {
         }
         self.block(pos.file, pos.batch)?;
         let file = self.shards[pos.file].path();
+        // A block that decodes to fewer rows than its header or footer promised (a damaged
+        // file) is an error here, not an out-of-bounds panic in a column accessor.
+        let short = || Error::data(file, format!("block {} holds fewer rows than its metadata says (damaged file?)", pos.batch));
         let row = match &self.cached {
-            Some((_, _, Block::Arrow(b))) => Row::Arrow { batch: b, row: pos.row },
-            Some((_, _, Block::Json(rows))) => Row::Json(&rows[pos.row]),
+            Some((_, _, Block::Arrow(b))) if pos.row < b.num_rows() => Row::Arrow { batch: b, row: pos.row },
+            Some((_, _, Block::Json(rows))) => match rows.get(pos.row).ok_or_else(short)? {
+                (line, JsonRow::Object(fields)) => Row::Json { line: *line, fields },
+                (line, JsonRow::Bad(msg)) => Row::BadLine { line: *line, msg },
+            },
+            Some(_) => return Err(short()),
             None => return Err(Error::data(file, "internal: block cache empty")),
         };
         Ok(RowRef { row, file, index: pos.index })
@@ -525,30 +718,46 @@ impl Rows {
 }
 
 impl RowRef<'_> {
-    fn err(&self, column: &str, msg: impl std::fmt::Display) -> Error {
-        Error::data(self.file, format!("row {}: column `{column}`: {msg}", self.index))
+    /// "row N", with the file's line number for JSON lines: "row N (line L)".
+    pub fn at(&self) -> String {
+        match &self.row {
+            Row::Json { line, .. } | Row::BadLine { line, .. } => format!("row {} (line {line})", self.index),
+            Row::Arrow { .. } => format!("row {}", self.index),
+        }
     }
 
-    /// A JSON line that could not be parsed.
+    fn err(&self, column: &str, msg: impl std::fmt::Display) -> Error {
+        Error::data(self.file, format!("{}: column `{column}`: {msg}", self.at()))
+    }
+
+    /// A JSON line that holds no record: why, naming the row and line.
     pub fn bad_line(&self) -> Option<String> {
         match &self.row {
-            Row::Json(v) => v.get("__bad_record__").and_then(|m| m.as_str()).map(|m| format!("row {}: {m}", self.index)),
+            Row::BadLine { msg, .. } => Some(format!("{}: {msg}", self.at())),
             _ => None,
         }
+    }
+
+    /// The error for reading any cell of a line that holds no record (rather than reading it
+    /// as empty cells).
+    fn bad_line_err(&self) -> Error {
+        Error::data(self.file, self.bad_line().unwrap_or_else(|| self.at()))
     }
 
     pub fn has(&self, column: &str) -> bool {
         match &self.row {
             Row::Arrow { batch, .. } => batch.column_by_name(column).is_some(),
-            Row::Json(v) => v.get(column).is_some(),
+            Row::Json { fields, .. } => fields.get(column).is_some(),
+            Row::BadLine { .. } => false,
         }
     }
 
     /// An integer list cell (`list<int*>`, `large_list<int*>`, or a JSON array of integers).
     pub fn int_list(&self, column: &str) -> Result<Vec<i64>> {
         match &self.row {
-            Row::Json(v) => {
-                let a = v.get(column).ok_or_else(|| self.err(column, "missing"))?;
+            Row::BadLine { .. } => Err(self.bad_line_err()),
+            Row::Json { fields, .. } => {
+                let a = fields.get(column).ok_or_else(|| self.err(column, "missing"))?;
                 let a = a.as_array().ok_or_else(|| self.err(column, format!("expected a list of integers, got {a}")))?;
                 a.iter().map(|x| x.as_i64().ok_or_else(|| self.err(column, format!("expected integers, got {x}")))).collect()
             }
@@ -559,6 +768,11 @@ impl RowRef<'_> {
                 }
                 let values = list_cell(col, *row)
                     .ok_or_else(|| self.err(column, format!("expected a list of integers, got {}", col.data_type())))?;
+                // `values()` of a primitive array reads a null slot as whatever its buffer
+                // holds (usually 0): a null must not become a token id.
+                if values.null_count() > 0 {
+                    return Err(self.err(column, format!("holds {} null value(s); expected integers", values.null_count())));
+                }
                 macro_rules! ints {
                     ($($t:ty),*) => {
                         $( if let Some(p) = values.as_primitive_opt::<$t>() {
@@ -578,7 +792,8 @@ impl RowRef<'_> {
     /// A string cell; `None` when the column is absent or the cell is null.
     pub fn string(&self, column: &str) -> Result<Option<String>> {
         match &self.row {
-            Row::Json(v) => match v.get(column) {
+            Row::BadLine { .. } => Err(self.bad_line_err()),
+            Row::Json { fields, .. } => match fields.get(column) {
                 None | Some(serde_json::Value::Null) => Ok(None),
                 Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
                 Some(other) => Err(self.err(column, format!("expected a string, got {other}"))),
@@ -602,11 +817,19 @@ impl RowRef<'_> {
         }
     }
 
+    /// A string cell that must be there: an error naming the file, row and column when the
+    /// column is absent or the cell null (where reading it as "" would silently change what
+    /// the row says, e.g. an expected answer in `finetune eval`).
+    pub fn required_string(&self, column: &str) -> Result<String> {
+        self.string(column)?.ok_or_else(|| self.err(column, "is missing or null"))
+    }
+
     /// A list of {role, content} messages (`list<struct<role, content>>` or a JSON array).
     pub fn messages(&self, column: &str) -> Result<Option<Vec<crate::chat::Message>>> {
         use crate::chat::Message;
         match &self.row {
-            Row::Json(v) => match v.get(column) {
+            Row::BadLine { .. } => Err(self.bad_line_err()),
+            Row::Json { fields, .. } => match fields.get(column) {
                 None | Some(serde_json::Value::Null) => Ok(None),
                 Some(serde_json::Value::Array(a)) => a
                     .iter()

@@ -13,7 +13,7 @@
 //! decided there, never here.
 
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraAdapter, LoraLinear, MODULES};
 use crate::ops::{self, KeyStarts, Kernels};
 use crate::weights::{Frozen, WeightSource};
@@ -258,6 +258,16 @@ impl Llama {
         let vb = Frozen::new(&*m.src);
         for i in 0..m.cfg.num_hidden_layers {
             DecoderLayer::load(&vb.pp(format!("model.layers.{i}")), &m.cfg, i, lora)?;
+        }
+        // Weights for a layer past the config's last: training would run a truncated model
+        // and look fine. Refuse rather than guess which of the two is wrong.
+        let n = m.cfg.num_hidden_layers;
+        let extra = format!("model.layers.{n}.input_layernorm.weight");
+        if vb.contains(&extra) {
+            return Err(Error::model(
+                "config.json",
+                format!("num_hidden_layers = {n}, but the weights hold more layers (e.g. `{extra}`); fix num_hidden_layers or the checkpoint"),
+            ));
         }
         Ok(m)
     }

@@ -407,7 +407,7 @@ impl candle_core::CustomOp3 for CausalAttention {
         let units = b * nh;
         let parts = parts_for(units);
         let n_strips = s.div_ceil(STRIP);
-        let (out_at, lse_at) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
+        let (out_at, lse_at) = (Shared::new(&mut out), Shared::new(&mut lse));
         // One task per (b, h) unit and strip group: its strips' out rows [m, D] and lse [m].
         (0..units * parts).into_par_iter().for_each(|task| {
             let (unit, part) = (task / parts, task % parts);
@@ -466,7 +466,7 @@ impl candle_core::CustomOp3 for CausalAttention {
         // Per task (query head and strip group): its contribution to its kv head's dk and dv.
         let mut dk_h = zeros_f32(units * parts * s * d);
         let mut dv_h = zeros_f32(units * parts * s * d);
-        let dq_at = Shared(dq.as_mut_ptr());
+        let dq_at = Shared::new(&mut dq);
         dk_h.par_chunks_mut(s * d)
             .zip(dv_h.par_chunks_mut(s * d))
             .enumerate()

@@ -239,7 +239,7 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     });
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
     let mut cbuf_vec: Vec<f32> = Vec::with_capacity(mp * np);
-    let cbuf = crate::ops::Shared(cbuf_vec.as_mut_ptr());
+    let cbuf = crate::ops::Shared::uninit(&mut cbuf_vec.spare_capacity_mut()[..mp * np]);
     let rows = mp / (2 * TM);
     let pairs = b.nb / 2;
     let threads = rayon::current_num_threads().max(1);
@@ -255,11 +255,12 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
             let (lo, hi) = (t * per, ((t + 1) * per).min(units));
             let (r, p) = if by_rows { ((lo, hi), (0, pairs)) } else { ((0, rows), (lo, hi)) };
             // SAFETY: tasks write disjoint (row block, column pair) blocks of the [MP, NP]
-            // buffer behind `cp`; `ab` is [MP, KP]; the kernel is supported (asserted above).
+            // buffer behind `cp` (each block's range checked against it in debug builds);
+            // `ab` is [MP, KP]; the kernel is supported (asserted above).
             unsafe {
                 match kern {
-                    Kernel::Amx => amx::run_tiles(&ab, kp, b, r, p, (k0, k1), np, cp.0),
-                    Kernel::Avx512Bf16 => dot::run_blocks(&ab, kp, b, r, p, (k0, k1), np, cp.0),
+                    Kernel::Amx => amx::run_tiles(&ab, kp, b, r, p, (k0, k1), np, cp),
+                    Kernel::Avx512Bf16 => dot::run_blocks(&ab, kp, b, r, p, (k0, k1), np, cp),
                 }
             }
         });
@@ -322,36 +323,26 @@ pub fn matmul(a: &candle_core::Tensor, b: &PackedB) -> candle_core::Result<candl
     candle_core::Tensor::from_vec(out, (m, b.n), a.device())
 }
 
+/// The AMX kernel.
+///
+/// Invariant: every use of tile state is one `asm!` block, a whole tile program that loads
+/// the tile configuration (`ldtilecfg`), zeroes or loads its accumulators, runs its k loop
+/// of tile loads and `tdpbf16ps`, stores the accumulators and ends with `tilerelease`.
+/// The compiler knows nothing of tile registers or the tile configuration: Rust's
+/// inline-assembly rules make every register an `asm!` block does not name as an operand
+/// undefined on entry, and tile registers cannot be operands. So no tile state is kept from
+/// one `asm!` block to the next (an accumulator loaded in one block and used in another
+/// would rely on exactly that), and none is left configured for code the compiler emits
+/// around the blocks. The OS saves and restores the tile state across context switches
+/// (XSAVE component 18, which `detect_and_enable` asks Linux permission for).
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use super::{PackedB, TK, TM};
+    use crate::ops::Shared;
     use std::arch::asm;
 
     pub fn detect_and_enable() -> bool {
-        // CPUID.(7,0):EDX bit 22 = AMX-BF16, bit 24 = AMX-TILE.
-        let leaf = std::arch::x86_64::__cpuid_count(7, 0);
-        if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
-            return false;
-        }
-        #[cfg(target_os = "linux")]
-        {
-            const SYS_ARCH_PRCTL: usize = 158;
-            const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
-            const XFEATURE_XTILEDATA: usize = 18;
-            let ret: isize;
-            // SAFETY: a plain Linux syscall; it only changes this process's XSAVE permissions.
-            unsafe {
-                asm!("syscall",
-                    inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
-                    in("rdi") ARCH_REQ_XCOMP_PERM, in("rsi") XFEATURE_XTILEDATA,
-                    lateout("rcx") _, lateout("r11") _, options(nostack));
-            }
-            ret == 0
-        }
-        #[cfg(not(target_os = "linux"))]
-        {
-            false
-        }
+        crate::ops::cpu_bf16::amx_detect_and_enable()
     }
 
     /// Palette 1, eight tiles of 16 rows x 64 bytes.
@@ -373,14 +364,13 @@ mod amx {
     ///
     /// # Safety
     /// AMX is enabled (`available()`), `ab` is [MP, kp] bf16 covering the row blocks, and `c`
-    /// points at an [MP, np] f32 buffer whose tiles in this range nobody else touches.
+    /// is an [MP, np] f32 buffer whose tiles in this range nobody else touches.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn run_tiles(ab: &[u16], kp: usize, b: &PackedB, rows: (usize, usize), pairs: (usize, usize), ks: (usize, usize), np: usize, c: *mut f32) {
+    pub unsafe fn run_tiles(ab: &[u16], kp: usize, b: &PackedB, rows: (usize, usize), pairs: (usize, usize), ks: (usize, usize), np: usize, c: Shared) {
+        // An empty k range would run the tile loop 2^64 times (it counts down to zero);
+        // `gemm_with` never makes one (K >= 1, panels are non-empty).
+        assert!(ks.0 < ks.1, "amx: empty K panel {ks:?}");
         let cfg = config();
-        asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, preserves_flags));
-        let sa = (kp * 2) as isize; // A row stride in bytes
-        let sb = (TK * 2) as isize; // packed B tile row stride in bytes
-        let sc = (np * 4) as isize; // C row stride in bytes
         let tile = TM * TK; // u16 per tile
         let panel = super::pairs_per_panel(ks);
         for p0 in (pairs.0..pairs.1).step_by(panel) {
@@ -389,68 +379,103 @@ mod amx {
                 let r0 = blk * 2 * TM;
                 for pair in p0..p1 {
                     let bn = 2 * pair;
-                    let c0 = c.add(r0 * np + bn * TM);
-                    let c1 = c0.add(TM);
-                    let c2 = c0.add(TM * np);
-                    let c3 = c2.add(TM);
-                    if ks.0 == 0 {
-                        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, preserves_flags));
-                    } else {
-                        asm!(
-                            "tileloadd tmm0, [{c0} + {sc}*1]",
-                            "tileloadd tmm1, [{c1} + {sc}*1]",
-                            "tileloadd tmm2, [{c2} + {sc}*1]",
-                            "tileloadd tmm3, [{c3} + {sc}*1]",
-                            c0 = in(reg) c0, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, sc = in(reg) sc,
-                            options(nostack, preserves_flags, readonly)
-                        );
-                    }
-                    let a0 = ab.as_ptr().add(r0 * kp);
-                    let a1 = a0.add(TM * kp);
-                    let b0 = b.tiles.as_ptr().add(bn * b.kb * tile);
-                    let b1 = b0.add(b.kb * tile);
-                    for kb in ks.0..ks.1 {
-                        asm!(
-                            "tileloadd tmm4, [{a0} + {sa}*1]",
-                            "tileloadd tmm5, [{a1} + {sa}*1]",
-                            "tileloadd tmm6, [{b0} + {sb}*1]",
-                            "tileloadd tmm7, [{b1} + {sb}*1]",
-                            "tdpbf16ps tmm0, tmm4, tmm6",
-                            "tdpbf16ps tmm1, tmm4, tmm7",
-                            "tdpbf16ps tmm2, tmm5, tmm6",
-                            "tdpbf16ps tmm3, tmm5, tmm7",
-                            a0 = in(reg) a0.add(kb * TK),
-                            a1 = in(reg) a1.add(kb * TK),
-                            b0 = in(reg) b0.add(kb * tile),
-                            b1 = in(reg) b1.add(kb * tile),
-                            sa = in(reg) sa,
-                            sb = in(reg) sb,
-                            options(nostack, preserves_flags, readonly)
-                        );
-                    }
-                    asm!(
-                        "tilestored [{c0} + {sc}*1], tmm0",
-                        "tilestored [{c1} + {sc}*1], tmm1",
-                        "tilestored [{c2} + {sc}*1], tmm2",
-                        "tilestored [{c3} + {sc}*1], tmm3",
-                        c0 = in(reg) c0, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3, sc = in(reg) sc,
-                        options(nostack, preserves_flags)
-                    );
+                    // The 32 x 32 block of C: rows r0.., columns 16 bn.. (stride np).
+                    let c0 = c.ptr_at(r0 * np + bn * TM, (2 * TM - 1) * np + 2 * TM);
+                    // The tile loads read A rows r0..r0 + 32 up to K tile ks.1, and both B
+                    // strips up to K tile ks.1.
+                    debug_assert!((r0 + 2 * TM - 1) * kp + ks.1 * TK <= ab.len() && ks.1 * TK <= kp, "amx: A block past [MP, kp]");
+                    debug_assert!((bn + 1) * b.kb * tile + ks.1 * tile <= b.tiles.len() && ks.1 <= b.kb, "amx: B strips past the packing");
+                    let a0 = ab.as_ptr().add(r0 * kp + ks.0 * TK);
+                    let b0 = b.tiles.as_ptr().add(bn * b.kb * tile + ks.0 * tile);
+                    tile_program(&cfg, a0, kp, b0, b.kb * tile, c0, np, ks.1 - ks.0, ks.0 > 0);
                 }
             }
         }
-        asm!("tilerelease", options(nostack, preserves_flags));
+    }
+
+    /// One self-contained tile program for a 32 x 32 block of C, as the module invariant
+    /// says: C (four 16 x 16 f32 tiles tmm0-3, zeroed, or loaded when `accumulate`) +=
+    /// Σ over `nk` K tiles of A (tmm4: rows 0-15, tmm5: rows 16-31; 16 rows x 32 bf16 each)
+    /// · B (tmm6, tmm7: the two 16-column strips, VNNI-packed), then C is stored.
+    ///
+    /// # Safety
+    /// AMX is enabled; `a` points at A's first K tile for row 0 of the block, with rows
+    /// `kp` u16 apart and `nk` tiles (32 u16 each) along every row of 32; `b` at the first
+    /// K tile of the left strip, the right strip `strip` u16 further, `nk` tiles of 512 u16
+    /// each; `c` at C's top-left, 32 rows `np` f32 apart, 32 columns, touched by no one else;
+    /// `nk >= 1`.
+    ///
+    /// The invariant's price: one `ldtilecfg` and `tilerelease` per block and K panel, against
+    /// up to 64 `tdpbf16ps` (a panel is at most 16 K tiles); not re-measured on AMX hardware
+    /// since the tile state stopped crossing `asm!` blocks.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn tile_program(cfg: &TileCfg, a: *const u16, kp: usize, b: *const u16, strip: usize, c: *mut f32, np: usize, nk: usize, accumulate: bool) {
+        asm!(
+            "ldtilecfg [{t}]",
+            // From here `t` holds C's row 16: c + 16 rows of sc bytes.
+            "mov {t}, {sc}",
+            "shl {t}, 4",
+            "add {t}, {c}",
+            "test {acc}, {acc}",
+            "jz 2f",
+            "tileloadd tmm0, [{c} + {sc}*1]",
+            "tileloadd tmm1, [{c} + {sc}*1 + 64]",
+            "tileloadd tmm2, [{t} + {sc}*1]",
+            "tileloadd tmm3, [{t} + {sc}*1 + 64]",
+            "jmp 3f",
+            "2:",
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            // The k loop: per K tile, A advances 32 bf16 (64 bytes) along its rows and each
+            // B strip one 1 KiB tile.
+            "3:",
+            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tileloadd tmm5, [{a1} + {sa}*1]",
+            "tileloadd tmm6, [{b0} + {sb}*1]",
+            "tileloadd tmm7, [{b1} + {sb}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, 64",
+            "add {a1}, 64",
+            "add {b0}, 1024",
+            "add {b1}, 1024",
+            "dec {nk}",
+            "jnz 3b",
+            "tilestored [{c} + {sc}*1], tmm0",
+            "tilestored [{c} + {sc}*1 + 64], tmm1",
+            "tilestored [{t} + {sc}*1], tmm2",
+            "tilestored [{t} + {sc}*1 + 64], tmm3",
+            "tilerelease",
+            t = inout(reg) cfg.0.as_ptr() => _,
+            a0 = inout(reg) a => _,
+            a1 = inout(reg) a.add(TM * kp) => _,
+            b0 = inout(reg) b => _,
+            b1 = inout(reg) b.add(strip) => _,
+            nk = inout(reg) nk => _,
+            c = in(reg) c,
+            acc = in(reg) accumulate as usize,
+            sa = in(reg) kp * 2,      // A row stride in bytes
+            sb = in(reg) TK * 2,      // packed B tile row stride in bytes
+            sc = in(reg) np * 4,      // C row stride in bytes
+            options(nostack)
+        );
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 mod amx {
     use super::PackedB;
+    use crate::ops::Shared;
     pub fn detect_and_enable() -> bool {
         false
     }
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn run_tiles(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: *mut f32) {
+    pub unsafe fn run_tiles(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AMX is x86-64 only; available() is false here")
     }
 }
@@ -459,13 +484,14 @@ mod amx {
 #[cfg(target_arch = "x86_64")]
 mod dot {
     use super::{PackedB, TK, TM};
+    use crate::ops::Shared;
     use std::arch::x86_64::*;
 
     /// Rows of C per micro-block (four per 32-row block of A).
     const MR: usize = 8;
 
     pub fn detect() -> bool {
-        std::arch::is_x86_feature_detected!("avx512bf16") && std::arch::is_x86_feature_detected!("avx512f")
+        crate::ops::cpu_bf16::avx512_bf16()
     }
 
     /// C blocks for row blocks `rows` (of 32) x column pairs `pairs` (of 32) over the K tiles
@@ -474,9 +500,9 @@ mod dot {
     ///
     /// # Safety
     /// AVX512-BF16 is present (`detect()`), `ab` is [MP, kp] bf16 covering the row blocks, and
-    /// `c` points at an [MP, np] f32 buffer whose blocks in this range nobody else touches.
+    /// `c` is an [MP, np] f32 buffer whose blocks in this range nobody else touches.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn run_blocks(ab: &[u16], kp: usize, b: &PackedB, rows: (usize, usize), pairs: (usize, usize), ks: (usize, usize), np: usize, c: *mut f32) {
+    pub unsafe fn run_blocks(ab: &[u16], kp: usize, b: &PackedB, rows: (usize, usize), pairs: (usize, usize), ks: (usize, usize), np: usize, c: Shared) {
         let tile = TM * TK; // u16 per tile
         let panel = super::pairs_per_panel(ks);
         for p0 in (pairs.0..pairs.1).step_by(panel) {
@@ -484,12 +510,18 @@ mod dot {
             for blk in rows.0..rows.1 {
                 for sub in 0..(2 * TM / MR) {
                     let r0 = blk * 2 * TM + sub * MR;
+                    // `micro` reads A rows r0..r0 + 8 up to K tile ks.1, and both B strips
+                    // of each pair up to K tile ks.1.
+                    debug_assert!((r0 + MR - 1) * kp + ks.1 * TK <= ab.len() && ks.1 * TK <= kp, "avx512-bf16: A block past [MP, kp]");
+                    debug_assert!((2 * p1 - 1) * b.kb * tile + ks.1 * tile <= b.tiles.len() && ks.1 <= b.kb, "avx512-bf16: B strips past the packing");
                     let a = ab.as_ptr().add(r0 * kp);
                     for pair in p0..p1 {
                         let bn = 2 * pair;
                         let b0 = b.tiles.as_ptr().add(bn * b.kb * tile);
                         let b1 = b0.add(b.kb * tile);
-                        micro(a, kp, b0, b1, ks, c.add(r0 * np + bn * TM), np);
+                        // The 8 x 32 block of C at rows r0.., columns 16 bn.. (stride np).
+                        let cb = c.ptr_at(r0 * np + bn * TM, (MR - 1) * np + 2 * TM);
+                        micro(a, kp, b0, b1, ks, cb, np);
                     }
                 }
             }
@@ -537,11 +569,12 @@ mod dot {
 #[cfg(not(target_arch = "x86_64"))]
 mod dot {
     use super::PackedB;
+    use crate::ops::Shared;
     pub fn detect() -> bool {
         false
     }
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn run_blocks(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: *mut f32) {
+    pub unsafe fn run_blocks(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
 }
@@ -579,60 +612,61 @@ mod tests {
         assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
     }
 
-    /// Every kernel this CPU supports, with a note of the ones skipped.
-    fn kernels_here() -> Vec<Kernel> {
-        let mut ks = Vec::new();
-        for k in [Kernel::Amx, Kernel::Avx512Bf16] {
-            if k.supported() {
-                ks.push(k);
-            } else {
-                eprintln!("SKIPPED {k:?}: this CPU/OS cannot run it (so it is not used here either)");
-            }
-        }
-        ks
-    }
+    /// Ragged edges; many row blocks (split by rows); few rows against many columns (split by
+    /// columns, as for the LM head); K over one panel of either kernel (C reloaded between
+    /// panels). (33, 40, 65): odd K over two K tiles and rows not a multiple of 8; (8, 0, 7):
+    /// no columns; (256, 1100, 1100): a task walks B in several panels (`pairs_per_panel`).
+    const SHAPES: [(usize, usize, usize); 13] =
+        [(3, 4, 0), (0, 4, 5), (8, 0, 7), (1, 1, 1), (5, 7, 3), (33, 17, 40), (33, 40, 65), (64, 64, 64), (70, 48, 96), (256, 192, 576), (40, 1000, 70), (20, 48, 1700), (256, 1100, 1100)];
 
-    #[test]
-    fn every_supported_kernel_matches_a_bf16_reference_on_ragged_shapes_both_packings() {
-        // Ragged edges; many row blocks (split by rows); few rows against many columns (split by
-        // columns, as for the LM head); K over one panel of either kernel (C reloaded between
-        // panels).
-        for kern in kernels_here() {
-            // (33, 40, 65): odd K over two K tiles and rows not a multiple of 8; (8, 0, 7): no
-            // columns; (256, 1100, 1100): a task walks B in several panels (`pairs_per_panel`).
-            for &(m, n, k) in &[(3, 4, 0), (0, 4, 5), (8, 0, 7), (1, 1, 1), (5, 7, 3), (33, 17, 40), (33, 40, 65), (64, 64, 64), (70, 48, 96), (256, 192, 576), (40, 1000, 70), (20, 48, 1700), (256, 1100, 1100)] {
-                let a = data(m * k, 1);
-                let w = data(n * k, 7); // W [N, K]
-                let want = reference(&a, &w, m, n, k);
-                let wb: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
-                let got = gemm_with(kern, &a, m, &PackedB::from_nk(&wb, n, k));
-                // The same B given as [K, N] (Wᵀ materialised) must pack to the same product.
-                let got2 = gemm_with(kern, &a, m, &PackedB::from_kn(&transpose(&wb, n, k), k, n));
-                assert_eq!((got.len(), got2.len()), (m * n, m * n));
-                let tol = 1e-5 * k as f32;
-                let mut worst = 0f32;
-                for (idx, ((g, g2), r)) in got.iter().zip(&got2).zip(&want).enumerate() {
-                    assert!((g - r).abs() <= tol, "{kern:?} {m}x{n}x{k} from_nk: C[{idx}] = {g}, reference {r}");
-                    assert!((g2 - r).abs() <= tol, "{kern:?} {m}x{n}x{k} from_kn: C[{idx}] = {g2}, reference {r}");
-                    worst = worst.max((g - r).abs());
-                }
-                println!("{kern:?} {m}x{n}x{k}: max |C - reference| {worst:e}");
-            }
-        }
-    }
-
-    #[test]
-    fn the_portable_fallback_computes_the_same_sums_from_both_packings() {
-        for &(m, n, k) in &[(9, 40, 70), (3, 17, 33)] {
-            let (a, w) = (data(m * k, 3), data(n * k, 5));
-            let wb: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
+    /// `gemm` (a kernel, or the portable loop) against the f64 reference on every shape of
+    /// `SHAPES`, with B packed both ways.
+    fn matches_the_reference_on_ragged_shapes(name: &str, gemm: impl Fn(&[f32], usize, &PackedB) -> Vec<f32>) {
+        for &(m, n, k) in &SHAPES {
+            let a = data(m * k, 1);
+            let w = data(n * k, 7); // W [N, K]
             let want = reference(&a, &w, m, n, k);
-            let got = portable(&a, m, &PackedB::from_nk(&wb, n, k));
-            let got2 = portable(&a, m, &PackedB::from_kn(&transpose(&wb, n, k), k, n));
-            for ((g, g2), r) in got.iter().zip(&got2).zip(&want) {
-                assert!((g - r).abs() <= 1e-5 * k as f32 && (g2 - r).abs() <= 1e-5 * k as f32, "{g} / {g2} vs {r}");
+            let wb: Vec<u16> = w.iter().map(|&x| bf16_bits(x)).collect();
+            let got = gemm(&a, m, &PackedB::from_nk(&wb, n, k));
+            // The same B given as [K, N] (Wᵀ materialised) must pack to the same product.
+            let got2 = gemm(&a, m, &PackedB::from_kn(&transpose(&wb, n, k), k, n));
+            assert_eq!((got.len(), got2.len()), (m * n, m * n));
+            let tol = 1e-5 * k as f32;
+            let mut worst = 0f32;
+            for (idx, ((g, g2), r)) in got.iter().zip(&got2).zip(&want).enumerate() {
+                assert!((g - r).abs() <= tol, "{name} {m}x{n}x{k} from_nk: C[{idx}] = {g}, reference {r}");
+                assert!((g2 - r).abs() <= tol, "{name} {m}x{n}x{k} from_kn: C[{idx}] = {g2}, reference {r}");
+                worst = worst.max((g - r).abs());
             }
+            println!("{name} {m}x{n}x{k}: max |C - reference| {worst:e}");
         }
+    }
+
+    /// Where build.rs found the unit but this process cannot use it, the test must fail, not
+    /// pass vacuously: a binary built on another CPU, or an OS that refused tile permission.
+    fn here(kern: Kernel) -> Kernel {
+        assert!(kern.supported(), "built where {} was found (cfg from build.rs) but this CPU/OS cannot run it: rebuild on this machine", kern.name());
+        kern
+    }
+
+    #[test]
+    #[cfg_attr(not(bf16_amx), ignore = "needs AMX-BF16 (and Linux's tile permission)")]
+    fn the_amx_kernel_matches_a_bf16_reference_on_ragged_shapes_both_packings() {
+        let kern = here(Kernel::Amx);
+        matches_the_reference_on_ragged_shapes("Amx", |a, m, b| gemm_with(kern, a, m, b));
+    }
+
+    #[test]
+    #[cfg_attr(not(bf16_avx512), ignore = "needs AVX512-BF16")]
+    fn the_avx512_bf16_kernel_matches_a_bf16_reference_on_ragged_shapes_both_packings() {
+        let kern = here(Kernel::Avx512Bf16);
+        matches_the_reference_on_ragged_shapes("Avx512Bf16", |a, m, b| gemm_with(kern, a, m, b));
+    }
+
+    /// Runs on every CPU: the portable loop computes the kernels' sums from the same packing.
+    #[test]
+    fn the_portable_fallback_matches_a_bf16_reference_on_ragged_shapes_both_packings() {
+        matches_the_reference_on_ragged_shapes("portable", portable);
     }
 
     #[test]

@@ -226,12 +226,12 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
+    /// The fused frozen linear with a bf16 W: only a CPU with a bf16 unit takes this path
+    /// (elsewhere a bf16 W goes portable); the math it runs is checked on every CPU below.
     #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs AMX or AVX512-BF16")]
     fn a_bf16_weight_on_a_bf16_unit_matches_f32_math_on_bf16_rounded_inputs_in_value_and_input_gradient() -> Result<()> {
-        let Some(kernel) = crate::ops::bf16_gemm::kernel() else {
-            eprintln!("SKIPPED: no AMX or AVX512-BF16 here, so a bf16 weight takes candle's matmul");
-            return Ok(());
-        };
+        let kernel = crate::ops::bf16_gemm::kernel().expect("build.rs found a bf16 unit but this process has none: rebuild on this machine");
         let dev = Device::Cpu;
         let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
         let (n, i, o) = (37, 70, 50);
@@ -252,21 +252,55 @@ mod tests {
         Ok(())
     }
 
+    /// The bf16 GEMM a bf16 W runs on, fed as `frozen_gemm` feeds it (the weight packed by
+    /// `PackedB::from_weight` both ways): f32 sums of bf16-rounded operands, on every CPU
+    /// (the unit where there is one, the portable loop of the same math elsewhere).
+    #[test]
+    fn the_bf16_weight_gemm_is_f32_math_on_bf16_rounded_inputs_both_ways_on_every_cpu() -> Result<()> {
+        use crate::ops::bf16_gemm::{gemm, PackedB};
+        let dev = Device::Cpu;
+        let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let (n, i, o) = (37, 70, 50);
+        let x = Tensor::from_vec((0..n * i).map(|v| ((v * 17 % 13) as f32 - 6.0) * 0.01).collect(), (n, i), &dev)?;
+        let w = Tensor::from_vec((0..o * i).map(|v| ((v * 5 % 11) as f32 - 5.0) * 0.1).collect(), (o, i), &dev)?.to_dtype(DType::BF16)?;
+        let g = Tensor::from_vec((0..n * o).map(|v| ((v % 9) as f32 - 4.0) * 0.05).collect(), (n, o), &dev)?;
+        let w32 = w.to_dtype(DType::F32)?;
+        let fwd = gemm(&x.flatten_all()?.to_vec1::<f32>()?, n, &PackedB::from_weight(&w, false)?);
+        let want = round(&x)?.matmul(&w32.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+        let back = gemm(&g.flatten_all()?.to_vec1::<f32>()?, n, &PackedB::from_weight(&w, true)?);
+        let want_back = round(&g)?.matmul(&w32)?.flatten_all()?.to_vec1::<f32>()?;
+        for (what, got, want) in [("x Wᵀ", fwd, want), ("g W", back, want_back)] {
+            assert_eq!(got.len(), want.len(), "{what}");
+            let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            println!("{what}: max |diff| {d:e}");
+            assert!(d < 1e-5, "{what} differs by {d}");
+        }
+        Ok(())
+    }
+
     /// The fused LoRA op against the same math from candle ops: value and the gradients of
-    /// x, A and B, with and without a dropout mask, for an f32 W and (where there is a bf16
-    /// unit) a bf16 W against f32 math on bf16-rounded inputs.
+    /// x, A and B, with and without a dropout mask, for an f32 W (every CPU).
     #[test]
     fn lora_linear_matches_candle_ops_in_value_and_gradients_of_x_a_and_b() -> Result<()> {
+        lora_linear_against_candle_ops(false)
+    }
+
+    /// The same for a bf16 W on a bf16 unit, against f32 math on bf16-rounded inputs.
+    #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs AMX or AVX512-BF16")]
+    fn lora_linear_with_a_bf16_weight_on_a_bf16_unit_matches_candle_ops_on_rounded_inputs() -> Result<()> {
+        assert!(crate::ops::bf16_gemm::available(), "build.rs found a bf16 unit but this process has none: rebuild on this machine");
+        lora_linear_against_candle_ops(true)
+    }
+
+    fn lora_linear_against_candle_ops(bf16: bool) -> Result<()> {
         let dev = Device::Cpu;
         let (n, i, o, r) = (37, 70, 50, 4);
         let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect::<Vec<_>>();
         let w32 = Tensor::from_vec(vals(o * i, 5, 11), (o, i), &dev)?;
         let g = Tensor::from_vec(vals(n * o, 7, 9), (n, o), &dev)?;
         let mask: Vec<f32> = (0..n * i).map(|v| if v % 7 == 3 { 0.0 } else { 1.25 }).collect();
-        let mut weights = vec![("f32", w32.clone())];
-        if crate::ops::bf16_gemm::available() {
-            weights.push(("bf16", w32.to_dtype(DType::BF16)?));
-        }
+        let weights = if bf16 { vec![("bf16", w32.to_dtype(DType::BF16)?)] } else { vec![("f32", w32.clone())] };
         for (wname, w) in &weights {
             for masked in [false, true] {
                 let x = Var::from_vec(vals(n * i, 17, 13), (n, i), &dev)?;

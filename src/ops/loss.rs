@@ -160,11 +160,9 @@ mod tests {
     /// A bf16 head on the CPU's bf16 unit gives what the f32 path gives for the bf16-rounded
     /// rows and head (the rounding is the contract; the sums are f32 either way).
     #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs AMX or AVX512-BF16")]
     fn a_bf16_head_on_a_bf16_unit_matches_the_f32_head_on_rounded_rows() -> Result<()> {
-        if !crate::ops::bf16_gemm::available() {
-            eprintln!("SKIPPED: no AMX or AVX512-BF16 here, so a bf16 head is converted to f32");
-            return Ok(());
-        }
+        assert!(crate::ops::bf16_gemm::available(), "build.rs found a bf16 unit but this process has none: rebuild on this machine");
         let dev = Device::Cpu;
         let (m, h, v) = (45, 64, 300);
         let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
@@ -181,6 +179,27 @@ mod tests {
         println!("bf16 head: |ce diff| {:e}, max |grad diff| {diff:e}", (ce - ce32).abs());
         assert!((ce - ce32).abs() < 1e-4 * ce32.abs(), "ce {ce} vs {ce32}");
         assert!(diff < 1e-5, "grad differs by {diff}");
+        Ok(())
+    }
+
+    /// The bf16 head's two products (logits x Wᵀ, input gradient g W), built as the fused path
+    /// builds them, on every CPU (the unit where there is one, the portable loop of the same
+    /// math elsewhere): f32 sums of bf16-rounded operands.
+    #[test]
+    fn the_bf16_heads_products_are_f32_math_on_bf16_rounded_operands_on_every_cpu() -> Result<()> {
+        let dev = Device::Cpu;
+        let (m, h, v) = (45, 64, 300);
+        let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
+        let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05).collect(), (v, h), &dev)?.to_dtype(DType::BF16)?;
+        let g = Tensor::from_vec((0..m * v).map(|i| ((i * 7 % 9) as f32 - 4.0) * 0.01).collect(), (m, v), &dev)?;
+        let built = Head::new(Path::Fused, &head)?;
+        assert!(matches!(built, Head::Bf16 { .. }), "a bf16 head on the fused path is packed for the bf16 GEMM");
+        let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let h32 = head.to_dtype(DType::F32)?;
+        let d = (built.logits(&rows)? - round(&rows)?.matmul(&h32.t()?)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let dg = (built.input_grad(&g)? - round(&g)?.matmul(&h32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        println!("bf16 head products: logits max |diff| {d:e}, input gradient {dg:e}");
+        assert!(d < 1e-5 && dg < 1e-5, "logits differ by {d}, input gradient by {dg}");
         Ok(())
     }
 

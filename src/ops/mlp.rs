@@ -161,19 +161,26 @@ mod tests {
 
     /// The fused MLP half equals the separate ops it replaces (rms_norm, frozen_linear x3,
     /// swiglu, residual add) bit for bit, in value and in x's gradient: same kernels, and each
-    /// gradient sum has two terms. For an f32 W and, with a bf16 unit, a bf16 W.
+    /// gradient sum has two terms. For an f32 W here; a bf16 W below.
     #[test]
     fn frozen_mlp_residual_equals_the_separate_ops_in_value_and_input_gradient() -> Result<()> {
+        check_frozen_mlp_residual(DType::F32)
+    }
+
+    #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs AMX or AVX512-BF16")]
+    fn frozen_mlp_residual_with_a_bf16_weight_equals_the_separate_ops_on_a_bf16_unit() -> Result<()> {
+        assert!(crate::ops::bf16_gemm::available(), "built for a bf16 unit this CPU lacks: rebuild on this machine");
+        check_frozen_mlp_residual(DType::BF16)
+    }
+
+    fn check_frozen_mlp_residual(dt: DType) -> Result<()> {
         let dev = Device::Cpu;
         let (n, h, i) = (37, 24, 70);
         let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.05).collect::<Vec<_>>();
         let norm = Tensor::from_vec(vals(h, 3, 7).iter().map(|v| 1.0 + v).collect::<Vec<_>>(), h, &dev)?;
         let g = Tensor::from_vec(vals(n * h, 7, 9), (n, h), &dev)?;
-        let mut dtypes = vec![DType::F32];
-        if crate::ops::bf16_gemm::available() {
-            dtypes.push(DType::BF16);
-        }
-        for dt in dtypes {
+        {
             let gate = Tensor::from_vec(vals(i * h, 5, 11), (i, h), &dev)?.to_dtype(dt)?;
             let up = Tensor::from_vec(vals(i * h, 13, 17), (i, h), &dev)?.to_dtype(dt)?;
             let down = Tensor::from_vec(vals(h * i, 11, 13), (h, i), &dev)?.to_dtype(dt)?;

@@ -19,6 +19,7 @@
 
 pub mod attention;
 pub mod bf16_gemm;
+pub(crate) mod cpu_bf16;
 pub mod dispatch;
 mod gemm;
 pub mod linear;
@@ -88,19 +89,68 @@ pub fn par_zeroed<T: Copy + Default + Send>(len: usize, chunk: usize, fill: impl
     v
 }
 
-/// An f32 buffer that parallel tasks write disjoint parts of (attention strips, GEMM tiles).
+/// An f32 buffer that parallel tasks write disjoint parts of (attention strips, GEMM tiles):
+/// the one place a `&mut` buffer is shared across rayon tasks.
+///
+/// SAFETY contract, for every user:
+/// - the buffer outlives every access: [`Shared::new`] and [`Shared::uninit`] borrow it
+///   mutably for `'a`, so it can be neither used directly, moved, nor freed meanwhile;
+/// - each element is accessed by at most one task at a time: tasks write disjoint ranges
+///   (`rows`, `ptr_at`), and nobody reads a range another task may be writing;
+/// - every range lies inside the buffer: `len` travels with the pointer, and each access
+///   checks `at + len <= self.len` in debug builds (`debug_assert!`), so a wrong index in a
+///   kernel's block arithmetic fails a debug test instead of writing out of bounds.
 #[derive(Clone, Copy)]
-pub(crate) struct Shared(pub(crate) *mut f32);
-// SAFETY: users write only disjoint ranges from different tasks (see `rows`).
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
+pub(crate) struct Shared<'a> {
+    ptr: *mut f32,
+    /// Elements behind `ptr`.
+    len: usize,
+    _buf: std::marker::PhantomData<&'a mut [f32]>,
+}
 
-impl Shared {
+// SAFETY: sending or sharing the handle is what it is for; the contract above (disjoint
+// ranges, each checked to be inside the buffer) is what makes the accesses sound.
+unsafe impl Send for Shared<'_> {}
+unsafe impl Sync for Shared<'_> {}
+
+impl<'a> Shared<'a> {
+    pub(crate) fn new(buf: &'a mut [f32]) -> Self {
+        Shared { ptr: buf.as_mut_ptr(), len: buf.len(), _buf: std::marker::PhantomData }
+    }
+
+    /// Over not-yet-initialised capacity (an output every element of which the tasks store
+    /// before anyone reads it); only raw pointers ([`Shared::ptr_at`]) may touch it.
+    pub(crate) fn uninit(buf: &'a mut [std::mem::MaybeUninit<f32>]) -> Self {
+        Shared { ptr: buf.as_mut_ptr().cast(), len: buf.len(), _buf: std::marker::PhantomData }
+    }
+
+    /// Elements `at..at + len` as a slice.
+    ///
     /// # Safety
-    /// `at..at + len` is inside the buffer and no other task touches it meanwhile.
+    /// `at..at + len` is inside the buffer (checked in debug builds), initialised, and no
+    /// other task touches it while the slice lives.
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn rows(&self, at: usize, len: usize) -> &mut [f32] {
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+        // SAFETY: the caller's contract; the bounds are also checked in debug builds.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr_at(at, len), len) }
+    }
+
+    /// Is `at..at + len` inside the buffer (without overflowing)?
+    fn in_bounds(&self, at: usize, len: usize) -> bool {
+        at.checked_add(len).is_some_and(|end| end <= self.len)
+    }
+
+    /// A pointer to element `at`, for a kernel that will access `at..at + len` through it
+    /// (a C block of rows with a stride: `len` spans its first to its last element).
+    ///
+    /// # Safety
+    /// `at..at + len` is inside the buffer (checked in debug builds) and no other task
+    /// touches it while the pointer is used.
+    pub(crate) unsafe fn ptr_at(&self, at: usize, len: usize) -> *mut f32 {
+        debug_assert!(self.in_bounds(at, len), "Shared: elements {at}..{} of a buffer of {}", at.saturating_add(len), self.len);
+        // SAFETY: `at <= self.len` (the caller's contract), so the offset stays inside (or
+        // one past) the allocation.
+        unsafe { self.ptr.add(at) }
     }
 }
 
@@ -216,6 +266,29 @@ mod tests {
         let x: Vec<f32> = pseudo(1001, 9);
         let d = (sum_f32(&x) as f64 - x.iter().map(|&v| v as f64).sum::<f64>()).abs();
         assert!(d < 1e-4, "sum off by {d}");
+    }
+
+    #[test]
+    fn shared_hands_out_disjoint_ranges_and_knows_which_ranges_are_inside_its_buffer() {
+        use rayon::prelude::*;
+        let mut buf = vec![0f32; 10];
+        let s = Shared::new(&mut buf);
+        assert!(s.in_bounds(0, 10) && s.in_bounds(8, 2) && s.in_bounds(10, 0));
+        assert!(!s.in_bounds(9, 2) && !s.in_bounds(11, 0) && !s.in_bounds(usize::MAX, 2), "past the end, or overflowing");
+        // SAFETY: the five ranges 2i..2i + 2 are disjoint and inside the 10 elements.
+        (0..5).into_par_iter().for_each(|i| unsafe { s.rows(2 * i, 2) }.fill(i as f32));
+        assert_eq!(buf, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0]);
+    }
+
+    /// The check is a `debug_assert!`: release builds (`make test`) skip it, and this test.
+    #[test]
+    #[cfg_attr(not(debug_assertions), ignore = "the bounds check is a debug assertion: run without --release")]
+    #[should_panic(expected = "Shared: elements 9..11 of a buffer of 10")]
+    fn shared_stops_an_access_past_the_end_of_its_buffer_in_debug_builds() {
+        let mut buf = vec![0f32; 10];
+        let s = Shared::new(&mut buf);
+        // SAFETY: not safe, which is the point: the debug check must panic before the write.
+        unsafe { s.rows(9, 2) }.fill(1.0);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod gguf;
+
 use candle_core::{Device, Tensor};
 use finetune::recipe::LoadedRecipe;
 use std::collections::HashMap;
@@ -66,5 +68,42 @@ pub fn copy_dir(src: &Path, dst: &Path) {
         } else {
             std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
         }
+    }
+}
+
+/// `<root>/<name>/recipe.toml` holding `recipe`; returns `<root>/<name>`.
+pub fn run_dir(root: &Path, name: &str, recipe: &str) -> PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("recipe.toml"), recipe).unwrap();
+    dir
+}
+
+/// `finetune --recipe <dir>/recipe.toml --set ...` as a child process (stderr piped).
+pub fn spawn(dir: &Path, extra: &[&str]) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .arg("--recipe")
+        .arg(dir.join("recipe.toml"))
+        .args(extra.iter().flat_map(|s| ["--set", s]))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Wait until `<dir>/out/metrics.jsonl` has `n` lines while `child` keeps running.
+pub fn wait_for_steps(dir: &Path, n: usize, child: &mut std::process::Child) {
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(dir.join("out/metrics.jsonl")).map_or(0, |t| t.lines().count()) < n {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                use std::io::Read;
+                let _ = e.read_to_string(&mut err);
+            }
+            panic!("run ended early ({status}): {err}");
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(60), "no progress");
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }

@@ -1,0 +1,205 @@
+//! The output folder belongs to one run at a time.
+//!
+//! - **One writer.** A run holds an exclusive `flock` on `<output.dir>/.finetune.lock` from
+//!   setup until it returns (the merged export included). A second run on the same folder is
+//!   refused at once, naming the folder and the holder's pid. The lock is the kernel's, tied to
+//!   the open file: it dies with the process, so a SIGKILLed run never leaves the folder
+//!   locked.
+//! - **Runs kept apart.** Files of a run that is not being continued (`checkpoint.resume =
+//!   "never"`, or checkpoints newer than the one resumed from) are moved into
+//!   `<output.dir>/previous/<UTC time>/`, never deleted and never mixed with the new run's: a
+//!   new run's checkpoints are then never pruned against an old run's step numbers, and a
+//!   later `resume = "auto"` cannot pick up the old run.
+
+use crate::error::{Error, Result};
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+
+const LOCK: &str = ".finetune.lock";
+
+/// What a previous run leaves in its output folder (besides `previous/` and the lock), and
+/// whether each is a folder.
+pub const RUN_FILES: &[(&str, bool)] = &[("checkpoints", true), ("metrics.jsonl", false), ("adapter", true), ("merged", true), ("recipe.resolved.toml", false)];
+
+/// The exclusive right to write an output folder, held until dropped.
+#[derive(Debug)]
+pub struct RunLock {
+    file: std::fs::File,
+    dir: PathBuf,
+    /// This run created the folder: if it ends having written nothing else, it is removed
+    /// again, so input that fails during setup leaves nothing behind.
+    created: bool,
+}
+
+impl RunLock {
+    /// Take the folder (creating it if needed), or say who holds it. `key` is the recipe key
+    /// that named the folder, for the error.
+    pub fn acquire(dir: &Path, recipe_file: &str) -> Result<RunLock> {
+        let created = !dir.exists();
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let path = dir.join(LOCK);
+        // A run that gave its folder up may unlink the lock file between our open and our
+        // flock; a lock on an unlinked file protects nothing, so check we locked the file
+        // the path names, and retry otherwise.
+        for _ in 0..8 {
+            let mut file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| Error::io(&path, e))?;
+            if !try_flock(&file).map_err(|e| Error::io(&path, e))? {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = holder.trim();
+                let holder = if holder.is_empty() { "another process".to_string() } else { holder.to_string() };
+                return Err(Error::Recipe {
+                    file: recipe_file.to_string(),
+                    key: "output.dir".into(),
+                    msg: format!(
+                        "{} is in use by another finetune run ({holder}); one run writes a folder at a time: \
+                         wait for it to end, or set output.dir to another folder",
+                        dir.display()
+                    ),
+                });
+            }
+            if !same_file(&file, &path) {
+                continue;
+            }
+            let me = format!("pid {}, started {}", std::process::id(), utc_stamp(std::time::SystemTime::now(), " ", ":"));
+            file.set_len(0).and_then(|_| file.rewind()).and_then(|_| file.write_all(me.as_bytes())).map_err(|e| Error::io(&path, e))?;
+            return Ok(RunLock { file, dir: dir.to_path_buf(), created });
+        }
+        Err(Error::io(&path, std::io::Error::other("the lock file kept being replaced while locking it")))
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        if !self.created {
+            return;
+        }
+        let only_lock = std::fs::read_dir(&self.dir).map(|d| d.flatten().all(|e| e.file_name() == LOCK)).unwrap_or(false);
+        if only_lock {
+            // Unlinked while still locked: a run waiting on it re-checks and retries.
+            let _ = std::fs::remove_file(self.dir.join(LOCK));
+            let _ = std::fs::remove_dir(&self.dir);
+        }
+        let _ = &self.file;
+    }
+}
+
+/// `flock(LOCK_EX | LOCK_NB)`: Ok(false) when another open file holds it.
+fn try_flock(file: &std::fs::File) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+fn same_file(file: &std::fs::File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// Move `names` (relative to `out_dir`, those that exist) into a new
+/// `<out_dir>/previous/<UTC time>/`; returns that folder, or None when there was nothing.
+pub fn set_aside(out_dir: &Path, names: &[PathBuf]) -> Result<Option<PathBuf>> {
+    let present: Vec<&PathBuf> = names.iter().filter(|n| out_dir.join(n).symlink_metadata().is_ok()).collect();
+    if present.is_empty() {
+        return Ok(None);
+    }
+    let stamp = utc_stamp(std::time::SystemTime::now(), "-", "");
+    let base = out_dir.join("previous");
+    let mut dest = base.join(&stamp);
+    let mut k = 1;
+    while dest.exists() {
+        k += 1;
+        dest = base.join(format!("{stamp}-{k}"));
+    }
+    for rel in present {
+        let to = dest.join(rel);
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        crate::fsutil::rename_durable(&out_dir.join(rel), &to)?;
+    }
+    Ok(Some(dest))
+}
+
+/// What of a previous run `out_dir` holds (the `RUN_FILES` present). Something else under
+/// one of those names (a file called `checkpoints`) is not a run's and stays where it is.
+pub fn previous_run_files(out_dir: &Path) -> Vec<PathBuf> {
+    RUN_FILES
+        .iter()
+        .filter(|(n, dir)| out_dir.join(n).symlink_metadata().is_ok_and(|m| m.is_dir() == *dir))
+        .map(|(n, _)| PathBuf::from(n))
+        .collect()
+}
+
+/// `YYYYMMDD<sep>HHMMSS` in UTC (with `tsep` between the time fields), without a date crate.
+fn utc_stamp(t: std::time::SystemTime, sep: &str, tsep: &str) -> String {
+    let secs = t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let date = if sep == "-" { format!("{y:04}{m:02}{d:02}") } else { format!("{y:04}-{m:02}-{d:02}") };
+    format!("{date}{sep}{:02}{tsep}{:02}{tsep}{:02}{}", rem / 3600, rem % 3600 / 60, rem % 60, if sep == "-" { "" } else { " UTC" })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_stamps_read_as_calendar_time() {
+        let t = |s: u64| std::time::UNIX_EPOCH + std::time::Duration::from_secs(s);
+        assert_eq!(utc_stamp(t(0), "-", ""), "19700101-000000");
+        // 2000-02-29 12:34:56 UTC (a leap day) and 2026-11-23 10:00:00 UTC.
+        assert_eq!(utc_stamp(t(951_827_696), "-", ""), "20000229-123456");
+        assert_eq!(utc_stamp(t(1_795_428_000), " ", ":"), "2026-11-23 10:00:00 UTC");
+    }
+
+    #[test]
+    fn a_second_lock_on_a_folder_is_refused_naming_the_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let first = RunLock::acquire(&out, "r.toml").unwrap();
+        let e = RunLock::acquire(&out, "r.toml").unwrap_err().to_string();
+        assert!(e.contains("output.dir") && e.contains(&format!("pid {}", std::process::id())) && e.contains("run"), "{e}");
+        drop(first);
+        // Released and, since the folder held nothing else, removed.
+        assert!(!out.exists());
+        let again = RunLock::acquire(&out, "r.toml").unwrap();
+        std::fs::write(out.join("metrics.jsonl"), "{}\n").unwrap();
+        drop(again);
+        assert!(out.join("metrics.jsonl").exists(), "a folder with output is kept");
+    }
+
+    #[test]
+    fn setting_aside_moves_files_under_previous() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        std::fs::create_dir_all(out.join("checkpoints/step-000002")).unwrap();
+        std::fs::write(out.join("metrics.jsonl"), "x\n").unwrap();
+        let moved = set_aside(out, &previous_run_files(out)).unwrap().unwrap();
+        assert!(moved.starts_with(out.join("previous")));
+        assert!(moved.join("checkpoints/step-000002").is_dir() && moved.join("metrics.jsonl").is_file());
+        assert!(previous_run_files(out).is_empty());
+        assert_eq!(set_aside(out, &previous_run_files(out)).unwrap(), None);
+    }
+}
