@@ -244,7 +244,20 @@ const MAY_CHANGE: &[&str] = &["train.max_steps", "train.warmup_steps", "train.lo
 pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Vec<String>, String> {
     // Both through the typed recipe first, so keys added since the checkpoint was written
     // compare as their defaults instead of as changes.
-    let normal = |s: &str| toml::from_str::<crate::recipe::Recipe>(s).ok().and_then(|r| toml::to_string(&r).ok()).unwrap_or_else(|| s.to_string());
+    let normal = |s: &str| {
+        toml::from_str::<crate::recipe::Recipe>(s)
+            .ok()
+            .map(|mut r| {
+                // Before transformers' names were enforced, "constant" with warmup meant what
+                // "constant_with_warmup" means now: the same schedule, not a change.
+                if r.train.lr_scheduler == "constant" && r.train.warmup_steps > 0 {
+                    r.train.lr_scheduler = "constant_with_warmup".into();
+                }
+                r
+            })
+            .and_then(|r| toml::to_string(&r).ok())
+            .unwrap_or_else(|| s.to_string())
+    };
     let (saved, current) = (normal(saved), normal(current));
     let parse = |s: &str| toml::from_str::<toml::Table>(s).map_err(|e| format!("saved recipe unreadable: {e}"));
     let (a, b) = (parse(&saved)?, parse(&current)?);
@@ -312,6 +325,15 @@ dir = "out"
         // defaults out.
         let now = format!("{OLD}[dist]\nzero_stage = 0\noffload_optimizer = \"cpu\"\nprefetch_layers = 1\n");
         assert_eq!(check_recipe_change(OLD, &now), Ok(vec![]));
+    }
+
+    #[test]
+    fn a_checkpoint_from_before_constant_with_warmup_resumes_under_that_name() {
+        let old = OLD.replace("lr = 0.001", "lr = 0.001\nlr_scheduler = \"constant\"\nwarmup_steps = 2");
+        let now = old.replace("\"constant\"", "\"constant_with_warmup\"");
+        assert_eq!(check_recipe_change(&old, &now), Ok(vec![]));
+        let cosine = old.replace("\"constant\"", "\"cosine\"");
+        assert!(check_recipe_change(&old, &cosine).unwrap_err().contains("lr_scheduler"));
     }
 
     #[test]

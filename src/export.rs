@@ -349,12 +349,8 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
 }
 
 fn base_is_half(base: &ModelDir) -> bool {
-    base.open_weights()
-        .ok()
-        .and_then(|f| {
-            let name = f.names().next()?.clone();
-            let d = f.view(&name).ok()?.dtype();
-            Some(matches!(d, safetensors::Dtype::BF16 | safetensors::Dtype::F16))
-        })
-        .unwrap_or(false)
+    // Any float tensor tells the base's dtype (an integer buffer, if present, does not).
+    let Ok(f) = base.open_weights() else { return false };
+    let floats = f.names().filter_map(|n| f.raw_view(n).ok().map(|v| v.dtype())).find(|d| candle_dtype(*d).is_some());
+    matches!(floats, Some(safetensors::Dtype::BF16 | safetensors::Dtype::F16))
 }

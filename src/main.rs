@@ -444,7 +444,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
             let stop = install_signal_handlers()?;
             let summary = finetune::train::run_with(&recipe, &finetune::train::RunOptions { stop: Some(stop), ..Default::default() })?;
-            if summary.interrupted.is_none() && recipe.recipe.export.merged {
+            // Only the process holding the folder writes there (under several processes,
+            // rank 0's).
+            if summary.interrupted.is_none() && recipe.recipe.export.merged && summary.lock.is_some() {
                 let e = &recipe.recipe.export;
                 let run = &summary.output_dir;
                 let adapter = finetune::export::PeftAdapter::open(&run.join("adapter"))?;
@@ -465,8 +467,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if let Some(sig) = summary.interrupted {
                 let (name, code) = if sig == 15 { ("SIGTERM", 143) } else { ("SIGINT", 130) };
                 let at = summary.checkpoint.map(|d| d.display().to_string()).unwrap_or_default();
+                let how = match recipe.recipe.checkpoint.resume.as_str() {
+                    "auto" => "the same command".to_string(),
+                    // Rerunning with "never" or a pinned checkpoint would set this progress aside.
+                    _ => "the same command plus --set checkpoint.resume=auto".to_string(),
+                };
                 eprintln!(
-                    "stopped by {name}; checkpoint saved at {at}.\nresume with the same command \
+                    "stopped by {name}; checkpoint saved at {at}.\nresume with {how} \
                      (checkpoint.resume = \"auto\" continues from the newest valid checkpoint)"
                 );
                 return Ok(ExitCode::from(code));

@@ -451,7 +451,8 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         micro_index += (accum * world) as u64;
         let loss = comm.all_reduce(&Tensor::new(&[ce_sum], &device)?)?.to_vec1::<f64>()?[0] / count as f64;
         if !loss.is_finite() {
-            return Err(non_finite_loss(loaded, step, step == start_step + 1, loss, &adapters));
+            // Only step 1 comes before any update (a resumed run's weights were updated).
+            return Err(non_finite_loss(loaded, step, step == 1, loss, &adapters));
         }
         // Each rank keeps the sum over ranks of its slice of the gradient (summed in f64 like
         // the accumulation, then rounded once to f32).
@@ -638,8 +639,8 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
                         key: "checkpoint.resume".into(),
                         msg: format!(
                             "{} holds checkpoints but none is valid: {}. Nothing was changed. To start a new run there, set \
-                             checkpoint.resume = \"never\" (the old files are moved to {}/previous/); to try one anyway, \
-                             set checkpoint.resume to its folder; or set output.dir to another folder",
+                             checkpoint.resume = \"never\" (the old files are moved to {}/previous/), or set output.dir \
+                             to another folder",
                             out_dir.display(),
                             list.join("; "),
                             out_dir.display()
@@ -650,33 +651,27 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
                     let moved = set_aside(out_dir, &previous_run_files(out_dir))?;
                     say(moved, "no checkpoint to continue from; the previous run's files");
                 }
-                Some(_) => {
-                    let damaged: Vec<PathBuf> = scan.damaged.iter().map(|(d, _)| rel(d)).collect();
+                Some((step, dir)) => {
+                    check_resumable(loaded, dir)?;
                     for (d, why) in &scan.damaged {
                         eprintln!("warning: checkpoint {} is damaged ({why})", d.display());
                     }
-                    say(set_aside(out_dir, &damaged)?, "damaged checkpoints newer than the one resumed from");
+                    let damaged: Vec<PathBuf> = scan.damaged.iter().map(|(d, _)| rel(d)).collect();
+                    set_aside_newer(out_dir, *step, damaged, "damaged checkpoints newer than the one resumed from")?;
                 }
             }
         }
         path => {
+            // Everything that could refuse this checkpoint is checked before anything moves:
+            // a mistyped path must not set the folder's run aside.
             let from = loaded.resolve(std::path::Path::new(path));
+            check_resumable(loaded, &from)?;
             let ours = crate::checkpoint::list(out_dir).into_iter().find(|(_, d)| same_path(d, &from));
             match ours {
                 // Continuing from an older checkpoint of this folder abandons the newer ones.
                 Some((step, _)) => {
-                    let mut newer: Vec<PathBuf> = crate::checkpoint::list(out_dir).into_iter().filter(|(s, _)| *s > step).map(|(_, d)| rel(&d)).collect();
-                    if !newer.is_empty() {
-                        newer.extend(["adapter", "merged"].iter().map(PathBuf::from));
-                        let moved = set_aside(out_dir, &newer)?;
-                        if let Some(d) = &moved {
-                            let m = out_dir.join("metrics.jsonl");
-                            if m.is_file() {
-                                std::fs::copy(&m, d.join("metrics.jsonl")).map_err(|e| Error::io(&m, e))?;
-                            }
-                        }
-                        say(moved, &format!("resuming from step {step}: the later checkpoints and a copy of metrics.jsonl"));
-                    }
+                    let newer: Vec<PathBuf> = crate::checkpoint::list(out_dir).into_iter().filter(|(s, _)| *s > step).map(|(_, d)| rel(&d)).collect();
+                    set_aside_newer(out_dir, step, newer, &format!("resuming from step {step}: the later checkpoints"))?;
                 }
                 None => {
                     let moved = set_aside(out_dir, &previous_run_files(out_dir))?;
@@ -686,6 +681,39 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
         }
     }
     Ok(lock)
+}
+
+/// Refuse a checkpoint before anything in the folder moves: it must verify, and the recipe
+/// it was written with must allow this one to continue it (the rules `train_rank` applies
+/// again when it loads it).
+fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
+    let bad = |msg: String| Error::Recipe { file: loaded.file.display().to_string(), key: "checkpoint.resume".into(), msg };
+    crate::checkpoint::verify(dir).map_err(|why| bad(format!("{} is not a valid checkpoint ({why}); nothing was changed", dir.display())))?;
+    let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
+    let current = toml::to_string(&loaded.recipe).map_err(|e| Error::Train(e.to_string()))?;
+    crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|msg| Error::Recipe {
+        file: loaded.file.display().to_string(),
+        key: "(resume)".into(),
+        msg: format!("{msg} [checkpoint {}]; nothing was changed", dir.display()),
+    })
+}
+
+/// Set aside `newer` (checkpoints after `step`, the one continued from) with what they
+/// produced: the final adapter, a merged model, and a copy of metrics.jsonl (whose lines
+/// after `step` the resumed run replaces).
+fn set_aside_newer(out_dir: &std::path::Path, step: usize, mut newer: Vec<PathBuf>, why: &str) -> Result<()> {
+    if newer.is_empty() {
+        return Ok(());
+    }
+    newer.extend(["adapter", "merged"].iter().map(PathBuf::from));
+    if let Some(d) = crate::output::set_aside(out_dir, &newer)? {
+        let m = out_dir.join("metrics.jsonl");
+        if m.is_file() {
+            std::fs::copy(&m, d.join("metrics.jsonl")).map_err(|e| Error::io(&m, e))?;
+        }
+        eprintln!("{why} (after step {step}), the final adapter and a copy of metrics.jsonl: moved to {} (nothing was deleted)", d.display());
+    }
+    Ok(())
 }
 
 fn same_path(a: &std::path::Path, b: &std::path::Path) -> bool {

@@ -731,3 +731,32 @@ fn a_damaged_arrow_batch_is_an_error_naming_the_file_not_a_panic() {
     let e = loader(&[p], None, formatter(&m, "text", None, false), skip()).err().unwrap().to_string();
     assert!(e.contains("damaged.arrow") && e.contains("outside"), "{e}");
 }
+
+/// A template that renders a turn by what follows it (Qwen3 marks the last assistant turn)
+/// must see the same turns whether or not the record is cut: before, cutting dropped the
+/// later turns, so the kept assistant turn became the last one and rendered differently,
+/// trained with exit 0, while the whole record is refused.
+#[test]
+fn cutting_a_long_conversation_keeps_the_turns_a_lookahead_template_reads() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let cfg = m.join("tokenizer_config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    c["chat_template"] = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}".into();
+    std::fs::write(&cfg, c.to_string()).unwrap();
+    let msgs = serde_json::json!([
+        {"role": "user", "content": words(10, 1)},
+        {"role": "assistant", "content": words(60_000, 2)},
+        {"role": "user", "content": words(10, 3)},
+        {"role": "assistant", "content": words(10, 4)},
+    ]);
+    let p = d.path().join("lookahead.jsonl");
+    write_jsonl(&p, &[serde_json::json!({"messages": msgs}).to_string()]);
+    let f = formatter(&m, "messages", None, false);
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let (r, _) = rows.next_row().unwrap();
+    let whole = f.tokenize(f.read(&r).unwrap().ok().unwrap(), 0).err().expect("the whole record does not render prefix by prefix");
+    let mut l = loader(&[p.clone()], None, formatter(&m, "messages", None, false), LoaderOptions { max_seq_len: 300, ..opts() }).unwrap();
+    let cut = l.next_example().err().expect("nor does the cut one").to_string();
+    assert_eq!(cut, whole.to_string());
+}

@@ -333,7 +333,8 @@ fn mutated_adapter_configs_load_or_are_refused_naming_the_adapter() {
     let original = std::fs::read(&cfg_path).unwrap();
     let cfg = finetune::config::ModelConfig::from_file(&ws.path().join("model/config.json")).unwrap();
     let mut findings = Vec::new();
-    fuzz("adapter_config", 3000, "adapter", &mut findings, |seed| {
+    let names = adapter.display().to_string();
+    fuzz("adapter_config", 3000, &names, &mut findings, |seed| {
         std::fs::write(&cfg_path, mutated(seed, &original, 0..original.len())).unwrap();
         // The export reader and the training loader, which must agree.
         let a = finetune::export::PeftAdapter::open(&adapter);

@@ -351,3 +351,23 @@ fn eval_on_data_without_the_alpaca_columns_names_them() {
     assert!(err.contains("`instruction`") && err.contains("`output`") && err.contains("data"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn a_resume_path_that_cannot_be_continued_moves_nothing() {
+    let root = tiny_workspace(23, (4, 18), None);
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=4", "checkpoint.keep_last=0"]).unwrap();
+    let out = dir.join("out");
+    let before = (checkpoint_steps(&out), std::fs::read(out.join("metrics.jsonl")).unwrap());
+    // A mistyped path, and an older checkpoint of this folder under a changed LoRA shape.
+    let typo = train(&dir, &["checkpoint.resume=out/checkpoints/step-4"]).err().expect("no such checkpoint").to_string();
+    assert!(typo.contains("checkpoint.resume") && typo.contains("nothing was changed"), "{typo}");
+    let shape = train(&dir, &["checkpoint.resume=out/checkpoints/step-000002", "lora.rank=8"]).err().expect("rank changed").to_string();
+    assert!(shape.contains("lora.rank") && shape.contains("nothing was changed"), "{shape}");
+    assert!(!out.join("previous").exists(), "nothing set aside");
+    assert_eq!((checkpoint_steps(&out), std::fs::read(out.join("metrics.jsonl")).unwrap()), before);
+    assert!(out.join("adapter").is_dir());
+    // And the folder's run continues as if nothing had happened.
+    let s = train(&dir, &["train.max_steps=5", "checkpoint.keep_last=0"]).unwrap();
+    assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![5]);
+}

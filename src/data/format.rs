@@ -430,24 +430,30 @@ fn char_floor(s: &str, n: usize) -> usize {
     i
 }
 
-/// The turns of `m` within `bytes` of content (each turn counts one byte more, so thousands
-/// of empty turns are bounded too), the last one cut to fit; None when everything fits.
+/// `m` with its content cut to `bytes` in all (each turn counts one byte more): the turn
+/// crossing the bound is cut, the turns after it keep their role with empty content; None
+/// when everything fits. The turns stay, because model templates look ahead (Qwen3 renders
+/// an assistant turn differently when it is the last one, Mistral moves the system prompt to
+/// the last user turn): dropping later turns could change how the kept ones render. Only a
+/// flood of turns beyond `bytes` (which no template can turn into fewer tokens) is dropped.
 fn cut_turns(m: &[Message], bytes: usize) -> Option<Vec<Message>> {
     let mut out = Vec::new();
     let mut used = 0usize;
-    for msg in m {
-        let room = bytes.saturating_sub(used);
-        if room == 0 {
+    let mut cut = false;
+    for (i, msg) in m.iter().enumerate() {
+        if i >= bytes {
             return Some(out);
         }
+        let room = bytes.saturating_sub(used);
         if msg.content.len() >= room {
             out.push(Message::new(&msg.role, &msg.content[..char_floor(&msg.content, room)]));
-            return Some(out);
+            cut = true;
+        } else {
+            out.push(msg.clone());
         }
-        used += msg.content.len() + 1;
-        out.push(msg.clone());
+        used = used.saturating_add(msg.content.len() + 1);
     }
-    None
+    cut.then_some(out)
 }
 
 fn special_tokens(model_dir: &Path) -> (Option<String>, Option<String>) {
@@ -478,13 +484,14 @@ mod tests {
     }
 
     #[test]
-    fn turns_past_the_byte_bound_are_dropped_and_the_crossing_one_cut() {
+    fn turns_past_the_byte_bound_keep_their_role_and_the_crossing_one_is_cut() {
         let m = vec![Message::new("user", "aaaa"), Message::new("assistant", "bbbbbbbb"), Message::new("user", "cc")];
         assert!(cut_turns(&m, 100).is_none(), "everything fits");
         let cut = cut_turns(&m, 8).unwrap();
-        // "aaaa" and its turn use 5 bytes; 3 are left for the assistant.
-        assert_eq!(cut, vec![Message::new("user", "aaaa"), Message::new("assistant", "bbb")]);
-        // Empty turns still count, so a flood of them is bounded.
+        // "aaaa" and its turn use 5 bytes; 3 are left for the assistant; the last user turn
+        // stays (a template may render earlier turns by what follows) but empty.
+        assert_eq!(cut, vec![Message::new("user", "aaaa"), Message::new("assistant", "bbb"), Message::new("user", "")]);
+        // A flood of turns is bounded too: no more turns than bytes.
         let empty = vec![Message::new("user", ""); 1000];
         assert_eq!(cut_turns(&empty, 10).unwrap().len(), 10);
     }
