@@ -24,7 +24,8 @@ pub const RUN_FILES: &[(&str, bool)] = &[("checkpoints", true), ("metrics.jsonl"
 /// The exclusive right to write an output folder, held until dropped.
 #[derive(Debug)]
 pub struct RunLock {
-    file: std::fs::File,
+    /// Held open for its lock; never read.
+    _file: std::fs::File,
     dir: PathBuf,
     /// This run created the folder: if it ends having written nothing else, it is removed
     /// again, so input that fails during setup leaves nothing behind.
@@ -32,8 +33,8 @@ pub struct RunLock {
 }
 
 impl RunLock {
-    /// Take the folder (creating it if needed), or say who holds it. `key` is the recipe key
-    /// that named the folder, for the error.
+    /// Take the folder (creating it if needed), or say who holds it; the error names
+    /// `recipe_file` and its key `output.dir`.
     pub fn acquire(dir: &Path, recipe_file: &str) -> Result<RunLock> {
         let created = !dir.exists();
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
@@ -63,7 +64,7 @@ impl RunLock {
             }
             let me = format!("pid {}, started {}", std::process::id(), utc_stamp(std::time::SystemTime::now(), " ", ":"));
             file.set_len(0).and_then(|_| file.rewind()).and_then(|_| file.write_all(me.as_bytes())).map_err(|e| Error::io(&path, e))?;
-            return Ok(RunLock { file, dir: dir.to_path_buf(), created });
+            return Ok(RunLock { _file: file, dir: dir.to_path_buf(), created });
         }
         Err(Error::io(&path, std::io::Error::other("the lock file kept being replaced while locking it")))
     }
@@ -80,7 +81,7 @@ impl Drop for RunLock {
             let _ = std::fs::remove_file(self.dir.join(LOCK));
             let _ = std::fs::remove_dir(&self.dir);
         }
-        let _ = &self.file;
+        // `_file` closes after this, releasing the lock.
     }
 }
 

@@ -665,6 +665,11 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
             // Everything that could refuse this checkpoint is checked before anything moves:
             // a mistyped path must not set the folder's run aside.
             let from = loaded.resolve(std::path::Path::new(path));
+            crate::checkpoint::verify(&from).map_err(|why| Error::Recipe {
+                file: file.clone(),
+                key: "checkpoint.resume".into(),
+                msg: format!("{} is not a valid checkpoint ({why}); nothing was changed", from.display()),
+            })?;
             check_resumable(loaded, &from)?;
             let ours = crate::checkpoint::list(out_dir).into_iter().find(|(_, d)| same_path(d, &from));
             match ours {
@@ -683,12 +688,10 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
     Ok(lock)
 }
 
-/// Refuse a checkpoint before anything in the folder moves: it must verify, and the recipe
-/// it was written with must allow this one to continue it (the rules `train_rank` applies
-/// again when it loads it).
+/// Refuse a verified checkpoint before anything in the folder moves: the recipe it was
+/// written with must allow this one to continue it (the rules `train_rank` applies again
+/// when it loads it, for every rank and with the warnings).
 fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
-    let bad = |msg: String| Error::Recipe { file: loaded.file.display().to_string(), key: "checkpoint.resume".into(), msg };
-    crate::checkpoint::verify(dir).map_err(|why| bad(format!("{} is not a valid checkpoint ({why}); nothing was changed", dir.display())))?;
     let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
     let current = toml::to_string(&loaded.recipe).map_err(|e| Error::Train(e.to_string()))?;
     crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|msg| Error::Recipe {

@@ -121,23 +121,6 @@ impl ModelDir {
         self.dir.join("config.json")
     }
 
-    /// The safetensors files: `model.safetensors`, or the shards listed in
-    /// `model.safetensors.index.json` (in order of first appearance).
-    pub fn weight_files(&self) -> Result<Vec<PathBuf>> {
-        Ok(match self.index()? {
-            Some((_, map)) => {
-                let mut files: Vec<PathBuf> = Vec::new();
-                for f in map.values() {
-                    if !files.contains(f) {
-                        files.push(f.clone());
-                    }
-                }
-                files
-            }
-            None => vec![self.single_file()?],
-        })
-    }
-
     /// The weights, each tensor read from the file the index names for it.
     pub fn open_weights(&self) -> Result<SafetensorsFiles> {
         match self.index()? {

@@ -49,7 +49,7 @@ fn our_forward_matches_transformers_logits_with_and_without_merging() {
         let base = model_dir(&fixture(src).join("model"));
         let cfg = finetune::config::ModelConfig::from_file(&base.config_path()).unwrap();
         let adapters = PeftAdapter::open(&fixture(src).join("expected/adapter")).unwrap().load(&cfg).unwrap();
-        let files = finetune::weights::SafetensorsFiles::open(&base.weight_files().unwrap()).unwrap();
+        let files = base.open_weights().unwrap();
         let w = std::sync::Arc::new(finetune::weights::ResidentWeights::new(files, DType::F32, DType::F32, Device::Cpu));
         let model = finetune::model::llama::Llama::load(w, cfg, &adapters).unwrap();
         let logits = model.logits(&ids, &adapters).unwrap();

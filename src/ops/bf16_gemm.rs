@@ -66,8 +66,8 @@ impl Kernel {
     pub fn supported(self) -> bool {
         static AMX: OnceLock<bool> = OnceLock::new();
         match self {
-            Kernel::Amx => *AMX.get_or_init(amx::detect_and_enable),
-            Kernel::Avx512Bf16 => dot::detect(),
+            Kernel::Amx => *AMX.get_or_init(crate::ops::cpu_bf16::amx_detect_and_enable),
+            Kernel::Avx512Bf16 => crate::ops::cpu_bf16::avx512_bf16(),
         }
     }
 }
@@ -334,16 +334,12 @@ pub fn matmul(a: &candle_core::Tensor, b: &PackedB) -> candle_core::Result<candl
 /// one `asm!` block to the next (an accumulator loaded in one block and used in another
 /// would rely on exactly that), and none is left configured for code the compiler emits
 /// around the blocks. The OS saves and restores the tile state across context switches
-/// (XSAVE component 18, which `detect_and_enable` asks Linux permission for).
+/// (XSAVE component 18, which `cpu_bf16::amx_detect_and_enable` asks Linux permission for).
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use super::{PackedB, TK, TM};
     use crate::ops::Shared;
     use std::arch::asm;
-
-    pub fn detect_and_enable() -> bool {
-        crate::ops::cpu_bf16::amx_detect_and_enable()
-    }
 
     /// Palette 1, eight tiles of 16 rows x 64 bytes.
     #[repr(C, align(64))]
@@ -471,9 +467,6 @@ mod amx {
 mod amx {
     use super::PackedB;
     use crate::ops::Shared;
-    pub fn detect_and_enable() -> bool {
-        false
-    }
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_tiles(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AMX is x86-64 only; available() is false here")
@@ -489,10 +482,6 @@ mod dot {
 
     /// Rows of C per micro-block (four per 32-row block of A).
     const MR: usize = 8;
-
-    pub fn detect() -> bool {
-        crate::ops::cpu_bf16::avx512_bf16()
-    }
 
     /// C blocks for row blocks `rows` (of 32) x column pairs `pairs` (of 32) over the K tiles
     /// `ks`: C = A · B when `ks` starts at 0, else C += A · B. The same contract and walk as
@@ -570,9 +559,6 @@ mod dot {
 mod dot {
     use super::PackedB;
     use crate::ops::Shared;
-    pub fn detect() -> bool {
-        false
-    }
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_blocks(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
