@@ -3,8 +3,10 @@
 //! form with no `Option`s that model code reads.
 //!
 //! Supported: `LlamaForCausalLM` (DeepSeek LLM, DeepSeek-Coder, DeepSeek-R1-Distill-Llama with
-//! llama3 rope scaling) and `Qwen2ForCausalLM` (DeepSeek-R1-Distill-Qwen: q/k/v bias, tied
-//! embeddings on the small ones).
+//! llama3 rope scaling), `Qwen2ForCausalLM` (DeepSeek-R1-Distill-Qwen: q/k/v bias, tied
+//! embeddings on the small ones), and `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM`
+//! (MLA attention + DeepSeekMoE: [`Mla`], [`Moe`]; V3 also covers Moonlight). A DeepSeek field
+//! whose value changes the math in a way the code does not implement is an error naming it.
 
 use crate::error::{Error, Result};
 use serde::Deserialize;
@@ -52,6 +54,53 @@ pub struct HfConfig {
     pub eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub torch_dtype: Option<String>,
+    // DeepSeek-V2 / V3 (MLA + MoE). `q_lora_rank: null` means a plain q_proj.
+    #[serde(default)]
+    pub q_lora_rank: Option<usize>,
+    #[serde(default)]
+    pub kv_lora_rank: Option<usize>,
+    #[serde(default)]
+    pub qk_nope_head_dim: Option<usize>,
+    #[serde(default)]
+    pub qk_rope_head_dim: Option<usize>,
+    #[serde(default)]
+    pub v_head_dim: Option<usize>,
+    #[serde(default)]
+    pub n_routed_experts: Option<usize>,
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    pub n_shared_experts: Option<usize>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub first_k_dense_replace: Option<usize>,
+    #[serde(default)]
+    pub moe_layer_freq: Option<usize>,
+    #[serde(default)]
+    pub topk_method: Option<String>,
+    #[serde(default)]
+    pub n_group: Option<usize>,
+    #[serde(default)]
+    pub topk_group: Option<usize>,
+    #[serde(default)]
+    pub routed_scaling_factor: Option<f64>,
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    pub scoring_func: Option<String>,
+    #[serde(default)]
+    pub rope_interleave: Option<bool>,
+    /// DeepSeek's own configs: 1 (experts on one device) is the only value that describes
+    /// the math rather than a deployment; any value is accepted (inference-time layout only).
+    #[serde(default)]
+    pub ep_size: Option<usize>,
+    /// DeepSeek-V3's multi-token-prediction layers, stored after the last decoder layer.
+    #[serde(default)]
+    pub num_nextn_predict_layers: Option<usize>,
+    /// FP8 checkpoints (DeepSeek-V3's own) say how their weights are stored here.
+    #[serde(default)]
+    pub quantization_config: Option<serde_json::Value>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -68,12 +117,27 @@ pub struct RopeScalingHf {
     pub high_freq_factor: Option<f64>,
     #[serde(default)]
     pub original_max_position_embeddings: Option<usize>,
+    // YaRN (DeepSeek-V2/V3)
+    #[serde(default)]
+    pub beta_fast: Option<f64>,
+    #[serde(default)]
+    pub beta_slow: Option<f64>,
+    #[serde(default)]
+    pub mscale: Option<f64>,
+    #[serde(default)]
+    pub mscale_all_dim: Option<f64>,
+    #[serde(default)]
+    pub attention_factor: Option<f64>,
+    #[serde(default)]
+    pub truncate: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Arch {
     Llama,
     Qwen2,
+    DeepseekV2,
+    DeepseekV3,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -83,6 +147,60 @@ pub enum RopeScaling {
     Linear { factor: f64 },
     /// Llama 3.1 frequency-dependent scaling.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+    /// YaRN (DeepSeek-V2/V3): frequencies blended between interpolated and original along a
+    /// linear ramp; `mscale` / `mscale_all_dim` set the cos/sin and softmax factors.
+    Yarn { factor: f64, original_max_position_embeddings: usize, beta_fast: f64, beta_slow: f64, mscale: f64, mscale_all_dim: f64, attention_factor: Option<f64>, truncate: bool },
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3): q through `q_proj`, or the low-rank
+/// `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` when `q_lora_rank` is set; keys and values
+/// from one latent of `kv_lora_rank` plus one shared rope key.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mla {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// RoPE on interleaved pairs (2i, 2i+1) (DeepSeek's layout; transformers' deepseek_v3
+    /// `rope_interleave`), else on halves (i, i + D/2).
+    pub rope_interleave: bool,
+}
+
+impl Mla {
+    /// Query/key head dim: nope + rope parts.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+}
+
+/// How a token chooses its experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Routing {
+    /// V2 `greedy`: softmax scores, top-k.
+    SoftmaxGreedy,
+    /// V2 `group_limited_greedy`: softmax; groups ranked by their best score, the best
+    /// `topk_group` kept (others' scores set to 0), then top-k.
+    SoftmaxGroupLimited,
+    /// V3 `noaux_tc`: sigmoid scores; choice on score + `e_score_correction_bias`, groups
+    /// ranked by the sum of their top 2; weights are the unbiased scores of the chosen.
+    SigmoidNoauxTc,
+}
+
+/// DeepSeekMoE: routed experts (top-k of `n_routed_experts`) plus always-on shared experts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Moe {
+    pub n_routed_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub n_shared_experts: usize,
+    pub moe_intermediate_size: usize,
+    pub first_k_dense_replace: usize,
+    pub moe_layer_freq: usize,
+    pub routing: Routing,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f64,
+    pub norm_topk_prob: bool,
 }
 
 /// Resolved configuration: what model code reads.
@@ -106,9 +224,16 @@ pub struct ModelConfig {
     pub o_bias: bool,
     pub mlp_bias: bool,
     pub architecture_name: String,
+    /// DeepSeek-V2/V3 attention; `None` for Llama / Qwen2.
+    pub mla: Option<Mla>,
+    /// DeepSeek-V2/V3 mixture of experts; `None` for dense models.
+    pub moe: Option<Moe>,
+    /// Layers stored after the last decoder layer that the model does not run (DeepSeek-V3's
+    /// multi-token-prediction module): neither read nor counted as surplus.
+    pub ignored_layers: usize,
 }
 
-pub const SUPPORTED: &[&str] = &["LlamaForCausalLM", "Qwen2ForCausalLM"];
+pub const SUPPORTED: &[&str] = &["LlamaForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"];
 
 impl ModelConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -123,11 +248,13 @@ impl ModelConfig {
         let arch = match name.as_str() {
             "LlamaForCausalLM" => Arch::Llama,
             "Qwen2ForCausalLM" => Arch::Qwen2,
+            "DeepseekV2ForCausalLM" => Arch::DeepseekV2,
+            "DeepseekV3ForCausalLM" => Arch::DeepseekV3,
             "" => return Err(format!("no `architectures` entry; supported: {}", SUPPORTED.join(", "))),
             other => {
                 return Err(format!(
                     "architecture `{other}` is not supported; supported: {} (DeepSeek LLM/Coder and \
-                     R1-Distill models use these)",
+                     R1-Distill models use the first two, DeepSeek-V2/V3 and Moonlight the last two)",
                     SUPPORTED.join(", ")
                 ))
             }
@@ -137,8 +264,14 @@ impl ModelConfig {
                 return Err(format!("hidden_act `{act}` is not supported (expected silu)"));
             }
         }
+        if let Some(q) = &hf.quantization_config {
+            check_quantization(q)?;
+        }
+        let deepseek = matches!(arch, Arch::DeepseekV2 | Arch::DeepseekV3);
+        let (mla, moe) = if deepseek { (Some(resolve_mla(hf, arch)?), resolve_moe(hf, arch)?) } else { (None, None) };
         let heads = hf.num_attention_heads;
-        let kv = hf.num_key_value_heads.unwrap_or(heads);
+        // MLA has no kv heads: every query head gets its own k/v from the latent.
+        let kv = if deepseek { heads } else { hf.num_key_value_heads.unwrap_or(heads) };
         if heads == 0 || kv == 0 || heads % kv != 0 {
             return Err(format!("num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"));
         }
@@ -147,7 +280,11 @@ impl ModelConfig {
                 return Err(format!("{key} must be positive, got 0"));
             }
         }
-        let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / heads);
+        // DeepSeek: the rotary part of a head (transformers sets head_dim = qk_rope_head_dim).
+        let head_dim = match &mla {
+            Some(m) => m.qk_rope_head_dim,
+            None => hf.head_dim.unwrap_or(hf.hidden_size / heads),
+        };
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(format!("head_dim {head_dim} must be even and positive"));
         }
@@ -169,10 +306,29 @@ impl ModelConfig {
                     high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
                     original_max_position_embeddings: s.original_max_position_embeddings.unwrap_or(8192),
                 },
-                other => return Err(format!("rope_scaling type `{other}` is not supported (default, linear, llama3)")),
+                "yarn" => RopeScaling::Yarn {
+                    factor: s.factor.ok_or("rope_scaling yarn needs `factor`")?,
+                    original_max_position_embeddings: s
+                        .original_max_position_embeddings
+                        .or(hf.max_position_embeddings)
+                        .ok_or("rope_scaling yarn needs `original_max_position_embeddings`")?,
+                    beta_fast: s.beta_fast.unwrap_or(32.0),
+                    beta_slow: s.beta_slow.unwrap_or(1.0),
+                    mscale: s.mscale.unwrap_or(0.0),
+                    mscale_all_dim: s.mscale_all_dim.unwrap_or(0.0),
+                    attention_factor: s.attention_factor,
+                    truncate: s.truncate.unwrap_or(true),
+                },
+                other => return Err(format!("rope_scaling type `{other}` is not supported (default, linear, llama3, yarn)")),
             },
         };
+        if matches!(rope_scaling, RopeScaling::Yarn { .. }) && !deepseek {
+            return Err(format!("rope_scaling yarn is supported for DeepSeek-V2/V3 models only, not {name}"));
+        }
         let attention_bias = hf.attention_bias.unwrap_or(false);
+        if deepseek && (attention_bias || hf.mlp_bias == Some(true)) {
+            return Err("attention_bias / mlp_bias = true is not supported for DeepSeek-V2/V3 (their checkpoints have no biases)".into());
+        }
         Ok(ModelConfig {
             arch,
             hidden_size: hf.hidden_size,
@@ -186,14 +342,17 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
-            qkv_bias: arch == Arch::Qwen2 || attention_bias,
+            qkv_bias: arch == Arch::Qwen2 || (arch == Arch::Llama && attention_bias),
             o_bias: arch == Arch::Llama && attention_bias,
             mlp_bias: hf.mlp_bias.unwrap_or(false),
             architecture_name: name,
+            mla,
+            moe,
+            ignored_layers: if arch == Arch::DeepseekV3 { hf.num_nextn_predict_layers.unwrap_or(0) } else { 0 },
         })
     }
 
-    /// (in_features, out_features) of a projection by its HF module name.
+    /// (in_features, out_features) of a Llama / Qwen2 projection by its HF module name.
     pub fn proj_shape(&self, module: &str) -> (usize, usize) {
         let h = self.hidden_size;
         let q = self.num_attention_heads * self.head_dim;
@@ -217,6 +376,86 @@ impl ModelConfig {
         }
     }
 
+    /// Whether layer `layer` is a mixture of experts (transformers' deepseek rule: MoE from
+    /// `first_k_dense_replace` on, every `moe_layer_freq`-th layer).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| layer >= m.first_k_dense_replace && layer % m.moe_layer_freq == 0)
+    }
+
+    /// The linear layers of layer `layer`, as paths under `model.layers.{layer}` without
+    /// `.weight` (`self_attn.q_proj`, `mlp.experts.3.up_proj`), in a fixed order: adapter
+    /// parameter order, dropout sites and PEFT keys all follow it. For Llama / Qwen2 it is
+    /// [`crate::lora::MODULES`]' order.
+    pub fn linear_sites(&self, layer: usize) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        let mlp = |out: &mut Vec<String>, prefix: &str| {
+            for m in ["gate_proj", "up_proj", "down_proj"] {
+                out.push(format!("{prefix}.{m}"));
+            }
+        };
+        match &self.mla {
+            None => {
+                for m in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+                    out.push(format!("self_attn.{m}"));
+                }
+            }
+            Some(a) => {
+                let q: &[&str] = if a.q_lora_rank.is_some() { &["q_a_proj", "q_b_proj"] } else { &["q_proj"] };
+                for m in q.iter().chain(&["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]) {
+                    out.push(format!("self_attn.{m}"));
+                }
+            }
+        }
+        match &self.moe {
+            Some(m) if self.is_moe_layer(layer) => {
+                if m.n_shared_experts > 0 {
+                    mlp(&mut out, "mlp.shared_experts");
+                }
+                for j in 0..m.n_routed_experts {
+                    mlp(&mut out, &format!("mlp.experts.{j}"));
+                }
+            }
+            _ => mlp(&mut out, "mlp"),
+        }
+        out
+    }
+
+    /// (in_features, out_features, has bias) of the linear at `path` (as in
+    /// [`Self::linear_sites`]), or `None` when the model has no such linear.
+    pub fn linear_shape(&self, path: &str) -> Option<(usize, usize, bool)> {
+        let (parent, leaf) = path.rsplit_once('.')?;
+        let h = self.hidden_size;
+        let Some(a) = &self.mla else {
+            let (i, o) = self.proj_shape(leaf);
+            let ok = (parent == "self_attn" && ["q_proj", "k_proj", "v_proj", "o_proj"].contains(&leaf))
+                || (parent == "mlp" && ["gate_proj", "up_proj", "down_proj"].contains(&leaf));
+            return ok.then(|| (i, o, self.proj_has_bias(leaf)));
+        };
+        let nh = self.num_attention_heads;
+        let shape = match (parent, leaf) {
+            ("self_attn", "q_proj") if a.q_lora_rank.is_none() => (h, nh * a.qk_head_dim()),
+            ("self_attn", "q_a_proj") => (h, a.q_lora_rank?),
+            ("self_attn", "q_b_proj") => (a.q_lora_rank?, nh * a.qk_head_dim()),
+            ("self_attn", "kv_a_proj_with_mqa") => (h, a.kv_lora_rank + a.qk_rope_head_dim),
+            ("self_attn", "kv_b_proj") => (a.kv_lora_rank, nh * (a.qk_nope_head_dim + a.v_head_dim)),
+            ("self_attn", "o_proj") => (nh * a.v_head_dim, h),
+            _ => {
+                let width = match parent {
+                    "mlp" => self.intermediate_size,
+                    "mlp.shared_experts" => self.moe.as_ref()?.moe_intermediate_size * self.moe.as_ref()?.n_shared_experts,
+                    p if p.starts_with("mlp.experts.") => self.moe.as_ref()?.moe_intermediate_size,
+                    _ => return None,
+                };
+                match leaf {
+                    "gate_proj" | "up_proj" => (h, width),
+                    "down_proj" => (width, h),
+                    _ => return None,
+                }
+            }
+        };
+        Some((shape.0, shape.1, false))
+    }
+
     /// The frozen tensors the model reads, by HF name, with their shapes (a tied lm_head is
     /// the embedding and is not listed twice).
     pub fn frozen_tensors(&self) -> Vec<(String, Vec<usize>)> {
@@ -224,12 +463,23 @@ impl ModelConfig {
         let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
         for l in 0..self.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            for m in ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] {
-                let parent = crate::lora::module_parent(m);
-                let (i, o) = self.proj_shape(m);
-                out.push((format!("{p}.{parent}.{m}.weight"), vec![o, i]));
-                if self.proj_has_bias(m) {
-                    out.push((format!("{p}.{parent}.{m}.bias"), vec![o]));
+            for site in self.linear_sites(l) {
+                let Some((i, o, bias)) = self.linear_shape(&site) else { continue };
+                out.push((format!("{p}.{site}.weight"), vec![o, i]));
+                if bias {
+                    out.push((format!("{p}.{site}.bias"), vec![o]));
+                }
+            }
+            if let Some(a) = &self.mla {
+                if let Some(q) = a.q_lora_rank {
+                    out.push((format!("{p}.self_attn.q_a_layernorm.weight"), vec![q]));
+                }
+                out.push((format!("{p}.self_attn.kv_a_layernorm.weight"), vec![a.kv_lora_rank]));
+            }
+            if let Some(m) = self.moe.as_ref().filter(|_| self.is_moe_layer(l)) {
+                out.push((format!("{p}.mlp.gate.weight"), vec![m.n_routed_experts, h]));
+                if m.routing == Routing::SigmoidNoauxTc {
+                    out.push((format!("{p}.mlp.gate.e_score_correction_bias"), vec![m.n_routed_experts]));
                 }
             }
             out.push((format!("{p}.input_layernorm.weight"), vec![h]));
@@ -240,6 +490,21 @@ impl ModelConfig {
             out.push(("lm_head.weight".to_string(), vec![v, h]));
         }
         out
+    }
+
+    /// Leaf names of every linear the model has (`q_proj`, `kv_b_proj`, ...), for target checks.
+    pub fn linear_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        let layers: Vec<usize> = (0..self.num_hidden_layers.min(1)).chain(self.moe.as_ref().map(|m| m.first_k_dense_replace).filter(|&l| l < self.num_hidden_layers)).collect();
+        for l in layers {
+            for site in self.linear_sites(l) {
+                let leaf = site.rsplit('.').next().unwrap_or(&site).to_string();
+                if !names.contains(&leaf) {
+                    names.push(leaf);
+                }
+            }
+        }
+        names
     }
 
     /// Parameter count of the frozen base (what PEFT's `print_trainable_parameters` counts
@@ -275,8 +540,176 @@ impl ModelConfig {
                     })
                     .collect()
             }
+            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, .. } => {
+                // transformers' `_compute_yarn_parameters`: the dims that rotate more than
+                // beta_fast times over the original context keep their frequency, those under
+                // beta_slow are interpolated (/ factor), a linear ramp between.
+                let (dim, base_theta) = (d as f64, self.rope_theta);
+                let max_pos = original_max_position_embeddings as f64;
+                let corr = |rot: f64| dim * (max_pos / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base_theta.ln());
+                let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                base.iter()
+                    .enumerate()
+                    .map(|(i, &f)| {
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let extrapolation = 1.0 - ramp;
+                        (f / factor) * (1.0 - extrapolation) + f * extrapolation
+                    })
+                    .collect()
+            }
         }
     }
+
+    /// Factor on the cos/sin tables (YaRN's attention factor; 1 otherwise).
+    pub fn rope_attention_factor(&self) -> f64 {
+        match self.rope_scaling {
+            RopeScaling::Yarn { factor, mscale, mscale_all_dim, attention_factor, .. } => attention_factor.unwrap_or(if mscale != 0.0 && mscale_all_dim != 0.0 {
+                yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+            } else {
+                yarn_mscale(factor, 1.0)
+            }),
+            _ => 1.0,
+        }
+    }
+
+    /// Softmax scale of attention: head_dim^-0.5; for MLA (nope + rope)^-0.5, times
+    /// mscale(factor, mscale_all_dim)^2 under YaRN (as transformers' DeepseekV2/V3Attention).
+    pub fn attention_scale(&self) -> f64 {
+        let Some(a) = &self.mla else { return 1.0 / (self.head_dim as f64).sqrt() };
+        let base = 1.0 / (a.qk_head_dim() as f64).sqrt();
+        match self.rope_scaling {
+            RopeScaling::Yarn { factor, mscale_all_dim, .. } if mscale_all_dim != 0.0 => {
+                let m = yarn_mscale(factor, mscale_all_dim);
+                base * m * m
+            }
+            _ => base,
+        }
+    }
+}
+
+/// Quantised checkpoints we read: DeepSeek-V3's FP8 (e4m3 weights, one f32 scale per
+/// 128 x 128 block, dequantised at load). Anything else is refused rather than misread.
+fn check_quantization(q: &serde_json::Value) -> std::result::Result<(), String> {
+    let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("");
+    if method != "fp8" {
+        return Err(format!("quantization_config.quant_method `{method}` is not supported (only DeepSeek-V3's block-scaled fp8)"));
+    }
+    if let Some(f) = q.get("fmt").and_then(|f| f.as_str()).filter(|f| *f != "e4m3") {
+        return Err(format!("quantization_config.fmt `{f}` is not supported (e4m3)"));
+    }
+    let block = crate::weights::FP8_BLOCK as u64;
+    if let Some(b) = q.get("weight_block_size") {
+        let ok = b.as_array().is_some_and(|a| a.len() == 2 && a.iter().all(|x| x.as_u64() == Some(block)));
+        if !ok {
+            return Err(format!("quantization_config.weight_block_size {b} is not supported ([{block}, {block}])"));
+        }
+    }
+    Ok(())
+}
+
+/// YaRN's magnitude correction: 0.1 * m * ln(scale) + 1 (1 for scale <= 1).
+fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
+    }
+}
+
+fn need(v: Option<usize>, key: &str) -> std::result::Result<usize, String> {
+    match v {
+        Some(0) => Err(format!("{key} must be positive, got 0")),
+        Some(n) => Ok(n),
+        None => Err(format!("{key} is required for DeepSeek-V2/V3 models")),
+    }
+}
+
+fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
+    if hf.q_lora_rank == Some(0) {
+        return Err("q_lora_rank must be null (plain q_proj) or positive, got 0".into());
+    }
+    let rope = need(hf.qk_rope_head_dim, "qk_rope_head_dim")?;
+    if rope % 2 != 0 {
+        return Err(format!("qk_rope_head_dim must be even, got {rope}"));
+    }
+    // DeepSeek-V2 rotates interleaved pairs always; V3 says so with rope_interleave (default true).
+    let rope_interleave = match arch {
+        Arch::DeepseekV3 => hf.rope_interleave.unwrap_or(true),
+        _ => {
+            if hf.rope_interleave == Some(false) {
+                return Err("rope_interleave = false is not what DeepSeek-V2 computes (it rotates interleaved pairs); remove the key".into());
+            }
+            true
+        }
+    };
+    Ok(Mla {
+        q_lora_rank: hf.q_lora_rank,
+        kv_lora_rank: need(hf.kv_lora_rank, "kv_lora_rank")?,
+        qk_nope_head_dim: need(hf.qk_nope_head_dim, "qk_nope_head_dim")?,
+        qk_rope_head_dim: rope,
+        v_head_dim: need(hf.v_head_dim, "v_head_dim")?,
+        rope_interleave,
+    })
+}
+
+fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, String> {
+    let Some(experts) = hf.n_routed_experts else { return Ok(None) };
+    if experts == 0 {
+        return Err("n_routed_experts must be positive (or null for a dense model), got 0".into());
+    }
+    let top_k = need(hf.num_experts_per_tok, "num_experts_per_tok")?;
+    let scoring = hf.scoring_func.clone().unwrap_or_else(|| if arch == Arch::DeepseekV3 { "sigmoid" } else { "softmax" }.into());
+    let method = hf.topk_method.clone().unwrap_or_else(|| if arch == Arch::DeepseekV3 { "noaux_tc" } else { "greedy" }.into());
+    let routing = match (arch, scoring.as_str(), method.as_str()) {
+        (Arch::DeepseekV2, "softmax", "greedy") => Routing::SoftmaxGreedy,
+        (Arch::DeepseekV2, "softmax", "group_limited_greedy") => Routing::SoftmaxGroupLimited,
+        (Arch::DeepseekV3, "sigmoid", "noaux_tc") => Routing::SigmoidNoauxTc,
+        (Arch::DeepseekV2, "softmax", m) => return Err(format!("topk_method `{m}` is not supported for DeepSeek-V2 (greedy, group_limited_greedy)")),
+        (Arch::DeepseekV3, "sigmoid", m) => return Err(format!("topk_method `{m}` is not supported for DeepSeek-V3 (noaux_tc)")),
+        (Arch::DeepseekV2, f, _) => return Err(format!("scoring_func `{f}` is not supported for DeepSeek-V2 (softmax)")),
+        (_, f, _) => return Err(format!("scoring_func `{f}` is not supported for DeepSeek-V3 (sigmoid)")),
+    };
+    let n_group = hf.n_group.unwrap_or(1);
+    let topk_group = hf.topk_group.unwrap_or(1);
+    if n_group == 0 || experts % n_group != 0 {
+        return Err(format!("n_group ({n_group}) must be positive and divide n_routed_experts ({experts})"));
+    }
+    if topk_group == 0 || topk_group > n_group {
+        return Err(format!("topk_group ({topk_group}) must be in 1..=n_group ({n_group})"));
+    }
+    let reachable = if routing == Routing::SoftmaxGreedy { experts } else { topk_group * experts / n_group };
+    if top_k > reachable {
+        return Err(format!("num_experts_per_tok ({top_k}) exceeds the {reachable} experts its routing can choose from (n_routed_experts, n_group, topk_group)"));
+    }
+    if routing == Routing::SigmoidNoauxTc && experts / n_group < 2 {
+        return Err(format!("n_group ({n_group}) leaves fewer than 2 experts per group; noaux_tc ranks groups by their top 2"));
+    }
+    let rsf = hf.routed_scaling_factor.unwrap_or(1.0);
+    if !rsf.is_finite() {
+        return Err("routed_scaling_factor must be a finite number".into());
+    }
+    let moe = Moe {
+        n_routed_experts: experts,
+        num_experts_per_tok: top_k,
+        n_shared_experts: hf.n_shared_experts.unwrap_or(0),
+        moe_intermediate_size: need(hf.moe_intermediate_size, "moe_intermediate_size")?,
+        first_k_dense_replace: hf.first_k_dense_replace.unwrap_or(0),
+        moe_layer_freq: need(Some(hf.moe_layer_freq.unwrap_or(1)), "moe_layer_freq")?,
+        routing,
+        n_group,
+        topk_group,
+        routed_scaling_factor: rsf,
+        // transformers' deepseek_v2 ignores norm_topk_prob (weights are the softmax scores).
+        norm_topk_prob: arch == Arch::DeepseekV3 && hf.norm_topk_prob.unwrap_or(false),
+    };
+    Ok(Some(moe))
 }
 
 #[cfg(test)]

@@ -14,8 +14,8 @@
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::lora::{peft_prefix, Adapters, LoraSpec, MODULES};
-use crate::model::llama::Llama;
+use crate::lora::{peft_prefix, Adapters, LoraSpec};
+use crate::model::Model;
 use crate::weights::{ModelDir, StreamingWeights};
 use candle_core::{DType, Device, Tensor};
 use std::borrow::Cow;
@@ -214,13 +214,9 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
     let files = base.open_weights()?;
     // name -> (A, B) of every targeted projection.
     let mut lora: HashMap<String, (Tensor, Tensor)> = HashMap::new();
-    for (i, row) in adapters.layers.iter().enumerate() {
-        for (mi, ad) in row.iter().enumerate() {
-            if let Some(ad) = ad {
-                let key = peft_prefix(i, MODULES[mi]).replace("base_model.model.", "") + ".weight";
-                lora.insert(key, (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()));
-            }
-        }
+    for (i, path, ad) in adapters.iter() {
+        let key = peft_prefix(i, path).replace("base_model.model.", "") + ".weight";
+        lora.insert(key, (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()));
     }
     let scale = adapter.spec.scale();
     let report = staged(out, |tmp| {
@@ -256,8 +252,14 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
             let mut tensors: Vec<(String, OutTensor)> = Vec::with_capacity(names.len());
             let mut held = 0u64;
             for name in names {
+                // An FP8 base merges into a plain one: its weights are dequantised (to bf16
+                // unless --dtype says otherwise) and the block scales dropped.
+                if name.ends_with(".weight_scale_inv") && files.is_fp8(name.trim_end_matches("_scale_inv")) {
+                    continue;
+                }
                 let v = files.raw_view(name)?;
-                let stored = candle_dtype(v.dtype());
+                let fp8 = v.dtype() == safetensors::Dtype::F8_E4M3;
+                let stored = if fp8 { Some(DType::BF16) } else { candle_dtype(v.dtype()) };
                 let out_dtype = opts.dtype.or(stored);
                 let t = if let Some((a, b)) = lora.get(name) {
                     let w = files.load(name, v.shape(), &Device::Cpu)?.to_dtype(DType::F32)?;
@@ -267,7 +269,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
                     let data = tensor_bytes(&merged)?;
                     held += data.len() as u64;
                     OutTensor::Owned { dtype: st_dtype(merged.dtype())?, shape: v.shape().to_vec(), data }
-                } else if out_dtype == stored || stored.is_none() {
+                } else if !fp8 && (out_dtype == stored || stored.is_none()) {
                     OutTensor::Copied(v)
                 } else {
                     let t = files.load(name, v.shape(), &Device::Cpu)?.to_dtype(out_dtype.unwrap_or(DType::F32))?;
@@ -294,6 +296,12 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
         let cp = base.config_path();
         let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cp).map_err(|e| Error::io(&cp, e))?)
             .map_err(|e| Error::Config { path: cp.clone(), msg: e.to_string() })?;
+        if let Some(obj) = config.as_object_mut() {
+            // The FP8 weights were dequantised: the output is not a quantised checkpoint.
+            if obj.remove("quantization_config").is_some() && opts.dtype.is_none() {
+                obj.insert("torch_dtype".into(), "bfloat16".into());
+            }
+        }
         if let (Some(d), Some(obj)) = (opts.dtype, config.as_object_mut()) {
             let name = match d {
                 DType::BF16 => "bfloat16",
@@ -331,11 +339,11 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
     let ids: Vec<u32> = (0..2 * 16).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
     let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu)?;
     let src = Arc::new(StreamingWeights::new(base.open_weights()?, DType::F32, Device::Cpu));
-    let reference = Llama::load(src, cfg.clone(), adapters)?.with_kernels(opts.kernels).logits(&ids, adapters)?;
+    let reference = Model::load(src, cfg.clone(), adapters)?.with_kernels(opts.kernels).logits(&ids, adapters)?;
     let merged_dir = ModelDir { dir: merged_dir.to_path_buf(), name: String::new() };
     let src = Arc::new(StreamingWeights::new(merged_dir.open_weights()?, DType::F32, Device::Cpu));
-    let none = Adapters::init(&cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)?;
-    let merged = Llama::load(src, cfg, &none)?.with_kernels(opts.kernels).logits(&ids, &none)?;
+    let none = Adapters::none(&cfg)?;
+    let merged = Model::load(src, cfg, &none)?.with_kernels(opts.kernels).logits(&ids, &none)?;
     let diff = (&merged - &reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
     let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0);
     let half = matches!(out_dtype, Some(DType::BF16 | DType::F16)) || base_is_half(base);
@@ -349,8 +357,12 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
 }
 
 fn base_is_half(base: &ModelDir) -> bool {
-    // Any float tensor tells the base's dtype (an integer buffer, if present, does not).
+    // Any float tensor tells the base's dtype (an integer buffer, if present, does not). An
+    // FP8 base merges into bf16.
     let Ok(f) = base.open_weights() else { return false };
+    if f.names().any(|n| f.is_fp8(n)) {
+        return true;
+    }
     let floats = f.names().filter_map(|n| f.raw_view(n).ok().map(|v| v.dtype())).find(|d| candle_dtype(*d).is_some());
     matches!(floats, Some(safetensors::Dtype::BF16 | safetensors::Dtype::F16))
 }

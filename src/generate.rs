@@ -4,8 +4,8 @@
 use crate::chat::{ChatTemplate, Message};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::lora::{Adapters, LoraSpec};
-use crate::model::llama::{KvCache, Llama};
+use crate::lora::Adapters;
+use crate::model::{KvCache, Model};
 use crate::rng::Rng;
 use crate::weights::{ModelDir, ResidentWeights};
 use candle_core::{DType, Device, Tensor};
@@ -28,7 +28,7 @@ impl Default for SampleOptions {
 }
 
 pub struct Generator {
-    pub model: Llama,
+    pub model: Model,
     pub adapters: Adapters,
     pub tokenizer: tokenizers::Tokenizer,
     pub chat: Option<ChatTemplate>,
@@ -42,11 +42,11 @@ impl Generator {
         let cfg = ModelConfig::from_file(&model.config_path())?;
         let adapters = match adapter {
             Some(dir) => crate::export::PeftAdapter::open(dir)?.load(&cfg)?,
-            None => Adapters::init(&cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)?,
+            None => Adapters::none(&cfg)?,
         };
         let files = model.open_weights()?;
         let src = Arc::new(ResidentWeights::new(files, DType::F32, DType::F32, Device::Cpu));
-        let llama = Llama::load(src, cfg, &adapters)?;
+        let llama = Model::load(src, cfg, &adapters)?;
         let tok_path = model.dir.join("tokenizer.json");
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
         let chat = ChatTemplate::from_model_dir(&model.dir)?;
@@ -75,7 +75,7 @@ impl Generator {
 
     /// Adapters that change nothing (for the base model's answers).
     pub fn no_adapters(&self) -> Result<Adapters> {
-        Adapters::init(&self.model.cfg, LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![] }, 0, &Device::Cpu)
+        Adapters::none(&self.model.cfg)
     }
 
     /// The prompt for one user turn, through the model's chat template.

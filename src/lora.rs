@@ -14,14 +14,22 @@ use candle_core::{DType, Device, Tensor, Var};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-/// Module names in the order PEFT-style keys and our parameter list use.
+/// Llama / Qwen2 module names, in the order of their layers' linears
+/// ([`ModelConfig::linear_sites`]).
 pub const MODULES: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 
-pub fn module_parent(m: &str) -> &'static str {
-    match m {
-        "q_proj" | "k_proj" | "v_proj" | "o_proj" => "self_attn",
-        _ => "mlp",
-    }
+/// Every name `lora.targets` may hold: the Llama / Qwen2 projections and DeepSeek's MLA ones.
+/// Which of them a model has is checked against the model ([`Adapters::init`]).
+pub const ALL_TARGETS: [&str; 11] =
+    ["q_proj", "k_proj", "v_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// Whether the linear at `path` (`self_attn.q_proj`, `mlp.experts.3.up_proj`) gets an
+/// adapter: its leaf name is a target, and a routed expert only with `routed_experts`. In MoE
+/// layers `gate_proj`/`up_proj`/`down_proj` mean the shared experts; the router
+/// (`mlp.gate`) is not a linear site and is never adapted.
+pub fn is_targeted(path: &str, spec: &LoraSpec) -> bool {
+    let leaf = path.rsplit('.').next().unwrap_or(path);
+    spec.targets.iter().any(|t| t == leaf) && (spec.routed_experts || !path.starts_with("mlp.experts."))
 }
 
 pub struct LoraAdapter {
@@ -37,8 +45,10 @@ pub struct LoraSpec {
     pub rank: usize,
     pub alpha: f64,
     pub dropout: f64,
-    /// Targeted modules, in [`MODULES`] order.
+    /// Targeted module names (leaf names, [`ALL_TARGETS`] order).
     pub targets: Vec<String>,
+    /// Adapters on every routed expert too (`mlp.experts.{j}.*`), for the MLP targets.
+    pub routed_experts: bool,
 }
 
 impl LoraSpec {
@@ -47,10 +57,12 @@ impl LoraSpec {
     }
 }
 
-/// All adapters of a model: `layers[i][m]` for module index m in [`MODULES`].
+/// All adapters of a model: `layers[i][m]` for the m-th linear of layer i
+/// ([`ModelConfig::linear_sites`]; `sites[i][m]` is its path), `None` where not targeted.
 pub struct Adapters {
     pub spec: LoraSpec,
-    pub layers: Vec<[Option<LoraAdapter>; 7]>,
+    pub layers: Vec<Vec<Option<LoraAdapter>>>,
+    pub sites: Vec<Vec<String>>,
 }
 
 /// Dropout context of one forward: which micro-batch, so masks are reproducible.
@@ -61,39 +73,73 @@ pub struct DropoutCtx {
 }
 
 impl Adapters {
-    /// Fresh adapters: A kaiming-uniform from a seeded RNG, B = 0.
+    /// Fresh adapters: A kaiming-uniform from a seeded RNG, B = 0. A target the model does
+    /// not have is an error listing the names it has (nothing is skipped silently).
     pub fn init(cfg: &ModelConfig, spec: LoraSpec, seed: u64, device: &Device) -> Result<Self> {
+        let names = cfg.linear_names();
+        if let Some(t) = spec.targets.iter().find(|t| !names.contains(t)) {
+            return Err(Error::model(
+                "lora.targets",
+                format!("`{t}` is not a linear of {} models; this model has: {}", cfg.architecture_name, names.join(", ")),
+            ));
+        }
+        let has_experts = cfg.moe.is_some();
+        if spec.routed_experts && !has_experts {
+            return Err(Error::model("lora.routed_experts", format!("is true but {} has no routed experts", cfg.architecture_name)));
+        }
         let mut rng = Rng::new(seed);
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for _ in 0..cfg.num_hidden_layers {
-            let mut row: [Option<LoraAdapter>; 7] = Default::default();
-            for (mi, m) in MODULES.iter().enumerate() {
-                if !spec.targets.iter().any(|t| t == m) {
+        let (mut layers, mut sites) = (Vec::with_capacity(cfg.num_hidden_layers), Vec::with_capacity(cfg.num_hidden_layers));
+        for l in 0..cfg.num_hidden_layers {
+            let paths = cfg.linear_sites(l);
+            let mut row = Vec::with_capacity(paths.len());
+            for path in &paths {
+                let shape = cfg.linear_shape(path).filter(|_| is_targeted(path, &spec));
+                let Some((fan_in, out, _)) = shape else {
+                    row.push(None);
                     continue;
-                }
-                let (fan_in, out) = cfg.proj_shape(m);
+                };
                 let bound = 1.0 / (fan_in as f64).sqrt();
                 let a: Vec<f32> = (0..spec.rank * fan_in).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect();
                 let a = Var::from_vec(a, (spec.rank, fan_in), device)?;
                 let b = Var::zeros((out, spec.rank), DType::F32, device)?;
-                row[mi] = Some(LoraAdapter { a, b });
+                row.push(Some(LoraAdapter { a, b }));
             }
             layers.push(row);
+            sites.push(paths);
         }
-        Ok(Adapters { spec, layers })
+        Ok(Adapters { spec, layers, sites })
     }
 
-    /// The trainable tensors in a fixed order (layer, module, A then B) with their PEFT keys.
+    /// No adapters at all (the base model alone).
+    pub fn none(cfg: &ModelConfig) -> Result<Self> {
+        let spec = LoraSpec { rank: 1, alpha: 1.0, dropout: 0.0, targets: vec![], routed_experts: false };
+        Self::init(cfg, spec, 0, &Device::Cpu)
+    }
+
+    /// The adapter of the linear at `path` in layer `layer`, with its site index (dropout
+    /// masks are keyed by it).
+    pub fn site(&self, layer: usize, path: &str) -> (usize, Option<&LoraAdapter>) {
+        let Some(paths) = self.sites.get(layer) else { return (0, None) };
+        match paths.iter().position(|p| p == path) {
+            Some(i) => (i, self.layers[layer][i].as_ref()),
+            None => (0, None),
+        }
+    }
+
+    /// Every adapter with its layer and path, in parameter order.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &str, &LoraAdapter)> {
+        self.layers.iter().zip(&self.sites).enumerate().flat_map(|(i, (row, paths))| {
+            row.iter().zip(paths).filter_map(move |(ad, p)| ad.as_ref().map(|ad| (i, p.as_str(), ad)))
+        })
+    }
+
+    /// The trainable tensors in a fixed order (layer, linear site, A then B) with their PEFT keys.
     pub fn params(&self) -> Vec<(String, &Var)> {
         let mut out = Vec::new();
-        for (i, row) in self.layers.iter().enumerate() {
-            for (mi, ad) in row.iter().enumerate() {
-                if let Some(ad) = ad {
-                    let base = peft_prefix(i, MODULES[mi]);
-                    out.push((format!("{base}.lora_A.weight"), &ad.a));
-                    out.push((format!("{base}.lora_B.weight"), &ad.b));
-                }
-            }
+        for (i, path, ad) in self.iter() {
+            let base = peft_prefix(i, path);
+            out.push((format!("{base}.lora_A.weight"), &ad.a));
+            out.push((format!("{base}.lora_B.weight"), &ad.b));
         }
         out
     }
@@ -157,11 +203,12 @@ impl Adapters {
         let mut unexpected: Vec<&String> = tensors.keys().filter(|k| !expected.contains(k)).collect();
         unexpected.sort();
         if !unexpected.is_empty() {
-            return Err(err(format!(
-                "{} unexpected tensor(s), e.g. `{}` (the adapter targets modules lora.targets does not list)",
-                unexpected.len(),
-                unexpected[0]
-            )));
+            let hint = if unexpected[0].contains(".mlp.experts.") && !self.spec.routed_experts {
+                "the adapter has routed-expert adapters: set lora.routed_experts = true"
+            } else {
+                "the adapter targets modules lora.targets does not list"
+            };
+            return Err(err(format!("{} unexpected tensor(s), e.g. `{}` ({hint})", unexpected.len(), unexpected[0])));
         }
         Ok(())
     }
@@ -205,9 +252,11 @@ impl Adapters {
     }
 }
 
-/// `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}`: PEFT's key prefix.
-pub fn peft_prefix(layer: usize, module: &str) -> String {
-    format!("base_model.model.model.layers.{layer}.{}.{module}", module_parent(module))
+/// `base_model.model.model.layers.{i}.{path}`: PEFT's key prefix of the linear at `path`
+/// (`self_attn.q_proj`; routed experts as transformers-4 PEFT wrote them,
+/// `mlp.experts.{j}.gate_proj`).
+pub fn peft_prefix(layer: usize, path: &str) -> String {
+    format!("base_model.model.model.layers.{layer}.{path}")
 }
 
 /// A frozen linear (W [out, in], optional bias [out]) with an optional LoRA adapter.
@@ -286,13 +335,35 @@ impl AdapterConfig {
             _ => return Err(err("adapter_config.json has no `target_modules` list".into())),
         };
         for t in &listed {
-            if !MODULES.contains(&t.as_str()) {
-                return Err(err(format!("adapter_config.json: target module `{t}` is not one of {}", MODULES.join(", "))));
+            if !ALL_TARGETS.contains(&t.as_str()) {
+                return Err(err(format!("adapter_config.json: target module `{t}` is not one of {}", ALL_TARGETS.join(", "))));
             }
         }
-        let targets = MODULES.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+        let targets = ALL_TARGETS.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+        // Routed-expert adapters are per-module keys (`...mlp.experts.{j}.gate_proj.lora_A`);
+        // their presence, not a config field PEFT would not know, says the adapter has them.
+        let routed_experts = adapter_keys(&dir.join("adapter_model.safetensors"))?.iter().any(|k| k.contains(".mlp.experts."));
         let dropout = c.get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
         let base_model = c.get("base_model_name_or_path").and_then(|v| v.as_str()).map(String::from);
-        Ok(AdapterConfig { spec: LoraSpec { rank: rank as usize, alpha, dropout, targets }, base_model })
+        Ok(AdapterConfig { spec: LoraSpec { rank: rank as usize, alpha, dropout, targets, routed_experts }, base_model })
     }
+}
+
+/// Tensor names in a safetensors file's header (empty when the file does not exist: the
+/// loaders report that themselves), without reading the tensors.
+fn adapter_keys(file: &Path) -> Result<Vec<String>> {
+    use std::io::Read;
+    let Ok(mut f) = std::fs::File::open(file) else { return Ok(Vec::new()) };
+    let bad = |msg: &str| Error::Safetensors { file: file.to_path_buf(), msg: msg.into() };
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|_| bad("shorter than its 8-byte header length"))?;
+    let n = u64::from_le_bytes(len);
+    let size = f.metadata().map_err(|e| Error::io(file, e))?.len();
+    if n > size.saturating_sub(8) || n > 100 << 20 {
+        return Err(bad("header length beyond the file"));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(|e| Error::io(file, e))?;
+    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).map_err(|e| bad(&format!("header is not JSON: {e}")))?;
+    Ok(map.into_iter().map(|(k, _)| k).filter(|k| k != "__metadata__").collect())
 }

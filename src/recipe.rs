@@ -73,8 +73,7 @@ const fn one_of(name: &'static str, choices: &'static [&'static str]) -> KeySpec
     KeySpec { name, kind: Kind::Str, required: false, choices }
 }
 
-pub const LORA_TARGETS: &[&str] =
-    &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+pub const LORA_TARGETS: &[&str] = &crate::lora::ALL_TARGETS;
 
 /// Every section and key the recipe accepts. Later issues add sections here.
 const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
@@ -91,6 +90,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
             req("alpha", Kind::Float),
             key("dropout", Kind::Float),
             key("targets", Kind::StrList),
+            key("routed_experts", Kind::Bool),
             key("init_from", Kind::Str),
         ],
     ),
@@ -289,10 +289,33 @@ pub struct LoraSection {
     pub alpha: f64,
     #[serde(default)]
     pub dropout: f64,
-    #[serde(default = "default_targets")]
-    pub targets: Vec<String>,
+    /// Leaf names of the linears to adapt; unset = the model's attention projections
+    /// ([`LoraSection::spec`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub targets: Option<Vec<String>>,
+    /// MoE models: adapt every routed expert's MLP targets too, not only the shared experts.
+    #[serde(default)]
+    pub routed_experts: bool,
     #[serde(default)]
     pub init_from: Option<PathBuf>,
+}
+
+impl LoraSection {
+    /// The adapter settings for a model: `targets` as given, or by default its attention
+    /// projections (Llama / Qwen2: q, k, v, o; DeepSeek MLA: q_proj or q_a_proj + q_b_proj,
+    /// kv_a_proj_with_mqa, kv_b_proj, o_proj). Names the model lacks are refused later, by
+    /// `Adapters::init`, with the list of names it has.
+    pub fn spec(&self, cfg: &crate::config::ModelConfig) -> crate::lora::LoraSpec {
+        let listed: Vec<String> = match &self.targets {
+            Some(t) => t.clone(),
+            None => {
+                let attn = ["q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"];
+                cfg.linear_names().into_iter().filter(|n| attn.contains(&n.as_str())).collect()
+            }
+        };
+        let targets = crate::lora::ALL_TARGETS.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+        crate::lora::LoraSpec { rank: self.rank, alpha: self.alpha, dropout: self.dropout, targets, routed_experts: self.routed_experts }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -419,9 +442,6 @@ fn default_matmul() -> String {
 fn default_device() -> String {
     "cpu".into()
 }
-fn default_targets() -> Vec<String> {
-    ["q_proj", "k_proj", "v_proj", "o_proj"].iter().map(|s| s.to_string()).collect()
-}
 fn default_format() -> String {
     "tokenized".into()
 }
@@ -510,10 +530,11 @@ impl LoadedRecipe {
         if !(0.0..1.0).contains(&r.lora.dropout) {
             return Err(self.err("lora.dropout", "must be in [0, 1)"));
         }
-        if r.lora.targets.is_empty() {
+        let targets = r.lora.targets.as_deref().unwrap_or_default();
+        if r.lora.targets.is_some() && targets.is_empty() {
             return Err(self.err("lora.targets", "needs at least one module"));
         }
-        for t in &r.lora.targets {
+        for t in targets {
             if !LORA_TARGETS.contains(&t.as_str()) {
                 return Err(self.err(
                     "lora.targets",
@@ -793,7 +814,7 @@ dir = "out"
     fn minimal_recipe_fills_defaults() {
         let r = load(MINIMAL, &[]).unwrap().recipe;
         assert_eq!(r.model.dtype, "f32");
-        assert_eq!(r.lora.targets, default_targets());
+        assert_eq!(r.lora.targets, None);
         assert_eq!(r.train.adam_betas, [0.9, 0.999]);
         assert_eq!(r.train.lr_scheduler, "constant");
     }
@@ -825,7 +846,7 @@ dir = "out"
         let r = load(MINIMAL, &["train.lr=2e-4", "model.path=/abs/model", "lora.targets=[\"q_proj\"]"]).unwrap();
         assert_eq!(r.recipe.train.lr, 2e-4);
         assert_eq!(r.recipe.model.path, "/abs/model");
-        assert_eq!(r.recipe.lora.targets, vec!["q_proj".to_string()]);
+        assert_eq!(r.recipe.lora.targets, Some(vec!["q_proj".to_string()]));
         assert_eq!(r.resolve(&r.recipe.output.dir), PathBuf::from("/recipes/out"));
     }
 

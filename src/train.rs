@@ -10,8 +10,8 @@
 use crate::config::ModelConfig;
 use crate::data::{Formatter, Loader, LoaderOptions, MicroBatch, Role, IGNORE};
 use crate::error::{CandleContext, Error, Result};
-use crate::lora::{Adapters, DropoutCtx, LoraSpec, MODULES};
-use crate::model::llama::Llama;
+use crate::lora::{Adapters, DropoutCtx, LoraSpec};
+use crate::model::Model;
 use crate::dist::collective::{Collective, InProcessGroup};
 use crate::dist::Partition;
 use crate::dist::zero::{Account, MemoryUse, ShardedWeights};
@@ -26,16 +26,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What PEFT's `print_trainable_parameters` reports, from the config alone.
-pub fn trainable_parameters(cfg: &ModelConfig, rank: usize, targets: &[String]) -> (u64, u64) {
-    let per_layer: u64 = MODULES
-        .iter()
-        .filter(|m| targets.iter().any(|t| t == *m))
-        .map(|m| {
-            let (i, o) = cfg.proj_shape(m);
-            (rank * (i + o)) as u64
-        })
+pub fn trainable_parameters(cfg: &ModelConfig, spec: &LoraSpec) -> (u64, u64) {
+    let trainable: u64 = (0..cfg.num_hidden_layers)
+        .flat_map(|l| cfg.linear_sites(l))
+        .filter(|path| crate::lora::is_targeted(path, spec))
+        .filter_map(|path| cfg.linear_shape(&path))
+        .map(|(i, o, _)| (spec.rank * (i + o)) as u64)
         .sum();
-    let trainable = per_layer * cfg.num_hidden_layers as u64;
     (trainable, trainable + cfg.base_param_count())
 }
 
@@ -274,15 +271,13 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     } else {
         (Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()).with_matmul_dtype(matmul)), None)
     };
-    let mut targets: Vec<String> = MODULES.iter().filter(|m| r.lora.targets.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
-    targets.dedup();
-    let lora_spec = LoraSpec { rank: r.lora.rank, alpha: r.lora.alpha, dropout: r.lora.dropout, targets };
+    let lora_spec = r.lora.spec(&cfg);
     // Same seed on every rank: every rank starts from the same adapters.
     let adapters = Adapters::init(&cfg, lora_spec, t.seed, &device)?;
     if let Some(init) = &r.lora.init_from {
         adapters.load_peft(&loaded.resolve(init))?;
     }
-    let model = Llama::load(src.clone(), cfg, &adapters)?.with_kernels(kernels);
+    let model = Model::load(src.clone(), cfg, &adapters)?.with_kernels(kernels);
     match &sharded {
         Some(s) => s.seal(),
         None => {
@@ -307,7 +302,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         None
     };
     if lead {
-        let (trainable, all) = trainable_parameters(&model.cfg, r.lora.rank, &adapters.spec.targets);
+        let (trainable, all) = trainable_parameters(&model.cfg, &adapters.spec);
         eprintln!("{}", format_trainable(trainable, all));
         if world > 1 {
             eprintln!("{world} ranks, zero_stage {}, optimizer state on the host", r.dist.zero_stage);
@@ -799,7 +794,7 @@ fn resolve_spec(loaded: &LoadedRecipe, p: &std::path::Path) -> PathBuf {
 }
 
 /// Token-normalised loss over `examples` (no gradients kept).
-pub fn evaluate(model: &Llama, adapters: &Adapters, examples: &[crate::data::Example], batch: usize) -> Result<f64> {
+pub fn evaluate(model: &Model, adapters: &Adapters, examples: &[crate::data::Example], batch: usize) -> Result<f64> {
     let (sum, count) = evaluate_part(model, adapters, examples, batch, 0, 1)?;
     Ok(sum / count.max(1) as f64)
 }
@@ -809,7 +804,7 @@ pub fn evaluate(model: &Llama, adapters: &Adapters, examples: &[crate::data::Exa
 /// tensors in the same order, because under ZeRO-3 each request is a collective: a rank left
 /// without a batch in the last round re-runs batch 0 and discards it, and the head is fetched
 /// even for a batch without targets.
-pub fn evaluate_part(model: &Llama, adapters: &Adapters, examples: &[crate::data::Example], batch: usize, rank: usize, world: usize) -> Result<(f64, usize)> {
+pub fn evaluate_part(model: &Model, adapters: &Adapters, examples: &[crate::data::Example], batch: usize, rank: usize, world: usize) -> Result<(f64, usize)> {
     let chunks: Vec<&[crate::data::Example]> = examples.chunks(batch.max(1)).collect();
     let (mut sum, mut count) = (0.0, 0usize);
     for round in 0..chunks.len().div_ceil(world) {
@@ -866,7 +861,7 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
 /// and returns the micro-batch's CE sum.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
-    model: &Llama,
+    model: &Model,
     adapters: &Adapters,
     vars: &[Var],
     mb: &MicroBatch,

@@ -311,8 +311,53 @@ impl SafetensorsFiles {
             .collect()
     }
 
-    /// Read one tensor (copied out of the map), checking its shape.
+    /// Whether `name` is stored as FP8 (e4m3) with DeepSeek-V3's block scales beside it.
+    pub fn is_fp8(&self, name: &str) -> bool {
+        self.raw_view(name).is_ok_and(|v| v.dtype() == safetensors::Dtype::F8_E4M3)
+    }
+
+    /// An FP8 weight dequantised to f32 [rows, cols] on the host: element (i, j) times
+    /// `{name without .weight}.weight_scale_inv`[i / 128, j / 128] (DeepSeek-V3's layout,
+    /// `weight_block_size = [128, 128]`).
+    fn load_fp8(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let file = self.file_of(name).map(Path::to_path_buf).unwrap_or_default();
+        let bad = |msg: String| Error::Safetensors { file: file.clone(), msg };
+        let &[rows, cols] = shape else { return Err(bad(format!("tensor `{name}` is FP8 but not a matrix ({shape:?})"))) };
+        let scale_name = format!("{}_scale_inv", name);
+        if !self.routing.contains_key(&scale_name) {
+            return Err(bad(format!("tensor `{name}` is FP8 (e4m3) but `{scale_name}` (its block scales) is missing")));
+        }
+        let (br, bc) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
+        let scale = self.load(&scale_name, &[br, bc], &Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let view = self.raw_view(name)?;
+        let data = view.data();
+        if data.len() != rows * cols {
+            return Err(bad(format!("tensor `{name}`: {} bytes for an FP8 [{rows}, {cols}]", data.len())));
+        }
+        let mut out = vec![0f32; rows * cols];
+        for (i, (row, src)) in out.chunks_mut(cols).zip(data.chunks(cols)).enumerate() {
+            let s = &scale[(i / FP8_BLOCK) * bc..][..bc];
+            for (j, (o, &b)) in row.iter_mut().zip(src).enumerate() {
+                *o = float8::F8E4M3::from_bits(b).to_f32() * s[j / FP8_BLOCK];
+            }
+        }
+        if out.iter().any(|x| !x.is_finite()) {
+            return Err(bad(format!("tensor `{name}`: FP8 values or their scales give NaN or inf")));
+        }
+        Ok(Tensor::from_vec(out, (rows, cols), &Device::Cpu)?)
+    }
+
+    /// Read one tensor (copied out of the map), checking its shape. FP8 weights come back
+    /// dequantised to f32.
     pub fn load(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
+        if self.is_fp8(name) {
+            let got = self.shape(name)?;
+            if got != shape {
+                let file = self.file_of(name).map(|p| p.display().to_string()).unwrap_or_default();
+                return Err(Error::Shape { name: name.into(), file, expected: shape.to_vec(), got });
+            }
+            return Ok(self.load_fp8(name, shape)?.to_device(device)?);
+        }
         let got = self.view(name)?.shape().to_vec();
         let &i = self.routing.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file_list() })?;
         let file = &self.files[i].0;
@@ -325,6 +370,9 @@ impl SafetensorsFiles {
             .map_err(|e| Error::Safetensors { file: file.clone(), msg: crate::error::candle_msg(&e) })
     }
 }
+
+/// Rows and columns of one FP8 scale block (DeepSeek-V3's `weight_block_size`).
+pub const FP8_BLOCK: usize = 128;
 
 /// All frozen tensors resident on one device in the storage dtype; converted to the compute
 /// dtype when handed out. Only the tensors the model asks for at load are kept.

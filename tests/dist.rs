@@ -126,7 +126,7 @@ fn check_world_sizes_with(root: tempfile::TempDir, arch: &'static str, tie: bool
             assert!(m.optimizer <= plan.optimizer && (m.rank != 0 || m.optimizer == plan.optimizer), "rank {}: optimizer bytes", m.rank);
         }
         let opt_total: usize = s.memory.iter().map(|m| m.optimizer).sum();
-        assert_eq!(opt_total, 2 * 4 * finetune::train::trainable_parameters(&cfg, 4, &loaded.recipe.lora.targets).0 as usize);
+        assert_eq!(opt_total, 2 * 4 * finetune::train::trainable_parameters(&cfg, &loaded.recipe.lora.spec(&cfg)).0 as usize);
     }
 }
 

@@ -51,7 +51,7 @@ fn our_forward_matches_transformers_logits_with_and_without_merging() {
         let adapters = PeftAdapter::open(&fixture(src).join("expected/adapter")).unwrap().load(&cfg).unwrap();
         let files = base.open_weights().unwrap();
         let w = std::sync::Arc::new(finetune::weights::ResidentWeights::new(files, DType::F32, DType::F32, Device::Cpu));
-        let model = finetune::model::llama::Llama::load(w, cfg, &adapters).unwrap();
+        let model = finetune::model::Model::load(w, cfg, &adapters).unwrap();
         let logits = model.logits(&ids, &adapters).unwrap();
         let d = max_abs_diff(&logits, &f["logits_unmerged"]);
         println!("{case}: max |ours - transformers| logits = {d:e}");

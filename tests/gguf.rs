@@ -9,7 +9,7 @@ use common::gguf::*;
 use common::*;
 use finetune::generate::Generator;
 use finetune::gguf::{import, permute};
-use finetune::model::llama::KvCache;
+use finetune::model::KvCache;
 use finetune::synth::{write_model, TinyShape};
 use finetune::weights::ModelDir;
 use std::path::{Path, PathBuf};

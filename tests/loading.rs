@@ -17,7 +17,7 @@ fn deepseek_7b_rank64_qkvo_has_62_914_560_trainable_params() {
     let recipe = LoadedRecipe::load(&root.join("recipes/deepseek-7b-lora.toml"), &[]).unwrap().recipe;
     assert_eq!(recipe.model.path, "deepseek-ai/deepseek-llm-7b-base");
     let cfg = ModelConfig::from_file(&root.join("recipes/models/deepseek-llm-7b-base/config.json")).unwrap();
-    let (trainable, all) = finetune::train::trainable_parameters(&cfg, recipe.lora.rank, &recipe.lora.targets);
+    let (trainable, all) = finetune::train::trainable_parameters(&cfg, &recipe.lora.spec(&cfg));
     assert_eq!(trainable, 62_914_560);
     assert_eq!(all, 6_973_280_256);
     assert_eq!(
@@ -212,7 +212,7 @@ fn packed_records_give_the_same_loss_and_gradients_as_unpacked() {
     use finetune::data::{Example, MicroBatch};
     let ws = workspace(&TinyShape::default(), 1);
     let cfg = ModelConfig::from_file(&ws.path().join("model/config.json")).unwrap();
-    let spec = finetune::lora::LoraSpec { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "v_proj".into(), "down_proj".into()] };
+    let spec = finetune::lora::LoraSpec { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "v_proj".into(), "down_proj".into()], routed_experts: false };
     let adapters = finetune::lora::Adapters::init(&cfg, spec, 1, &candle_core::Device::Cpu).unwrap();
     // Non-zero B so that LoRA changes the output and every grad is non-trivial.
     for (_, v) in adapters.params() {
@@ -220,7 +220,7 @@ fn packed_records_give_the_same_loss_and_gradients_as_unpacked() {
     }
     let files = finetune::weights::SafetensorsFiles::open(&[ws.path().join("model/model.safetensors")]).unwrap();
     let src = std::sync::Arc::new(finetune::weights::ResidentWeights::new(files, candle_core::DType::F32, candle_core::DType::F32, candle_core::Device::Cpu));
-    let model = finetune::model::llama::Llama::load(src, cfg, &adapters).unwrap();
+    let model = finetune::model::Model::load(src, cfg, &adapters).unwrap();
     let vars: Vec<candle_core::Var> = adapters.params().into_iter().map(|(_, v)| v.clone()).collect();
     let records: Vec<Example> = counting_rows(3, 256, 9, 5, 11).into_iter().map(|(i, l)| Example::new(i.iter().map(|&x| x as u32).collect(), l)).collect();
     let mut packed = records[0].clone();

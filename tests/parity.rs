@@ -102,3 +102,21 @@ fn qwen2_tied_with_bias_matches_peft_on_the_portable_path() {
 fn llama_mlp_targets_with_wraparound_match_peft_on_the_portable_path() {
     check_parity("parity-llama-mlp", &["model.kernels=portable"]);
 }
+
+// DeepSeek-V2 / V3: MLA (YaRN, interleaved rope, Dk != Dv) and DeepSeekMoE (routed + shared
+// experts), produced by `ds_fixture.py` (kept beside each fixture).
+
+#[test]
+fn deepseek_v2_mla_and_moe_match_peft() {
+    check_parity("parity-deepseek-v2", &[]);
+}
+
+#[test]
+fn deepseek_v2_matches_peft_on_the_portable_path() {
+    check_parity("parity-deepseek-v2", &["model.kernels=portable"]);
+}
+
+#[test]
+fn deepseek_v2_matches_peft_without_activation_checkpointing() {
+    check_parity("parity-deepseek-v2", &["train.activation_checkpointing=false"]);
+}

@@ -98,7 +98,7 @@ fn resume_restores_optimizer_moments() {
     let saved = load_tensors(&ck.join("optimizer.safetensors"));
     assert!(saved.keys().any(|k| k.ends_with("lora_A.weight.exp_avg_sq")));
     let cfg = finetune::config::ModelConfig::from_file(&root.path().join("model/config.json")).unwrap();
-    let spec = finetune::lora::LoraSpec { rank: 4, alpha: 8.0, dropout: 0.1, targets: vec!["q_proj".into(), "k_proj".into(), "v_proj".into(), "o_proj".into(), "up_proj".into()] };
+    let spec = finetune::lora::LoraSpec { rank: 4, alpha: 8.0, dropout: 0.1, targets: vec!["q_proj".into(), "k_proj".into(), "v_proj".into(), "o_proj".into(), "up_proj".into()], routed_experts: false };
     let adapters = finetune::lora::Adapters::init(&cfg, spec, 0, &candle_core::Device::Cpu).unwrap();
     let l = finetune::checkpoint::load(&ck, &adapters).unwrap();
     assert_eq!(l.adam_step, 3);

@@ -61,7 +61,7 @@ pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
     } else {
         (tensors.iter().map(|(_, s)| numel(s) * es).sum(), 0)
     };
-    let lora: usize = crate::train::trainable_parameters(cfg, r.lora.rank, &r.lora.targets).0 as usize;
+    let lora: usize = crate::train::trainable_parameters(cfg, &r.lora.spec(cfg)).0 as usize;
     // Rank 0's share, the largest (the last rank's may be shorter).
     let optimizer = 2 * super::Partition::new(lora, 0, world).len() * 4;
     let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 }, on_gpu);
@@ -133,7 +133,7 @@ fn gb(b: usize) -> String {
 pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> String {
     let dev = if on_gpu { "GPU" } else { "rank" };
     let base = cfg.base_param_count();
-    let lora = crate::train::trainable_parameters(cfg, r.lora.rank, &r.lora.targets).0;
+    let lora = crate::train::trainable_parameters(cfg, &r.lora.spec(cfg)).0;
     let mut out = format!(
         "{} ({} layers, hidden {}, vocab {}): base {:.2} B params in {}, LoRA {:.1} M params (f32), micro-batch {} x {} tokens, zero_stage {}\n\n",
         cfg.architecture_name,

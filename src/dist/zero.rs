@@ -233,17 +233,22 @@ impl ShardedWeights {
             let file = files.file_of(name).map(|p| p.display().to_string()).unwrap_or_default();
             return Err(Error::Shape { name: name.into(), file, expected: shape.to_vec(), got });
         }
-        let view = files.view(name)?;
-        let dtype = DType::try_from(view.dtype()).map_err(|e| Error::Safetensors {
-            file: files.file_of(name).map(|p| p.to_path_buf()).unwrap_or_default(),
-            msg: format!("tensor `{name}`: {}", crate::error::candle_msg(&e)),
-        })?;
         let n: usize = shape.iter().product();
         let part = super::Partition::new(n, self.comm.rank(), self.comm.world_size());
         let (c, lo, hi) = (part.chunk(), part.range().start, part.range().end);
-        let es = dtype.size_in_bytes();
-        // Only these bytes of the map are touched: the rank's 1/N.
-        let mine = Tensor::from_raw_buffer(&view.data()[lo * es..hi * es], dtype, &[hi - lo], &Device::Cpu)?.to_dtype(self.storage_dtype)?;
+        let mine = if files.is_fp8(name) {
+            // FP8 blocks span rows: dequantise the whole tensor once, keep this rank's 1/N.
+            files.load(name, shape, &Device::Cpu)?.flatten_all()?.narrow(0, lo, hi - lo)?.to_dtype(self.storage_dtype)?
+        } else {
+            let view = files.view(name)?;
+            let dtype = DType::try_from(view.dtype()).map_err(|e| Error::Safetensors {
+                file: files.file_of(name).map(|p| p.to_path_buf()).unwrap_or_default(),
+                msg: format!("tensor `{name}`: {}", crate::error::candle_msg(&e)),
+            })?;
+            let es = dtype.size_in_bytes();
+            // Only these bytes of the map are touched: the rank's 1/N.
+            Tensor::from_raw_buffer(&view.data()[lo * es..hi * es], dtype, &[hi - lo], &Device::Cpu)?.to_dtype(self.storage_dtype)?
+        };
         let data = if hi - lo < c {
             Tensor::cat(&[&mine, &Tensor::zeros(c - (hi - lo), self.storage_dtype, &Device::Cpu)?], 0)?
         } else {

@@ -92,7 +92,9 @@ pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale
             let op = CausalAttention { scale: scale as f32, key_start: starts.host.clone(), lse: Mutex::new(Vec::new()) };
             q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
         }
-        _ => portable_attention(q, k, v, scale, starts, portable_strip_rows(b, nh, s)),
+        // Batched matmuls need one stride per batch dim: `cat` along the last dim (MLA's
+        // nope | rope halves) leaves other layouts, so copy those.
+        _ => portable_attention(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, scale, starts, portable_strip_rows(b, nh, s)),
     }
 }
 

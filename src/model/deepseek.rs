@@ -1,0 +1,341 @@
+//! DeepSeek-V2 / V3 decoder for LoRA training: multi-head latent attention (MLA) and
+//! DeepSeekMoE, as transformers' `modeling_deepseek_v2.py` / `modeling_deepseek_v3.py`
+//! compute them (eager attention, eager experts). Moonlight is V3-shaped.
+//!
+//! Dimension legend:
+//!   B  micro-batch rows        S  sequence length (padded)     N = B * S (flattened tokens)
+//!   H  hidden_size             NH num_attention_heads          V  vocab_size
+//!   Dn qk_nope_head_dim        Dr qk_rope_head_dim             Dk = Dn + Dr (q/k head dim)
+//!   Dv v_head_dim              C  kv_lora_rank                 Q  q_lora_rank
+//!   E  n_routed_experts        K  num_experts_per_tok          Ie moe_intermediate_size
+//!   Ne tokens routed to expert e (0 ..= N)
+//!
+//! Blocks are built per layer from a [`Frozen`] view (see `super::Model`) and never know
+//! where their tensors live. Where we differ from transformers:
+//! - RoPE on interleaved pairs is computed as rotate-half on the de-interleaved rope dims
+//!   (evens, then odds) of q and k alike. Scores are dot products, so the permutation, applied
+//!   to both, changes nothing (transformers' deepseek_v3 does the same; deepseek_v2's complex
+//!   product is the same rotation).
+//! - Attention takes one head dim for q, k and v, so v is padded with zeros from Dv to Dk
+//!   (the padding's output columns are dropped; they get no gradient).
+//! - Experts run sparsely: tokens are grouped by expert and each expert with tokens runs its
+//!   three GEMMs once over them; the weighted outputs return to token order by one gather.
+//!   transformers' eager path loops the same way and sums in another order (f32 noise).
+
+use super::llama::Mlp;
+use super::{linear, ForwardCtx, KvCache};
+use crate::config::{Mla, ModelConfig, Moe as MoeConfig, Routing};
+use crate::error::{Error, Result};
+use crate::lora::{Adapters, DropoutCtx, LoraLinear};
+use crate::ops::{self, Kernels};
+use crate::weights::Frozen;
+use candle_core::{DType, Tensor, D};
+
+/// The small RMSNorms inside MLA (`q_a_layernorm`, `kv_a_layernorm`) use transformers'
+/// default eps whatever `rms_norm_eps` says.
+const MLA_NORM_EPS: f64 = 1e-6;
+
+/// Query path: one projection, or the low-rank pair with a norm between.
+enum QPath<'a> {
+    Plain(LoraLinear<'a>),
+    LowRank { q_a_proj: LoraLinear<'a>, q_a_layernorm: Tensor, q_b_proj: LoraLinear<'a> },
+}
+
+pub struct MlaAttention<'a> {
+    q: QPath<'a>,
+    kv_a_proj_with_mqa: LoraLinear<'a>,
+    kv_a_layernorm: Tensor,
+    kv_b_proj: LoraLinear<'a>,
+    o_proj: LoraLinear<'a>,
+    mla: Mla,
+    num_heads: usize,
+    scale: f64,
+}
+
+impl<'a> MlaAttention<'a> {
+    /// `vb` is the layer's view (`model.layers.{layer}`).
+    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
+        let mla = cfg.mla.clone().ok_or_else(|| Error::model(&cfg.architecture_name, "MLA attention without an MLA config"))?;
+        let q = match mla.q_lora_rank {
+            None => QPath::Plain(linear(vb, cfg, layer, "self_attn.q_proj", lora)?),
+            Some(r) => QPath::LowRank {
+                q_a_proj: linear(vb, cfg, layer, "self_attn.q_a_proj", lora)?,
+                q_a_layernorm: vb.get(&[r], "self_attn.q_a_layernorm.weight")?,
+                q_b_proj: linear(vb, cfg, layer, "self_attn.q_b_proj", lora)?,
+            },
+        };
+        Ok(MlaAttention {
+            q,
+            kv_a_proj_with_mqa: linear(vb, cfg, layer, "self_attn.kv_a_proj_with_mqa", lora)?,
+            kv_a_layernorm: vb.get(&[mla.kv_lora_rank], "self_attn.kv_a_layernorm.weight")?,
+            kv_b_proj: linear(vb, cfg, layer, "self_attn.kv_b_proj", lora)?,
+            o_proj: linear(vb, cfg, layer, "self_attn.o_proj", lora)?,
+            num_heads: cfg.num_attention_heads,
+            scale: cfg.attention_scale(),
+            mla,
+        })
+    }
+
+    /// RoPE on the rope part of heads, x [B, n, S, Dr] -> [B, n, S, Dr] (de-interleaved
+    /// order when the model rotates interleaved pairs; see the module note).
+    fn rope(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
+        let x = if self.mla.rope_interleave {
+            let dr = self.mla.qk_rope_head_dim;
+            let perm: Vec<u32> = (0..dr as u32).step_by(2).chain((1..dr as u32).step_by(2)).collect();
+            x.contiguous()?.index_select(&Tensor::from_vec(perm, dr, x.device())?, 3)? // [B, n, S, Dr]
+        } else {
+            x.clone()
+        };
+        Ok(ops::rope::rope(&x, &ctx.cos, &ctx.sin)?)
+    }
+
+    /// x [N, H] -> [N, H]; with `cache` (generation) keys/values of earlier positions are
+    /// prepended and kept, as [B, NH, T, Dk] each (v padded to Dk).
+    pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let (b, _, s, _) = ctx.cos.dims4()?;
+        let (nh, kern, drop) = (self.num_heads, ctx.kernels, ctx.dropout);
+        let Mla { kv_lora_rank: c, qk_nope_head_dim: dn, qk_rope_head_dim: dr, v_head_dim: dv, .. } = self.mla;
+        let dk = dn + dr;
+        let q = match &self.q {
+            QPath::Plain(p) => p.forward(kern, x, drop)?, // [N, NH*Dk]
+            QPath::LowRank { q_a_proj, q_a_layernorm, q_b_proj } => {
+                let qa = q_a_proj.forward(kern, x, drop)?; // [N, Q]
+                q_b_proj.forward(kern, &ops::rms_norm(kern, &qa, q_a_layernorm, MLA_NORM_EPS)?, drop)? // [N, NH*Dk]
+            }
+        };
+        let q = ops::split_heads(kern, &q, b, s, nh)?; // [B, NH, S, Dk]
+        let q_rope = self.rope(&q.narrow(3, dn, dr)?, ctx)?; // [B, NH, S, Dr]
+        let q = Tensor::cat(&[&q.narrow(3, 0, dn)?, &q_rope], 3)?; // [B, NH, S, Dk]
+
+        let ckv = self.kv_a_proj_with_mqa.forward(kern, x, drop)?; // [N, C + Dr]
+        let latent = ckv.narrow(1, 0, c)?.contiguous()?; // [N, C]
+        let k_rope = ckv.narrow(1, c, dr)?.reshape((b, 1, s, dr))?; // [B, 1, S, Dr]: one rope key for all heads
+        let k_rope = self.rope(&k_rope, ctx)?.broadcast_as((b, nh, s, dr))?; // [B, NH, S, Dr]
+        let kv = self.kv_b_proj.forward(kern, &ops::rms_norm(kern, &latent, &self.kv_a_layernorm, MLA_NORM_EPS)?, drop)?; // [N, NH*(Dn+Dv)]
+        let kv = ops::split_heads(kern, &kv, b, s, nh)?; // [B, NH, S, Dn+Dv]
+        let mut k = Tensor::cat(&[&kv.narrow(3, 0, dn)?, &k_rope], 3)?; // [B, NH, S, Dk]
+        let v = kv.narrow(3, dn, dv)?; // [B, NH, S, Dv]
+        // One head dim for the attention op: pad v (or q and k, whose extra zeros add nothing
+        // to the scores) to the larger of Dk, Dv.
+        let width = dk.max(dv);
+        let pad = |t: &Tensor, d: usize| -> Result<Tensor> {
+            if d == width {
+                return Ok(t.clone());
+            }
+            let (b, n, s, _) = t.dims4()?;
+            Ok(Tensor::cat(&[t, &Tensor::zeros((b, n, s, width - d), t.dtype(), t.device())?], 3)?)
+        };
+        let q = pad(&q, dk)?; // [B, NH, S, W]
+        k = pad(&k, dk)?; // [B, NH, S, W]
+        let mut v = pad(&v, dv)?; // [B, NH, S, W]
+        if let Some(cache) = cache {
+            if let Some((pk, pv)) = cache.take() {
+                k = Tensor::cat(&[&pk, &k], 2)?; // [B, NH, T, W]
+                v = Tensor::cat(&[&pv, &v], 2)?; // [B, NH, T, W]
+            }
+            *cache = Some((k.clone(), v.clone()));
+        }
+        let out = match &ctx.cache_mask {
+            None => ops::causal_attention(kern, &q, &k, &v, self.scale, &ctx.key_start)?, // [B, NH, S, W]
+            Some(mask) => ops::attention::cached_attention(&q, &k, &v, self.scale, mask)?, // [B, NH, S, W]
+        };
+        let out = if width == dv { out } else { out.narrow(3, 0, dv)? }; // [B, NH, S, Dv]
+        let out = ops::merge_heads(kern, &out)?; // [N, NH*Dv]
+        Ok(self.o_proj.forward(kern, &out, drop)?) // [N, H]
+    }
+}
+
+/// DeepSeekMoE: a router over E experts, the top K of them per token, plus shared experts.
+pub struct Moe<'a> {
+    /// Router [E, H] in f32 (the router runs in f32 whatever the base dtype, as transformers).
+    gate: Tensor,
+    /// V3: added to the scores for the choice only, [E] f32.
+    e_score_correction_bias: Option<Vec<f32>>,
+    experts: Vec<Mlp<'a>>,
+    shared_experts: Option<Mlp<'a>>,
+    cfg: MoeConfig,
+}
+
+impl<'a> Moe<'a> {
+    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
+        let m = cfg.moe.clone().ok_or_else(|| Error::model(&cfg.architecture_name, "MoE layer without an MoE config"))?;
+        let e = m.n_routed_experts;
+        let gate = vb.get(&[e, cfg.hidden_size], "mlp.gate.weight")?.to_dtype(DType::F32)?;
+        let e_score_correction_bias = match m.routing {
+            Routing::SigmoidNoauxTc => {
+                let bias = vb.get(&[e], "mlp.gate.e_score_correction_bias")?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                Some(bias)
+            }
+            _ => None,
+        };
+        let experts = (0..e).map(|j| Mlp::load(vb, cfg, layer, &format!("mlp.experts.{j}"), lora)).collect::<Result<Vec<_>>>()?;
+        let shared_experts = if m.n_shared_experts > 0 { Some(Mlp::load(vb, cfg, layer, "mlp.shared_experts", lora)?) } else { None };
+        Ok(Moe { gate, e_score_correction_bias, experts, shared_experts, cfg: m })
+    }
+
+    /// x [N, H] -> [N, H]: Σ_k weight_k · expert_k(x) + shared_experts(x).
+    pub fn forward(&self, kern: Kernels, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
+        let (n, h) = x.dims2()?;
+        let (e, k) = (self.cfg.n_routed_experts, self.cfg.num_experts_per_tok);
+        // Router in f32; gradients reach x through the routing weights (the router is frozen).
+        let logits = ops::frozen_linear(kern, &x.to_dtype(DType::F32)?, &self.gate)?; // [N, E]
+        let scores = match self.cfg.routing {
+            Routing::SigmoidNoauxTc => sigmoid(&logits)?,
+            _ => softmax_rows(&logits)?,
+        }; // [N, E] f32
+        let host = scores.detach().flatten_all()?.to_vec1::<f32>()?;
+        let chosen = choose_experts(&host, e, &self.cfg, self.e_score_correction_bias.as_deref())?; // N*K expert ids
+        let idx = Tensor::from_vec(chosen.clone(), (n, k), x.device())?; // [N, K]
+        let mut w = scores.gather(&idx, 1)?; // [N, K]
+        if self.cfg.norm_topk_prob {
+            w = w.broadcast_div(&(w.sum_keepdim(1)? + 1e-20)?)?; // [N, K]
+        }
+        let w = (w * self.cfg.routed_scaling_factor)?.to_dtype(x.dtype())?; // [N, K]
+
+        // Group the (token, slot) pairs by expert; `row_of[t*K + s]` is the pair's row in the
+        // expert-ordered outputs.
+        let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); e];
+        for (pair, &ex) in chosen.iter().enumerate() {
+            by_expert[ex as usize].push(pair as u32);
+        }
+        let mut row_of = vec![0u32; n * k];
+        let mut outs = Vec::new();
+        let mut row = 0u32;
+        for (ex, pairs) in by_expert.iter().enumerate() {
+            if pairs.is_empty() {
+                continue; // an expert without tokens costs nothing
+            }
+            let tokens: Vec<u32> = pairs.iter().map(|&p| p / k as u32).collect();
+            let xe = x.index_select(&Tensor::from_vec(tokens, pairs.len(), x.device())?, 0)?; // [Ne, H]
+            outs.push(self.experts[ex].forward(kern, &xe, drop)?); // [Ne, H]
+            for &p in pairs {
+                row_of[p as usize] = row;
+                row += 1;
+            }
+        }
+        let sorted = Tensor::cat(&outs, 0)?; // [N*K, H] by expert
+        let y = sorted.index_select(&Tensor::from_vec(row_of, n * k, x.device())?, 0)?.reshape((n, k, h))?; // [N, K, H]
+        let routed = y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?; // [N, H]
+        Ok(match &self.shared_experts {
+            Some(sh) => (routed + sh.forward(kern, x, drop)?)?,
+            None => routed,
+        })
+    }
+}
+
+/// Row softmax from differentiable ops (candle's `softmax_last_dim` has no backward).
+fn softmax_rows(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach(); // shift-invariant: no gradient needed
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// 1 / (1 + exp(-x)) from differentiable ops.
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    Ok((x.neg()?.exp()? + 1.0)?.recip()?)
+}
+
+/// The K experts of each of the N tokens (scores [N, E] row-major, host f32), as
+/// transformers' routers choose them. `bias` (V3) shifts the scores for the choice only.
+pub fn choose_experts(scores: &[f32], e: usize, m: &MoeConfig, bias: Option<&[f32]>) -> Result<Vec<u32>> {
+    let k = m.num_experts_per_tok;
+    if scores.iter().any(|s| !s.is_finite()) {
+        return Err(Error::Train("router scores hold NaN or inf (the hidden states diverged)".into()));
+    }
+    let per_group = e / m.n_group;
+    let mut out = Vec::with_capacity(scores.len() / e * k);
+    let mut choice = vec![0f32; e];
+    for row in scores.chunks(e) {
+        for (j, c) in choice.iter_mut().enumerate() {
+            *c = row[j] + bias.map_or(0.0, |b| b[j]);
+        }
+        let grouped = match m.routing {
+            Routing::SoftmaxGreedy => false,
+            Routing::SoftmaxGroupLimited | Routing::SigmoidNoauxTc => m.topk_group < m.n_group,
+        };
+        if grouped {
+            // Group score: the best expert (V2) or the sum of the best two (V3).
+            let group_score: Vec<f32> = choice
+                .chunks(per_group)
+                .map(|g| match m.routing {
+                    Routing::SigmoidNoauxTc => top_k(g, 2).iter().map(|&i| g[i]).sum(),
+                    _ => g.iter().cloned().fold(f32::NEG_INFINITY, f32::max),
+                })
+                .collect();
+            let keep = top_k(&group_score, m.topk_group);
+            for (gi, g) in choice.chunks_mut(per_group).enumerate() {
+                if !keep.contains(&gi) {
+                    // V2 sets other groups' scores to 0 (softmax scores are positive); V3 to
+                    // -inf (biased scores can be negative).
+                    let fill = if m.routing == Routing::SigmoidNoauxTc { f32::NEG_INFINITY } else { 0.0 };
+                    g.fill(fill);
+                }
+            }
+        }
+        out.extend(top_k(&choice, k).into_iter().map(|i| i as u32));
+    }
+    Ok(out)
+}
+
+/// Indices of the `k` largest values, largest first (ties: lower index first).
+fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// A layer's MLP half: dense (the first `first_k_dense_replace` layers) or MoE.
+enum Ffn<'a> {
+    Dense(Mlp<'a>),
+    Moe(Moe<'a>),
+}
+
+pub struct DecoderLayer<'a> {
+    self_attn: MlaAttention<'a>,
+    mlp: Ffn<'a>,
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    eps: f64,
+}
+
+impl<'a> DecoderLayer<'a> {
+    /// Build layer `layer` from `model.layers.{layer}.*` in `vb`.
+    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let mlp = if cfg.is_moe_layer(layer) { Ffn::Moe(Moe::load(vb, cfg, layer, lora)?) } else { Ffn::Dense(Mlp::load(vb, cfg, layer, "mlp", lora)?) };
+        Ok(DecoderLayer {
+            self_attn: MlaAttention::load(vb, cfg, layer, lora)?,
+            mlp,
+            input_layernorm: vb.get(&[h], "input_layernorm.weight")?,
+            post_attention_layernorm: vb.get(&[h], "post_attention_layernorm.weight")?,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// x [N, H] or [B, S, H] -> the same shape.
+    pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let shape = x.shape().clone();
+        let h = x.dim(D::Minus1)?;
+        let x = if x.rank() == 2 { x.clone() } else { x.reshape(((), h))? }; // [N, H]
+        let kern = ctx.kernels;
+        let a = self.self_attn.forward_cached(&ops::rms_norm(kern, &x, &self.input_layernorm, self.eps)?, ctx, cache)?;
+        let x = (x + a)?; // [N, H]
+        let fused = match &self.mlp {
+            Ffn::Dense(m) => m.frozen_residual(kern, &x, &self.post_attention_layernorm, self.eps)?,
+            Ffn::Moe(_) => None,
+        };
+        let y = match fused {
+            Some(y) => y, // [N, H]
+            None => {
+                let n = ops::rms_norm(kern, &x, &self.post_attention_layernorm, self.eps)?; // [N, H]
+                let m = match &self.mlp {
+                    Ffn::Dense(m) => m.forward(kern, &n, ctx.dropout)?,
+                    Ffn::Moe(m) => m.forward(kern, &n, ctx.dropout)?,
+                }; // [N, H]
+                (x + m)?
+            }
+        };
+        Ok(if y.shape() == &shape { y } else { y.reshape(shape)? })
+    }
+}

@@ -1,0 +1,336 @@
+//! DeepSeek-V2 / V3 beyond the parity fixtures: generation with a KV cache, merged export,
+//! FP8 bases, routed-expert adapters, the plan for the real shapes, and bad checkpoints.
+//! Parity with transformers + PEFT itself is in `parity.rs`.
+
+mod common;
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use finetune::config::ModelConfig;
+use finetune::lora::Adapters;
+use finetune::model::{KvCache, Model};
+use finetune::weights::{ModelDir, ResidentWeights};
+use std::path::Path;
+use std::sync::Arc;
+
+const V2: &str = "parity-deepseek-v2";
+
+fn load_model(dir: &Path, adapters: Option<&Adapters>) -> (Model, Adapters) {
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let md = ModelDir { dir: dir.to_path_buf(), name: String::new() };
+    let src = Arc::new(ResidentWeights::new(md.open_weights().unwrap(), DType::F32, DType::F32, Device::Cpu));
+    let none = Adapters::none(&cfg).unwrap();
+    let m = Model::load(src, cfg, adapters.unwrap_or(&none)).unwrap();
+    (m, none)
+}
+
+/// The fixture's trained adapter (PEFT's own, from expected/).
+fn trained_adapter(fixture_name: &str, cfg: &ModelConfig) -> Adapters {
+    finetune::export::PeftAdapter::open(&fixture(fixture_name).join("expected/adapter")).unwrap().load(cfg).unwrap()
+}
+
+#[test]
+fn cached_generation_steps_equal_the_full_forward_on_mla() {
+    let dir = fixture(V2).join("model");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let adapters = trained_adapter(V2, &cfg);
+    let (m, _) = load_model(&dir, Some(&adapters));
+    let ids: Vec<u32> = vec![5, 17, 3, 99, 150, 42, 7, 8, 190, 1];
+    let full = m.logits(&Tensor::new(&ids[..], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), &adapters).unwrap(); // [1, S, V]
+    // Prefill 4 tokens, then one at a time: each step's logits equal the full forward's row.
+    let mut caches: Vec<KvCache> = vec![None; cfg.num_hidden_layers];
+    let mut worst = 0f32;
+    let prefill = m.step(&Tensor::new(&ids[..4], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), 0, &mut caches, &adapters).unwrap();
+    worst = worst.max(max_abs_diff(&prefill, &full.get(0).unwrap().get(3).unwrap()));
+    for t in 4..ids.len() {
+        let l = m.step(&Tensor::new(&ids[t..t + 1], &Device::Cpu).unwrap().unsqueeze(0).unwrap(), t, &mut caches, &adapters).unwrap();
+        worst = worst.max(max_abs_diff(&l, &full.get(0).unwrap().get(t).unwrap()));
+    }
+    println!("cached vs full logits: max abs diff {worst:.2e}");
+    assert!(worst < 1e-4, "cached generation differs from the full forward by {worst}");
+}
+
+#[test]
+fn merged_deepseek_export_verifies_and_equals_base_plus_adapter() {
+    let out = tempfile::tempdir().unwrap();
+    let base = ModelDir { dir: fixture(V2).join("model"), name: String::new() };
+    let adapter = finetune::export::PeftAdapter::open(&fixture(V2).join("expected/adapter")).unwrap();
+    let opts = finetune::export::ExportOptions { merge: true, ..Default::default() };
+    let rep = finetune::export::merge(&base, &adapter, &out.path().join("merged"), &opts).unwrap();
+    // q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj in each of 3 layers.
+    assert_eq!(rep.merged_tensors, 12);
+    let diff = rep.max_logit_diff.expect("verified");
+    println!("merged vs base + adapter logits: {diff:.2e}");
+    assert!(diff < 1e-4);
+    // The merged folder is a DeepSeek-V2 model of its own: same logits without adapters.
+    let cfg = ModelConfig::from_file(&base.config_path()).unwrap();
+    let adapters = trained_adapter(V2, &cfg);
+    let ids = Tensor::new(&[[3u32, 60, 61, 7, 150, 2]], &Device::Cpu).unwrap();
+    let (with, _) = load_model(&base.dir, Some(&adapters));
+    let (merged, none) = load_model(&out.path().join("merged"), None);
+    let d = max_abs_diff(&merged.logits(&ids, &none).unwrap(), &with.logits(&ids, &adapters).unwrap());
+    assert!(d < 1e-4, "merged model logits differ by {d}");
+}
+
+/// DeepSeek-V3's FP8 layout made from the fixture's f32 weights by this test: each 2-D
+/// projection to e4m3 with one f32 scale per 128 x 128 block (amax / 448, as DeepSeek's
+/// quantiser), written beside a copy whose weights are those FP8 values dequantised here in
+/// f64. Training on either must give the same numbers.
+fn quantise_fixture(root: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let src = fixture(V2).join("model");
+    let tensors = load_tensors(&src.join("model.safetensors"));
+    let (fp8_dir, deq_dir) = (root.join("fp8"), root.join("dequantised"));
+    let mut fp8: Vec<(String, Tensor)> = Vec::new();
+    let mut deq: Vec<(String, Tensor)> = Vec::new();
+    for (name, t) in &tensors {
+        let quantise = name.contains("_proj.weight") && t.rank() == 2;
+        if !quantise {
+            fp8.push((name.clone(), t.clone()));
+            deq.push((name.clone(), t.clone()));
+            continue;
+        }
+        let (rows, cols) = t.dims2().unwrap();
+        let v = t.to_vec2::<f32>().unwrap();
+        let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
+        let mut scale = vec![0f32; br * bc];
+        for (i, row) in v.iter().enumerate() {
+            for (j, x) in row.iter().enumerate() {
+                let s = &mut scale[(i / 128) * bc + j / 128];
+                *s = s.max(x.abs() / 448.0);
+            }
+        }
+        let mut bytes = Vec::with_capacity(rows * cols);
+        let mut back = Vec::with_capacity(rows * cols);
+        for (i, row) in v.iter().enumerate() {
+            for (j, x) in row.iter().enumerate() {
+                let s = scale[(i / 128) * bc + j / 128];
+                let q = float8::F8E4M3::from_f32(x / s);
+                bytes.push(q.to_bits());
+                back.push((q.to_f64() * s as f64) as f32);
+            }
+        }
+        let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[rows, cols], &Device::Cpu).unwrap();
+        fp8.push((name.clone(), q));
+        fp8.push((format!("{name}_scale_inv"), Tensor::from_vec(scale, (br, bc), &Device::Cpu).unwrap()));
+        deq.push((name.clone(), Tensor::from_vec(back, (rows, cols), &Device::Cpu).unwrap()));
+    }
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    for (dir, ts, quantised) in [(&fp8_dir, fp8, true), (&deq_dir, deq, false)] {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut c = config.clone();
+        if quantised {
+            c["quantization_config"] = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]});
+        }
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        let map: std::collections::HashMap<String, Tensor> = ts.into_iter().collect();
+        candle_core::safetensors::save(&map, dir.join("model.safetensors")).unwrap();
+    }
+    (fp8_dir, deq_dir)
+}
+
+#[test]
+fn an_fp8_base_trains_exactly_like_its_dequantised_copy_and_merges_to_bf16() {
+    let root = tempfile::tempdir().unwrap();
+    let (fp8_dir, deq_dir) = quantise_fixture(root.path());
+    let mut losses = Vec::new();
+    for (name, dir) in [("fp8", &fp8_dir), ("deq", &deq_dir)] {
+        let out = root.path().join(format!("out-{name}"));
+        let r = recipe(V2, &out, &[&format!("model.path={}", dir.display())]);
+        finetune::train::run(&r).unwrap();
+        losses.push(read_metrics(&out.join("metrics.jsonl")).iter().map(|m| (m["loss"].as_f64().unwrap(), m["grad_norm"].as_f64().unwrap())).collect::<Vec<_>>());
+    }
+    assert_eq!(losses[0], losses[1], "FP8 base vs its dequantised copy");
+    // The FP8 weights really are coarser than the f32 ones they came from.
+    let f32_run = tempfile::tempdir().unwrap();
+    finetune::train::run(&recipe(V2, f32_run.path(), &[])).unwrap();
+    let l32 = read_metrics(&f32_run.path().join("metrics.jsonl"))[0]["loss"].as_f64().unwrap();
+    assert!(l32 != losses[0][0].0);
+
+    // Merged: a plain bf16 model (no scales, no quantization_config) that verifies.
+    let base = ModelDir { dir: fp8_dir.clone(), name: String::new() };
+    let adapter = finetune::export::PeftAdapter::open(&root.path().join("out-fp8/adapter")).unwrap();
+    let merged = root.path().join("merged");
+    let rep = finetune::export::merge(&base, &adapter, &merged, &finetune::export::ExportOptions { merge: true, ..Default::default() }).unwrap();
+    assert!(rep.max_logit_diff.is_some());
+    let t = load_tensors(&merged.join("model.safetensors"));
+    assert!(t.keys().all(|k| !k.ends_with("_scale_inv")));
+    assert_eq!(t["model.layers.1.self_attn.kv_b_proj.weight"].dtype(), DType::BF16);
+    let c = std::fs::read_to_string(merged.join("config.json")).unwrap();
+    assert!(!c.contains("quantization_config") && c.contains("bfloat16"), "{c}");
+}
+
+#[test]
+fn an_fp8_weight_without_its_scales_is_an_error_naming_both() {
+    let root = tempfile::tempdir().unwrap();
+    let (fp8_dir, _) = quantise_fixture(root.path());
+    let file = fp8_dir.join("model.safetensors");
+    let mut t = load_tensors(&file);
+    t.remove("model.layers.2.self_attn.o_proj.weight_scale_inv");
+    candle_core::safetensors::save(&t, &file).unwrap();
+    let out = root.path().join("out");
+    let e = finetune::train::run(&recipe(V2, &out, &[&format!("model.path={}", fp8_dir.display())])).unwrap_err().to_string();
+    assert!(e.contains("model.layers.2.self_attn.o_proj.weight") && e.contains("weight_scale_inv"), "{e}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn the_plan_covers_deepseek_v2_lite_and_v3() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Parameter counts from the configs alone (DeepSeek's published totals: 15.7 B, 671 B
+    // without V3's multi-token-prediction layer).
+    let lite = ModelConfig::from_file(&root.join("recipes/models/deepseek-v2-lite/config.json")).unwrap();
+    let v3 = ModelConfig::from_file(&root.join("recipes/models/deepseek-v3/config.json")).unwrap();
+    let (pl, p3) = (lite.base_param_count() as f64, v3.base_param_count() as f64);
+    println!("V2-Lite {pl:.4e}, V3 {p3:.4e}");
+    assert!((pl / 15.706e9 - 1.0).abs() < 0.002, "V2-Lite: {pl}");
+    assert!((p3 / 671.03e9 - 1.0).abs() < 0.002, "V3: {p3}");
+    for (recipe_file, worlds) in [("recipes/deepseek-v2-lite-lora.toml", "1,2,4,8"), ("recipes/deepseek-v3-lora.toml", "8,16,32,64")] {
+        let model = if recipe_file.contains("v3") { "models/deepseek-v3" } else { "models/deepseek-v2-lite" };
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+            .args(["plan", "--recipe"])
+            .arg(root.join(recipe_file))
+            .args(["--world-size", worlds, "--set", &format!("model.path={model}")])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{recipe_file}");
+        assert!(text.contains("frozen base kept") && text.contains("optimizer state per rank"));
+    }
+    // A rank's frozen shard is 1/N of the bf16 base (per-tensor padding aside).
+    let r = finetune::recipe::LoadedRecipe::load(&root.join("recipes/deepseek-v3-lora.toml"), &[]).unwrap().recipe;
+    for w in [8usize, 64] {
+        let p = finetune::dist::plan::plan(&v3, &r, w, true);
+        let share = (p3 * 2.0 / w as f64) as usize;
+        assert!(p.frozen >= share && p.frozen <= share + v3.frozen_tensors().len() * 2, "world {w}: {} vs {share}", p.frozen);
+    }
+}
+
+/// A model config with one field changed, in a copy of the V2 fixture's model folder.
+fn with_config(root: &Path, edit: impl Fn(&mut serde_json::Value)) -> std::path::PathBuf {
+    let dir = root.join("model");
+    copy_dir(&fixture(V2).join("model"), &dir);
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    edit(&mut c);
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    dir
+}
+
+/// Train the V2 fixture's recipe on `model`; the error text (and no output folder).
+fn train_error(root: &Path, model: &Path, extra: &[&str]) -> String {
+    let out = root.join("out");
+    let mut o = vec![format!("model.path={}", model.display())];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    let o: Vec<&str> = o.iter().map(String::as_str).collect();
+    let e = finetune::train::run(&recipe(V2, &out, &o)).unwrap_err().to_string();
+    assert!(!out.exists(), "bad input left {}", out.display());
+    e
+}
+
+#[test]
+fn unknown_routing_settings_are_errors_naming_the_key() {
+    for (key, value, expect) in [
+        ("topk_method", serde_json::json!("noaux_tc"), "topk_method `noaux_tc`"),
+        ("scoring_func", serde_json::json!("sigmoid"), "scoring_func `sigmoid`"),
+        ("n_group", serde_json::json!(4), "n_group (4)"),
+        ("rope_interleave", serde_json::json!(false), "rope_interleave"),
+        ("quantization_config", serde_json::json!({"quant_method": "bitsandbytes"}), "quant_method `bitsandbytes`"),
+    ] {
+        let root = tempfile::tempdir().unwrap();
+        let model = with_config(root.path(), |c| c[key] = value.clone());
+        let e = train_error(root.path(), &model, &[]);
+        assert!(e.contains(expect) && e.contains("config.json"), "{key}: {e}");
+    }
+}
+
+#[test]
+fn a_missing_expert_or_a_misshapen_router_is_an_error_naming_the_tensor() {
+    let cases: [(&str, Box<dyn Fn(&mut std::collections::HashMap<String, Tensor>)>, &str); 2] = [
+        ("missing expert", Box::new(|t| {
+            t.remove("model.layers.2.mlp.experts.4.up_proj.weight");
+        }), "model.layers.2.mlp.experts.4.up_proj.weight"),
+        ("router shape", Box::new(|t| {
+            let g = t["model.layers.1.mlp.gate.weight"].narrow(0, 0, 5).unwrap();
+            t.insert("model.layers.1.mlp.gate.weight".into(), g);
+        }), "model.layers.1.mlp.gate.weight"),
+    ];
+    for (what, edit, name) in cases {
+        let root = tempfile::tempdir().unwrap();
+        let model = with_config(root.path(), |_| {});
+        let file = model.join("model.safetensors");
+        let mut t = load_tensors(&file);
+        edit(&mut t);
+        candle_core::safetensors::save(&t, &file).unwrap();
+        let e = train_error(root.path(), &model, &[]);
+        assert!(e.contains(name), "{what}: {e}");
+    }
+}
+
+#[test]
+fn q_lora_rank_without_q_a_proj_names_the_tensor() {
+    let root = tempfile::tempdir().unwrap();
+    let model = with_config(root.path(), |c| c["q_lora_rank"] = serde_json::json!(8));
+    let r = fresh_recipe(root.path(), &["lora.targets=[\"o_proj\"]", &format!("model.path={}", model.display())]);
+    let e = finetune::train::run(&r).unwrap_err().to_string();
+    assert!(e.contains("self_attn.q_a_proj.weight"), "{e}");
+    assert!(!root.path().join("out").exists());
+}
+
+#[test]
+fn a_llama_target_on_mla_lists_the_names_the_model_has() {
+    let root = tempfile::tempdir().unwrap();
+    let model = with_config(root.path(), |_| {});
+    let e = train_error(root.path(), &model, &["lora.targets=[\"q_proj\", \"k_proj\", \"v_proj\"]"]);
+    assert!(e.contains("`k_proj`") && e.contains("kv_a_proj_with_mqa") && e.contains("kv_b_proj"), "{e}");
+    let e = train_error(root.path(), &model, &["lora.targets=[\"q_a_proj\"]"]);
+    assert!(e.contains("`q_a_proj`") && e.contains("q_proj"), "{e}");
+}
+
+#[test]
+fn the_default_targets_of_an_mla_model_are_its_attention_projections() {
+    let out = tempfile::tempdir().unwrap();
+    let r = recipe(V2, out.path(), &[]);
+    let cfg = ModelConfig::from_file(&fixture(V2).join("model/config.json")).unwrap();
+    let mut loaded = r.recipe.clone();
+    loaded.lora.targets = None;
+    assert_eq!(loaded.lora.spec(&cfg).targets, ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]);
+    // Routed experts only when asked: MLP targets alone adapt the dense MLP and shared experts.
+    loaded.lora.targets = Some(vec!["up_proj".into()]);
+    let (n, _) = finetune::train::trainable_parameters(&cfg, &loaded.lora.spec(&cfg));
+    assert_eq!(n, 4 * ((48 + 96) + 2 * (48 + 64)));
+    loaded.lora.routed_experts = true;
+    let (n, _) = finetune::train::trainable_parameters(&cfg, &loaded.lora.spec(&cfg));
+    assert_eq!(n, 4 * ((48 + 96) + 2 * (48 + 64) + 2 * 6 * (48 + 32)));
+}
+
+/// The V2 fixture's recipe without its initial adapter (fresh adapters on other targets),
+/// written to `root`, with `extra` overrides.
+fn fresh_recipe(root: &Path, extra: &[&str]) -> finetune::recipe::LoadedRecipe {
+    let f = fixture(V2);
+    let text = std::fs::read_to_string(f.join("recipe.toml")).unwrap().replace("init_from = \"init\"\n", "");
+    let text = text.replace("path = \"model\"", &format!("path = {:?}", f.join("model"))).replace("train = \"data\"", &format!("train = {:?}", f.join("data")));
+    std::fs::write(root.join("recipe.toml"), text).unwrap();
+    let mut o = vec![format!("output.dir={}", root.join("out").display())];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    finetune::recipe::LoadedRecipe::load(&root.join("recipe.toml"), &o).unwrap()
+}
+
+#[test]
+fn routed_expert_adapters_use_peft_per_module_keys_and_train() {
+    let root = tempfile::tempdir().unwrap();
+    let r = fresh_recipe(root.path(), &["lora.targets=[\"gate_proj\", \"up_proj\", \"down_proj\"]", "lora.routed_experts=true"]);
+    finetune::train::run(&r).unwrap();
+    let out = root.path().join("out");
+    let t = load_tensors(&out.join("adapter/adapter_model.safetensors"));
+    // Layer 0 dense, layers 1-2: shared experts + 6 routed experts, 3 projections, A and B.
+    assert_eq!(t.len(), 2 * 3 * (1 + 2 * 7));
+    for k in [
+        "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight",
+        "base_model.model.model.layers.1.mlp.shared_experts.up_proj.lora_B.weight",
+        "base_model.model.model.layers.2.mlp.experts.5.down_proj.lora_A.weight",
+    ] {
+        assert!(t.contains_key(k), "{k}");
+    }
+    // Every expert that received tokens moved its B away from 0.
+    let moved = t.iter().filter(|(k, v)| k.contains(".experts.") && k.ends_with("lora_B.weight") && v.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0).count();
+    assert!(moved > 0);
+}
