@@ -334,3 +334,30 @@ fn routed_expert_adapters_use_peft_per_module_keys_and_train() {
     let moved = t.iter().filter(|(k, v)| k.contains(".experts.") && k.ends_with("lora_B.weight") && v.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0).count();
     assert!(moved > 0);
 }
+
+#[test]
+fn an_expert_without_tokens_costs_nothing_and_gets_no_gradient() {
+    // One token through MoE layer 1: top-2 of 6 experts, so 4 run no GEMM at all, and their
+    // adapters get no gradient (the optimizer sees zeros), while the 2 chosen ones get one.
+    let dir = fixture(V2).join("model");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let r = fresh_recipe(root.path(), &["lora.targets=[\"up_proj\"]", "lora.routed_experts=true"]);
+    let adapters = Adapters::init(&cfg, r.recipe.lora.spec(&cfg), 3, &Device::Cpu).unwrap();
+    for (_, path, ad) in adapters.iter() {
+        if path.contains("experts.") {
+            ad.b.set(&Tensor::ones(ad.b.dims(), DType::F32, &Device::Cpu).unwrap()).unwrap();
+        }
+    }
+    let (m, _) = load_model(&dir, Some(&adapters));
+    let x = m.embed(&Tensor::new(&[[42u32]], &Device::Cpu).unwrap()).unwrap().reshape((1, 48)).unwrap(); // [N=1, H]
+    let ctx = m.forward_ctx(&[vec![0]], None, None).unwrap();
+    let y = m.layer_forward(1, &x, &ctx, &adapters).unwrap();
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    let with_grad: Vec<&str> = adapters
+        .iter()
+        .filter(|(l, p, ad)| *l == 1 && p.starts_with("mlp.experts.") && grads.get(&ad.a).is_some())
+        .map(|(_, p, _)| p)
+        .collect();
+    assert_eq!(with_grad.len(), 2, "{with_grad:?}");
+}

@@ -120,3 +120,25 @@ fn deepseek_v2_matches_peft_on_the_portable_path() {
 fn deepseek_v2_matches_peft_without_activation_checkpointing() {
     check_parity("parity-deepseek-v2", &["train.activation_checkpointing=false"]);
 }
+
+#[test]
+fn deepseek_v3_q_lora_and_sigmoid_group_routing_match_peft() {
+    check_parity("parity-deepseek-v3", &[]);
+}
+
+#[test]
+fn deepseek_v3_matches_peft_on_the_portable_path() {
+    check_parity("parity-deepseek-v3", &["model.kernels=portable"]);
+}
+
+/// LoRA on the dense MLP, the shared experts and every routed expert (PEFT's per-module keys),
+/// against an independent PyTorch implementation checked against transformers (its README).
+#[test]
+fn deepseek_mlp_shared_and_routed_expert_adapters_match_the_reference() {
+    check_parity("parity-deepseek-mlp", &[]);
+}
+
+#[test]
+fn deepseek_mlp_and_expert_adapters_match_the_reference_on_the_portable_path() {
+    check_parity("parity-deepseek-mlp", &["model.kernels=portable"]);
+}
