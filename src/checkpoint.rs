@@ -95,7 +95,21 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
         moments.insert(format!("{key}.exp_avg_sq"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
         off += n;
     }
-    let meta: std::collections::HashMap<String, String> = [("adam_step".to_string(), adam_step.to_string())].into();
+    let mut meta: std::collections::HashMap<String, String> = [("adam_step".to_string(), adam_step.to_string())].into();
+    // Tensors whose own step count fell behind (skipped while they had no gradient): listed by
+    // key; every other tensor took all `adam_step` updates.
+    let mut behind = serde_json::Map::new();
+    let mut off = 0;
+    for (key, var) in adapters.params() {
+        let s = moments_in.steps.get(off).copied().unwrap_or(adam_step as f32) as u64;
+        if s != adam_step {
+            behind.insert(key, s.into());
+        }
+        off += var.elem_count();
+    }
+    if !behind.is_empty() {
+        meta.insert("adam_steps".into(), serde_json::Value::Object(behind).to_string());
+    }
     let opt_path = tmp.join("optimizer.safetensors");
     crate::fsutil::write_safetensors(moments.iter().collect::<Vec<_>>(), Some(meta), &opt_path)?;
     std::fs::File::open(&opt_path).and_then(|f| f.sync_all()).map_err(|e| Error::io(&opt_path, e))?;
@@ -195,8 +209,17 @@ pub fn load(dir: &Path, adapters: &Adapters) -> Result<Loaded> {
         .ok_or_else(|| bad("optimizer.safetensors has no adam_step".into()))?;
     let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
         .map_err(|e| Error::Safetensors { file: opt_path.clone(), msg: crate::error::candle_msg(&e) })?;
+    let behind: serde_json::Map<String, serde_json::Value> = match meta.metadata().as_ref().and_then(|m| m.get("adam_steps")) {
+        Some(s) => serde_json::from_str(s).map_err(|e| bad(format!("optimizer.safetensors: adam_steps is not a JSON object: {e}")))?,
+        None => Default::default(),
+    };
     let mut moments = Moments::zeros(0);
     for (key, var) in adapters.params() {
+        let s = match behind.get(&key) {
+            None => adam_step,
+            Some(v) => v.as_u64().filter(|&s| s <= adam_step).ok_or_else(|| bad(format!("adam_steps of {key}: {v} is not a step count up to {adam_step}")))?,
+        };
+        moments.steps.extend(std::iter::repeat_n(s as f32, var.elem_count()));
         let get = |suffix: &str| -> Result<Vec<f32>> {
             let t = tensors.get(&format!("{key}.{suffix}")).ok_or_else(|| bad(format!("optimizer state for {key} missing")))?;
             if t.dims() != var.dims() {

@@ -306,19 +306,28 @@ impl ModelConfig {
                     high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
                     original_max_position_embeddings: s.original_max_position_embeddings.unwrap_or(8192),
                 },
-                "yarn" => RopeScaling::Yarn {
-                    factor: s.factor.ok_or("rope_scaling yarn needs `factor`")?,
-                    original_max_position_embeddings: s
-                        .original_max_position_embeddings
-                        .or(hf.max_position_embeddings)
-                        .ok_or("rope_scaling yarn needs `original_max_position_embeddings`")?,
-                    beta_fast: s.beta_fast.unwrap_or(32.0),
-                    beta_slow: s.beta_slow.unwrap_or(1.0),
-                    mscale: s.mscale.unwrap_or(0.0),
-                    mscale_all_dim: s.mscale_all_dim.unwrap_or(0.0),
-                    attention_factor: s.attention_factor,
-                    truncate: s.truncate.unwrap_or(true),
-                },
+                "yarn" => {
+                    let original = s.original_max_position_embeddings.filter(|&n| n > 0).ok_or("rope_scaling yarn needs a positive `original_max_position_embeddings`")?;
+                    // transformers: without `factor`, the ratio of the context lengths.
+                    let factor = match (s.factor, hf.max_position_embeddings) {
+                        (Some(f), _) => f,
+                        (None, Some(max)) => max as f64 / original as f64,
+                        (None, None) => return Err("rope_scaling yarn needs `factor` (or max_position_embeddings)".into()),
+                    };
+                    if !(factor.is_finite() && factor > 0.0) {
+                        return Err(format!("rope_scaling.factor must be a positive number, got {factor}"));
+                    }
+                    RopeScaling::Yarn {
+                        factor,
+                        original_max_position_embeddings: original,
+                        beta_fast: s.beta_fast.unwrap_or(32.0),
+                        beta_slow: s.beta_slow.unwrap_or(1.0),
+                        mscale: s.mscale.unwrap_or(0.0),
+                        mscale_all_dim: s.mscale_all_dim.unwrap_or(0.0),
+                        attention_factor: s.attention_factor,
+                        truncate: s.truncate.unwrap_or(true),
+                    }
+                }
                 other => return Err(format!("rope_scaling type `{other}` is not supported (default, linear, llama3, yarn)")),
             },
         };

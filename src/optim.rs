@@ -12,11 +12,21 @@
 pub struct Moments {
     pub exp_avg: Vec<f32>,
     pub exp_avg_sq: Vec<f32>,
+    /// torch's per-tensor `state["step"]`, per element (the same across a tensor): how many
+    /// updates the element took. It falls behind the optimizer's step count only for a tensor
+    /// that had no gradient in some step (a routed expert no token reached), which torch's
+    /// AdamW skips. f32 so it travels with the moments (exact to 2^24 steps).
+    pub steps: Vec<f32>,
 }
 
 impl Moments {
     pub fn zeros(n: usize) -> Self {
-        Moments { exp_avg: vec![0.0; n], exp_avg_sq: vec![0.0; n] }
+        Moments { exp_avg: vec![0.0; n], exp_avg_sq: vec![0.0; n], steps: vec![0.0; n] }
+    }
+
+    /// Elements `range` of each vector (a rank's slice).
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Self {
+        Moments { exp_avg: self.exp_avg[range.clone()].to_vec(), exp_avg_sq: self.exp_avg_sq[range.clone()].to_vec(), steps: self.steps[range].to_vec() }
     }
 }
 
@@ -25,7 +35,7 @@ pub struct AdamW {
     pub betas: (f64, f64),
     pub eps: f64,
     pub weight_decay: f64,
-    /// Optimizer steps taken (torch's `state["step"]`, shared by all params here).
+    /// Optimizer steps taken (each parameter's own count is in `state.steps`).
     pub step: u64,
     /// Moments of the parameters this optimizer updates (a rank's slice under data parallel).
     pub state: Moments,
@@ -41,19 +51,30 @@ impl AdamW {
     /// gets exactly the numbers torch's per-tensor loop would.
     /// Mirrors torch's single-tensor `_single_tensor_adamw` op by op (f32 arithmetic on the
     /// tensors, Python-float scalars computed in f64).
-    pub fn step(&mut self, p: &mut [f32], g: &[f32], lr: f64) {
+    ///
+    /// `present[i] = false` marks an element whose tensor had no gradient this step (torch:
+    /// `grad is None`): it is left alone entirely (no decay, no moment update, its step count
+    /// unchanged), as torch's AdamW skips such parameters. `None`: every element has one.
+    pub fn step(&mut self, p: &mut [f32], g: &[f32], present: Option<&[bool]>, lr: f64) {
         self.step += 1;
         let (b1, b2) = self.betas;
-        let t = self.step as i32;
-        let bias1 = 1.0 - b1.powi(t);
-        let bias2 = 1.0 - b2.powi(t);
-        let step_size = (lr / bias1) as f32;
-        let bias2_sqrt = bias2.sqrt() as f32;
+        // (lr / bias correction 1, sqrt(bias correction 2)) at an element's own step t.
+        let corrections = |t: u64| {
+            let t = t as i32;
+            ((lr / (1.0 - b1.powi(t))) as f32, (1.0 - b2.powi(t)).sqrt() as f32)
+        };
+        let common = corrections(self.step);
         let decay = (1.0 - lr * self.weight_decay) as f32;
         let (w1, w2) = ((1.0 - b1) as f32, (1.0 - b2) as f32);
         let (b2f, eps) = (b2 as f32, self.eps as f32);
         let st = &mut self.state;
         for i in 0..p.len() {
+            if present.is_some_and(|m| !m[i]) {
+                continue;
+            }
+            st.steps[i] += 1.0;
+            let t = st.steps[i] as u64;
+            let (step_size, bias2_sqrt) = if t == self.step { common } else { corrections(t) };
             let gi = g[i];
             p[i] *= decay;
             // exp_avg.lerp_(grad, 1 - beta1)
@@ -122,6 +143,27 @@ pub fn clip_to(g: &mut [f32], norm: f64, max_norm: f64) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_tensor_without_gradient_is_skipped_and_keeps_its_own_step_count() {
+        // Element 1 has no gradient at step 1 (torch: grad None): untouched, even by weight
+        // decay. At step 2 it takes its first update, with step-1 bias corrections, while
+        // element 0 takes its second.
+        let mut opt = AdamW::new(2, (0.9, 0.999), 1e-8, 0.1);
+        let mut p = [1.0f32, 1.0];
+        opt.step(&mut p, &[0.5, 0.0], Some(&[true, false]), 0.01);
+        assert_eq!(p[1], 1.0);
+        assert_eq!((opt.state.exp_avg[1], opt.state.exp_avg_sq[1], opt.state.steps[1]), (0.0, 0.0, 0.0));
+        let before = p;
+        opt.step(&mut p, &[0.5, 0.5], Some(&[true, true]), 0.01);
+        assert_eq!(opt.state.steps, [2.0, 1.0]);
+        // Element 1's first update equals a fresh optimizer's first update.
+        let mut fresh = AdamW::new(1, (0.9, 0.999), 1e-8, 0.1);
+        let mut q = [before[1]];
+        fresh.step(&mut q, &[0.5], None, 0.01);
+        assert_eq!(p[1], q[0]);
+        assert_ne!(p[0], q[0]);
+    }
     use super::*;
 
     #[test]
@@ -138,7 +180,7 @@ mod tests {
     fn zero_lr_step_moves_moments_not_params() {
         let mut opt = AdamW::new(2, (0.9, 0.999), 1e-8, 0.01);
         let mut p = vec![1.0f32, -2.0];
-        opt.step(&mut p, &[0.5, 0.5], 0.0);
+        opt.step(&mut p, &[0.5, 0.5], None, 0.0);
         assert_eq!(p, vec![1.0, -2.0]);
         assert_eq!(opt.step, 1);
         assert!(opt.state.exp_avg[0] > 0.0);
@@ -149,7 +191,7 @@ mod tests {
         // With bias correction the first update is lr * g / (|g| + eps') = ~lr * sign(g).
         let mut opt = AdamW::new(2, (0.9, 0.999), 1e-8, 0.0);
         let mut p = vec![0.0f32, 0.0];
-        opt.step(&mut p, &[3.0, -0.1], 0.01);
+        opt.step(&mut p, &[3.0, -0.1], None, 0.01);
         assert!((p[0] + 0.01).abs() < 1e-6 && (p[1] - 0.01).abs() < 1e-6, "{p:?}");
     }
 

@@ -375,7 +375,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
                 ),
             });
         }
-        opt.state = Moments { exp_avg: part.slice(&l.moments.exp_avg), exp_avg_sq: part.slice(&l.moments.exp_avg_sq) };
+        opt.state = l.moments.slice(part.range());
         opt.step = l.adam_step;
         loader.restore(&l.state.loader)?;
         start_step = l.state.step;
@@ -449,6 +449,12 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             // Only step 1 comes before any update (a resumed run's weights were updated).
             return Err(non_finite_loss(loaded, step, step == 1, loss, &adapters));
         }
+        // Which tensors had a gradient on any rank (a routed expert no token reached in the
+        // whole step has none, and AdamW leaves it alone, as torch's does).
+        let had: Vec<f64> = grads.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }).collect();
+        let had = comm.all_reduce(&Tensor::from_vec(had, vars.len(), &device)?)?.to_vec1::<f64>()?;
+        let present: Vec<bool> = had.iter().zip(&vars).flat_map(|(&h, v)| std::iter::repeat_n(h > 0.0, v.elem_count())).collect();
+        let present = &present[part.range()];
         // Each rank keeps the sum over ranks of its slice of the gradient (summed in f64 like
         // the accumulation, then rounded once to f32).
         let mut g: Vec<f64> = Vec::with_capacity(part.padded());
@@ -474,7 +480,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         }
         crate::optim::clip_to(&mut g, grad_norm, t.max_grad_norm);
         let lr = t.lr * schedule.lambda(step - 1, t.warmup_steps, t.max_steps);
-        opt.step(&mut master, &g, lr);
+        opt.step(&mut master, &g, Some(present), lr);
         // Updated slices back to every rank.
         let full = part.gather(&*comm, &master, &device)?;
         if full.iter().any(|x| !x.is_finite()) {
@@ -531,7 +537,12 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         let every = r.checkpoint.every_steps;
         if (every > 0 && step % every == 0) || step == t.max_steps || stop != 0 {
             // Consolidated: one optimizer state whatever the world size.
-            let moments = Moments { exp_avg: part.gather(&*comm, &opt.state.exp_avg, &device)?, exp_avg_sq: part.gather(&*comm, &opt.state.exp_avg_sq, &device)? };
+            let st = &opt.state;
+            let moments = Moments {
+                exp_avg: part.gather(&*comm, &st.exp_avg, &device)?,
+                exp_avg_sq: part.gather(&*comm, &st.exp_avg_sq, &device)?,
+                steps: part.gather(&*comm, &st.steps, &device)?,
+            };
             let saved = if lead {
                 let state = crate::checkpoint::TrainState { step, micro_index, micro_batches_per_step: accum * world, loader: loader.state() };
                 crate::checkpoint::save(&out_dir, &adapters, &moments, opt.step, &state, &recipe_text, &model_dir.name)

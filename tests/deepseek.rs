@@ -361,3 +361,101 @@ fn an_expert_without_tokens_costs_nothing_and_gets_no_gradient() {
         .collect();
     assert_eq!(with_grad.len(), 2, "{with_grad:?}");
 }
+
+/// Metric lines without the timing field (which differs between runs).
+fn metric_lines(out: &Path) -> Vec<String> {
+    read_metrics(&out.join("metrics.jsonl"))
+        .into_iter()
+        .map(|mut m| {
+            m.as_object_mut().unwrap().remove("tokens_per_s");
+            m.to_string()
+        })
+        .collect()
+}
+
+/// Train 4 steps with packing, shuffle, dropout and routed-expert adapters; then start again
+/// from the step-2 checkpoint in a fresh folder: the same metrics and adapter bytes.
+fn check_deepseek_resume(extra: &[&str]) -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    let mut o = vec![
+        "lora.targets=[\"q_proj\", \"kv_b_proj\", \"up_proj\"]",
+        "lora.routed_experts=true",
+        "lora.dropout=0.1",
+        "data.packing=true",
+        "data.shuffle=true",
+        "data.max_seq_len=32",
+        "train.max_steps=4",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=0",
+    ];
+    o.extend_from_slice(extra);
+    let full = fresh_recipe(root.path(), &o);
+    let s = finetune::train::run(&full).unwrap();
+    assert_eq!(s.steps.len(), 4);
+    let out = root.path().join("out");
+    let part = root.path().join("part");
+    copy_dir(&out.join("checkpoints/step-000002"), &part.join("out/checkpoints/step-000002"));
+    let lines: String = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().take(2).map(|l| format!("{l}\n")).collect();
+    std::fs::write(part.join("out/metrics.jsonl"), lines).unwrap();
+    std::fs::create_dir_all(&part).unwrap();
+    let resumed = fresh_recipe(&part, &o);
+    let s = finetune::train::run(&resumed).unwrap();
+    assert_eq!(s.steps.len(), 2);
+    assert_eq!(metric_lines(&part.join("out")), metric_lines(&out));
+    let bytes = |d: &Path| std::fs::read(d.join("adapter/adapter_model.safetensors")).unwrap();
+    assert_eq!(bytes(&part.join("out")), bytes(&out), "adapter bytes after resuming at step 2");
+    root
+}
+
+#[test]
+fn deepseek_resume_with_packing_and_expert_adapters_is_exact() {
+    check_deepseek_resume(&[]);
+}
+
+#[test]
+fn deepseek_resume_on_the_portable_path_with_a_bf16_base_is_exact() {
+    check_deepseek_resume(&["model.dtype=bf16", "model.kernels=portable", "train.activation_checkpointing=false"]);
+}
+
+/// Rows of 2 tokens (one target each): one row per micro-batch reaches at most 2 x 2 of the
+/// 6 experts of each MoE layer, so every step leaves experts without tokens.
+fn two_token_rows(dir: &Path) {
+    let rows: Vec<(Vec<i32>, Vec<i64>)> = (0..40).map(|i| (vec![1 + i % 199, 1 + (7 * i + 3) % 199], vec![1 + i as i64 % 199, 1 + (7 * i as i64 + 3) % 199])).collect();
+    finetune::synth::write_tokenized_dataset(dir, &rows).unwrap();
+}
+
+#[test]
+fn an_expert_no_token_reached_in_a_step_is_not_updated_not_even_by_weight_decay() {
+    let root = tempfile::tempdir().unwrap();
+    two_token_rows(&root.path().join("rows"));
+    let data = format!("data.train={}", root.path().join("rows").display());
+    let o = ["lora.targets=[\"up_proj\"]", "lora.routed_experts=true", "train.weight_decay=0.1", "train.micro_batch_size=1", "train.grad_accum_steps=1", "train.max_steps=1", &data];
+    let r = fresh_recipe(root.path(), &o);
+    let cfg = ModelConfig::from_file(&fixture(V2).join("model/config.json")).unwrap();
+    let init = Adapters::init(&cfg, r.recipe.lora.spec(&cfg), r.recipe.train.seed, &Device::Cpu).unwrap();
+    finetune::train::run(&r).unwrap();
+    let after = load_tensors(&root.path().join("out/adapter/adapter_model.safetensors"));
+    for layer in [1, 2] {
+        let (mut same, mut moved) = (0, 0);
+        for (key, var) in init.params() {
+            if key.contains(&format!("layers.{layer}.mlp.experts.")) && key.ends_with("lora_A.weight") {
+                if max_abs_diff(&after[&key], var.as_tensor()) == 0.0 { same += 1 } else { moved += 1 }
+            }
+        }
+        // 2 tokens x top-2: at most 4 experts reached, at least 1 (decayed even with B = 0).
+        assert!(same >= 2 && moved >= 1 && same + moved == 6, "layer {layer}: {same} untouched, {moved} updated");
+    }
+}
+
+#[test]
+fn resume_keeps_the_step_counts_of_experts_that_sat_out_steps() {
+    let rows = tempfile::tempdir().unwrap();
+    two_token_rows(&rows.path().join("rows"));
+    let data = format!("data.train={}", rows.path().join("rows").display());
+    let run = check_deepseek_resume(&["data.packing=false", "train.micro_batch_size=1", "train.grad_accum_steps=1", "train.weight_decay=0.1", &data]);
+    // The checkpoint resumed from did record experts whose count fell behind.
+    let bytes = std::fs::read(run.path().join("out/checkpoints/step-000002/optimizer.safetensors")).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let behind = meta.metadata().as_ref().and_then(|m| m.get("adam_steps").cloned()).expect("adam_steps in the checkpoint");
+    assert!(behind.contains(".mlp.experts."), "{behind}");
+}

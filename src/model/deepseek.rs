@@ -339,3 +339,59 @@ impl<'a> DecoderLayer<'a> {
         Ok(if y.shape() == &shape { y } else { y.reshape(shape)? })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moe(routing: Routing, n_group: usize, topk_group: usize, k: usize) -> MoeConfig {
+        MoeConfig {
+            n_routed_experts: 8,
+            num_experts_per_tok: k,
+            n_shared_experts: 0,
+            moe_intermediate_size: 4,
+            first_k_dense_replace: 0,
+            moe_layer_freq: 1,
+            routing,
+            n_group,
+            topk_group,
+            routed_scaling_factor: 1.0,
+            norm_topk_prob: false,
+        }
+    }
+
+    #[test]
+    fn greedy_takes_the_top_k_scores() {
+        let s = [0.1, 0.3, 0.05, 0.2, 0.15, 0.1, 0.05, 0.05];
+        assert_eq!(choose_experts(&s, 8, &moe(Routing::SoftmaxGreedy, 1, 1, 2), None).unwrap(), [1, 3]);
+    }
+
+    #[test]
+    fn v2_group_limited_greedy_ranks_groups_by_their_best_score() {
+        // Groups {0,1} {2,3} {4,5} {6,7}; best per group 0.30, 0.20, 0.16, 0.10. Keeping 2
+        // groups leaves experts 0-3: the top 3 there are 1, 3, 0 although 4 and 5 (0.15,
+        // 0.16) beat expert 0 (0.05) overall.
+        let s = [0.05, 0.30, 0.01, 0.20, 0.15, 0.16, 0.03, 0.10];
+        let got = choose_experts(&s, 8, &moe(Routing::SoftmaxGroupLimited, 4, 2, 3), None).unwrap();
+        assert_eq!(got, [1, 3, 0]);
+    }
+
+    #[test]
+    fn v3_groups_rank_by_the_sum_of_their_top_two_and_the_bias_only_chooses() {
+        // Group sums of the top 2: {0,1} 0.9+0.0=0.9, {2,3} 0.5+0.5=1.0, {4,5} 0.2+0.1, {6,7} 0.
+        // One group kept: {2,3}, although expert 0 alone scores best.
+        let s = [0.9, 0.0, 0.5, 0.5, 0.2, 0.1, 0.0, 0.0];
+        let m = moe(Routing::SigmoidNoauxTc, 4, 1, 2);
+        assert_eq!(choose_experts(&s, 8, &m, None).unwrap(), [2, 3]);
+        // A bias moves the choice (group {0,1} now sums to 1.1) but not the weights, which
+        // `Moe::forward` gathers from the unbiased scores.
+        let bias = [0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        assert_eq!(choose_experts(&s, 8, &m, Some(&bias)).unwrap(), [0, 1]);
+    }
+
+    #[test]
+    fn non_finite_router_scores_are_an_error() {
+        let s = [f32::NAN, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1];
+        assert!(choose_experts(&s, 8, &moe(Routing::SoftmaxGreedy, 1, 1, 2), None).is_err());
+    }
+}
