@@ -276,6 +276,10 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
                 if r.train.lr_scheduler == "constant" && r.train.warmup_steps > 0 {
                     r.train.lr_scheduler = "constant_with_warmup".into();
                 }
+                // Targets are a set: compare them in one order.
+                if let Some(t) = &mut r.lora.targets {
+                    *t = crate::lora::ALL_TARGETS.iter().filter(|m| t.iter().any(|x| x == *m)).map(|s| s.to_string()).collect();
+                }
                 r
             })
             .and_then(|r| toml::to_string(&r).ok())

@@ -54,9 +54,10 @@ pub struct HfConfig {
     pub eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub torch_dtype: Option<String>,
-    // DeepSeek-V2 / V3 (MLA + MoE). `q_lora_rank: null` means a plain q_proj.
-    #[serde(default)]
-    pub q_lora_rank: Option<usize>,
+    // DeepSeek-V2 / V3 (MLA + MoE). `q_lora_rank: null` means a plain q_proj; an absent key
+    // means transformers' default (1536): `None` = absent, `Some(None)` = null.
+    #[serde(default, deserialize_with = "present_or_null")]
+    pub q_lora_rank: Option<Option<usize>>,
     #[serde(default)]
     pub kv_lora_rank: Option<usize>,
     #[serde(default)]
@@ -65,8 +66,8 @@ pub struct HfConfig {
     pub qk_rope_head_dim: Option<usize>,
     #[serde(default)]
     pub v_head_dim: Option<usize>,
-    #[serde(default)]
-    pub n_routed_experts: Option<usize>,
+    #[serde(default, deserialize_with = "present_or_null")]
+    pub n_routed_experts: Option<Option<usize>>,
     #[serde(default)]
     pub num_experts_per_tok: Option<usize>,
     #[serde(default)]
@@ -101,6 +102,11 @@ pub struct HfConfig {
     /// FP8 checkpoints (DeepSeek-V3's own) say how their weights are stored here.
     #[serde(default)]
     pub quantization_config: Option<serde_json::Value>,
+}
+
+/// A key that may be absent (`None`), null (`Some(None)`) or a value.
+fn present_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<Option<usize>>, D::Error> {
+    Option::<usize>::deserialize(d).map(Some)
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -195,7 +201,6 @@ pub struct Moe {
     pub n_shared_experts: usize,
     pub moe_intermediate_size: usize,
     pub first_k_dense_replace: usize,
-    pub moe_layer_freq: usize,
     pub routing: Routing,
     pub n_group: usize,
     pub topk_group: usize,
@@ -385,10 +390,10 @@ impl ModelConfig {
         }
     }
 
-    /// Whether layer `layer` is a mixture of experts (transformers' deepseek rule: MoE from
-    /// `first_k_dense_replace` on, every `moe_layer_freq`-th layer).
+    /// Whether layer `layer` is a mixture of experts (transformers' rule: every layer from
+    /// `first_k_dense_replace` on).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        self.moe.as_ref().is_some_and(|m| layer >= m.first_k_dense_replace && layer % m.moe_layer_freq == 0)
+        self.moe.as_ref().is_some_and(|m| layer >= m.first_k_dense_replace)
     }
 
     /// The linear layers of layer `layer`, as paths under `model.layers.{layer}` without
@@ -640,11 +645,15 @@ fn need(v: Option<usize>, key: &str) -> std::result::Result<usize, String> {
     }
 }
 
+/// DeepSeek-V2/V3 attention. Absent keys take the defaults of transformers'
+/// `DeepseekV2Config` / `DeepseekV3Config` (what the reference would run), as does every
+/// DeepSeek key below.
 fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
-    if hf.q_lora_rank == Some(0) {
+    let q_lora_rank = hf.q_lora_rank.unwrap_or(Some(1536));
+    if q_lora_rank == Some(0) {
         return Err("q_lora_rank must be null (plain q_proj) or positive, got 0".into());
     }
-    let rope = need(hf.qk_rope_head_dim, "qk_rope_head_dim")?;
+    let rope = need(Some(hf.qk_rope_head_dim.unwrap_or(64)), "qk_rope_head_dim")?;
     if rope % 2 != 0 {
         return Err(format!("qk_rope_head_dim must be even, got {rope}"));
     }
@@ -659,21 +668,22 @@ fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
         }
     };
     Ok(Mla {
-        q_lora_rank: hf.q_lora_rank,
-        kv_lora_rank: need(hf.kv_lora_rank, "kv_lora_rank")?,
-        qk_nope_head_dim: need(hf.qk_nope_head_dim, "qk_nope_head_dim")?,
+        q_lora_rank,
+        kv_lora_rank: need(Some(hf.kv_lora_rank.unwrap_or(512)), "kv_lora_rank")?,
+        qk_nope_head_dim: need(Some(hf.qk_nope_head_dim.unwrap_or(128)), "qk_nope_head_dim")?,
         qk_rope_head_dim: rope,
-        v_head_dim: need(hf.v_head_dim, "v_head_dim")?,
+        v_head_dim: need(Some(hf.v_head_dim.unwrap_or(128)), "v_head_dim")?,
         rope_interleave,
     })
 }
 
 fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, String> {
-    let Some(experts) = hf.n_routed_experts else { return Ok(None) };
+    let v3 = arch == Arch::DeepseekV3;
+    let Some(experts) = hf.n_routed_experts.unwrap_or(Some(if v3 { 256 } else { 64 })) else { return Ok(None) };
     if experts == 0 {
         return Err("n_routed_experts must be positive (or null for a dense model), got 0".into());
     }
-    let top_k = need(hf.num_experts_per_tok, "num_experts_per_tok")?;
+    let top_k = need(hf.num_experts_per_tok.or(v3.then_some(8)), "num_experts_per_tok")?;
     let scoring = hf.scoring_func.clone().unwrap_or_else(|| if arch == Arch::DeepseekV3 { "sigmoid" } else { "softmax" }.into());
     let method = hf.topk_method.clone().unwrap_or_else(|| if arch == Arch::DeepseekV3 { "noaux_tc" } else { "greedy" }.into());
     let routing = match (arch, scoring.as_str(), method.as_str()) {
@@ -685,8 +695,8 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
         (Arch::DeepseekV2, f, _) => return Err(format!("scoring_func `{f}` is not supported for DeepSeek-V2 (softmax)")),
         (_, f, _) => return Err(format!("scoring_func `{f}` is not supported for DeepSeek-V3 (sigmoid)")),
     };
-    let n_group = hf.n_group.unwrap_or(1);
-    let topk_group = hf.topk_group.unwrap_or(1);
+    let n_group = hf.n_group.unwrap_or(if v3 { 8 } else { 1 });
+    let topk_group = hf.topk_group.unwrap_or(if v3 { 4 } else { 1 });
     if n_group == 0 || experts % n_group != 0 {
         return Err(format!("n_group ({n_group}) must be positive and divide n_routed_experts ({experts})"));
     }
@@ -700,23 +710,27 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
     if routing == Routing::SigmoidNoauxTc && experts / n_group < 2 {
         return Err(format!("n_group ({n_group}) leaves fewer than 2 experts per group; noaux_tc ranks groups by their top 2"));
     }
-    let rsf = hf.routed_scaling_factor.unwrap_or(1.0);
+    let rsf = hf.routed_scaling_factor.unwrap_or(if v3 { 2.5 } else { 1.0 });
+    // transformers makes every layer from first_k_dense_replace on a MoE layer; DeepSeek's own
+    // code skips layers by moe_layer_freq. Every released config has 1, where both agree.
+    if let Some(f) = hf.moe_layer_freq.filter(|&f| f != 1) {
+        return Err(format!("moe_layer_freq = {f} is not supported (1: transformers ignores the key, DeepSeek's code would skip layers)"));
+    }
     if !rsf.is_finite() {
         return Err("routed_scaling_factor must be a finite number".into());
     }
     let moe = Moe {
         n_routed_experts: experts,
         num_experts_per_tok: top_k,
-        n_shared_experts: hf.n_shared_experts.unwrap_or(0),
-        moe_intermediate_size: need(hf.moe_intermediate_size, "moe_intermediate_size")?,
-        first_k_dense_replace: hf.first_k_dense_replace.unwrap_or(0),
-        moe_layer_freq: need(Some(hf.moe_layer_freq.unwrap_or(1)), "moe_layer_freq")?,
+        n_shared_experts: hf.n_shared_experts.unwrap_or(if v3 { 1 } else { 2 }),
+        moe_intermediate_size: need(Some(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 })), "moe_intermediate_size")?,
+        first_k_dense_replace: hf.first_k_dense_replace.unwrap_or(if v3 { 3 } else { 0 }),
         routing,
         n_group,
         topk_group,
         routed_scaling_factor: rsf,
         // transformers' deepseek_v2 ignores norm_topk_prob (weights are the softmax scores).
-        norm_topk_prob: arch == Arch::DeepseekV3 && hf.norm_topk_prob.unwrap_or(false),
+        norm_topk_prob: v3 && hf.norm_topk_prob.unwrap_or(true),
     };
     Ok(Some(moe))
 }

@@ -229,8 +229,12 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
                 let mut cur: Vec<String> = Vec::new();
                 let mut size = 0u64;
                 for name in by_file.iter().flat_map(|(_, n)| n.iter()) {
+                    if is_dropped_scale(&files, name) {
+                        continue;
+                    }
                     let v = files.raw_view(name)?;
-                    let out_elem = opts.dtype.map(|d| d.size_in_bytes()).unwrap_or_else(|| v.dtype().bitsize() / 8);
+                    let stored = if v.dtype() == safetensors::Dtype::F8_E4M3 { 2 } else { v.dtype().bitsize() / 8 };
+                    let out_elem = opts.dtype.map(|d| d.size_in_bytes()).unwrap_or(stored);
                     let bytes = (v.shape().iter().product::<usize>() * out_elem) as u64;
                     if !cur.is_empty() && size + bytes > limit {
                         plan.push(std::mem::take(&mut cur));
@@ -254,7 +258,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
             for name in names {
                 // An FP8 base merges into a plain one: its weights are dequantised (to bf16
                 // unless --dtype says otherwise) and the block scales dropped.
-                if name.ends_with(".weight_scale_inv") && files.is_fp8(name.trim_end_matches("_scale_inv")) {
+                if is_dropped_scale(&files, name) {
                     continue;
                 }
                 let v = files.raw_view(name)?;
@@ -354,6 +358,11 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
         )));
     }
     Ok(diff)
+}
+
+/// The block scales of an FP8 weight: not written, as the weight is written dequantised.
+fn is_dropped_scale(files: &crate::weights::SafetensorsFiles, name: &str) -> bool {
+    name.ends_with(".weight_scale_inv") && files.is_fp8(name.trim_end_matches("_scale_inv"))
 }
 
 fn base_is_half(base: &ModelDir) -> bool {

@@ -87,6 +87,12 @@ impl Adapters {
         if spec.routed_experts && !has_experts {
             return Err(Error::model("lora.routed_experts", format!("is true but {} has no routed experts", cfg.architecture_name)));
         }
+        if spec.routed_experts && !spec.targets.iter().any(|t| ["gate_proj", "up_proj", "down_proj"].contains(&t.as_str())) {
+            return Err(Error::model(
+                "lora.routed_experts",
+                "is true but lora.targets names no expert projection (gate_proj, up_proj, down_proj): no expert would be adapted",
+            ));
+        }
         let mut rng = Rng::new(seed);
         let (mut layers, mut sites) = (Vec::with_capacity(cfg.num_hidden_layers), Vec::with_capacity(cfg.num_hidden_layers));
         for l in 0..cfg.num_hidden_layers {

@@ -263,13 +263,16 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         eprintln!("frozen matmuls run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
     }
     let account = Arc::new(Account::default());
+    let mut resident: Option<Arc<ResidentWeights>> = None;
     let (src, sharded): (Arc<dyn WeightSource>, Option<Arc<ShardedWeights>>) = if r.dist.zero_stage == 3 {
         let n = cfg.num_hidden_layers;
         let s = ShardedWeights::new(files, comm.clone(), n, r.dist.prefetch_layers, storage_dtype, compute_dtype, device.clone(), account.clone());
         let s = Arc::new(s.with_matmul_dtype(matmul));
         (s.clone(), Some(s))
     } else {
-        (Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()).with_matmul_dtype(matmul)), None)
+        let w = Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()).with_matmul_dtype(matmul));
+        resident = Some(w.clone());
+        (w, None)
     };
     let lora_spec = r.lora.spec(&cfg);
     // Same seed on every rank: every rank starts from the same adapters.
@@ -283,6 +286,9 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         None => {
             let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes();
             account.frozen.store(bytes, Ordering::SeqCst);
+            if let Some(w) = &resident {
+                w.seal();
+            }
         }
     }
     let mut loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
@@ -326,7 +332,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let out_dir = loaded.resolve(&r.output.dir);
     let metrics_path = out_dir.join("metrics.jsonl");
     let mut metrics: Option<std::fs::File>;
-    let recipe_text = toml::to_string(r).map_err(|e| Error::Train(e.to_string()))?;
+    let recipe_text = recorded_recipe(r, &model.cfg)?;
 
     // ---------------------------------------------------------------- resume
     let accum = t.grad_accum_steps;
@@ -512,7 +518,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
                 let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
                 let file = match metrics.as_mut() {
                     Some(f) => f,
-                    None => metrics.insert(create_output(&out_dir, r)?),
+                    None => metrics.insert(create_output(&out_dir, &recipe_text)?),
                 };
                 writeln!(file, "{line}").and_then(|_| file.flush()).map_err(|e| Error::io(&metrics_path, e))
             };
@@ -699,7 +705,8 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
 /// when it loads it, for every rank and with the warnings).
 fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
     let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
-    let current = toml::to_string(&loaded.recipe).map_err(|e| Error::Train(e.to_string()))?;
+    let cfg = ModelConfig::from_file(&ModelDir::resolve(&loaded.recipe.model.path, &loaded.dir)?.config_path())?;
+    let current = recorded_recipe(&loaded.recipe, &cfg)?;
     crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|msg| Error::Recipe {
         file: loaded.file.display().to_string(),
         key: "(resume)".into(),
@@ -845,10 +852,19 @@ pub fn evaluate_part(model: &Model, adapters: &Adapters, examples: &[crate::data
     Ok((sum, count))
 }
 
+/// The recipe as checkpoints and `recipe.resolved.toml` record it: `lora.targets` resolved
+/// for the model (unset means its attention projections), so a recipe that leaves them unset
+/// compares equal to one that lists them, and to checkpoints written when the default was
+/// written out.
+fn recorded_recipe(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> Result<String> {
+    let mut r = r.clone();
+    r.lora.targets = Some(r.lora.spec(cfg).targets);
+    toml::to_string(&r).map_err(|e| Error::Train(e.to_string()))
+}
+
 /// Create the output folder with the resolved recipe, and a fresh metrics.jsonl.
-fn create_output(out_dir: &std::path::Path, r: &crate::recipe::Recipe) -> Result<std::fs::File> {
+fn create_output(out_dir: &std::path::Path, resolved: &str) -> Result<std::fs::File> {
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, e))?;
-    let resolved = toml::to_string(r).map_err(|e| Error::Train(e.to_string()))?;
     crate::fsutil::write_atomic(&out_dir.join("recipe.resolved.toml"), resolved.as_bytes())?;
     let path = out_dir.join("metrics.jsonl");
     std::fs::File::create(&path).map_err(|e| Error::io(&path, e))

@@ -71,6 +71,21 @@ impl<'a> Frozen<'a> {
     pub fn contains(&self, name: &str) -> bool {
         self.src.contains(&self.full(name))
     }
+    /// A small tensor the model reads in f32 whatever the compute dtype (see [`stored_dtype`]).
+    pub fn get_f32(&self, shape: &[usize], name: &str) -> Result<Tensor> {
+        Ok(self.src.get_stored(&self.full(name), shape)?.to_dtype(DType::F32)?)
+    }
+}
+
+/// The dtype a frozen tensor is kept in: the run's storage dtype, except DeepSeek-V3's
+/// router bias, which transformers keeps in f32 (`_keep_in_fp32_modules_strict`): expert
+/// scores differ by less than bf16's rounding of it, so rounding it would change the choice.
+pub fn stored_dtype(name: &str, storage: DType) -> DType {
+    if name.ends_with("e_score_correction_bias") {
+        DType::F32
+    } else {
+        storage
+    }
 }
 
 /// A model folder on disk: config.json plus safetensors weights (and maybe a tokenizer).
@@ -364,10 +379,28 @@ impl SafetensorsFiles {
         if got != shape {
             return Err(Error::Shape { name: name.into(), file: file.display().to_string(), expected: shape.to_vec(), got });
         }
-        self.files[i]
-            .1
-            .load(name, device)
-            .map_err(|e| Error::Safetensors { file: file.clone(), msg: crate::error::candle_msg(&e) })
+        let t = self.files[i].1.load(name, device).map_err(|e| Error::Safetensors { file: file.clone(), msg: crate::error::candle_msg(&e) })?;
+        // The tensor is a copy now: let the map's pages go, or a resident base is held twice
+        // (the copy and the mapped file pages both count in the process's memory).
+        release_pages(self.raw_view(name)?.data());
+        Ok(t)
+    }
+}
+
+/// Tell the kernel this process no longer needs the mapped file pages under `bytes` (whole
+/// pages inside it only). The mapping is read-only, so a later read faults the same bytes back
+/// in from the file: nothing can change, only memory is returned.
+fn release_pages(bytes: &[u8]) {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+    let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+    let (lo, hi) = (start.div_ceil(page) * page, end / page * page);
+    if hi > lo {
+        // SAFETY: [lo, hi) lies inside a live read-only mapping owned by `self.files`; DONTNEED
+        // on it only drops our page references.
+        unsafe {
+            libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED);
+        }
     }
 }
 
@@ -377,7 +410,11 @@ pub const FP8_BLOCK: usize = 128;
 /// All frozen tensors resident on one device in the storage dtype; converted to the compute
 /// dtype when handed out. Only the tensors the model asks for at load are kept.
 pub struct ResidentWeights {
-    files: SafetensorsFiles,
+    /// The memory map, until `seal`: the tensors are copies, and the map's pages would
+    /// otherwise stay in the process's memory too (twice the base in RSS).
+    files: std::sync::RwLock<Option<SafetensorsFiles>>,
+    /// Every stored tensor name (what `contains` answers from once sealed).
+    names: std::collections::HashSet<String>,
     tensors: std::sync::RwLock<HashMap<String, Tensor>>,
     storage_dtype: DType,
     compute_dtype: DType,
@@ -387,17 +424,20 @@ pub struct ResidentWeights {
 
 impl ResidentWeights {
     pub fn new(files: SafetensorsFiles, storage_dtype: DType, compute_dtype: DType, device: Device) -> Self {
-        ResidentWeights { files, tensors: Default::default(), storage_dtype, compute_dtype, matmul_dtype: compute_dtype, device }
+        let names = files.names().cloned().collect();
+        ResidentWeights { files: std::sync::RwLock::new(Some(files)), names, tensors: Default::default(), storage_dtype, compute_dtype, matmul_dtype: compute_dtype, device }
+    }
+
+    /// Drop the memory map once the model has loaded every tensor it uses (`Model::load`
+    /// asks for each): from here on only the copies are held.
+    pub fn seal(&self) {
+        *self.files.write().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// Hand projection weights to the frozen matmul in `dtype` (see `ops::Kernels::matmul_dtype`).
     pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
         self.matmul_dtype = dtype;
         self
-    }
-
-    pub fn files(&self) -> &SafetensorsFiles {
-        &self.files
     }
 
     /// Bytes of frozen tensors held.
@@ -422,9 +462,10 @@ impl WeightSource for ResidentWeights {
         let t = match cached {
             Some(t) => {
                 if t.dims() != shape {
+                    let files = self.files.read().unwrap_or_else(|e| e.into_inner());
                     return Err(Error::Shape {
                         name: name.into(),
-                        file: self.files.file_of(name).map(|p| p.display().to_string()).unwrap_or_default(),
+                        file: files.as_ref().and_then(|f| f.file_of(name)).map(|p| p.display().to_string()).unwrap_or_default(),
                         expected: shape.to_vec(),
                         got: t.dims().to_vec(),
                     });
@@ -432,7 +473,9 @@ impl WeightSource for ResidentWeights {
                 t
             }
             None => {
-                let t = self.files.load(name, shape, &self.device)?.to_dtype(self.storage_dtype)?;
+                let files = self.files.read().unwrap_or_else(|e| e.into_inner());
+                let files = files.as_ref().ok_or_else(|| Error::MissingTensor { name: name.into(), files: "(weights sealed after load)".into() })?;
+                let t = files.load(name, shape, &self.device)?.to_dtype(stored_dtype(name, self.storage_dtype))?;
                 self.tensors.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), t.clone());
                 t
             }
@@ -441,7 +484,7 @@ impl WeightSource for ResidentWeights {
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.files.file_of(name).is_some()
+        self.names.contains(name)
     }
 }
 

@@ -234,6 +234,7 @@ fn unknown_routing_settings_are_errors_naming_the_key() {
         ("n_group", serde_json::json!(4), "n_group (4)"),
         ("rope_interleave", serde_json::json!(false), "rope_interleave"),
         ("quantization_config", serde_json::json!({"quant_method": "bitsandbytes"}), "quant_method `bitsandbytes`"),
+        ("moe_layer_freq", serde_json::json!(2), "moe_layer_freq = 2"),
     ] {
         let root = tempfile::tempdir().unwrap();
         let model = with_config(root.path(), |c| c[key] = value.clone());
@@ -458,4 +459,38 @@ fn resume_keeps_the_step_counts_of_experts_that_sat_out_steps() {
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let behind = meta.metadata().as_ref().and_then(|m| m.get("adam_steps").cloned()).expect("adam_steps in the checkpoint");
     assert!(behind.contains(".mlp.experts."), "{behind}");
+}
+
+#[test]
+fn routed_experts_without_an_expert_projection_target_is_an_error() {
+    let root = tempfile::tempdir().unwrap();
+    let r = fresh_recipe(root.path(), &["lora.routed_experts=true"]);
+    let e = finetune::train::run(&r).unwrap_err().to_string();
+    assert!(e.contains("lora.routed_experts") && e.contains("gate_proj"), "{e}");
+}
+
+#[test]
+fn default_targets_resume_under_an_explicit_list_in_any_order() {
+    // Checkpoints record the resolved targets, so leaving them unset and listing them (as
+    // checkpoints written before the default became per-model did) is the same recipe.
+    let root = tempfile::tempdir().unwrap();
+    finetune::train::run(&fresh_recipe(root.path(), &["train.max_steps=2"])).unwrap();
+    let listed = "lora.targets=[\"o_proj\", \"kv_b_proj\", \"kv_a_proj_with_mqa\", \"q_proj\"]";
+    let s = finetune::train::run(&fresh_recipe(root.path(), &["train.max_steps=3", listed])).unwrap();
+    assert_eq!(s.steps.len(), 1);
+}
+
+#[test]
+fn the_v3_router_bias_stays_f32_under_a_bf16_base() {
+    // transformers keeps e_score_correction_bias in f32 in a bf16 model; rounding it would
+    // change which experts win close calls.
+    let dir = fixture("parity-deepseek-v3").join("model");
+    let md = ModelDir { dir: dir.clone(), name: String::new() };
+    let src = ResidentWeights::new(md.open_weights().unwrap(), DType::BF16, DType::BF16, Device::Cpu);
+    let name = "model.layers.1.mlp.gate.e_score_correction_bias";
+    let got = finetune::weights::Frozen::new(&src).get_f32(&[8], name).unwrap();
+    let files = md.open_weights().unwrap();
+    let want = files.load(name, &[8], &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    assert_eq!(max_abs_diff(&got, &want), 0.0);
+    assert!(max_abs_diff(&want.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(), &want) > 0.0, "the test needs a bias bf16 cannot hold");
 }

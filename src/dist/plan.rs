@@ -45,21 +45,23 @@ impl Plan {
 /// `model.kernels = "portable"` allocates on a CPU): activations in the storage dtype and
 /// tall attention strips; otherwise the fused CPU path (f32 activations).
 pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
-    let es = crate::weights::parse_dtype(&r.model.dtype).size_in_bytes();
+    let storage = crate::weights::parse_dtype(&r.model.dtype);
+    let es = storage.size_in_bytes();
+    let es_of = |name: &str| crate::weights::stored_dtype(name, storage).size_in_bytes();
     let tensors = cfg.frozen_tensors();
     let numel = |s: &[usize]| s.iter().product::<usize>();
     let stage3 = r.dist.zero_stage == 3;
     let (frozen, gathered_peak) = if stage3 {
         let chunk = |s: &[usize]| super::Partition::new(numel(s), 0, world).chunk();
-        let frozen = tensors.iter().map(|(_, s)| chunk(s) * es).sum();
+        let frozen = tensors.iter().map(|(n, s)| chunk(s) * es_of(n)).sum();
         // Gathered bytes per unit, as the source allocates them: N * ceil(n / N) per tensor.
         let mut unit_bytes: HashMap<Unit, usize> = HashMap::new();
         for (name, s) in &tensors {
-            *unit_bytes.entry(Unit::of(name)).or_default() += world * chunk(s) * es;
+            *unit_bytes.entry(Unit::of(name)).or_default() += world * chunk(s) * es_of(name);
         }
         (frozen, replay_peak(cfg, r, &unit_bytes))
     } else {
-        (tensors.iter().map(|(_, s)| numel(s) * es).sum(), 0)
+        (tensors.iter().map(|(n, s)| numel(s) * es_of(n)).sum(), 0)
     };
     let lora: usize = crate::train::trainable_parameters(cfg, &r.lora.spec(cfg)).0 as usize;
     // Rank 0's share, the largest (the last rank's may be shorter).

@@ -236,9 +236,10 @@ impl ShardedWeights {
         let n: usize = shape.iter().product();
         let part = super::Partition::new(n, self.comm.rank(), self.comm.world_size());
         let (c, lo, hi) = (part.chunk(), part.range().start, part.range().end);
+        let dt = crate::weights::stored_dtype(name, self.storage_dtype);
         let mine = if files.is_fp8(name) {
             // FP8 blocks span rows: dequantise the whole tensor once, keep this rank's 1/N.
-            files.load(name, shape, &Device::Cpu)?.flatten_all()?.narrow(0, lo, hi - lo)?.to_dtype(self.storage_dtype)?
+            files.load(name, shape, &Device::Cpu)?.flatten_all()?.narrow(0, lo, hi - lo)?.to_dtype(dt)?
         } else {
             let view = files.view(name)?;
             let dtype = DType::try_from(view.dtype()).map_err(|e| Error::Safetensors {
@@ -247,15 +248,15 @@ impl ShardedWeights {
             })?;
             let es = dtype.size_in_bytes();
             // Only these bytes of the map are touched: the rank's 1/N.
-            Tensor::from_raw_buffer(&view.data()[lo * es..hi * es], dtype, &[hi - lo], &Device::Cpu)?.to_dtype(self.storage_dtype)?
+            Tensor::from_raw_buffer(&view.data()[lo * es..hi * es], dtype, &[hi - lo], &Device::Cpu)?.to_dtype(dt)?
         };
         let data = if hi - lo < c {
-            Tensor::cat(&[&mine, &Tensor::zeros(c - (hi - lo), self.storage_dtype, &Device::Cpu)?], 0)?
+            Tensor::cat(&[&mine, &Tensor::zeros(c - (hi - lo), dt, &Device::Cpu)?], 0)?
         } else {
             mine
         };
         let data = data.to_device(&self.device)?;
-        self.account.frozen.fetch_add(c * self.storage_dtype.size_in_bytes(), Ordering::SeqCst);
+        self.account.frozen.fetch_add(c * dt.size_in_bytes(), Ordering::SeqCst);
         lock(&self.shards).insert(name.to_string(), Shard { data, shape: shape.to_vec() });
         lock(&self.order).push(name.to_string());
         Ok(())

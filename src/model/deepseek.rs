@@ -163,7 +163,7 @@ impl<'a> Moe<'a> {
         let gate = vb.get(&[e, cfg.hidden_size], "mlp.gate.weight")?.to_dtype(DType::F32)?;
         let e_score_correction_bias = match m.routing {
             Routing::SigmoidNoauxTc => {
-                let bias = vb.get(&[e], "mlp.gate.e_score_correction_bias")?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let bias = vb.get_f32(&[e], "mlp.gate.e_score_correction_bias")?.to_vec1::<f32>()?;
                 Some(bias)
             }
             _ => None,
@@ -190,7 +190,7 @@ impl<'a> Moe<'a> {
         if self.cfg.norm_topk_prob {
             w = w.broadcast_div(&(w.sum_keepdim(1)? + 1e-20)?)?; // [N, K]
         }
-        let w = (w * self.cfg.routed_scaling_factor)?.to_dtype(x.dtype())?; // [N, K]
+        let w = (w * self.cfg.routed_scaling_factor)?; // [N, K] f32
 
         // Group the (token, slot) pairs by expert; `row_of[t*K + s]` is the pair's row in the
         // expert-ordered outputs.
@@ -215,7 +215,9 @@ impl<'a> Moe<'a> {
         }
         let sorted = Tensor::cat(&outs, 0)?; // [N*K, H] by expert
         let y = sorted.index_select(&Tensor::from_vec(row_of, n * k, x.device())?, 0)?.reshape((n, k, h))?; // [N, K, H]
-        let routed = y.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?; // [N, H]
+        // Weighted in f32 (transformers multiplies the expert outputs by f32 weights), then
+        // back to the activations' dtype.
+        let routed = y.to_dtype(DType::F32)?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?.to_dtype(x.dtype())?; // [N, H]
         Ok(match &self.shared_experts {
             Some(sh) => (routed + sh.forward(kern, x, drop)?)?,
             None => routed,
@@ -351,7 +353,6 @@ mod tests {
             n_shared_experts: 0,
             moe_intermediate_size: 4,
             first_k_dense_replace: 0,
-            moe_layer_freq: 1,
             routing,
             n_group,
             topk_group,
