@@ -113,9 +113,25 @@ fn replay_peak(cfg: &ModelConfig, r: &Recipe, unit_bytes: &HashMap<Unit, usize>)
 /// portable path (activations in the storage dtype, tall strips), else the fused CPU ops.
 fn activations(cfg: &ModelConfig, r: &Recipe, a: usize, gpu: bool) -> (usize, usize) {
     let (b, s) = (r.train.micro_batch_size, r.data.max_seq_len);
-    let (h, i, l) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers);
-    let (q, kv) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
-    let per_token = (8 * h + 3 * q + 3 * kv + 4 * i) * a + cfg.num_attention_heads * 4;
+    let (h, l) = (cfg.hidden_size, cfg.num_hidden_layers);
+    let nh = cfg.num_attention_heads;
+    // Widths per token: q and each of k/v (MLA: per-head q/k of nope + rope, v padded to it,
+    // plus the latent); the MLP's intermediate (MoE: K routed experts' and the shared ones',
+    // plus each routed copy of the token's input and output).
+    let (q, kv, i) = match (&cfg.mla, &cfg.moe) {
+        (Some(m), moe) => {
+            let w = m.qk_head_dim().max(m.v_head_dim);
+            let ffn = match moe {
+                Some(e) if l > e.first_k_dense_replace => {
+                    (e.num_experts_per_tok + e.n_shared_experts) * e.moe_intermediate_size + 2 * e.num_experts_per_tok * h / 4
+                }
+                _ => cfg.intermediate_size,
+            };
+            (nh * w + m.q_lora_rank.unwrap_or(0), nh * w + m.kv_lora_rank / 2, ffn.max(cfg.intermediate_size))
+        }
+        (None, _) => (nh * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size),
+    };
+    let per_token = (8 * h + 3 * q + 3 * kv + 4 * i) * a + nh * 4;
     let layer = b * s * per_token + crate::ops::attention::strip_scratch_bytes(gpu, b, cfg.num_attention_heads, s);
     // The loss head: one [chunk, V] block of f32 logits and its gradient.
     let head = 2 * (8 << 20) * 4;
