@@ -34,7 +34,7 @@ dtype = "{dtype}"
 [lora]
 rank = 16
 alpha = 32
-targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+targets = {targets}
 [data]
 train = "{data}"
 max_seq_len = {seq}
@@ -79,12 +79,17 @@ def ensure_model(cache, seq):
     return model, data
 
 
-def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32"):
+LLAMA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+MLA_TARGETS = "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
+
+
+def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAMA_TARGETS):
     out = tempfile.mkdtemp(prefix="ft-bench-")
     recipe = os.path.join(out, "bench.toml")
     with open(recipe, "w") as f:
         f.write(RECIPE.format(model=model, data=data, seq=seq, steps=steps + warmup, batch=batch,
-                              ckpt=str(ckpt).lower(), out=os.path.join(out, "run"), dtype=dtype))
+                              ckpt=str(ckpt).lower(), out=os.path.join(out, "run"), dtype=dtype,
+                              targets=json.dumps(targets.split(","))))
     env = dict(os.environ, RAYON_NUM_THREADS="2", CANDLE_NUM_THREADS="2")
     _, rss = peak_rss_of([BIN, "--recipe", recipe], env=env)
     with open(os.path.join(out, "run", "metrics.jsonl")) as f:
@@ -95,10 +100,10 @@ def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32"):
             "losses": [s["loss"] for s in m]}
 
 
-def peft(model, batch, seq, steps, warmup, ckpt, dtype="f32"):
+def peft(model, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAMA_TARGETS, extra=()):
     cmd = [VENV_PY, PEFT_BENCH, "--model", model, "--batch", str(batch), "--seq", str(seq),
            "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", "--dtype", dtype,
-           "--weight-decay", "0.0"]
+           "--weight-decay", "0.0", "--targets", targets] + list(extra)
     if ckpt:
         cmd.append("--grad-ckpt")
     lines, rss = peak_rss_of(cmd)
@@ -160,6 +165,34 @@ def flops_per_token(model, seq):
     return 2 * fwd + 6 * lora * L
 
 
+def ensure_moe_model(cache, smol_model):
+    """A random DeepSeek-V2-Lite-shaped model cut to 3 layers (1 dense, 2 MoE), f32 (~6.7 GB)."""
+    model = os.path.join(cache, "ds-v2-lite-3l")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        tmp = model + ".tmp"
+        subprocess.run([VENV_PY, os.path.join(ROOT, "bench", "make_deepseek_model.py"), "--out", tmp, "--layers", "3",
+                        "--tokenizer", smol_model], check=True)
+        os.rename(tmp, model)
+    return model
+
+
+def moe_flops_per_token(model, seq):
+    """As `flops_per_token`, for DeepSeek-V2 (MLA, q_proj) with MoE: the experts a token runs
+    (top-k routed + shared) count, the others not; the router is counted too."""
+    c = json.load(open(os.path.join(model, "config.json")))
+    h, L, v, nh = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["num_attention_heads"]
+    dn, dr, dv, kvr = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    attn = h * nh * (dn + dr) + h * (kvr + dr) + kvr * nh * (dn + dv) + nh * dv * h
+    dense = 3 * h * c["intermediate_size"]
+    e, k, sh, mi = c["n_routed_experts"], c["num_experts_per_tok"], c["n_shared_experts"], c["moe_intermediate_size"]
+    moe = 3 * h * mi * (k + sh) + h * e
+    kd = c["first_k_dense_replace"]
+    lin = L * attn + kd * dense + (L - kd) * moe
+    lora = 16 * ((h + nh * (dn + dr)) + (h + kvr + dr) + (kvr + nh * (dn + dv)) + (nh * dv + h))
+    fwd = 2 * (lin + v * h) + 2 * seq * nh * (dn + dr + dv) * L
+    return 2 * fwd + 6 * lora * L
+
+
 def gemm_peak():
     """Best GEMM rates of the best backend here (MKL / oneDNN through torch, 2 threads) on the
     model's matmul shapes, in FLOP/s: {"f32": ..., "bf16": ...}. bf16 counts because this CPU
@@ -207,8 +240,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row (median taken), after 1 warm-up")
     ap.add_argument("--data-only", action="store_true", help="only the data-loader benchmark")
     ap.add_argument("--data-rows", type=int, default=1_000_000)
-    ap.add_argument("--sections", default="data,main,batch1,scaling",
-                    help="comma list of: data, main (4 x 512 f32/bf16), batch1 (1 x 512), scaling (seq 256..2048, 2048 tokens/step)")
+    ap.add_argument("--sections", default="data,main,batch1,scaling,moe",
+                    help="comma list of: data, main (4 x 512 f32/bf16), batch1 (1 x 512), scaling (seq 256..2048, 2048 tokens/step), "
+                         "moe (DeepSeek-V2-Lite layer shapes, 3 layers, 1 x 512)")
     a = ap.parse_args()
     if a.steps < 1:
         sys.exit("bench: --steps must be at least 1")
@@ -231,7 +265,7 @@ def main():
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     unit = ("on AMX tiles" if "amx_bf16" in flags else "on AVX512-BF16 (vdpbf16ps)" if "avx512_bf16" in flags else None)
     print(f"finetune bf16 rows: frozen matmuls {unit + ' (bf16 inputs, f32 sums)' if unit else 'in f32 (no bf16 unit on this CPU)'}; "
-          f"f32 rows: f32 GEMM (gemm crate, AVX-512)")
+          f"f32 rows: f32 GEMM (gemm crate, {'AVX-512' if 'avx512f' in flags else 'AVX2 + FMA'})")
 
     def run_rows(configs):
         rows = []
@@ -270,6 +304,20 @@ def main():
                 (f"PEFT f32 no ckpt, {batch} x {seq}", seq, lambda: peft(model, batch, seq, steps, warmup, False)),
             ])
         table("sequence-length scaling at 2048 tokens per step (ratios against all PEFT rows)", rows, peak, fpt)
+    if "moe" in sections:
+        moe = ensure_moe_model(cache, model)
+        _, data = ensure_model(cache, 512)
+        mfpt = lambda seq: moe_flops_per_token(moe, seq)
+        print(f"\nMoE: DeepSeek-V2-Lite layer shapes (hidden 2048, 16 heads, kv_lora_rank 512, 64 experts top-6 + 2 shared, "
+              f"moe_intermediate 1408, vocab 102400) cut to 3 layers (1 dense, 2 MoE), LoRA r16 on q_proj/kv_a_proj_with_mqa/"
+              f"kv_b_proj/o_proj; {mfpt(512) / 1e9:.2f} GFLOP/token (active experts only)")
+        rows = run_rows([
+            ("finetune f32, activation ckpt", 512, lambda: ours(moe, data, 1, 512, steps, warmup, True, targets=MLA_TARGETS)),
+            ("finetune f32, no ckpt", 512, lambda: ours(moe, data, 1, 512, steps, warmup, False, targets=MLA_TARGETS)),
+            ("PEFT f32, no ckpt, eager experts", 512, lambda: peft(moe, 1, 512, steps, warmup, False, targets=MLA_TARGETS, extra=["--experts", "eager"])),
+            ("PEFT f32, no ckpt, grouped_mm experts", 512, lambda: peft(moe, 1, 512, steps, warmup, False, targets=MLA_TARGETS, extra=["--experts", "grouped_mm"])),
+        ])
+        table("DeepSeek-V2-Lite MoE cut, batch 1 x seq 512 (ratios against PEFT's faster experts implementation)", rows, peak, mfpt)
 
 
 if __name__ == "__main__":
