@@ -779,4 +779,26 @@ mod tests {
         assert_eq!(c.rope_theta, 1234.0);
         assert_eq!(c.rope_scaling, RopeScaling::None);
     }
+
+    #[test]
+    fn deepseek_yarn_reads_the_same_from_the_transformers_4_and_5_layouts() {
+        let base = r#""architectures":["DeepseekV2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":256,"q_lora_rank":null,"kv_lora_rank":16,
+            "qk_nope_head_dim":16,"qk_rope_head_dim":8,"v_head_dim":16,"n_routed_experts":4,"num_experts_per_tok":2,
+            "moe_intermediate_size":32,"max_position_embeddings":2048"#;
+        let yarn = r#""factor":4.0,"original_max_position_embeddings":16,"beta_fast":32,"beta_slow":1,"mscale":0.707,"mscale_all_dim":0.707"#;
+        let v4 = format!(r#"{{{base},"rope_theta":10000.0,"rope_scaling":{{"type":"yarn",{yarn}}}}}"#);
+        let v5 = format!(r#"{{{base},"rope_parameters":{{"rope_type":"yarn","rope_theta":10000.0,{yarn}}}}}"#);
+        let (a, b) = (ModelConfig::resolve(&serde_json::from_str(&v4).unwrap()).unwrap(), ModelConfig::resolve(&serde_json::from_str(&v5).unwrap()).unwrap());
+        assert!(matches!(a.rope_scaling, RopeScaling::Yarn { .. }));
+        assert_eq!(a.rope_scaling, b.rope_scaling);
+        assert_eq!(a.inv_freq(), b.inv_freq());
+        assert_eq!(a.attention_scale(), b.attention_scale());
+        // The values transformers computes for these numbers (see parity-deepseek-mlp's checks).
+        let want = [1.0, 0.1 / 4.0, 0.01 / 4.0, 0.001 / 4.0];
+        for (x, y) in a.inv_freq().iter().zip(want) {
+            assert!((x - y).abs() < 1e-12, "{x} vs {y}");
+        }
+        assert!((a.attention_scale() - 0.24609782191507454).abs() < 1e-15);
+    }
 }

@@ -371,7 +371,9 @@ impl SafetensorsFiles {
                 let file = self.file_of(name).map(|p| p.display().to_string()).unwrap_or_default();
                 return Err(Error::Shape { name: name.into(), file, expected: shape.to_vec(), got });
             }
-            return Ok(self.load_fp8(name, shape)?.to_device(device)?);
+            let t = self.load_fp8(name, shape)?;
+            release_pages(self.raw_view(name)?.data());
+            return Ok(t.to_device(device)?);
         }
         let got = self.view(name)?.shape().to_vec();
         let &i = self.routing.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file_list() })?;
