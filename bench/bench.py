@@ -7,7 +7,8 @@ threads and batch, measured in one run so only ratios matter.
   python3 bench/bench.py --sections main,batch1 --steps 5   # the speed tables, more timed steps
 
 The model is a random-weight SmolLM2-135M-shaped Llama written by `finetune synth` (HF layout,
-so PEFT loads the very same files). LoRA rank 16 on q/k/v/o, 2 threads. Sections: the data
+so PEFT loads the very same files). The `moe` section writes a 6.7 GB f32 DeepSeek-V2-Lite-shaped
+model (3 layers) with transformers and needs about 8 GB of free RAM per side and 7 GB of disk. LoRA rank 16 on q/k/v/o, 2 threads. Sections: the data
 loader; batch 4 x 512 and 1 x 512, each in f32 and with a bf16 base; sequence lengths
 256..2048 at a fixed 2048 tokens per step. MFU is model FLOPs per second over the measured
 GEMM peak of the row's base dtype (torch: MKL f32, oneDNN bf16, on the model's shapes). Peak RSS is each process's own ru_maxrss (a
@@ -176,6 +177,20 @@ def ensure_moe_model(cache, smol_model):
     return model
 
 
+def ensure_random_data(cache, seq, vocab, rows=16):
+    """A tokenized dataset of uniform random ids below `vocab` (labels = ids), as PEFT's
+    benchmark draws its batches: routing in a random MoE follows the tokens, so both sides must
+    see the same kind of ids for the experts' loads (and GEMM sizes) to match."""
+    data = os.path.join(cache, f"random-{vocab}-{seq}")
+    if not os.path.isdir(data):
+        code = ("import sys, torch, datasets; g = torch.Generator().manual_seed(0); "
+                "ids = torch.randint(0, int(sys.argv[2]), (int(sys.argv[4]), int(sys.argv[3])), generator=g).tolist(); "
+                "datasets.Dataset.from_dict({'input_ids': ids, 'labels': ids}).save_to_disk(sys.argv[1])")
+        subprocess.run([VENV_PY, "-c", code, data + ".tmp", str(vocab), str(seq), str(rows)], check=True)
+        os.rename(data + ".tmp", data)
+    return data
+
+
 def moe_flops_per_token(model, seq):
     """As `flops_per_token`, for DeepSeek-V2 (MLA, q_proj) with MoE: the experts a token runs
     (top-k routed + shared) count, the others not; the router is counted too."""
@@ -306,7 +321,7 @@ def main():
         table("sequence-length scaling at 2048 tokens per step (ratios against all PEFT rows)", rows, peak, fpt)
     if "moe" in sections:
         moe = ensure_moe_model(cache, model)
-        _, data = ensure_model(cache, 512)
+        data = ensure_random_data(cache, 512, 102400)
         mfpt = lambda seq: moe_flops_per_token(moe, seq)
         print(f"\nMoE: DeepSeek-V2-Lite layer shapes (hidden 2048, 16 heads, kv_lora_rank 512, 64 experts top-6 + 2 shared, "
               f"moe_intermediate 1408, vocab 102400) cut to 3 layers (1 dense, 2 MoE), LoRA r16 on q_proj/kv_a_proj_with_mqa/"
