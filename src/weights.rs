@@ -335,6 +335,22 @@ impl SafetensorsFiles {
     /// `{name without .weight}.weight_scale_inv`[i / 128, j / 128] (DeepSeek-V3's layout,
     /// `weight_block_size = [128, 128]`).
     fn load_fp8(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let rows = shape.first().copied().unwrap_or(0);
+        let t = self.load_fp8_rows(name, shape, 0..rows)?;
+        Ok(t.reshape(shape)?)
+    }
+
+    /// Elements `lo..hi` of an FP8 weight flattened row-major, dequantised to f32 [hi - lo]:
+    /// only the rows they span are read (a ZeRO-3 rank's 1/N).
+    pub fn load_fp8_flat(&self, name: &str, shape: &[usize], lo: usize, hi: usize) -> Result<Tensor> {
+        let cols = shape.get(1).copied().unwrap_or(1).max(1);
+        let (r0, r1) = (lo / cols, hi.div_ceil(cols));
+        let t = self.load_fp8_rows(name, shape, r0..r1)?;
+        Ok(t.narrow(0, lo - r0 * cols, hi - lo)?)
+    }
+
+    /// Rows `range` of an FP8 weight [rows, cols], dequantised, flat [len(range) * cols].
+    fn load_fp8_rows(&self, name: &str, shape: &[usize], range: std::ops::Range<usize>) -> Result<Tensor> {
         let file = self.file_of(name).map(Path::to_path_buf).unwrap_or_default();
         let bad = |msg: String| Error::Safetensors { file: file.clone(), msg };
         let &[rows, cols] = shape else { return Err(bad(format!("tensor `{name}` is FP8 but not a matrix ({shape:?})"))) };
@@ -349,8 +365,12 @@ impl SafetensorsFiles {
         if data.len() != rows * cols {
             return Err(bad(format!("tensor `{name}`: {} bytes for an FP8 [{rows}, {cols}]", data.len())));
         }
-        let mut out = vec![0f32; rows * cols];
-        for (i, (row, src)) in out.chunks_mut(cols).zip(data.chunks(cols)).enumerate() {
+        if range.start > range.end || range.end > rows {
+            return Err(bad(format!("tensor `{name}`: rows {range:?} outside [0, {rows})")));
+        }
+        let mut out = vec![0f32; range.len() * cols];
+        let src_rows = data[range.start * cols..range.end * cols].chunks(cols);
+        for (i, (row, src)) in (range.start..).zip(out.chunks_mut(cols).zip(src_rows)) {
             let s = &scale[(i / FP8_BLOCK) * bc..][..bc];
             for (j, (o, &b)) in row.iter_mut().zip(src).enumerate() {
                 *o = float8::F8E4M3::from_bits(b).to_f32() * s[j / FP8_BLOCK];
@@ -359,7 +379,8 @@ impl SafetensorsFiles {
         if out.iter().any(|x| !x.is_finite()) {
             return Err(bad(format!("tensor `{name}`: FP8 values or their scales give NaN or inf")));
         }
-        Ok(Tensor::from_vec(out, (rows, cols), &Device::Cpu)?)
+        let n = out.len();
+        Ok(Tensor::from_vec(out, n, &Device::Cpu)?)
     }
 
     /// Read one tensor (copied out of the map), checking its shape. FP8 weights come back

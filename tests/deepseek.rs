@@ -71,6 +71,54 @@ fn merged_deepseek_export_verifies_and_equals_base_plus_adapter() {
     assert!(d < 1e-4, "merged model logits differ by {d}");
 }
 
+/// A matrix in DeepSeek-V3's FP8 layout: (e4m3 values, f32 scales per 128 x 128 block = the
+/// block's amax / 448, the values dequantised here in f64).
+fn fp8_quantise(t: &Tensor) -> (Tensor, Tensor, Tensor) {
+    let (rows, cols) = t.dims2().unwrap();
+    let v = t.to_vec2::<f32>().unwrap();
+    let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
+    let mut scale = vec![0f32; br * bc];
+    for (i, row) in v.iter().enumerate() {
+        for (j, x) in row.iter().enumerate() {
+            let s = &mut scale[(i / 128) * bc + j / 128];
+            *s = s.max(x.abs() / 448.0);
+        }
+    }
+    let mut bytes = Vec::with_capacity(rows * cols);
+    let mut back = Vec::with_capacity(rows * cols);
+    for (i, row) in v.iter().enumerate() {
+        for (j, x) in row.iter().enumerate() {
+            let s = scale[(i / 128) * bc + j / 128];
+            let q = float8::F8E4M3::from_f32(x / s);
+            bytes.push(q.to_bits());
+            back.push((q.to_f64() * s as f64) as f32);
+        }
+    }
+    (
+        Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[rows, cols], &Device::Cpu).unwrap(),
+        Tensor::from_vec(scale, (br, bc), &Device::Cpu).unwrap(),
+        Tensor::from_vec(back, (rows, cols), &Device::Cpu).unwrap(),
+    )
+}
+
+#[test]
+fn fp8_blocks_dequantise_exactly_whole_and_in_any_flat_range() {
+    // 300 x 260 spans 3 x 3 blocks of 128 (the last ones partial), with a different scale each.
+    let d = tempfile::tempdir().unwrap();
+    let vals: Vec<f32> = (0..300 * 260).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * (1.0 + (i / 260 / 128 * 3 + i % 260 / 128) as f32)).collect();
+    let (q, scale, want) = fp8_quantise(&Tensor::from_vec(vals, (300, 260), &Device::Cpu).unwrap());
+    let map: std::collections::HashMap<String, Tensor> = [("w.weight".to_string(), q), ("w.weight_scale_inv".to_string(), scale)].into();
+    candle_core::safetensors::save(&map, d.path().join("model.safetensors")).unwrap();
+    let md = ModelDir { dir: d.path().to_path_buf(), name: String::new() };
+    let files = md.open_weights().unwrap();
+    assert_eq!(max_abs_diff(&files.load("w.weight", &[300, 260], &Device::Cpu).unwrap(), &want), 0.0);
+    let flat = want.flatten_all().unwrap();
+    for (lo, hi) in [(0, 1), (100, 40_000), (33_279, 33_281), (77_999, 78_000), (0, 78_000)] {
+        let got = files.load_fp8_flat("w.weight", &[300, 260], lo, hi).unwrap();
+        assert_eq!(max_abs_diff(&got, &flat.narrow(0, lo, hi - lo).unwrap()), 0.0, "{lo}..{hi}");
+    }
+}
+
 /// DeepSeek-V3's FP8 layout made from the fixture's f32 weights by this test: each 2-D
 /// projection to e4m3 with one f32 scale per 128 x 128 block (amax / 448, as DeepSeek's
 /// quantiser), written beside a copy whose weights are those FP8 values dequantised here in
@@ -88,30 +136,10 @@ fn quantise_fixture(root: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
             deq.push((name.clone(), t.clone()));
             continue;
         }
-        let (rows, cols) = t.dims2().unwrap();
-        let v = t.to_vec2::<f32>().unwrap();
-        let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
-        let mut scale = vec![0f32; br * bc];
-        for (i, row) in v.iter().enumerate() {
-            for (j, x) in row.iter().enumerate() {
-                let s = &mut scale[(i / 128) * bc + j / 128];
-                *s = s.max(x.abs() / 448.0);
-            }
-        }
-        let mut bytes = Vec::with_capacity(rows * cols);
-        let mut back = Vec::with_capacity(rows * cols);
-        for (i, row) in v.iter().enumerate() {
-            for (j, x) in row.iter().enumerate() {
-                let s = scale[(i / 128) * bc + j / 128];
-                let q = float8::F8E4M3::from_f32(x / s);
-                bytes.push(q.to_bits());
-                back.push((q.to_f64() * s as f64) as f32);
-            }
-        }
-        let q = Tensor::from_raw_buffer(&bytes, DType::F8E4M3, &[rows, cols], &Device::Cpu).unwrap();
+        let (q, scale, back) = fp8_quantise(t);
         fp8.push((name.clone(), q));
-        fp8.push((format!("{name}_scale_inv"), Tensor::from_vec(scale, (br, bc), &Device::Cpu).unwrap()));
-        deq.push((name.clone(), Tensor::from_vec(back, (rows, cols), &Device::Cpu).unwrap()));
+        fp8.push((format!("{name}_scale_inv"), scale));
+        deq.push((name.clone(), back));
     }
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     for (dir, ts, quantised) in [(&fp8_dir, fp8, true), (&deq_dir, deq, false)] {
@@ -493,4 +521,28 @@ fn the_v3_router_bias_stays_f32_under_a_bf16_base() {
     let want = files.load(name, &[8], &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
     assert_eq!(max_abs_diff(&got, &want), 0.0);
     assert!(max_abs_diff(&want.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(), &want) > 0.0, "the test needs a bias bf16 cannot hold");
+}
+
+#[test]
+fn an_fp8_base_shards_under_zero3_and_trains_as_on_one_rank() {
+    // Each rank dequantises and keeps its 1/N of every FP8 weight; 2 ranks with half the
+    // accumulation each equal one rank with the whole base.
+    let root = tempfile::tempdir().unwrap();
+    let (fp8_dir, _) = quantise_fixture(root.path());
+    let model = format!("model.path={}", fp8_dir.display());
+    let mut runs = Vec::new();
+    for (name, extra) in [("one", vec!["dist.zero_stage=0"]), ("two", vec!["dist.zero_stage=3", "dist.world_size=2", "train.grad_accum_steps=1"])] {
+        let out = root.path().join(name);
+        let mut o = vec![model.as_str()];
+        o.extend(extra);
+        finetune::train::run(&recipe(V2, &out, &o)).unwrap();
+        runs.push(out);
+    }
+    let (a, b) = (read_metrics(&runs[0].join("metrics.jsonl")), read_metrics(&runs[1].join("metrics.jsonl")));
+    for (x, y) in a.iter().zip(&b) {
+        assert!(rel(x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap()) < 1e-6, "{x} vs {y}");
+    }
+    let (ta, tb) = (load_tensors(&runs[0].join("adapter/adapter_model.safetensors")), load_tensors(&runs[1].join("adapter/adapter_model.safetensors")));
+    let d = ta.iter().map(|(k, t)| max_abs_diff(t, &tb[k])).fold(0.0, f32::max);
+    assert!(d < 1e-6, "adapters differ by {d}");
 }

@@ -238,8 +238,8 @@ impl ShardedWeights {
         let (c, lo, hi) = (part.chunk(), part.range().start, part.range().end);
         let dt = crate::weights::stored_dtype(name, self.storage_dtype);
         let mine = if files.is_fp8(name) {
-            // FP8 blocks span rows: dequantise the whole tensor once, keep this rank's 1/N.
-            files.load(name, shape, &Device::Cpu)?.flatten_all()?.narrow(0, lo, hi - lo)?.to_dtype(dt)?
+            // Only the rows this rank's 1/N spans are dequantised.
+            files.load_fp8_flat(name, shape, lo, hi)?.to_dtype(dt)?
         } else {
             let view = files.view(name)?;
             let dtype = DType::try_from(view.dtype()).map_err(|e| Error::Safetensors {
