@@ -84,6 +84,9 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
     adapters.save_peft(&tmp.join("adapter"), base_model)?;
     let moments_in = moments;
     let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
+    // Tensors whose own step count fell behind (skipped while they had no gradient): listed by
+    // key; every other tensor took all `adam_step` updates.
+    let mut behind = serde_json::Map::new();
     let mut off = 0;
     for (key, var) in adapters.params() {
         let n = var.elem_count();
@@ -93,20 +96,13 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
         };
         moments.insert(format!("{key}.exp_avg"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
         moments.insert(format!("{key}.exp_avg_sq"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
-        off += n;
-    }
-    let mut meta: std::collections::HashMap<String, String> = [("adam_step".to_string(), adam_step.to_string())].into();
-    // Tensors whose own step count fell behind (skipped while they had no gradient): listed by
-    // key; every other tensor took all `adam_step` updates.
-    let mut behind = serde_json::Map::new();
-    let mut off = 0;
-    for (key, var) in adapters.params() {
         let s = moments_in.steps.get(off).copied().unwrap_or(adam_step as f32) as u64;
         if s != adam_step {
             behind.insert(key, s.into());
         }
-        off += var.elem_count();
+        off += n;
     }
+    let mut meta: std::collections::HashMap<String, String> = [("adam_step".to_string(), adam_step.to_string())].into();
     if !behind.is_empty() {
         meta.insert("adam_steps".into(), serde_json::Value::Object(behind).to_string());
     }

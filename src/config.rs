@@ -637,12 +637,12 @@ fn yarn_mscale(scale: f64, m: f64) -> f64 {
     }
 }
 
-fn need(v: Option<usize>, key: &str) -> std::result::Result<usize, String> {
-    match v {
-        Some(0) => Err(format!("{key} must be positive, got 0")),
-        Some(n) => Ok(n),
-        None => Err(format!("{key} is required for DeepSeek-V2/V3 models")),
+/// A size that must be positive.
+fn positive(n: usize, key: &str) -> std::result::Result<usize, String> {
+    if n == 0 {
+        return Err(format!("{key} must be positive, got 0"));
     }
+    Ok(n)
 }
 
 /// DeepSeek-V2/V3 attention. Absent keys take the defaults of transformers'
@@ -653,7 +653,7 @@ fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
     if q_lora_rank == Some(0) {
         return Err("q_lora_rank must be null (plain q_proj) or positive, got 0".into());
     }
-    let rope = need(Some(hf.qk_rope_head_dim.unwrap_or(64)), "qk_rope_head_dim")?;
+    let rope = positive(hf.qk_rope_head_dim.unwrap_or(64), "qk_rope_head_dim")?;
     if rope % 2 != 0 {
         return Err(format!("qk_rope_head_dim must be even, got {rope}"));
     }
@@ -669,10 +669,10 @@ fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
     };
     Ok(Mla {
         q_lora_rank,
-        kv_lora_rank: need(Some(hf.kv_lora_rank.unwrap_or(512)), "kv_lora_rank")?,
-        qk_nope_head_dim: need(Some(hf.qk_nope_head_dim.unwrap_or(128)), "qk_nope_head_dim")?,
+        kv_lora_rank: positive(hf.kv_lora_rank.unwrap_or(512), "kv_lora_rank")?,
+        qk_nope_head_dim: positive(hf.qk_nope_head_dim.unwrap_or(128), "qk_nope_head_dim")?,
         qk_rope_head_dim: rope,
-        v_head_dim: need(Some(hf.v_head_dim.unwrap_or(128)), "v_head_dim")?,
+        v_head_dim: positive(hf.v_head_dim.unwrap_or(128), "v_head_dim")?,
         rope_interleave,
     })
 }
@@ -683,7 +683,9 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
     if experts == 0 {
         return Err("n_routed_experts must be positive (or null for a dense model), got 0".into());
     }
-    let top_k = need(hf.num_experts_per_tok.or(v3.then_some(8)), "num_experts_per_tok")?;
+    // transformers' DeepseekV2Config has no default (its router would fail): required there.
+    let top_k = hf.num_experts_per_tok.or(v3.then_some(8)).ok_or("num_experts_per_tok is required for DeepSeek-V2 MoE models")?;
+    let top_k = positive(top_k, "num_experts_per_tok")?;
     let scoring = hf.scoring_func.clone().unwrap_or_else(|| if arch == Arch::DeepseekV3 { "sigmoid" } else { "softmax" }.into());
     let method = hf.topk_method.clone().unwrap_or_else(|| if arch == Arch::DeepseekV3 { "noaux_tc" } else { "greedy" }.into());
     let routing = match (arch, scoring.as_str(), method.as_str()) {
@@ -723,7 +725,7 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
         n_routed_experts: experts,
         num_experts_per_tok: top_k,
         n_shared_experts: hf.n_shared_experts.unwrap_or(if v3 { 1 } else { 2 }),
-        moe_intermediate_size: need(Some(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 })), "moe_intermediate_size")?,
+        moe_intermediate_size: positive(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 }), "moe_intermediate_size")?,
         first_k_dense_replace: hf.first_k_dense_replace.unwrap_or(if v3 { 3 } else { 0 }),
         routing,
         n_group,

@@ -20,8 +20,8 @@ pub const MODULES: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_pr
 
 /// Every name `lora.targets` may hold: the Llama / Qwen2 projections and DeepSeek's MLA ones.
 /// Which of them a model has is checked against the model ([`Adapters::init`]).
-pub const ALL_TARGETS: [&str; 11] =
-    ["q_proj", "k_proj", "v_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+pub const ALL_TARGETS: &[&str] =
+    &["q_proj", "k_proj", "v_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 
 /// Whether the linear at `path` (`self_attn.q_proj`, `mlp.experts.3.up_proj`) gets an
 /// adapter: its leaf name is a target, and a routed expert only with `routed_experts`. In MoE
@@ -355,21 +355,11 @@ impl AdapterConfig {
     }
 }
 
-/// Tensor names in a safetensors file's header (empty when the file does not exist: the
-/// loaders report that themselves), without reading the tensors.
+/// Tensor names in a safetensors file (empty when the file does not exist: the loaders
+/// report that themselves), read through the same checked map the weights use.
 fn adapter_keys(file: &Path) -> Result<Vec<String>> {
-    use std::io::Read;
-    let Ok(mut f) = std::fs::File::open(file) else { return Ok(Vec::new()) };
-    let bad = |msg: &str| Error::Safetensors { file: file.to_path_buf(), msg: msg.into() };
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|_| bad("shorter than its 8-byte header length"))?;
-    let n = u64::from_le_bytes(len);
-    let size = f.metadata().map_err(|e| Error::io(file, e))?.len();
-    if n > size.saturating_sub(8) || n > 100 << 20 {
-        return Err(bad("header length beyond the file"));
+    if !file.is_file() {
+        return Ok(Vec::new());
     }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header).map_err(|e| Error::io(file, e))?;
-    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).map_err(|e| bad(&format!("header is not JSON: {e}")))?;
-    Ok(map.into_iter().map(|(k, _)| k).filter(|k| k != "__metadata__").collect())
+    Ok(crate::weights::SafetensorsFiles::open(&[file.to_path_buf()])?.names().cloned().collect())
 }

@@ -7,6 +7,7 @@
 //! Relative paths resolve against the recipe file's folder.
 
 use crate::error::{Error, Result};
+use crate::lora::ALL_TARGETS;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -73,7 +74,6 @@ const fn one_of(name: &'static str, choices: &'static [&'static str]) -> KeySpec
     KeySpec { name, kind: Kind::Str, required: false, choices }
 }
 
-pub const LORA_TARGETS: &[&str] = &crate::lora::ALL_TARGETS;
 
 /// Every section and key the recipe accepts. Later issues add sections here.
 const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
@@ -308,12 +308,10 @@ impl LoraSection {
     pub fn spec(&self, cfg: &crate::config::ModelConfig) -> crate::lora::LoraSpec {
         let listed: Vec<String> = match &self.targets {
             Some(t) => t.clone(),
-            None => {
-                let attn = ["q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"];
-                cfg.linear_names().into_iter().filter(|n| attn.contains(&n.as_str())).collect()
-            }
+            // Every layer has the same attention: layer 0's names it.
+            None => cfg.linear_sites(0).iter().filter_map(|p| p.strip_prefix("self_attn.")).map(String::from).collect(),
         };
-        let targets = crate::lora::ALL_TARGETS.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
+        let targets = ALL_TARGETS.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
         crate::lora::LoraSpec { rank: self.rank, alpha: self.alpha, dropout: self.dropout, targets, routed_experts: self.routed_experts }
     }
 }
@@ -535,10 +533,10 @@ impl LoadedRecipe {
             return Err(self.err("lora.targets", "needs at least one module"));
         }
         for t in targets {
-            if !LORA_TARGETS.contains(&t.as_str()) {
+            if !ALL_TARGETS.contains(&t.as_str()) {
                 return Err(self.err(
                     "lora.targets",
-                    format!("unknown module \"{t}\"{}; valid: {}", suggest(t, LORA_TARGETS), LORA_TARGETS.join(", ")),
+                    format!("unknown module \"{t}\"{}; valid: {}", suggest(t, ALL_TARGETS), ALL_TARGETS.join(", ")),
                 ));
             }
         }

@@ -263,16 +263,13 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         eprintln!("frozen matmuls run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
     }
     let account = Arc::new(Account::default());
-    let mut resident: Option<Arc<ResidentWeights>> = None;
-    let (src, sharded): (Arc<dyn WeightSource>, Option<Arc<ShardedWeights>>) = if r.dist.zero_stage == 3 {
+    let sharded = r.dist.zero_stage == 3;
+    let src: Arc<dyn WeightSource> = if sharded {
         let n = cfg.num_hidden_layers;
         let s = ShardedWeights::new(files, comm.clone(), n, r.dist.prefetch_layers, storage_dtype, compute_dtype, device.clone(), account.clone());
-        let s = Arc::new(s.with_matmul_dtype(matmul));
-        (s.clone(), Some(s))
+        Arc::new(s.with_matmul_dtype(matmul))
     } else {
-        let w = Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()).with_matmul_dtype(matmul));
-        resident = Some(w.clone());
-        (w, None)
+        Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()).with_matmul_dtype(matmul))
     };
     let lora_spec = r.lora.spec(&cfg);
     // Same seed on every rank: every rank starts from the same adapters.
@@ -281,15 +278,11 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         adapters.load_peft(&loaded.resolve(init))?;
     }
     let model = Model::load(src.clone(), cfg, &adapters)?.with_kernels(kernels);
-    match &sharded {
-        Some(s) => s.seal(),
-        None => {
-            let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes();
-            account.frozen.store(bytes, Ordering::SeqCst);
-            if let Some(w) = &resident {
-                w.seal();
-            }
-        }
+    src.seal();
+    if !sharded {
+        // ShardedWeights counts its own shards as it reads them.
+        let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes();
+        account.frozen.store(bytes, Ordering::SeqCst);
     }
     let mut loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
     // Evaluation examples are read once (eval sets are small) and reused at every eval.
@@ -575,7 +568,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
 
     // ---------------------------------------------------------------- cleanup
     let memory = MemoryUse::of(rank, &account);
-    if world > 1 || sharded.is_some() {
+    if world > 1 || sharded {
         eprintln!("{memory}");
     }
     if lead {

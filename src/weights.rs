@@ -36,6 +36,10 @@ pub trait WeightSource: Send + Sync {
     fn get_matmul(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         Ok(self.get_stored(name, shape)?.to_dtype(self.matmul_dtype())?)
     }
+    /// Called once the model has loaded (`Model::load` asks for every tensor it uses): drop
+    /// what only loading needed (the memory map). Later requests for a tensor not asked for
+    /// then are errors. Sources that read on every request keep everything.
+    fn seal(&self) {}
 }
 
 /// A view of a [`WeightSource`] under a name prefix, like candle's `VarBuilder::pp`.
@@ -451,11 +455,6 @@ impl ResidentWeights {
         ResidentWeights { files: std::sync::RwLock::new(Some(files)), names, tensors: Default::default(), storage_dtype, compute_dtype, matmul_dtype: compute_dtype, device }
     }
 
-    /// Drop the memory map once the model has loaded every tensor it uses (`Model::load`
-    /// asks for each): from here on only the copies are held.
-    pub fn seal(&self) {
-        *self.files.write().unwrap_or_else(|e| e.into_inner()) = None;
-    }
 
     /// Hand projection weights to the frozen matmul in `dtype` (see `ops::Kernels::matmul_dtype`).
     pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
@@ -508,6 +507,10 @@ impl WeightSource for ResidentWeights {
 
     fn contains(&self, name: &str) -> bool {
         self.names.contains(name)
+    }
+    /// From here on only the copies are held.
+    fn seal(&self) {
+        *self.files.write().unwrap_or_else(|e| e.into_inner()) = None;
     }
 }
 

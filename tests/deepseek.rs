@@ -446,17 +446,16 @@ fn deepseek_resume_on_the_portable_path_with_a_bf16_base_is_exact() {
     check_deepseek_resume(&["model.dtype=bf16", "model.kernels=portable", "train.activation_checkpointing=false"]);
 }
 
-/// Rows of 2 tokens (one target each): one row per micro-batch reaches at most 2 x 2 of the
-/// 6 experts of each MoE layer, so every step leaves experts without tokens.
-fn two_token_rows(dir: &Path) {
-    let rows: Vec<(Vec<i32>, Vec<i64>)> = (0..40).map(|i| (vec![1 + i % 199, 1 + (7 * i + 3) % 199], vec![1 + i as i64 % 199, 1 + (7 * i as i64 + 3) % 199])).collect();
-    finetune::synth::write_tokenized_dataset(dir, &rows).unwrap();
+/// `common::two_token_rows` at `dir`: one row per micro-batch reaches at most 2 x 2 of the 6
+/// experts of each MoE layer, so every step leaves experts without tokens.
+fn write_two_token_rows(dir: &Path) {
+    finetune::synth::write_tokenized_dataset(dir, &two_token_rows()).unwrap();
 }
 
 #[test]
 fn an_expert_no_token_reached_in_a_step_is_not_updated_not_even_by_weight_decay() {
     let root = tempfile::tempdir().unwrap();
-    two_token_rows(&root.path().join("rows"));
+    write_two_token_rows(&root.path().join("rows"));
     let data = format!("data.train={}", root.path().join("rows").display());
     let o = ["lora.targets=[\"up_proj\"]", "lora.routed_experts=true", "train.weight_decay=0.1", "train.micro_batch_size=1", "train.grad_accum_steps=1", "train.max_steps=1", &data];
     let r = fresh_recipe(root.path(), &o);
@@ -479,7 +478,7 @@ fn an_expert_no_token_reached_in_a_step_is_not_updated_not_even_by_weight_decay(
 #[test]
 fn resume_keeps_the_step_counts_of_experts_that_sat_out_steps() {
     let rows = tempfile::tempdir().unwrap();
-    two_token_rows(&rows.path().join("rows"));
+    write_two_token_rows(&rows.path().join("rows"));
     let data = format!("data.train={}", rows.path().join("rows").display());
     let run = check_deepseek_resume(&["data.packing=false", "train.micro_batch_size=1", "train.grad_accum_steps=1", "train.weight_decay=0.1", &data]);
     // The checkpoint resumed from did record experts whose count fell behind.

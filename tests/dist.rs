@@ -265,8 +265,7 @@ fn plan_for_deepseek_7b_shards_the_base_over_1_2_4_8_gpus() {
 fn world_sizes_1_2_4_agree_on_a_moe_model_whose_ranks_skip_experts() {
     let d = tempfile::tempdir().unwrap();
     copy_dir(&fixture("parity-deepseek-v2").join("model"), &d.path().join("model"));
-    let rows: Vec<(Vec<i32>, Vec<i64>)> = (0..40).map(|i| (vec![1 + i % 199, 1 + (7 * i + 3) % 199], vec![1 + i as i64 % 199, 1 + (7 * i as i64 + 3) % 199])).collect();
-    write_tokenized_dataset(&d.path().join("data"), &rows).unwrap();
+    write_tokenized_dataset(&d.path().join("data"), &two_token_rows()).unwrap();
     let targets = "lora.targets=[\"q_proj\", \"kv_b_proj\", \"o_proj\", \"down_proj\"]";
     check_world_sizes_with(d, "DeepseekV2ForCausalLM", false, &[targets, "lora.routed_experts=true"]);
 }

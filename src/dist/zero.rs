@@ -215,11 +215,6 @@ impl ShardedWeights {
         self
     }
 
-    /// Drop the memory map once every tensor the model uses has been sharded (after
-    /// `Llama::load` asked for each): from here on a rank holds only its shards.
-    pub fn seal(&self) {
-        *lock(&self.files) = None;
-    }
 
     /// Read this rank's slice of `name` from the map.
     fn shard(&self, name: &str, shape: &[usize]) -> Result<()> {
@@ -290,6 +285,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl WeightSource for ShardedWeights {
+    /// Drop the memory map once every tensor the model uses has been sharded: from here on
+    /// a rank holds only its shards.
+    fn seal(&self) {
+        *lock(&self.files) = None;
+    }
+
     fn compute_dtype(&self) -> DType {
         self.compute_dtype
     }

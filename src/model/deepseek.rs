@@ -160,7 +160,7 @@ impl<'a> Moe<'a> {
     pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
         let m = cfg.moe.clone().ok_or_else(|| Error::model(&cfg.architecture_name, "MoE layer without an MoE config"))?;
         let e = m.n_routed_experts;
-        let gate = vb.get(&[e, cfg.hidden_size], "mlp.gate.weight")?.to_dtype(DType::F32)?;
+        let gate = vb.get_f32(&[e, cfg.hidden_size], "mlp.gate.weight")?;
         let e_score_correction_bias = match m.routing {
             Routing::SigmoidNoauxTc => {
                 let bias = vb.get_f32(&[e], "mlp.gate.e_score_correction_bias")?.to_vec1::<f32>()?;
@@ -285,61 +285,6 @@ fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
     idx.truncate(k);
     idx
-}
-
-/// A layer's MLP half: dense (the first `first_k_dense_replace` layers) or MoE.
-enum Ffn<'a> {
-    Dense(Mlp<'a>),
-    Moe(Moe<'a>),
-}
-
-pub struct DecoderLayer<'a> {
-    self_attn: MlaAttention<'a>,
-    mlp: Ffn<'a>,
-    input_layernorm: Tensor,
-    post_attention_layernorm: Tensor,
-    eps: f64,
-}
-
-impl<'a> DecoderLayer<'a> {
-    /// Build layer `layer` from `model.layers.{layer}.*` in `vb`.
-    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
-        let h = cfg.hidden_size;
-        let mlp = if cfg.is_moe_layer(layer) { Ffn::Moe(Moe::load(vb, cfg, layer, lora)?) } else { Ffn::Dense(Mlp::load(vb, cfg, layer, "mlp", lora)?) };
-        Ok(DecoderLayer {
-            self_attn: MlaAttention::load(vb, cfg, layer, lora)?,
-            mlp,
-            input_layernorm: vb.get(&[h], "input_layernorm.weight")?,
-            post_attention_layernorm: vb.get(&[h], "post_attention_layernorm.weight")?,
-            eps: cfg.rms_norm_eps,
-        })
-    }
-
-    /// x [N, H] or [B, S, H] -> the same shape.
-    pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
-        let shape = x.shape().clone();
-        let h = x.dim(D::Minus1)?;
-        let x = if x.rank() == 2 { x.clone() } else { x.reshape(((), h))? }; // [N, H]
-        let kern = ctx.kernels;
-        let a = self.self_attn.forward_cached(&ops::rms_norm(kern, &x, &self.input_layernorm, self.eps)?, ctx, cache)?;
-        let x = (x + a)?; // [N, H]
-        let fused = match &self.mlp {
-            Ffn::Dense(m) => m.frozen_residual(kern, &x, &self.post_attention_layernorm, self.eps)?,
-            Ffn::Moe(_) => None,
-        };
-        let y = match fused {
-            Some(y) => y, // [N, H]
-            None => {
-                let n = ops::rms_norm(kern, &x, &self.post_attention_layernorm, self.eps)?; // [N, H]
-                let m = match &self.mlp {
-                    Ffn::Dense(m) => m.forward(kern, &n, ctx.dropout)?,
-                    Ffn::Moe(m) => m.forward(kern, &n, ctx.dropout)?,
-                }; // [N, H]
-                (x + m)?
-            }
-        };
-        Ok(if y.shape() == &shape { y } else { y.reshape(shape)? })
-    }
 }
 
 #[cfg(test)]

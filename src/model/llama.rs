@@ -18,7 +18,7 @@ use crate::error::Result;
 use crate::lora::{Adapters, DropoutCtx, LoraLinear};
 use crate::ops::{self, Kernels};
 use crate::weights::Frozen;
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 
 pub struct Attention<'a> {
     q_proj: LoraLinear<'a>,
@@ -118,50 +118,5 @@ impl<'a> Mlp<'a> {
         let g = self.gate_proj.forward(kern, x, drop)?; // [N, I]
         let u = self.up_proj.forward(kern, x, drop)?; // [N, I]
         self.down_proj.forward(kern, &ops::swiglu(kern, &g, &u)?, drop)
-    }
-}
-
-pub struct DecoderLayer<'a> {
-    self_attn: Attention<'a>,
-    mlp: Mlp<'a>,
-    input_layernorm: Tensor,
-    post_attention_layernorm: Tensor,
-    eps: f64,
-}
-
-impl<'a> DecoderLayer<'a> {
-    /// Build layer `layer` from `model.layers.{layer}.*` in `vb`.
-    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
-        let h = cfg.hidden_size;
-        Ok(DecoderLayer {
-            self_attn: Attention::load(vb, cfg, layer, lora)?,
-            mlp: Mlp::load(vb, cfg, layer, "mlp", lora)?,
-            input_layernorm: vb.get(&[h], "input_layernorm.weight")?,
-            post_attention_layernorm: vb.get(&[h], "post_attention_layernorm.weight")?,
-            eps: cfg.rms_norm_eps,
-        })
-    }
-
-    /// x [N, H] or [B, S, H] -> the same shape (training passes [N, H]: no reshape nodes).
-    pub fn forward(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
-        self.forward_cached(x, ctx, None)
-    }
-
-    pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
-        let shape = x.shape().clone();
-        let h = x.dim(D::Minus1)?;
-        let x = if x.rank() == 2 { x.clone() } else { x.reshape(((), h))? }; // [N, H]
-        let kern = ctx.kernels;
-        let a = self.self_attn.forward_cached(&ops::rms_norm(kern, &x, &self.input_layernorm, self.eps)?, ctx, cache)?;
-        let x = (x + a)?;
-        let y = match self.mlp.frozen_residual(kern, &x, &self.post_attention_layernorm, self.eps)? {
-            Some(y) => y, // [N, H]
-            None => {
-                let n = ops::rms_norm(kern, &x, &self.post_attention_layernorm, self.eps)?; // [N, H]
-                let m = self.mlp.forward(kern, &n, ctx.dropout)?; // [N, H]
-                (x + m)?
-            }
-        };
-        Ok(if y.shape() == &shape { y } else { y.reshape(shape)? })
     }
 }

@@ -1,6 +1,7 @@
-//! Model families. One file per family, one struct per block; this file holds what every
+//! Model families. One file per family's blocks (attention, MLP); this file holds what every
 //! family shares: [`Model`] (embedding, layers built one at a time from a [`WeightSource`],
-//! final norm, head, generation steps), [`ForwardCtx`] and the frozen-linear builder.
+//! final norm, head, generation steps), the [`DecoderLayer`] both families' blocks sit in,
+//! [`ForwardCtx`] and the frozen-linear builder.
 //! Qwen2 is the Llama block plus q/k/v bias (and optionally tied embeddings), both expressed
 //! by [`ModelConfig`], so it shares `llama.rs` rather than duplicating it (candle-transformers
 //! keeps a separate qwen2.rs; the difference is three bias adds). DeepSeek-V2/V3 (MLA + MoE)
@@ -18,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraLinear};
 use crate::ops::{self, KeyStarts, Kernels};
 use crate::weights::{Frozen, WeightSource};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, D};
 use std::sync::Arc;
 
 /// Keys and values of the positions seen so far, per layer: ([B, KV, T, D], [B, KV, T, D]).
@@ -87,25 +88,75 @@ pub(crate) fn linear<'a>(vb: &Frozen, cfg: &ModelConfig, layer: usize, path: &st
     Ok(LoraLinear { weight, bias, lora: adapter, scale: lora.spec.scale(), dropout: lora.spec.dropout, site: (layer, site) })
 }
 
-/// One decoder layer of either family.
-enum Block<'a> {
-    Llama(llama::DecoderLayer<'a>),
-    DeepSeek(deepseek::DecoderLayer<'a>),
+/// A layer's attention half, by family.
+enum SelfAttn<'a> {
+    Llama(llama::Attention<'a>),
+    Mla(deepseek::MlaAttention<'a>),
 }
 
-impl<'a> Block<'a> {
-    fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
-        Ok(match cfg.mla {
-            None => Block::Llama(llama::DecoderLayer::load(vb, cfg, layer, lora)?),
-            Some(_) => Block::DeepSeek(deepseek::DecoderLayer::load(vb, cfg, layer, lora)?),
+/// A layer's MLP half: a dense SwiGLU MLP (Llama, DeepSeek's first layers) or DeepSeekMoE.
+enum Ffn<'a> {
+    Dense(llama::Mlp<'a>),
+    Moe(deepseek::Moe<'a>),
+}
+
+/// One decoder layer of any family: x + attn(norm(x)), then + mlp(norm(.)). The families
+/// differ only in the two halves, chosen from the config.
+pub struct DecoderLayer<'a> {
+    self_attn: SelfAttn<'a>,
+    mlp: Ffn<'a>,
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    eps: f64,
+}
+
+impl<'a> DecoderLayer<'a> {
+    /// Build layer `layer` from `model.layers.{layer}.*` in `vb`.
+    pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let self_attn = match cfg.mla {
+            None => SelfAttn::Llama(llama::Attention::load(vb, cfg, layer, lora)?),
+            Some(_) => SelfAttn::Mla(deepseek::MlaAttention::load(vb, cfg, layer, lora)?),
+        };
+        let mlp = if cfg.is_moe_layer(layer) { Ffn::Moe(deepseek::Moe::load(vb, cfg, layer, lora)?) } else { Ffn::Dense(llama::Mlp::load(vb, cfg, layer, "mlp", lora)?) };
+        Ok(DecoderLayer {
+            self_attn,
+            mlp,
+            input_layernorm: vb.get(&[h], "input_layernorm.weight")?,
+            post_attention_layernorm: vb.get(&[h], "post_attention_layernorm.weight")?,
+            eps: cfg.rms_norm_eps,
         })
     }
 
-    fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
-        match self {
-            Block::Llama(l) => l.forward_cached(x, ctx, cache),
-            Block::DeepSeek(l) => l.forward_cached(x, ctx, cache),
-        }
+    /// x [N, H] or [B, S, H] -> the same shape (training passes [N, H]: no reshape nodes).
+    /// With `cache` (generation), keys/values of earlier positions are used and extended.
+    pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let shape = x.shape().clone();
+        let h = x.dim(D::Minus1)?;
+        let x = if x.rank() == 2 { x.clone() } else { x.reshape(((), h))? }; // [N, H]
+        let kern = ctx.kernels;
+        let n = ops::rms_norm(kern, &x, &self.input_layernorm, self.eps)?; // [N, H]
+        let a = match &self.self_attn {
+            SelfAttn::Llama(att) => att.forward_cached(&n, ctx, cache)?,
+            SelfAttn::Mla(att) => att.forward_cached(&n, ctx, cache)?,
+        }; // [N, H]
+        let x = (x + a)?; // [N, H]
+        let fused = match &self.mlp {
+            Ffn::Dense(m) => m.frozen_residual(kern, &x, &self.post_attention_layernorm, self.eps)?,
+            Ffn::Moe(_) => None,
+        };
+        let y = match fused {
+            Some(y) => y, // [N, H]
+            None => {
+                let n = ops::rms_norm(kern, &x, &self.post_attention_layernorm, self.eps)?; // [N, H]
+                let m = match &self.mlp {
+                    Ffn::Dense(m) => m.forward(kern, &n, ctx.dropout)?,
+                    Ffn::Moe(m) => m.forward(kern, &n, ctx.dropout)?,
+                }; // [N, H]
+                (x + m)?
+            }
+        };
+        Ok(if y.shape() == &shape { y } else { y.reshape(shape)? })
     }
 }
 
@@ -127,7 +178,7 @@ impl Model {
         m.lm_head()?;
         let vb = Frozen::new(&*m.src);
         for i in 0..m.cfg.num_hidden_layers {
-            Block::load(&vb.pp(format!("model.layers.{i}")), &m.cfg, i, lora)?;
+            DecoderLayer::load(&vb.pp(format!("model.layers.{i}")), &m.cfg, i, lora)?;
         }
         // Weights for a layer past the config's last: training would run a truncated model
         // and look fine. Refuse rather than guess which of the two is wrong. (DeepSeek-V3's
@@ -208,7 +259,7 @@ impl Model {
     /// are fetched now and dropped after.
     pub fn layer_forward(&self, i: usize, x: &Tensor, ctx: &ForwardCtx, lora: &Adapters) -> Result<Tensor> {
         let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
-        Block::load(&vb, &self.cfg, i, lora)?.forward_cached(x, ctx, None)
+        DecoderLayer::load(&vb, &self.cfg, i, lora)?.forward_cached(x, ctx, None)
     }
 
     /// Inference forward (no dropout): ids [B, S] -> logits [B, S, V] in f32.
@@ -236,7 +287,7 @@ impl Model {
         let mut x = self.embed(ids)?;
         for (i, cache) in caches.iter_mut().enumerate().take(self.cfg.num_hidden_layers) {
             let vb = Frozen::new(&*self.src).pp(format!("model.layers.{i}"));
-            x = Block::load(&vb, &self.cfg, i, lora)?.forward_cached(&x, &ctx, Some(cache))?;
+            x = DecoderLayer::load(&vb, &self.cfg, i, lora)?.forward_cached(&x, &ctx, Some(cache))?;
         }
         let last = x.narrow(1, s - 1, 1)?.reshape((b, self.cfg.hidden_size))?; // [B, H]
         let h = self.final_norm(&last)?.to_dtype(DType::F32)?;

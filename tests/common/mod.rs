@@ -107,3 +107,10 @@ pub fn wait_for_steps(dir: &Path, n: usize, child: &mut std::process::Child) {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+/// 40 rows of 2 tokens (one target each), ids below 200 (the DeepSeek fixtures' vocabulary):
+/// one row per micro-batch reaches at most 2 x 2 experts of a top-2 MoE layer, so with more
+/// experts than that every micro-batch leaves some without tokens.
+pub fn two_token_rows() -> Vec<(Vec<i32>, Vec<i64>)> {
+    (0..40).map(|i| (vec![1 + i % 199, 1 + (7 * i + 3) % 199], vec![1 + i as i64 % 199, 1 + (7 * i as i64 + 3) % 199])).collect()
+}
