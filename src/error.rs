@@ -42,6 +42,10 @@ pub enum Error {
     #[error("GGUF {file}: `{key}`: {msg}")]
     Gguf { file: PathBuf, key: String, msg: String },
 
+    /// A hub download or cache lookup: `repo` is `model org/name@revision`.
+    #[error("hub {repo}: {msg}")]
+    Hub { repo: String, msg: String },
+
     #[error("dataset {path}: {msg}")]
     Data { path: PathBuf, msg: String },
 

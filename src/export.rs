@@ -344,7 +344,7 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
     let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu)?;
     let src = Arc::new(StreamingWeights::new(base.open_weights()?, DType::F32, Device::Cpu));
     let reference = Model::load(src, cfg.clone(), adapters)?.with_kernels(opts.kernels).logits(&ids, adapters)?;
-    let merged_dir = ModelDir { dir: merged_dir.to_path_buf(), name: String::new() };
+    let merged_dir = ModelDir { dir: merged_dir.to_path_buf(), name: String::new(), commit: None };
     let src = Arc::new(StreamingWeights::new(merged_dir.open_weights()?, DType::F32, Device::Cpu));
     let none = Adapters::none(&cfg)?;
     let merged = Model::load(src, cfg, &none)?.with_kernels(opts.kernels).logits(&ids, &none)?;

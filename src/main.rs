@@ -99,6 +99,13 @@ enum Command {
         #[arg(long)]
         chat: bool,
     },
+    /// Write <run>/report.html and <run>/loss.png: the loss (and eval loss) against steps and
+    /// tokens with the learning rate, the recipe, data statistics, throughput and memory.
+    Report {
+        /// A run's output folder (output.dir).
+        #[arg(long)]
+        run: PathBuf,
+    },
     /// Look at the data as training will see it.
     Data {
         #[command(subcommand)]
@@ -158,7 +165,7 @@ enum DataCmd {
 
 fn stream(t: &TrainArgs, rows: u64) -> anyhow::Result<()> {
     let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
-    let model_dir = finetune::weights::ModelDir::resolve(&recipe.recipe.model.path, &recipe.dir)?;
+    let model_dir = finetune::weights::ModelDir::of_recipe(&recipe)?;
     let cfg = finetune::config::ModelConfig::from_file(&model_dir.config_path())?;
     let started = std::time::Instant::now();
     let mut loader = finetune::train::open_loader(&recipe, &model_dir, cfg.vocab_size, finetune::data::Role::Train)?;
@@ -186,7 +193,7 @@ fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     recipe.recipe.data.shuffle = false;
     recipe.recipe.data.packing = false;
     let r = &recipe.recipe;
-    let model_dir = finetune::weights::ModelDir::resolve(&r.model.path, &recipe.dir)?;
+    let model_dir = finetune::weights::ModelDir::of_recipe(&recipe)?;
     let cfg = finetune::config::ModelConfig::from_file(&model_dir.config_path())?;
     let mut loader = finetune::train::open_loader(&recipe, &model_dir, cfg.vocab_size, finetune::data::Role::Train)?;
     let color = std::io::stdout().is_terminal();
@@ -378,7 +385,7 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
     match e {
         E::Recipe { .. } => Some("fix the key in the recipe, or override it with --set section.key=value"),
         E::Model { .. } | E::Config { .. } => {
-            Some("model.path must name a local HF folder (config.json + *.safetensors) or a repo id in the hf-hub cache")
+            Some("model.path must name a local HF folder (config.json + *.safetensors) or a hub repo id (org/name)")
         }
         E::Safetensors { .. } | E::MissingTensor { .. } | E::Shape { .. } => {
             Some("the checkpoint does not match its config.json; re-download or re-export it")
@@ -388,6 +395,9 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
         ),
         E::Gguf { .. } => Some("the GGUF file must be a llama-architecture model llama.cpp loads; check the key named above"),
         E::Data { .. } => Some("check data.train and data.format in the recipe"),
+        E::Hub { .. } => Some(
+            "HF_TOKEN for gated repos, HF_ENDPOINT for a mirror, HF_HUB_OFFLINE=1 for the cache alone (HF_HUB_CACHE or HF_HOME say where it is); or set model.path to a local folder",
+        ),
         E::Adapter { .. } => Some("lora.init_from must be a PEFT adapter folder matching lora.rank, lora.alpha and lora.targets"),
         E::Tokenizer { .. } => Some("the model folder needs tokenizer.json for text formats"),
         E::Dist { .. } | E::PeerFailed { .. } => {
@@ -423,8 +433,7 @@ fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, tie: bool,
 fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> anyhow::Result<()> {
     let loaded = LoadedRecipe::load(recipe, overrides)?;
     let r = &loaded.recipe;
-    let dir = finetune::weights::ModelDir::resolve(&r.model.path, &loaded.dir)?;
-    let cfg = finetune::config::ModelConfig::from_file(&dir.config_path())?;
+    let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded)?)?;
     let layout = finetune::dist::layout(&r.dist, &r.model.device, &|_| None)
         .map_err(|(key, msg)| finetune::Error::Recipe { file: recipe.display().to_string(), key, msg })?;
     // The portable path allocates on a CPU what it allocates on a GPU: plan it as one.
@@ -450,7 +459,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let e = &recipe.recipe.export;
                 let run = &summary.output_dir;
                 let adapter = finetune::export::PeftAdapter::open(&run.join("adapter"))?;
-                let base = finetune::weights::ModelDir::resolve(&recipe.recipe.model.path, &recipe.dir)?;
+                let base = finetune::weights::ModelDir::of_recipe(&recipe)?;
                 let out = run.join("merged");
                 if out.exists() {
                     std::fs::remove_dir_all(&out)?;
@@ -498,6 +507,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let prompt = if chat { g.chat_prompt(&prompt)? } else { prompt };
             let opts = finetune::generate::SampleOptions { max_new_tokens, temperature, top_p, seed };
             println!("{}", g.generate(&prompt, &opts)?);
+        }
+        (Some(Command::Report { run }), _) => {
+            let paths = finetune::report::write_report(&run)?;
+            eprintln!("report written to {} ({})", paths.html.display(), paths.png.display());
         }
         (Some(Command::Plan { recipe, world_size, overrides }), _) => plan(&recipe, &world_size, &overrides)?,
         (Some(Command::Eval { model, adapter, data, max_new_tokens, chat }), _) => eval(&model, adapter.as_deref(), &data, max_new_tokens, chat)?,

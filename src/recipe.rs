@@ -80,7 +80,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
     (
         "model",
         true,
-        &[req("path", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"]), one_of("kernels", &["auto", "portable"])],
+        &[req("path", Kind::Str), key("revision", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"]), one_of("kernels", &["auto", "portable"])],
     ),
     (
         "lora",
@@ -136,7 +136,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
             key("eval_every", Kind::Int),
         ],
     ),
-    ("output", true, &[req("dir", Kind::Str)]),
+    ("output", true, &[req("dir", Kind::Str), key("tensorboard", Kind::Bool)]),
     ("checkpoint", false, &[key("every_steps", Kind::Int), key("keep_last", Kind::Int), key("resume", Kind::Str)]),
     ("export", false, &[key("merged", Kind::Bool), one_of("dtype", &["f32", "bf16", "f16"]), key("max_shard_size", Kind::Str)]),
     (
@@ -255,8 +255,12 @@ fn default_resume() -> String {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    /// Local HF folder (resolved against the recipe folder) or a repo id in the hf-hub cache.
+    /// Local HF folder (resolved against the recipe folder) or a hub repo id (`org/name`),
+    /// downloaded into the hub cache on first use.
     pub path: String,
+    /// Branch, tag or commit of a repo id (default `main`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
     #[serde(default = "default_dtype")]
     pub dtype: String,
     #[serde(default = "default_device")]
@@ -429,6 +433,10 @@ pub struct TrainSection {
 #[serde(deny_unknown_fields)]
 pub struct OutputSection {
     pub dir: PathBuf,
+    /// TensorBoard event files under `<dir>/tensorboard/` (loss, lr, grad_norm, tokens/s,
+    /// eval loss, memory): the numbers of metrics.jsonl, for `tensorboard --logdir`.
+    #[serde(default)]
+    pub tensorboard: bool,
 }
 
 fn default_dtype() -> String {

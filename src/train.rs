@@ -19,7 +19,6 @@ use crate::optim::{AdamW, Moments, Schedule};
 use crate::recipe::LoadedRecipe;
 use crate::weights::{parse_dtype, ModelDir, ResidentWeights, WeightSource};
 use candle_core::{DType, Tensor, Var};
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -67,6 +66,12 @@ pub struct StepMetrics {
     /// Token-normalised loss on the evaluation set after this step's update, when evaluated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// When the step ended, seconds since the Unix epoch (TensorBoard's wall time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wall_time: Option<f64>,
+    /// The process's resident set after the step, MB (where /proc has it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rss_mb: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -120,6 +125,14 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
             key: "dist.offload_optimizer".into(),
             msg: "AdamW runs on the host; keeping its state on the GPU (\"none\") is not implemented, use \"cpu\"".into(),
         });
+    }
+    // Hub repos are fetched here, once, before any rank starts: the ranks then find them in
+    // the cache instead of racing each other for the same files (separate processes wait on
+    // the repo's download lock).
+    ModelDir::of_recipe(loaded)?;
+    let d = &r.data;
+    for p in d.train.list().iter().chain(d.eval.iter().flat_map(|e| e.list()).collect::<Vec<_>>().iter()) {
+        hub_dataset(loaded, p, d.split.as_deref())?;
     }
     if layout.world > 1 && on_gpu {
         #[cfg(feature = "nccl")]
@@ -246,7 +259,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let t = &r.train;
     let (rank, world) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
-    let model_dir = ModelDir::resolve(&r.model.path, &loaded.dir)?;
+    let model_dir = ModelDir::of_recipe(loaded)?;
     let cfg = ModelConfig::from_file(&model_dir.config_path())?;
     let files = model_dir.open_weights()?;
     let storage_dtype = parse_dtype(&r.model.dtype);
@@ -323,9 +336,8 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     // its first rows (bad data, a model that does not fit) leaves nothing behind (the lock
     // taken below removes a folder it created and nothing else wrote to).
     let out_dir = loaded.resolve(&r.output.dir);
-    let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics: Option<std::fs::File>;
-    let recipe_text = recorded_recipe(r, &model.cfg)?;
+    let recipe_text = recorded_recipe(r, &model.cfg, &model_dir)?;
+    let mut log = crate::runlog::RunLog::new(&out_dir, &recipe_text, r.output.tensorboard);
 
     // ---------------------------------------------------------------- resume
     let accum = t.grad_accum_steps;
@@ -383,9 +395,9 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     }
     // Every rank must continue from the checkpoint rank 0 continues from (different steps would
     // mean the ranks see different folders: output.dir not shared between nodes).
-    let reopened = if lead && start_step > 0 { reopen_metrics(&metrics_path, start_step).map(Some) } else { Ok(None) };
+    let reopened = if lead && start_step > 0 { log.resume(start_step) } else { Ok(()) };
     let said = from_lead(&*comm, &device, &[start_step as f64, reopened.is_ok() as u8 as f64])?;
-    metrics = reopened?;
+    reopened?;
     if said[1] == 0.0 {
         return Err(lead_failed(rank, "to reopen metrics.jsonl"));
     }
@@ -505,20 +517,18 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             }
             _ => None,
         };
-        let m = StepMetrics { step, loss, lr, grad_norm, tokens: count, tokens_per_s: real_tokens as f64 / secs.max(1e-9), eval_loss };
-        let written = if lead {
-            let mut write = || -> Result<()> {
-                let line = serde_json::to_string(&m).map_err(|e| Error::Train(e.to_string()))?;
-                let file = match metrics.as_mut() {
-                    Some(f) => f,
-                    None => metrics.insert(create_output(&out_dir, &recipe_text)?),
-                };
-                writeln!(file, "{line}").and_then(|_| file.flush()).map_err(|e| Error::io(&metrics_path, e))
-            };
-            write()
-        } else {
-            Ok(())
+        let m = StepMetrics {
+            step,
+            loss,
+            lr,
+            grad_norm,
+            tokens: count,
+            tokens_per_s: real_tokens as f64 / secs.max(1e-9),
+            eval_loss,
+            wall_time: Some(crate::tensorboard::now()),
+            rss_mb: crate::runlog::resident_mb(false),
         };
+        let written = if lead { log.append(&m) } else { Ok(()) };
         // The lead's view of a stop request (and of its own output) is everyone's, so all
         // ranks stop at the same step.
         let said = from_lead(&*comm, &device, &[stop_requested() as f64, written.is_ok() as u8 as f64])?;
@@ -578,9 +588,14 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         for line in loader.stats.report(r.data.max_seq_len) {
             eprintln!("note: {line}");
         }
-        if let Some(f) = &metrics {
-            f.sync_all().map_err(|e| Error::io(&metrics_path, e))?;
-        }
+        log.finish(&crate::runlog::RunSummaryFile {
+            data: loader.stats.clone(),
+            peak_rss_mb: crate::runlog::resident_mb(true),
+            memory: serde_json::to_value(&memory).ok(),
+            world_size: world,
+            interrupted,
+            cpu: crate::runlog::cpu_description(),
+        })?;
         if interrupted.is_none() {
             save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
             eprintln!("adapter written to {}", out_dir.join("adapter").display());
@@ -698,8 +713,9 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
 /// when it loads it, for every rank and with the warnings).
 fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
     let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
-    let cfg = ModelConfig::from_file(&ModelDir::resolve(&loaded.recipe.model.path, &loaded.dir)?.config_path())?;
-    let current = recorded_recipe(&loaded.recipe, &cfg)?;
+    let model_dir = ModelDir::of_recipe(loaded)?;
+    let cfg = ModelConfig::from_file(&model_dir.config_path())?;
+    let current = recorded_recipe(&loaded.recipe, &cfg, &model_dir)?;
     crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|msg| Error::Recipe {
         file: loaded.file.display().to_string(),
         key: "(resume)".into(),
@@ -756,19 +772,6 @@ fn flatten(vars: &[Var]) -> Result<Vec<f32>> {
 }
 
 
-/// Keep the metrics lines of steps up to `step` (what the checkpoint covers) and reopen the
-/// file for appending, so a resumed run's metrics.jsonl reads as one uninterrupted run.
-fn reopen_metrics(path: &std::path::Path, step: usize) -> Result<std::fs::File> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let kept: String = text
-        .lines()
-        .filter(|l| serde_json::from_str::<StepMetrics>(l).is_ok_and(|m| m.step <= step))
-        .map(|l| format!("{l}\n"))
-        .collect();
-    crate::fsutil::write_atomic(path, kept.as_bytes())?;
-    std::fs::OpenOptions::new().append(true).open(path).map_err(|e| Error::io(path, e))
-}
-
 /// The example stream a recipe describes (training side or held-out/eval side).
 pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, role: Role) -> Result<Loader> {
     let r = &loaded.recipe;
@@ -789,8 +792,37 @@ pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, ro
         (Some(e), Role::Eval) => e.list(),
         _ => d.train.list(),
     };
-    let specs: Vec<PathBuf> = specs.iter().map(|p| resolve_spec(loaded, p)).collect();
-    Loader::open(&specs, d.split.as_deref(), fmt, opts)
+    let mut files = Vec::new();
+    for p in &specs {
+        match hub_dataset(loaded, p, d.split.as_deref())? {
+            Some(hub_files) => files.extend(hub_files),
+            None => files.push(resolve_spec(loaded, p)),
+        }
+    }
+    Loader::open(&files, d.split.as_deref(), fmt, opts)
+}
+
+/// A data entry that names no local path but a hub dataset repo (`org/name[@revision][:split]`):
+/// its data files of that split (or `data.split`), downloaded into the hub cache.
+fn hub_dataset(loaded: &LoadedRecipe, p: &std::path::Path, split: Option<&str>) -> Result<Option<Vec<PathBuf>>> {
+    let s = p.to_string_lossy();
+    let (rest, sp) = match s.rsplit_once(':') {
+        Some((a, b)) if !b.contains('/') && !a.is_empty() => (a, Some(b)),
+        _ => (&*s, None),
+    };
+    if loaded.resolve(p).exists() || loaded.resolve(std::path::Path::new(rest)).exists() {
+        return Ok(None);
+    }
+    let (id, rev) = match rest.split_once('@') {
+        Some((i, r)) => (i, Some(r)),
+        None => (rest, None),
+    };
+    // A data file's name is a path that does not exist, not a repo.
+    let file_like = ["jsonl", "json", "parquet", "arrow"].iter().any(|x| id.ends_with(&format!(".{x}")));
+    if !crate::hub::looks_like_repo(id) || file_like {
+        return Ok(None);
+    }
+    crate::hub::Hub::from_env()?.dataset(id, rev, sp.or(split)).map(Some).map_err(|e| crate::hub::not_local_either(e, &loaded.resolve(p)))
 }
 
 /// Resolve a data path against the recipe folder, keeping a `:split` suffix.
@@ -849,18 +881,16 @@ pub fn evaluate_part(model: &Model, adapters: &Adapters, examples: &[crate::data
 /// for the model (unset means its attention projections), so a recipe that leaves them unset
 /// compares equal to one that lists them, and to checkpoints written when the default was
 /// written out.
-fn recorded_recipe(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> Result<String> {
+///
+/// A base from the hub is recorded at the commit it resolved to, so a resume after the
+/// branch moved is refused (different base weights) instead of silently continuing.
+fn recorded_recipe(r: &crate::recipe::Recipe, cfg: &ModelConfig, model_dir: &ModelDir) -> Result<String> {
     let mut r = r.clone();
     r.lora.targets = Some(r.lora.spec(cfg).targets);
+    if let Some(c) = &model_dir.commit {
+        r.model.revision = Some(c.clone());
+    }
     toml::to_string(&r).map_err(|e| Error::Train(e.to_string()))
-}
-
-/// Create the output folder with the resolved recipe, and a fresh metrics.jsonl.
-fn create_output(out_dir: &std::path::Path, resolved: &str) -> Result<std::fs::File> {
-    std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, e))?;
-    crate::fsutil::write_atomic(&out_dir.join("recipe.resolved.toml"), resolved.as_bytes())?;
-    let path = out_dir.join("metrics.jsonl");
-    std::fs::File::create(&path).map_err(|e| Error::io(&path, e))
 }
 
 /// Write the adapter into `<dir>.tmp` and swap it in, so `dir` is always a complete adapter.

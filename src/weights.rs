@@ -92,48 +92,74 @@ pub fn stored_dtype(name: &str, storage: DType) -> DType {
     }
 }
 
+/// `<models>/<folder>/config.json` for `repo` when `<models>/index.json` maps the repo id
+/// (compared case-insensitively, as the hub does) to a folder.
+fn shipped_config(models: &Path, repo: &str) -> Option<PathBuf> {
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(models.join("index.json")).ok()?).ok()?;
+    let folder = index.as_object()?.iter().find(|(k, _)| k.eq_ignore_ascii_case(repo))?.1.as_str()?;
+    let path = models.join(folder).join("config.json");
+    (!folder.contains("..") && path.is_file()).then_some(path)
+}
+
 /// A model folder on disk: config.json plus safetensors weights (and maybe a tokenizer).
 #[derive(Clone, Debug)]
 pub struct ModelDir {
     pub dir: PathBuf,
     /// What the user wrote (repo id or path), for adapter_config's base_model_name_or_path.
     pub name: String,
+    /// The commit a hub repo id resolved to (its snapshot folder's name).
+    pub commit: Option<String>,
 }
 
 impl ModelDir {
-    /// Resolve `model.path`: a local folder (relative to the recipe folder), or a repo id
-    /// (`org/name`) looked up in the hf-hub cache (`HF_HOME` / `HF_HUB_CACHE`). No network.
+    /// Resolve a model named on the command line: a local folder, or a repo id at its
+    /// `main` revision (see [`ModelDir::resolve_at`]).
     pub fn resolve(path: &str, recipe_dir: &Path) -> Result<Self> {
+        Self::resolve_at(path, None, recipe_dir, crate::hub::Want::Model)
+    }
+
+    /// Resolve a recipe's `model.path` / `model.revision` for training.
+    pub fn of_recipe(loaded: &crate::recipe::LoadedRecipe) -> Result<Self> {
+        let m = &loaded.recipe.model;
+        Self::resolve_at(&m.path, m.revision.as_deref(), &loaded.dir, crate::hub::Want::Model)
+    }
+
+    /// Resolve `model.path`: a local folder (relative to the recipe folder), or a repo id
+    /// (`org/name`) in the hub cache, downloaded there first when the cache lacks what `want`
+    /// needs (see `hub`).
+    pub fn resolve_at(path: &str, revision: Option<&str>, recipe_dir: &Path, want: crate::hub::Want) -> Result<Self> {
         let local = recipe_dir.join(path);
         if local.is_dir() {
             let abs = local.canonicalize().map_err(|e| Error::io(&local, e))?;
-            return Ok(ModelDir { name: abs.display().to_string(), dir: abs });
+            return Ok(ModelDir { name: abs.display().to_string(), dir: abs, commit: None });
         }
-        let looks_like_repo = !path.starts_with('.')
-            && !path.starts_with('/')
-            && path.matches('/').count() == 1
-            && !path.ends_with('/');
-        if looks_like_repo {
-            // HF_HUB_CACHE wins over HF_HOME/hub, as in huggingface_hub.
-            let cache = match std::env::var_os("HF_HUB_CACHE") {
-                Some(p) => hf_hub::Cache::new(PathBuf::from(p)),
-                None => hf_hub::Cache::from_env(),
-            };
-            if let Some(cfg) = cache.model(path.to_string()).get("config.json") {
-                let dir = cfg.parent().map(Path::to_path_buf).unwrap_or_default();
-                return Ok(ModelDir { dir, name: path.to_string() });
-            }
-            return Err(Error::model(
-                path,
-                format!(
-                    "not a local folder ({}), and not found in the hf-hub cache at {} \
-                     (download it there first, or point model.path at a local folder)",
-                    local.display(),
-                    cache.path().display()
-                ),
-            ));
+        if crate::hub::looks_like_repo(path) {
+            let dir = crate::hub::Hub::from_env()?.model(path, revision, want).map_err(|e| crate::hub::not_local_either(e, &local))?;
+            let commit = dir.file_name().map(|c| c.to_string_lossy().to_string());
+            return Ok(ModelDir { dir, name: path.to_string(), commit });
         }
         Err(Error::model(path, format!("folder {} does not exist (check model.path)", local.display())))
+    }
+
+    /// The config a plan needs: a local folder's or the cache's; else the copy shipped for
+    /// the recipes' models (`<recipe folder>/models/<repo name, lower case>/config.json`), so
+    /// `finetune plan` works on a fresh machine with no network; else config.json alone from
+    /// the hub.
+    pub fn config_for_plan(loaded: &crate::recipe::LoadedRecipe) -> Result<PathBuf> {
+        let m = &loaded.recipe.model;
+        if loaded.dir.join(&m.path).is_dir() || !crate::hub::looks_like_repo(&m.path) {
+            return Ok(Self::resolve_at(&m.path, m.revision.as_deref(), &loaded.dir, crate::hub::Want::Config)?.config_path());
+        }
+        let hub = crate::hub::Hub::from_env()?;
+        if let Some(cached) = hub.cached_config(&m.path, m.revision.as_deref()) {
+            return Ok(cached);
+        }
+        // The shipped copies are of each repo's main branch, listed by exact repo id.
+        if let Some(shipped) = m.revision.is_none().then(|| shipped_config(&loaded.dir.join("models"), &m.path)).flatten() {
+            eprintln!("plan: {} is not in the hub cache; using the config shipped at {}", m.path, shipped.display());
+            return Ok(shipped);
+        }
+        Ok(hub.model(&m.path, m.revision.as_deref(), crate::hub::Want::Config)?.join("config.json"))
     }
 
     pub fn config_path(&self) -> PathBuf {

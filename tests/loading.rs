@@ -98,16 +98,22 @@ fn repo_id_resolves_through_the_hf_hub_cache() {
     let cache = tempfile::tempdir().unwrap();
     let repo = cache.path().join("models--acme--tiny-llama");
     std::fs::create_dir_all(repo.join("refs")).unwrap();
-    std::fs::write(repo.join("refs/main"), "abc123").unwrap();
+    let commit = "abc1230000000000000000000000000000000000";
+    std::fs::write(repo.join("refs/main"), commit).unwrap();
     std::fs::create_dir_all(repo.join("snapshots")).unwrap();
-    std::fs::rename(ws.path().join("model"), repo.join("snapshots/abc123")).unwrap();
+    std::fs::rename(ws.path().join("model"), repo.join("snapshots").join(commit)).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
         .args(["--recipe", &ws.path().join("recipe.toml").display().to_string(), "--set", "model.path=acme/tiny-llama"])
         .env("HF_HUB_CACHE", cache.path())
+        // Nothing listens there: a cache filled by another tool (no markers for the optional
+        // files it lacks) is used as it is when the hub is out of reach, with a warning.
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env_remove("HF_HUB_OFFLINE")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
+    assert!(err.contains("warning") && err.contains("using the cached snapshot"), "{err}");
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ws.path().join("out/adapter/adapter_config.json")).unwrap()).unwrap();
     assert_eq!(cfg["base_model_name_or_path"], "acme/tiny-llama");

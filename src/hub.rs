@@ -1,0 +1,702 @@
+//! Models and datasets named by a hub repo id arrive on first use.
+//!
+//! A repo id (`org/name`, with an optional revision) resolves to a snapshot folder in the
+//! standard hub cache (`HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`:
+//! `models--org--name/{blobs,refs,snapshots,.no_exist}`), so transformers and huggingface_hub
+//! find the same files and we find theirs.
+//!
+//! - **Cache first, no request when complete.** A snapshot that holds every file a job needs
+//!   (or a `.no_exist` marker for an optional file the repo lacks) is used without touching
+//!   the network, so a second run works offline and starts at once.
+//! - **Only what the job needs.** `plan` fetches config.json; training fetches config,
+//!   tokenizer files and the safetensors shards the index names, never `.bin` or GGUF copies.
+//! - **Downloads are the hf-hub crate's** (resolve URL, redirects, `Range` resume of the
+//!   `.part` file, retries with backoff); we add the checks it lacks: the blob's size against
+//!   what the hub announced, and its sha256 against the ETag when the ETag is one (LFS files).
+//!   A bad blob is deleted and the error says so, so a rerun fetches it again.
+//! - **Environment as huggingface_hub reads it:** `HF_ENDPOINT` (mirrors), `HF_TOKEN` (else the
+//!   cache's `token` file) for gated repos, `HF_HUB_OFFLINE=1` for cache-only (a missing file is
+//!   an error naming it).
+
+use crate::error::{Error, Result};
+use hf_hub::api::sync::{Api, ApiBuilder, ApiError, ApiRepo};
+use hf_hub::{Repo, RepoType};
+use sha2::Digest;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// What a job needs from a model repo.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    /// config.json only (`finetune plan`).
+    Config,
+    /// config, tokenizer files and the safetensors weights.
+    Model,
+}
+
+/// Tokenizer and generation files a model may have; fetched when present, none required.
+const MODEL_OPTIONAL: &[&str] =
+    &["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja", "tokenizer.model"];
+
+/// Data files a dataset repo's splits are stored in (what `data::source` reads).
+const DATA_EXTENSIONS: &[&str] = &["parquet", "arrow", "jsonl"];
+
+/// Whether `s` names a hub repo rather than a local path: `org/name`, one slash, no leading
+/// `.` or `/`. The caller checks the local path first, so a folder named like a repo wins.
+pub fn looks_like_repo(s: &str) -> bool {
+    !s.starts_with('.') && !s.starts_with('/') && s.matches('/').count() == 1 && !s.ends_with('/') && !s.contains(char::is_whitespace)
+}
+
+/// A hub error for a name that could also have been a local path: say that no such path
+/// exists either, so a typo in a relative path is not read as a hub problem.
+pub fn not_local_either(e: Error, local: &Path) -> Error {
+    match e {
+        Error::Hub { repo, msg } => Error::Hub { repo, msg: format!("{msg} (and no local path {} exists)", local.display()) },
+        other => other,
+    }
+}
+
+/// The hub as this process's environment describes it.
+#[derive(Clone, Debug)]
+pub struct Hub {
+    /// The cache root (`.../hub`).
+    pub cache: PathBuf,
+    endpoint: String,
+    token: Option<String>,
+    offline: bool,
+}
+
+impl Hub {
+    /// The cache, endpoint, token and offline switch, read as huggingface_hub reads them.
+    pub fn from_env() -> Result<Hub> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let hf_home = match (var("HF_HOME"), var("XDG_CACHE_HOME"), var("HOME")) {
+            (Some(h), _, _) => PathBuf::from(h),
+            (None, Some(x), _) => PathBuf::from(x).join("huggingface"),
+            (None, None, Some(home)) => PathBuf::from(home).join(".cache/huggingface"),
+            (None, None, None) => {
+                return Err(Error::Hub { repo: "(any)".into(), msg: "no HOME, HF_HOME or HF_HUB_CACHE is set, so there is no hub cache folder".into() })
+            }
+        };
+        let cache = var("HF_HUB_CACHE").map(PathBuf::from).unwrap_or_else(|| hf_home.join("hub"));
+        // HF_TOKEN wins over the file `huggingface-cli login` saves (HF_TOKEN_PATH, else
+        // HF_HOME/token), wherever the cache itself lives.
+        let token_file = var("HF_TOKEN_PATH").map(PathBuf::from).unwrap_or_else(|| hf_home.join("token"));
+        let token = var("HF_TOKEN").or_else(|| std::fs::read_to_string(token_file).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()));
+        let offline = var("HF_HUB_OFFLINE").is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+        let endpoint = var("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".into()).trim_end_matches('/').to_string();
+        Ok(Hub { cache, endpoint, token, offline })
+    }
+
+    /// The snapshot folder of model `id` at `revision` (default `main`) holding what `want`
+    /// names, downloading what the cache lacks.
+    pub fn model(&self, id: &str, revision: Option<&str>, want: Want) -> Result<PathBuf> {
+        let repo = CachedRepo::new(self, id, RepoType::Model, revision)?;
+        if let Some(dir) = repo.complete(want) {
+            return Ok(dir);
+        }
+        if self.offline {
+            return Err(repo.offline_err(&repo.first_missing(want)));
+        }
+        // One downloader per repo at a time, across ranks, processes and jobs: the others wait
+        // here and then find the cache complete.
+        let _lock = repo.lock()?;
+        if let Some(dir) = repo.complete(want) {
+            return Ok(dir);
+        }
+        let listing = match repo.listing() {
+            Ok(l) => l,
+            // A cache filled by another tool may lack our markers for absent optional files;
+            // with the weights there and the hub out of reach, use it, as transformers does.
+            Err((e, msg)) if is_unreachable(&e) && repo.required_present(want).is_some() => {
+                let snap = repo.required_present(want).unwrap_or_default();
+                eprintln!("warning: {msg}; using the cached snapshot {}", snap.display());
+                return Ok(snap);
+            }
+            Err((_, msg)) => return Err(msg),
+        };
+        let has = |f: &str| listing.files.iter().any(|s| s == f);
+        if !has("config.json") {
+            return Err(repo.err(format!("has no config.json at commit {} (is it a model repo, and is the revision right?)", listing.commit)));
+        }
+        let remote = repo.open_at(&listing.commit)?;
+        let mut files = vec!["config.json".to_string()];
+        if want == Want::Model {
+            files.extend(MODEL_OPTIONAL.iter().filter(|f| has(f)).map(|f| f.to_string()));
+            if has("model.safetensors.index.json") {
+                repo.fetch(&remote, &listing.commit, "model.safetensors.index.json")?;
+                let index = repo.snapshot(&listing.commit).join("model.safetensors.index.json");
+                files.extend(index_shards(&index)?);
+            } else if has("model.safetensors") {
+                files.push("model.safetensors".into());
+            } else {
+                return Err(repo.err("has no model.safetensors or model.safetensors.index.json (only safetensors weights are read)"));
+            }
+        }
+        for f in &files {
+            repo.fetch(&remote, &listing.commit, f)?;
+        }
+        if want == Want::Model {
+            repo.mark_absent(&listing.commit, MODEL_OPTIONAL.iter().filter(|f| !has(f)).copied())?;
+        }
+        repo.set_ref(&listing.commit)?;
+        Ok(repo.snapshot(&listing.commit))
+    }
+
+    /// config.json of model `id` when the cache has it (no request).
+    pub fn cached_config(&self, id: &str, revision: Option<&str>) -> Option<PathBuf> {
+        let repo = CachedRepo::new(self, id, RepoType::Model, revision).ok()?;
+        repo.complete(Want::Config).map(|snap| snap.join("config.json"))
+    }
+
+    /// The data files of dataset `id` (Parquet, Arrow or JSONL anywhere in the repo) of
+    /// `split` (see [`choose_split`]).
+    pub fn dataset(&self, id: &str, revision: Option<&str>, split: Option<&str>) -> Result<Vec<PathBuf>> {
+        let repo = CachedRepo::new(self, id, RepoType::Dataset, revision)?;
+        let cached = |repo: &CachedRepo| -> Result<Option<Vec<PathBuf>>> {
+            let Some((commit, all)) = repo.saved_listing() else { return Ok(None) };
+            let chosen = choose_split(&all, split).map_err(|m| repo.err(m))?;
+            let snap = repo.snapshot(&commit);
+            Ok(chosen.iter().all(|f| snap.join(f).is_file()).then(|| chosen.iter().map(|f| snap.join(f)).collect()))
+        };
+        if let Some(files) = cached(&repo)? {
+            return Ok(files);
+        }
+        if self.offline {
+            return Err(repo.offline_err("its data files"));
+        }
+        let _lock = repo.lock()?;
+        if let Some(files) = cached(&repo)? {
+            return Ok(files);
+        }
+        let listing = repo.listing().map_err(|(_, msg)| msg)?;
+        let all: Vec<String> = listing.files.iter().filter(|f| is_data_file(f)).cloned().collect();
+        if all.is_empty() {
+            return Err(repo.err(format!("has no {} files", DATA_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", "))));
+        }
+        let chosen = choose_split(&all, split).map_err(|m| repo.err(m))?;
+        let remote = repo.open_at(&listing.commit)?;
+        for f in &chosen {
+            repo.fetch(&remote, &listing.commit, f)?;
+        }
+        repo.save_listing(&listing.commit, &all)?;
+        repo.set_ref(&listing.commit)?;
+        let snap = repo.snapshot(&listing.commit);
+        Ok(chosen.iter().map(|f| snap.join(f)).collect())
+    }
+}
+
+/// One repo in the cache, and how to fill it.
+struct CachedRepo<'a> {
+    hub: &'a Hub,
+    id: String,
+    kind: RepoType,
+    revision: String,
+    dir: PathBuf,
+}
+
+struct Listing {
+    commit: String,
+    files: Vec<String>,
+}
+
+/// A name from outside (revision, commit, file) that becomes part of a path in the cache.
+fn safe_relative(s: &str) -> bool {
+    !s.is_empty() && !s.starts_with('/') && !s.contains('\\') && !s.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+}
+
+fn is_commit(s: &str) -> bool {
+    s.len() == 40 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+impl<'a> CachedRepo<'a> {
+    fn new(hub: &'a Hub, id: &str, kind: RepoType, revision: Option<&str>) -> Result<Self> {
+        let mut revision = revision.unwrap_or("main").to_string();
+        // Snapshot folders are named by the lower-case commit.
+        if is_commit(&revision) {
+            revision = revision.to_ascii_lowercase();
+        }
+        let dir = hub.cache.join(Repo::new(id.to_string(), kind).folder_name());
+        let repo = CachedRepo { hub, id: id.to_string(), kind, revision, dir };
+        if !safe_relative(&repo.revision) {
+            return Err(repo.err("the revision must be a branch, tag or commit name (no `..`, no leading `/`)"));
+        }
+        Ok(repo)
+    }
+
+    fn kind_name(&self) -> &'static str {
+        if matches!(self.kind, RepoType::Dataset) { "dataset" } else { "model" }
+    }
+
+    fn err(&self, msg: impl std::fmt::Display) -> Error {
+        Error::Hub { repo: format!("{} {}@{}", self.kind_name(), self.id, self.revision), msg: msg.to_string() }
+    }
+
+    fn offline_err(&self, missing: &str) -> Error {
+        self.err(format!(
+            "HF_HUB_OFFLINE is set and the cache at {} lacks {missing}; unset HF_HUB_OFFLINE to download it",
+            self.hub.cache.display()
+        ))
+    }
+
+    /// The hub's answer in words a user acts on. The hub says which case it is in
+    /// `X-Error-Code`: a repo that does not exist (or that a missing token hides) answers 401
+    /// too, so the status alone would send people after a token they do not need.
+    fn api_err(&self, e: &ApiError, doing: &str) -> Error {
+        let revision_key = if matches!(self.kind, RepoType::Dataset) { "the `@revision` of the data entry" } else { "model.revision" };
+        let msg = match e {
+            ApiError::RequestError(r) => match r.as_ref() {
+                ureq::Error::Status(code, resp) => {
+                    let what = resp.header("x-error-code").unwrap_or("").to_string();
+                    let token = if self.hub.token.is_some() { "the token given (HF_TOKEN) was refused" } else { "no token is set" };
+                    match (what.as_str(), *code) {
+                        ("GatedRepo", _) => format!("the repo is gated: accept its terms on the hub and set HF_TOKEN to a token with access ({token}; HTTP {code} while trying to {doing})"),
+                        ("RepoNotFound", _) | ("", 401) => format!(
+                            "no such {} repo, or it is private ({token}): check the repo id, or set HF_TOKEN for a private repo (HTTP {code} while trying to {doing})",
+                            self.kind_name()
+                        ),
+                        ("RevisionNotFound", _) => format!("the repo has no revision `{}`: check {revision_key} (HTTP {code})", self.revision),
+                        ("EntryNotFound", _) => format!("the hub has no such file (HTTP {code} while trying to {doing})"),
+                        (_, 403) => format!("the hub refused access ({token}; HTTP 403 while trying to {doing})"),
+                        (_, 404) => format!("no such repo, revision or file (HTTP 404 while trying to {doing}): check the repo id and {revision_key}"),
+                        (_, code) => format!("the hub answered HTTP {code} while trying to {doing}"),
+                    }
+                }
+                ureq::Error::Transport(t) => format!(
+                    "could not reach {} to {doing}: {t}; set HF_ENDPOINT for a mirror, or HF_HUB_OFFLINE=1 to use only the cache",
+                    self.hub.endpoint
+                ),
+            },
+            ApiError::LockAcquisition(p) => format!("another process is downloading {} (its lock is {}); wait for it, then run again", doing, p.display()),
+            other => format!("could not {doing}: {other}"),
+        };
+        self.err(msg)
+    }
+
+    /// Wait for the repo's download lock (an `flock`: it dies with its process).
+    fn lock(&self) -> Result<std::fs::File> {
+        let path = self.dir.join(".finetune").join("download.lock");
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(|e| Error::io(&path, e))?;
+        // SAFETY: flock on a descriptor we own; blocks until the lock is ours.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&f), libc::LOCK_EX) } != 0 {
+            return Err(Error::io(&path, std::io::Error::last_os_error()));
+        }
+        Ok(f)
+    }
+
+    fn commit_of_ref(&self) -> Option<String> {
+        if is_commit(&self.revision) {
+            return Some(self.revision.clone());
+        }
+        let text = std::fs::read_to_string(self.dir.join("refs").join(&self.revision)).ok()?;
+        Some(text.trim().to_ascii_lowercase()).filter(|c| is_commit(c))
+    }
+
+    fn snapshot(&self, commit: &str) -> PathBuf {
+        self.dir.join("snapshots").join(commit)
+    }
+
+    /// The cached snapshot of the revision when it has the files `want` cannot do without.
+    fn required_present(&self, want: Want) -> Option<PathBuf> {
+        let snap = self.snapshot(&self.commit_of_ref()?);
+        model_files_present(&snap, want).then_some(snap)
+    }
+
+    /// The cached snapshot of the revision when it holds what `want` needs. For training,
+    /// each optional file must also be known: present, or marked absent by an earlier
+    /// download (offline, what is there is all there is).
+    fn complete(&self, want: Want) -> Option<PathBuf> {
+        let snap = self.required_present(want)?;
+        let commit = self.commit_of_ref()?;
+        let marked = |f: &str| self.dir.join(".no_exist").join(&commit).join(f).exists();
+        let known = want == Want::Config || MODEL_OPTIONAL.iter().all(|f| snap.join(f).is_file() || marked(f));
+        (known || self.hub.offline).then_some(snap)
+    }
+
+    /// The first file the cache lacks for `want`, for the offline error.
+    fn first_missing(&self, want: Want) -> String {
+        let Some(commit) = self.commit_of_ref() else {
+            return format!("refs/{} (the revision was never downloaded)", self.revision);
+        };
+        let snap = self.snapshot(&commit);
+        let mut need = vec!["config.json".to_string()];
+        if want == Want::Model {
+            let index = snap.join("model.safetensors.index.json");
+            match index_shards(&index) {
+                Ok(shards) => need.extend(shards),
+                Err(_) if index.is_file() => need.push("model.safetensors.index.json".into()),
+                Err(_) => need.push("model.safetensors".into()),
+            }
+        }
+        need.into_iter().find(|f| !snap.join(f).is_file()).unwrap_or_else(|| "nothing it needs".into())
+    }
+
+    /// The repo's commit for the revision and its file names (a failure carries the
+    /// hub's error too, to tell an unreachable hub from a refusal).
+    fn listing(&self) -> std::result::Result<Listing, (ApiError, Error)> {
+        let api = Repo::with_revision(self.id.clone(), self.kind, self.revision.clone());
+        let info = match self.api().and_then(|a| a.repo(api).info()) {
+            Ok(i) => i,
+            Err(e) => {
+                let msg = self.api_err(&e, "list the repo's files");
+                return Err((e, msg));
+            }
+        };
+        let commit = info.sha.to_ascii_lowercase();
+        let bad = |m: String| (ApiError::InvalidHeader("sha"), self.err(m));
+        if !is_commit(&commit) {
+            return Err(bad(format!("the hub's listing gave `{}` as the commit, not a 40-digit hex id", info.sha)));
+        }
+        let files: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
+        if let Some(f) = files.iter().find(|f| !safe_relative(f)) {
+            return Err(bad(format!("the hub's listing names a file outside the repo: {f:?}")));
+        }
+        Ok(Listing { commit, files })
+    }
+
+    fn api(&self) -> std::result::Result<Api, ApiError> {
+        ApiBuilder::from_cache(hf_hub::Cache::new(self.hub.cache.clone()))
+            .with_endpoint(self.hub.endpoint.clone())
+            .with_token(self.hub.token.clone())
+            .with_progress(false)
+            // A dropped connection resumes from the `.part` file's length, with backoff.
+            .with_retries(5)
+            .build()
+    }
+
+    /// Downloads pinned to `commit`, so every file comes from the commit the listing named
+    /// even if the branch moves meanwhile.
+    fn open_at(&self, commit: &str) -> Result<ApiRepo> {
+        let api = self.api().map_err(|e| self.api_err(&e, "open a connection"))?;
+        Ok(api.repo(Repo::with_revision(self.id.clone(), self.kind, commit.to_string())))
+    }
+
+    /// Download `file` into the snapshot of `commit` unless it is there, and check it.
+    fn fetch(&self, remote: &ApiRepo, commit: &str, file: &str) -> Result<()> {
+        let pointer = self.snapshot(commit).join(file);
+        if pointer.is_file() {
+            return Ok(());
+        }
+        // A link whose blob is gone (pruned by hand, or deleted by a failed check) would make
+        // hf-hub's symlink fail on every run.
+        if std::fs::symlink_metadata(&pointer).is_ok() {
+            std::fs::remove_file(&pointer).map_err(|e| Error::io(&pointer, e))?;
+        }
+        let mut bar = Bar::default();
+        let got = match remote.download_with_progress(file, &mut bar) {
+            // A `.part` hf-hub cannot continue (already whole: the hub answers 416; longer than
+            // the file: a server that ignored the range) is started over, once.
+            Err(ApiError::InvalidResume | ApiError::TooManyRetries(_)) => {
+                self.remove_partials()?;
+                remote.download_with_progress(file, &mut Bar::default())
+            }
+            other => other,
+        };
+        let got = got.map_err(|e| self.api_err(&e, &format!("download {file}")))?;
+        if got != pointer {
+            return Err(self.err(format!("{file}: the hub served it from {} instead of commit {commit}", got.display())));
+        }
+        let blob = pointer.canonicalize().map_err(|e| Error::io(&pointer, e))?;
+        if let Err(msg) = verify_blob(&blob, bar.size) {
+            let _ = std::fs::remove_file(&pointer);
+            let _ = std::fs::remove_file(&blob);
+            return Err(self.err(format!("{file}: {msg}; the download was deleted, run again to fetch it anew")));
+        }
+        // hf-hub records the commit it was asked for as a ref; huggingface_hub keeps refs for
+        // branch and tag names only.
+        let _ = std::fs::remove_file(self.dir.join("refs").join(commit));
+        Ok(())
+    }
+
+    /// Unfinished downloads of this repo (we hold its lock, so none is in progress).
+    fn remove_partials(&self) -> Result<()> {
+        let blobs = self.dir.join("blobs");
+        for e in std::fs::read_dir(&blobs).map_err(|e| Error::io(&blobs, e))?.flatten() {
+            if e.path().extension().is_some_and(|x| x == "part") {
+                std::fs::remove_file(e.path()).map_err(|err| Error::io(e.path(), err))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// huggingface_hub's marker for "the repo has no such file at this commit", so the next
+    /// run knows the cache is complete without asking.
+    fn mark_absent<'f>(&self, commit: &str, files: impl Iterator<Item = &'f str>) -> Result<()> {
+        let dir = self.dir.join(".no_exist").join(commit);
+        for f in files {
+            std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+            std::fs::write(dir.join(f), b"").map_err(|e| Error::io(dir.join(f), e))?;
+        }
+        Ok(())
+    }
+
+    fn set_ref(&self, commit: &str) -> Result<()> {
+        if self.revision == commit {
+            return Ok(());
+        }
+        let path = self.dir.join("refs").join(&self.revision);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        crate::fsutil::write_atomic(&path, commit.as_bytes())
+    }
+
+    /// Where a dataset's file listing is kept: in our own folder beside the cache's, which
+    /// huggingface_hub ignores.
+    fn listing_path(&self, commit: &str) -> PathBuf {
+        self.dir.join(".finetune").join(format!("{commit}.files.json"))
+    }
+
+    /// The dataset's data files at the revision's commit: our saved listing, or (offline, for
+    /// a snapshot another tool filled) the data files the snapshot holds.
+    fn saved_listing(&self) -> Option<(String, Vec<String>)> {
+        let commit = self.commit_of_ref()?;
+        if let Some(files) = std::fs::read_to_string(self.listing_path(&commit)).ok().and_then(|t| serde_json::from_str(&t).ok()) {
+            return Some((commit, files));
+        }
+        if !self.hub.offline {
+            return None;
+        }
+        let snap = self.snapshot(&commit);
+        let mut files = Vec::new();
+        walk_files(&snap, &snap, &mut files);
+        files.retain(|f| is_data_file(f));
+        files.sort();
+        (!files.is_empty()).then_some((commit, files))
+    }
+
+    fn save_listing(&self, commit: &str, files: &[String]) -> Result<()> {
+        let path = self.listing_path(commit);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        let text = serde_json::to_string(files).map_err(|e| self.err(e))?;
+        crate::fsutil::write_atomic(&path, text.as_bytes())
+    }
+}
+
+fn walk_files(root: &Path, dir: &Path, out: &mut Vec<String>) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            walk_files(root, &p, out);
+        } else if let Ok(rel) = p.strip_prefix(root) {
+            out.push(rel.to_string_lossy().to_string());
+        }
+    }
+}
+
+/// The hub could not be reached at all (as opposed to answering no).
+fn is_unreachable(e: &ApiError) -> bool {
+    matches!(e, ApiError::RequestError(r) if matches!(r.as_ref(), ureq::Error::Transport(_)))
+}
+
+/// A cached model snapshot holds what `want` needs: config, and for training the weights
+/// the index names (or the single file).
+fn model_files_present(snap: &Path, want: Want) -> bool {
+    if !snap.join("config.json").is_file() {
+        return false;
+    }
+    if want == Want::Config {
+        return true;
+    }
+    let index = snap.join("model.safetensors.index.json");
+    if index.is_file() {
+        return index_shards(&index).is_ok_and(|shards| shards.iter().all(|s| snap.join(s).is_file()));
+    }
+    snap.join("model.safetensors").is_file()
+}
+
+/// The shard files an index's weight_map names, each once, in order.
+fn index_shards(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let bad = |msg: String| Error::Config { path: index.to_path_buf(), msg };
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("expected a `weight_map` object".into()))?;
+    let mut out: Vec<String> = Vec::new();
+    for (name, f) in map {
+        let f = f.as_str().ok_or_else(|| bad(format!("weight_map[\"{name}\"] must be a file name")))?;
+        if f.contains("..") || f.starts_with('/') {
+            return Err(bad(format!("weight_map[\"{name}\"] = {f:?} points outside the repo")));
+        }
+        if !out.iter().any(|o| o == f) {
+            out.push(f.to_string());
+        }
+    }
+    Ok(out)
+}
+
+fn is_data_file(f: &str) -> bool {
+    Path::new(f).extension().and_then(|e| e.to_str()).is_some_and(|e| DATA_EXTENSIONS.contains(&e))
+}
+
+/// The split a data file belongs to by the hub's naming: the first part of its name
+/// (`train` in `data/train-00000-of-00002.parquet` or `train.jsonl`, `train_sft` in
+/// `train_sft-00000-of-00003.parquet`), or for generic names (`data-00000-of-00001.arrow`,
+/// `0.parquet`, as `save_to_disk` and some converters write them) the folder it is in.
+fn split_of(f: &str) -> String {
+    let p = Path::new(f);
+    let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let lead = name.split(['-', '.']).next().unwrap_or("");
+    let generic = lead.is_empty() || lead == "data" || lead.bytes().all(|b| b.is_ascii_digit());
+    match p.parent().and_then(|d| d.file_name()).and_then(|d| d.to_str()) {
+        Some(dir) if generic => dir.to_string(),
+        _ => lead.to_string(),
+    }
+}
+
+/// The files of one split: `split` when given; else `train` when the repo has files of that
+/// name, else every file when they all carry one name (a single-file dataset). Several
+/// splits and none named train, or one split spread over several folders (one per config) or
+/// file types, is an error listing what there is: training silently on test files, or on
+/// two configs at once, would be a wrong result with exit 0.
+fn choose_split(files: &[String], split: Option<&str>) -> std::result::Result<Vec<String>, String> {
+    let mut splits: Vec<String> = files.iter().map(|f| split_of(f)).collect();
+    splits.sort();
+    splits.dedup();
+    let pick = match split {
+        Some(sp) => sp.to_string(),
+        None if splits.iter().any(|s| s == "train") => "train".into(),
+        None if splits.len() == 1 => splits[0].clone(),
+        None => return Err(format!("has several splits ({}) and none named train; pick one with `:<split>` after the repo id or data.split", splits.join(", "))),
+    };
+    let chosen: Vec<String> = files.iter().filter(|f| split_of(f) == pick).cloned().collect();
+    if chosen.is_empty() {
+        return Err(format!("has no files of split `{pick}` (its splits: {}); set data.split or `:<split>`", splits.join(", ")));
+    }
+    let group = |f: &String| {
+        let p = Path::new(f.as_str());
+        (p.parent().map(Path::to_path_buf), p.extension().map(|e| e.to_os_string()))
+    };
+    if chosen.iter().any(|f| group(f) != group(&chosen[0])) {
+        return Err(format!(
+            "split `{pick}` has files in several folders or formats ({}), e.g. one folder per config; download the repo and point the data entry at one folder",
+            chosen.join(", ")
+        ));
+    }
+    Ok(chosen)
+}
+
+/// The checks hf-hub does not make: the size the hub announced, and the sha256 an LFS ETag is.
+fn verify_blob(blob: &Path, announced: Option<usize>) -> std::result::Result<(), String> {
+    let len = std::fs::metadata(blob).map_err(|e| e.to_string())?.len();
+    if let Some(size) = announced {
+        if len != size as u64 {
+            return Err(format!("{len} bytes arrived, the hub announced {size}"));
+        }
+    }
+    // The blob is named by its ETag; for LFS files that is the sha256 of the content.
+    let etag = blob.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if etag.len() == 64 && etag.bytes().all(|b| b.is_ascii_hexdigit()) {
+        let mut f = std::fs::File::open(blob).map_err(|e| e.to_string())?;
+        let mut h = sha2::Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f.read(&mut buf).map_err(|e| e.to_string())?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        let got: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        if !got.eq_ignore_ascii_case(etag) {
+            return Err(format!("its sha256 is {got}, the hub's ETag says {etag}"));
+        }
+    }
+    Ok(())
+}
+
+/// A byte progress bar per file on stderr (indicatif hides it when stderr is not a terminal),
+/// and the size the hub announced, for the check after.
+#[derive(Default)]
+struct Bar {
+    bar: Option<indicatif::ProgressBar>,
+    size: Option<usize>,
+}
+
+impl hf_hub::api::Progress for &mut Bar {
+    fn init(&mut self, size: usize, filename: &str) {
+        self.size = Some(size);
+        if self.bar.is_none() {
+            let bar = indicatif::ProgressBar::new(size as u64);
+            let style = indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            bar.set_style(style.progress_chars("=> "));
+            bar.set_message(filename.to_string());
+            self.bar = Some(bar);
+        }
+    }
+    fn update(&mut self, n: usize) {
+        if let Some(b) = &self.bar {
+            b.inc(n as u64);
+        }
+    }
+    fn finish(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn split_files_are_chosen_by_the_hubs_naming() {
+        let files = names(&["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet", "data/test-00000-of-00001.parquet"]);
+        assert_eq!(choose_split(&files, None).unwrap(), files[..2].to_vec());
+        assert_eq!(choose_split(&files, Some("test")).unwrap(), files[2..].to_vec());
+        assert!(choose_split(&files, Some("validation")).unwrap_err().contains("no files of split `validation`"));
+        let flat = names(&["alpaca.jsonl"]);
+        assert_eq!(choose_split(&flat, None).unwrap(), flat);
+        let dirs = names(&["train/data-00000-of-00001.arrow", "test/data-00000-of-00001.arrow"]);
+        assert_eq!(choose_split(&dirs, None).unwrap(), names(&["train/data-00000-of-00001.arrow"]));
+    }
+
+    #[test]
+    fn several_splits_without_train_or_several_configs_are_refused() {
+        let ultrachat = names(&["data/train_sft-00000-of-00003.parquet", "data/test_sft-00000-of-00001.parquet", "data/train_gen-00000-of-00003.parquet"]);
+        let e = choose_split(&ultrachat, None).unwrap_err();
+        assert!(e.contains("none named train") && e.contains("train_sft"), "{e}");
+        assert_eq!(choose_split(&ultrachat, Some("train_sft")).unwrap(), ultrachat[..1].to_vec());
+        let configs = names(&["en/train-00000-of-00001.parquet", "fr/train-00000-of-00001.parquet"]);
+        assert!(choose_split(&configs, None).unwrap_err().contains("several folders"));
+        let mixed = names(&["train.jsonl", "data/train-00000-of-00001.parquet"]);
+        assert!(choose_split(&mixed, None).unwrap_err().contains("several folders or formats"));
+    }
+
+    #[test]
+    fn names_from_outside_stay_inside_the_cache() {
+        assert!(safe_relative("main") && safe_relative("refs/pr/1") && safe_relative("data/train.parquet"));
+        assert!(!safe_relative("../x") && !safe_relative("/etc") && !safe_relative("a/../../b") && !safe_relative(""));
+    }
+
+    #[test]
+    fn a_blob_whose_sha256_is_not_its_etag_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"; // sha256("hello")
+        std::fs::write(dir.path().join(good), b"hello").unwrap();
+        assert!(verify_blob(&dir.path().join(good), Some(5)).is_ok());
+        assert!(verify_blob(&dir.path().join(good), Some(6)).unwrap_err().contains("announced 6"));
+        let bad = "0".repeat(64);
+        std::fs::write(dir.path().join(&bad), b"hello").unwrap();
+        assert!(verify_blob(&dir.path().join(&bad), Some(5)).unwrap_err().contains("sha256"));
+    }
+
+    #[test]
+    fn repo_ids_and_paths_are_told_apart() {
+        assert!(looks_like_repo("deepseek-ai/deepseek-llm-7b-base"));
+        assert!(!looks_like_repo("./models/x"));
+        assert!(!looks_like_repo("/abs/x"));
+        assert!(!looks_like_repo("a/b/c"));
+        assert!(!looks_like_repo("model"));
+    }
+}
