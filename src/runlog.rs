@@ -32,6 +32,9 @@ pub struct RunSummaryFile {
     /// The signal that stopped the run early, if one did.
     pub interrupted: Option<usize>,
     pub cpu: String,
+    /// Which op versions and GEMM kernels the run used.
+    #[serde(default)]
+    pub kernels: String,
 }
 
 pub struct RunLog {
@@ -137,6 +140,23 @@ pub fn resident_mb(peak: bool) -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// Whether this x86 CPU has `feature` (as `is_x86_feature_detected!` names it); false elsewhere.
+pub fn cpu_has(feature: &str) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match feature {
+            "avx2" => std::arch::is_x86_feature_detected!("avx2"),
+            "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
+            _ => false,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = feature;
+        false
+    }
+}
+
 /// The CPU's model name and the vector features the kernels choose by, for the record.
 pub fn cpu_description() -> String {
     let name = std::fs::read_to_string("/proc/cpuinfo")
@@ -147,8 +167,8 @@ pub fn cpu_description() -> String {
     #[cfg(target_arch = "x86_64")]
     {
         for (f, on) in [
-            ("avx2", std::arch::is_x86_feature_detected!("avx2")),
-            ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
+            ("avx2", cpu_has("avx2")),
+            ("avx512f", cpu_has("avx512f")),
             ("avx512bf16", crate::ops::cpu_bf16::avx512_bf16()),
             ("amx", crate::ops::cpu_bf16::amx_detect_and_enable()),
         ] {

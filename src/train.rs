@@ -275,6 +275,15 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         let unit = crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name);
         eprintln!("frozen matmuls run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
     }
+    // What ran, for summary.json (benchmarks label their rows with it, not with a guess).
+    let kernels_used = match (&device, kernels) {
+        (candle_core::Device::Cpu, crate::ops::Kernels::Auto) => {
+            let f32_gemm = if crate::runlog::cpu_has("avx512f") { "AVX-512" } else { "AVX2+FMA" };
+            let frozen = if matmul != compute_dtype { crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name) } else { "f32" };
+            format!("fused CPU ops; f32 GEMM: gemm crate ({f32_gemm}); frozen matmuls: {frozen}")
+        }
+        (d, k) => format!("{k:?} ops on {d:?}, activations in {compute_dtype:?}"),
+    };
     let account = Arc::new(Account::default());
     let sharded = r.dist.zero_stage == 3;
     let src: Arc<dyn WeightSource> = if sharded {
@@ -595,6 +604,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             world_size: world,
             interrupted,
             cpu: crate::runlog::cpu_description(),
+            kernels: kernels_used.clone(),
         })?;
         if interrupted.is_none() {
             save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
