@@ -309,7 +309,10 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         // the trainer checks that the micro-batches per step (the global batch) stay equal.
         let layout_change = key.starts_with("dist.") || key == "train.grad_accum_steps";
         let after_training = key.starts_with("checkpoint.") || key.starts_with("export.");
-        if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change {
+        // Checkpoints from before commits were recorded say nothing about the base's commit:
+        // continue, but say which one this run uses. A recorded commit that differs is an error.
+        let unrecorded_commit = key == "model.revision" && old.is_none();
+        if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change || unrecorded_commit {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
             return Err(format!(
@@ -357,6 +360,15 @@ dir = "out"
         assert_eq!(check_recipe_change(&old, &now), Ok(vec![]));
         let cosine = old.replace("\"constant\"", "\"cosine\"");
         assert!(check_recipe_change(&old, &cosine).unwrap_err().contains("lr_scheduler"));
+    }
+
+    #[test]
+    fn a_base_commit_may_be_recorded_late_but_never_change() {
+        let pinned = OLD.replace("path = \"m\"", "path = \"m\"\nrevision = \"aaaa\"");
+        let w = check_recipe_change(OLD, &pinned).unwrap();
+        assert!(w.iter().any(|w| w.contains("model.revision")), "{w:?}");
+        let moved = OLD.replace("path = \"m\"", "path = \"m\"\nrevision = \"bbbb\"");
+        assert!(check_recipe_change(&pinned, &moved).unwrap_err().contains("model.revision"));
     }
 
     #[test]
