@@ -71,18 +71,22 @@ impl Hub {
     pub fn from_env() -> Result<Hub> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let hf_home = match (var("HF_HOME"), var("XDG_CACHE_HOME"), var("HOME")) {
-            (Some(h), _, _) => PathBuf::from(h),
-            (None, Some(x), _) => PathBuf::from(x).join("huggingface"),
-            (None, None, Some(home)) => PathBuf::from(home).join(".cache/huggingface"),
-            (None, None, None) => {
-                return Err(Error::Hub { repo: "(any)".into(), msg: "no HOME, HF_HOME or HF_HUB_CACHE is set, so there is no hub cache folder".into() })
+            (Some(h), _, _) => Some(PathBuf::from(h)),
+            (None, Some(x), _) => Some(PathBuf::from(x).join("huggingface")),
+            (None, None, Some(home)) => Some(PathBuf::from(home).join(".cache/huggingface")),
+            (None, None, None) => None,
+        };
+        let cache = match (var("HF_HUB_CACHE"), &hf_home) {
+            (Some(c), _) => PathBuf::from(c),
+            (None, Some(h)) => h.join("hub"),
+            (None, None) => {
+                return Err(Error::Hub { repo: "(any)".into(), msg: "none of HF_HUB_CACHE, HF_HOME or HOME is set, so there is no hub cache folder".into() })
             }
         };
-        let cache = var("HF_HUB_CACHE").map(PathBuf::from).unwrap_or_else(|| hf_home.join("hub"));
         // HF_TOKEN wins over the file `huggingface-cli login` saves (HF_TOKEN_PATH, else
         // HF_HOME/token), wherever the cache itself lives.
-        let token_file = var("HF_TOKEN_PATH").map(PathBuf::from).unwrap_or_else(|| hf_home.join("token"));
-        let token = var("HF_TOKEN").or_else(|| std::fs::read_to_string(token_file).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()));
+        let token_file = var("HF_TOKEN_PATH").map(PathBuf::from).or_else(|| hf_home.map(|h| h.join("token")));
+        let token = var("HF_TOKEN").or_else(|| std::fs::read_to_string(token_file?).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()));
         let offline = var("HF_HUB_OFFLINE").is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
         let endpoint = var("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".into()).trim_end_matches('/').to_string();
         Ok(Hub { cache, endpoint, token, offline })
@@ -99,8 +103,16 @@ impl Hub {
             return Err(repo.offline_err(&repo.first_missing(want)));
         }
         // One downloader per repo at a time, across ranks, processes and jobs: the others wait
-        // here and then find the cache complete.
-        let _lock = repo.lock()?;
+        // here and then find the cache complete. A cache we cannot write (a shared read-only
+        // mount filled by another tool) is used as it is when the weights are there.
+        let _lock = match (repo.lock(), repo.required_present(want)) {
+            (Ok(l), _) => l,
+            (Err(e), Some(snap)) => {
+                eprintln!("warning: {e}; using the cached snapshot {} as it is", snap.display());
+                return Ok(snap);
+            }
+            (Err(e), None) => return Err(e),
+        };
         if let Some(dir) = repo.complete(want) {
             return Ok(dir);
         }
@@ -273,16 +285,22 @@ impl<'a> CachedRepo<'a> {
         self.err(msg)
     }
 
-    /// Wait for the repo's download lock (an `flock`: it dies with its process).
+    /// Wait for the repo's download lock (an `flock`: it dies with its process), saying so
+    /// when another process holds it.
     fn lock(&self) -> Result<std::fs::File> {
         let path = self.dir.join(".finetune").join("download.lock");
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
         }
         let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(|e| Error::io(&path, e))?;
-        // SAFETY: flock on a descriptor we own; blocks until the lock is ours.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&f), libc::LOCK_EX) } != 0 {
-            return Err(Error::io(&path, std::io::Error::last_os_error()));
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            eprintln!("waiting for another process downloading {} {} (lock {})", self.kind_name(), self.id, path.display());
+            // SAFETY: as above; blocks until the lock is ours.
+            if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
+                return Err(Error::io(&path, std::io::Error::last_os_error()));
+            }
         }
         Ok(f)
     }
@@ -389,7 +407,13 @@ impl<'a> CachedRepo<'a> {
         let got = match remote.download_with_progress(file, &mut bar) {
             // A `.part` hf-hub cannot continue (already whole: the hub answers 416; longer than
             // the file: a server that ignored the range) is started over, once.
-            Err(ApiError::InvalidResume | ApiError::TooManyRetries(_)) => {
+            Err(ApiError::InvalidResume) => {
+                self.remove_partials()?;
+                remote.download_with_progress(file, &mut Bar::default())
+            }
+            // Only a `.part` the hub says is already whole (416) is reset; other failures keep
+            // it, so a rerun resumes where this one stopped.
+            Err(ApiError::TooManyRetries(inner)) if matches!(inner.as_ref(), ApiError::RequestError(r) if matches!(r.as_ref(), ureq::Error::Status(416, _))) => {
                 self.remove_partials()?;
                 remote.download_with_progress(file, &mut Bar::default())
             }

@@ -321,6 +321,10 @@ fn a_repo_id_downloads_trains_and_then_runs_from_the_cache_without_a_request() {
     assert!(first.status.success(), "{}", stderr(&first));
     let log = e.hub.requests();
     assert!(log.iter().any(|l| l.starts_with("GET /api/models/tiny-org/tiny-llama/revision/main")), "{log:?}");
+    // Files are fetched at the commit the listing named, not at the moving branch.
+    let pinned = e.hub.state.lock().unwrap().repos["models/tiny-org/tiny-llama"].commit.clone();
+    let resolves: Vec<&String> = log.iter().filter(|l| l.contains("tiny-llama/resolve/")).collect();
+    assert!(!resolves.is_empty() && resolves.iter().all(|l| l.contains(&format!("/resolve/{pinned}/"))), "{resolves:?}");
     // The weights were cut off once and resumed from where the cut left them.
     let resumed = log.iter().filter(|l| l.starts_with("GET /cdn/") && l.contains("[bytes=") && !l.contains("bytes=0-0]") && !l.contains("bytes=0-]")).count();
     assert!(resumed >= 1, "no ranged resume after the dropped connection: {log:?}");
@@ -348,7 +352,7 @@ fn a_gated_repo_needs_hf_token_and_says_so() {
     let refused = e.finetune(&[], &["--recipe", "recipe.toml"]);
     assert!(!refused.status.success());
     let err = stderr(&refused);
-    assert!(err.contains("gated-org/tiny") && err.contains("gated") && err.contains("HF_TOKEN") && err.contains("no token is set"), "{err}");
+    assert!(err.contains("gated-org/tiny") && err.contains("the repo is gated") && err.contains("accept its terms") && err.contains("no token is set"), "{err}");
     assert!(!e.run.join("out").exists(), "a failed download left an output folder");
     let ok = e.finetune(&[("HF_TOKEN", "secret")], &["--recipe", "recipe.toml"]);
     assert!(ok.status.success(), "{}", stderr(&ok));
@@ -387,7 +391,7 @@ fn an_unknown_repo_or_revision_is_a_clear_error() {
     assert!(err.contains("tiny-org/tiny-llama@v9") && err.contains("no revision `v9`") && err.contains("model.revision"), "{err}");
     let o = e.finetune(&[], &["--recipe", "recipe.toml", "--set", "model.path=tiny-org/tiny-llama", "--set", "model.revision=../../x"]);
     assert!(!o.status.success() && stderr(&o).contains("the revision must be"), "{}", stderr(&o));
-    assert!(!e.home.path().join("x").exists());
+    assert!(!e.home.path().join("hub/x").exists() && !e.home.path().join("x").exists());
 }
 
 #[test]
