@@ -534,23 +534,13 @@ fn model_files_present(snap: &Path, want: Want) -> bool {
     snap.join("model.safetensors").is_file()
 }
 
-/// The shard files an index's weight_map names, each once, in order.
+/// The shard files an index's weight_map names, each once (the index is read and checked as
+/// loading reads it, `weights::read_index`).
 fn index_shards(index: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
-    let bad = |msg: String| Error::Config { path: index.to_path_buf(), msg };
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("expected a `weight_map` object".into()))?;
-    let mut out: Vec<String> = Vec::new();
-    for (name, f) in map {
-        let f = f.as_str().ok_or_else(|| bad(format!("weight_map[\"{name}\"] must be a file name")))?;
-        if f.contains("..") || f.starts_with('/') {
-            return Err(bad(format!("weight_map[\"{name}\"] = {f:?} points outside the repo")));
-        }
-        if !out.iter().any(|o| o == f) {
-            out.push(f.to_string());
-        }
-    }
-    Ok(out)
+    let mut shards: Vec<String> = crate::weights::read_index(index)?.into_values().collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards)
 }
 
 fn is_data_file(f: &str) -> bool {

@@ -174,11 +174,7 @@ fn stream(t: &TrainArgs, rows: u64) -> anyhow::Result<()> {
         tokens += loader.next_example()?.input_ids.len();
     }
     let secs = started.elapsed().as_secs_f64();
-    let hwm = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|k| k.parse::<f64>().ok()))
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(0.0);
+    let hwm = finetune::runlog::resident_mb(true).unwrap_or(0.0);
     println!(
         "{{\"rows\": {rows}, \"tokens\": {tokens}, \"seconds\": {secs:.2}, \"rows_per_s\": {:.0}, \"tokens_per_s\": {:.0}, \"peak_rss_mb\": {hwm:.1}}}",
         rows as f64 / secs,

@@ -101,6 +101,27 @@ fn shipped_config(models: &Path, repo: &str) -> Option<PathBuf> {
     (!folder.contains("..") && path.is_file()).then_some(path)
 }
 
+/// An index's `weight_map`: tensor name -> shard file name, each a file beside the index.
+pub fn read_index(index: &Path) -> Result<std::collections::BTreeMap<String, String>> {
+    let bad = |msg: String| Error::Config { path: index.to_path_buf(), msg };
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("expected a `weight_map` object".into()))?;
+    let mut out = std::collections::BTreeMap::new();
+    for (name, f) in map {
+        let f = f.as_str().ok_or_else(|| bad(format!("weight_map[\"{name}\"] must be a file name")))?;
+        // A shard is a file beside the index, never a path out of the model folder.
+        if f.is_empty() || f.contains('/') || f.contains('\\') || f == ".." {
+            return Err(bad(format!("weight_map[\"{name}\"] = \"{f}\" is not a file name in this folder")));
+        }
+        out.insert(name.clone(), f.to_string());
+    }
+    if out.is_empty() {
+        return Err(bad("`weight_map` lists no tensors".into()));
+    }
+    Ok(out)
+}
+
 /// A model folder on disk: config.json plus safetensors weights (and maybe a tokenizer).
 #[derive(Clone, Debug)]
 pub struct ModelDir {
@@ -192,23 +213,8 @@ impl ModelDir {
         if !index.is_file() {
             return Ok(None);
         }
-        let bad = |msg: String| Error::Config { path: index.clone(), msg };
-        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("expected a `weight_map` object".into()))?;
-        let mut out = std::collections::BTreeMap::new();
-        for (name, f) in map {
-            let f = f.as_str().ok_or_else(|| bad(format!("weight_map[\"{name}\"] must be a file name")))?;
-            // A shard is a file beside the index, never a path out of the model folder.
-            if f.is_empty() || f.contains('/') || f.contains('\\') || f == ".." {
-                return Err(bad(format!("weight_map[\"{name}\"] = \"{f}\" is not a file name in this folder")));
-            }
-            out.insert(name.clone(), self.dir.join(f));
-        }
-        if out.is_empty() {
-            return Err(bad("`weight_map` lists no tensors".into()));
-        }
-        Ok(Some((index, out)))
+        let map = read_index(&index)?.into_iter().map(|(name, f)| (name, self.dir.join(f))).collect();
+        Ok(Some((index, map)))
     }
 }
 
