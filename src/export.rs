@@ -209,6 +209,9 @@ pub fn export_adapter_only(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -
 
 /// Merge `adapter` into `base` and write an HF model folder at `out`.
 pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
+    if let Some(g) = &base.gguf {
+        return merge_gguf(g, adapter, out, opts);
+    }
     let cfg = ModelConfig::from_file(&base.config_path())?;
     let adapters = adapter.load(&cfg)?;
     let files = base.open_weights()?;
@@ -334,6 +337,24 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
     Ok(report)
 }
 
+/// Merge into a GGUF base: the base is dequantised into a hidden sibling folder of `out`
+/// (in `--dtype`, default f32), merged from there, and the sibling removed. The merged
+/// model is a plain HF model: a quantized base is merged into its dequantised weights,
+/// as PEFT's `merge_and_unload` on a bitsandbytes base does. Holds the dequantised base in
+/// memory while importing it.
+fn merge_gguf(gguf: &Path, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
+    let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let deq = parent.join(format!(".{name}.dequantised-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&deq);
+    let res = crate::gguf::import(gguf, &deq, opts.dtype.unwrap_or(DType::F32), u64::MAX).and_then(|_| {
+        let base = ModelDir { dir: deq.clone(), name: gguf.display().to_string(), commit: None, gguf: None };
+        merge(&base, adapter, out, opts)
+    });
+    let _ = std::fs::remove_dir_all(&deq);
+    res
+}
+
 /// Logits of the merged folder vs base + adapter on fixed token batches; errors when they
 /// disagree beyond what the output dtype's rounding explains.
 fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &ExportOptions) -> Result<f32> {
@@ -344,7 +365,7 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
     let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu)?;
     let src = Arc::new(StreamingWeights::new(base.open_weights()?, DType::F32, Device::Cpu));
     let reference = Model::load(src, cfg.clone(), adapters)?.with_kernels(opts.kernels).logits(&ids, adapters)?;
-    let merged_dir = ModelDir { dir: merged_dir.to_path_buf(), name: String::new(), commit: None };
+    let merged_dir = ModelDir { dir: merged_dir.to_path_buf(), name: String::new(), commit: None, gguf: None };
     let src = Arc::new(StreamingWeights::new(merged_dir.open_weights()?, DType::F32, Device::Cpu));
     let none = Adapters::none(&cfg)?;
     let merged = Model::load(src, cfg, &none)?.with_kernels(opts.kernels).logits(&ids, &none)?;

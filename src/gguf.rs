@@ -52,7 +52,7 @@ const MAX_KEPT_ARRAY: u64 = 1 << 22;
 /// Metadata the import reads; the values of other keys are checked for their type and
 /// length and skipped, so a large unrelated array costs no memory.
 fn kept(key: &str) -> bool {
-    key == "general.architecture" || key == "general.alignment" || key.starts_with("llama.") || key.starts_with("tokenizer.")
+    key == "general.architecture" || key == "general.alignment" || ["llama.", "qwen2.", "tokenizer."].iter().any(|p| key.starts_with(p))
 }
 
 struct Reader<'a, R> {
@@ -537,6 +537,9 @@ const BLOCK_TENSORS: [&str; 9] =
 /// The model a GGUF file describes, every number checked against the others and against
 /// the tensors present before any tensor is read or anything written.
 struct Llama {
+    /// `llama` or `qwen2`: the metadata key prefix. Qwen2 is llama plus q/k/v biases, and
+    /// llama.cpp does not permute its q/k rows (its RoPE is the NEOX, rotate-half kind).
+    arch: &'static str,
     heads: usize,
     kv_heads: usize,
     hidden: usize,
@@ -553,71 +556,74 @@ struct Llama {
 impl Llama {
     fn from_gguf(m: &Meta) -> Result<Self> {
         let arch = m.string("general.architecture")?.ok_or_else(|| m.missing("general.architecture"))?;
-        if arch != "llama" {
-            return Err(m.err("general.architecture", format!("is `{arch}`; only `llama` is supported")));
-        }
-        let heads = m.count("llama.attention.head_count", "attention head")?;
-        let kv_heads = match m.uint("llama.attention.head_count_kv")? {
-            Some(n) => m.positive("llama.attention.head_count_kv", n, "key/value head")?,
+        let a: &'static str = match arch {
+            "llama" => "llama",
+            "qwen2" => "qwen2",
+            _ => return Err(m.err("general.architecture", format!("is `{arch}`; supported: llama, qwen2"))),
+        };
+        let k = |key: &str| format!("{a}.{key}");
+        let heads = m.count(&k("attention.head_count"), "attention head")?;
+        let kv_heads = match m.uint(&k("attention.head_count_kv"))? {
+            Some(n) => m.positive(&k("attention.head_count_kv"), n, "key/value head")?,
             None => heads,
         };
         if heads % kv_heads != 0 {
-            return Err(m.err("llama.attention.head_count_kv", format!("is {kv_heads}, which does not divide llama.attention.head_count {heads} (each key/value head serves a whole group of query heads)")));
+            return Err(m.err(&k("attention.head_count_kv"), format!("is {kv_heads}, which does not divide {a}.attention.head_count {heads} (each key/value head serves a whole group of query heads)")));
         }
-        let hidden = m.count("llama.embedding_length", "embedding dimension")?;
-        let layers = m.count("llama.block_count", "block")?;
-        let inter = m.count("llama.feed_forward_length", "feed-forward unit")?;
-        let eps = m.positive_float("llama.attention.layer_norm_rms_epsilon")?.ok_or_else(|| m.missing("llama.attention.layer_norm_rms_epsilon"))?;
-        let theta = m.positive_float("llama.rope.freq_base")?.unwrap_or(10000.0);
-        let context = match m.uint("llama.context_length")? {
-            Some(n) => m.positive("llama.context_length", n, "position")?,
+        let hidden = m.count(&k("embedding_length"), "embedding dimension")?;
+        let layers = m.count(&k("block_count"), "block")?;
+        let inter = m.count(&k("feed_forward_length"), "feed-forward unit")?;
+        let eps = m.positive_float(&k("attention.layer_norm_rms_epsilon"))?.ok_or_else(|| m.missing(&k("attention.layer_norm_rms_epsilon")))?;
+        let theta = m.positive_float(&k("rope.freq_base"))?.unwrap_or(10000.0);
+        let context = match m.uint(&k("context_length"))? {
+            Some(n) => m.positive(&k("context_length"), n, "position")?,
             None => 2048,
         };
 
         // The head size: key_length where the file states it, else the RoPE dimension (all
         // of a llama head rotates), else embedding / heads.
-        let key_len = m.uint("llama.attention.key_length")?;
-        if let (Some(k), Some(v)) = (key_len, m.uint("llama.attention.value_length")?) {
-            if k != v {
-                return Err(m.err("llama.attention.value_length", format!("is {v} but llama.attention.key_length is {k}; a llama head has one size")));
+        let key_len = m.uint(&k("attention.key_length"))?;
+        if let (Some(kl), Some(v)) = (key_len, m.uint(&k("attention.value_length"))?) {
+            if kl != v {
+                return Err(m.err(&k("attention.value_length"), format!("is {v} but {a}.attention.key_length is {kl}; a head has one size")));
             }
         }
-        let rope = m.uint("llama.rope.dimension_count")?;
+        let rope = m.uint(&k("rope.dimension_count"))?;
         let head_dim = match (key_len, rope) {
-            (Some(k), _) => m.positive("llama.attention.key_length", k, "dimension per head")?,
-            (None, Some(r)) => m.positive("llama.rope.dimension_count", r, "rotated dimension")?,
+            (Some(kl), _) => m.positive(&k("attention.key_length"), kl, "dimension per head")?,
+            (None, Some(r)) => m.positive(&k("rope.dimension_count"), r, "rotated dimension")?,
             (None, None) if hidden % heads == 0 => hidden / heads,
             (None, None) => {
-                return Err(m.err("llama.embedding_length", format!("is {hidden}, not a multiple of llama.attention.head_count {heads}, and the file states no head size (llama.rope.dimension_count)")))
+                return Err(m.err(&k("embedding_length"), format!("is {hidden}, not a multiple of {a}.attention.head_count {heads}, and the file states no head size ({a}.rope.dimension_count)")))
             }
         };
         if let Some(r) = rope {
             if r % 2 != 0 {
-                return Err(m.err("llama.rope.dimension_count", format!("is {r}, odd; RoPE rotates pairs of dimensions")));
+                return Err(m.err(&k("rope.dimension_count"), format!("is {r}, odd; RoPE rotates pairs of dimensions")));
             }
             if r as usize != head_dim {
-                return Err(m.err("llama.rope.dimension_count", format!("is {r} but heads have {head_dim} dimensions; rotating part of a head is not supported")));
+                return Err(m.err(&k("rope.dimension_count"), format!("is {r} but heads have {head_dim} dimensions; rotating part of a head is not supported")));
             }
         }
         if head_dim % 2 != 0 {
-            return Err(m.err("llama.attention.key_length", format!("is {head_dim}, odd; RoPE rotates pairs of dimensions")));
+            return Err(m.err(&k("attention.key_length"), format!("is {head_dim}, odd; RoPE rotates pairs of dimensions")));
         }
 
         let t = &m.c.tensor_infos;
         let embd = t.get("token_embd.weight").ok_or_else(|| m.err("token_embd.weight", "missing: the file has no token embedding"))?;
         let (vocab, width) = match *embd.shape.dims() {
             [v, w] if v > 0 => (v, w),
-            ref d => return Err(m.err("token_embd.weight", format!("has shape {d:?}, expected [vocabulary, llama.embedding_length {hidden}]"))),
+            ref d => return Err(m.err("token_embd.weight", format!("has shape {d:?}, expected [vocabulary, {a}.embedding_length {hidden}]"))),
         };
         if width != hidden {
-            return Err(m.err("llama.embedding_length", format!("is {hidden} but token_embd.weight is [{vocab}, {width}]: embeddings of {width}")));
+            return Err(m.err(&k("embedding_length"), format!("is {hidden} but token_embd.weight is [{vocab}, {width}]: embeddings of {width}")));
         }
-        if let Some(v) = m.uint("llama.vocab_size")? {
+        if let Some(v) = m.uint(&k("vocab_size"))? {
             if v as usize != vocab {
-                return Err(m.err("llama.vocab_size", format!("is {v} but token_embd.weight has {vocab} rows")));
+                return Err(m.err(&k("vocab_size"), format!("is {v} but token_embd.weight has {vocab} rows")));
             }
         }
-        let p = Llama { heads, kv_heads, hidden, layers, inter, head_dim, vocab, eps, theta, context, tied: !t.contains_key("output.weight") };
+        let p = Llama { arch: a, heads, kv_heads, hidden, layers, inter, head_dim, vocab, eps, theta, context, tied: !t.contains_key("output.weight") };
         p.check_tensors(m)?;
         Ok(p)
     }
@@ -625,19 +631,20 @@ impl Llama {
     /// Every tensor is one we convert, of the shape the metadata implies, and each of the
     /// `block_count` blocks is complete, with no block beyond it.
     fn check_tensors(&self, m: &Meta) -> Result<()> {
-        let t = &m.c.tensor_infos;
+        let (a, t) = (self.arch, &m.c.tensor_infos);
+        let k = |key: &str| format!("{a}.{key}");
         let mut blocks = HashSet::new();
         let mut names: Vec<&String> = t.keys().collect();
         names.sort();
         for name in names {
             if hf_name(name).is_none() {
-                return Err(m.err(name, "is not a llama tensor this import converts (token_embd, output_norm, output, blk.N.{attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down,attn_norm,ffn_norm}.weight)"));
+                return Err(m.err(name, format!("is not a {a} tensor this reads (token_embd, output_norm, output, blk.N.{{attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down,attn_norm,ffn_norm}}.weight, and qwen2's blk.N.{{attn_q,attn_k,attn_v}}.bias)")));
             }
             if let Some((b, rest)) = block_of(name) {
                 if b >= self.layers {
-                    return Err(m.err("llama.block_count", format!("is {} but the file has tensors of block {b} ({name})", self.layers)));
+                    return Err(m.err(&k("block_count"), format!("is {} but the file has tensors of block {b} ({name})", self.layers)));
                 }
-                if rest.ends_with(".bias") {
+                if rest.ends_with(".bias") && !self.qkv_bias() {
                     // HF's llama has q/k/v biases only with an o_proj bias too, and
                     // llama.cpp permutes q/k biases like the rows: not a llama layout.
                     return Err(m.err(name, "a q/k/v bias is not part of a llama model (no o_proj bias to go with it)"));
@@ -651,14 +658,39 @@ impl Llama {
             }
         }
         if let Some(b) = (0..self.layers).find(|b| !blocks.contains(b)) {
-            return Err(m.err("llama.block_count", format!("is {} but the file has no tensors of block {b} (blk.{b}.*)", self.layers)));
+            return Err(m.err(&k("block_count"), format!("is {} but the file has no tensors of block {b} (blk.{b}.*)", self.layers)));
         }
         for name in ["output_norm.weight".to_string()].into_iter().chain((0..self.layers).flat_map(|b| BLOCK_TENSORS.iter().map(move |s| format!("blk.{b}.{s}")))) {
             if !t.contains_key(&name) {
-                return Err(m.err(&name, "missing: every llama block has q, k, v, output, gate, up, down and two norms"));
+                return Err(m.err(&name, format!("missing: every {a} block has q, k, v, output, gate, up, down and two norms")));
+            }
+        }
+        for b in (0..self.layers).filter(|_| self.qkv_bias()) {
+            for name in ["attn_q.bias", "attn_k.bias", "attn_v.bias"].map(|s| format!("blk.{b}.{s}")) {
+                if !t.contains_key(&name) {
+                    return Err(m.err(&name, "missing: every qwen2 block has q, k and v biases"));
+                }
             }
         }
         Ok(())
+    }
+
+    /// Qwen2 has q/k/v biases, llama none.
+    fn qkv_bias(&self) -> bool {
+        self.arch == "qwen2"
+    }
+
+    /// The q/k rows llama.cpp's converter permuted for this tensor (by head count), to undo.
+    fn permuted_heads(&self, gguf_name: &str) -> Option<usize> {
+        if self.arch != "llama" {
+            return None;
+        }
+        let kind = block_of(gguf_name)?.1;
+        match kind {
+            "attn_q.weight" => Some(self.heads),
+            "attn_k.weight" => Some(self.kv_heads),
+            _ => None,
+        }
     }
 
     /// The shape (outermost first) the metadata implies for a tensor `hf_name` accepts.
@@ -672,20 +704,23 @@ impl Llama {
             "attn_output.weight" => vec![h, q],
             "ffn_gate.weight" | "ffn_up.weight" => vec![f, h],
             "ffn_down.weight" => vec![h, f],
+            "attn_q.bias" => vec![q],
+            "attn_k.bias" | "attn_v.bias" => vec![kv],
             _ => vec![h], // the norms
         }
     }
 
     /// The metadata behind `shape_of`, for messages.
     fn why(&self, name: &str) -> String {
+        let a = self.arch;
         let kind = block_of(name).map(|(_, rest)| rest).unwrap_or(name);
         let hd = format!("{} dimensions per head", self.head_dim);
         match kind {
-            "token_embd.weight" | "output.weight" => format!("token_embd.weight's {} rows and llama.embedding_length {}", self.vocab, self.hidden),
-            "attn_q.weight" | "attn_output.weight" => format!("llama.attention.head_count {} x {hd} and llama.embedding_length {}", self.heads, self.hidden),
-            "attn_k.weight" | "attn_v.weight" => format!("llama.attention.head_count_kv {} x {hd} and llama.embedding_length {}", self.kv_heads, self.hidden),
-            "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" => format!("llama.feed_forward_length {} and llama.embedding_length {}", self.inter, self.hidden),
-            _ => format!("llama.embedding_length {}", self.hidden),
+            "token_embd.weight" | "output.weight" => format!("token_embd.weight's {} rows and {a}.embedding_length {}", self.vocab, self.hidden),
+            "attn_q.weight" | "attn_output.weight" | "attn_q.bias" => format!("{a}.attention.head_count {} x {hd} and {a}.embedding_length {}", self.heads, self.hidden),
+            "attn_k.weight" | "attn_v.weight" | "attn_k.bias" | "attn_v.bias" => format!("{a}.attention.head_count_kv {} x {hd} and {a}.embedding_length {}", self.kv_heads, self.hidden),
+            "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" => format!("{a}.feed_forward_length {} and {a}.embedding_length {}", self.inter, self.hidden),
+            _ => format!("{a}.embedding_length {}", self.hidden),
         }
     }
 }
@@ -800,10 +835,214 @@ fn tokenizer_files(m: &Meta, vocab: usize, context: usize) -> Result<(serde_json
     Ok((tok, serde_json::Value::Object(cfg)))
 }
 
+/// A checked GGUF model file: the header read (see [`read_header`]), the architecture's
+/// metadata checked against itself and the tensors present, and the HF files that describe
+/// it built (config, tokenizer, generation config). No tensor has been read yet.
+pub struct GgufModel {
+    pub path: PathBuf,
+    file: std::fs::File,
+    content: Content,
+    p: Llama,
+    /// `config.json` as transformers writes it for this model.
+    pub config: serde_json::Value,
+    /// `tokenizer.json` and `tokenizer_config.json`, when the file has a vocabulary.
+    pub tokenizer: Option<(serde_json::Value, serde_json::Value)>,
+    pub generation: serde_json::Value,
+}
+
+/// Open and check `gguf` (see [`GgufModel`]). A file without `tokenizer.ggml.*` metadata
+/// opens (pre-tokenized data needs none); a malformed vocabulary is an error.
+pub fn open(gguf: &Path) -> Result<GgufModel> {
+    let (file, c) = read_header(gguf)?;
+    let m = Meta { c: &c, file: gguf };
+    let p = Llama::from_gguf(&m)?;
+    let tokenizer = match c.metadata.contains_key("tokenizer.ggml.model") {
+        true => Some(tokenizer_files(&m, p.vocab, p.context)?),
+        false => None,
+    };
+    let mut config = match p.arch {
+        "qwen2" => serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "use_sliding_window": false,
+        }),
+        _ => serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "head_dim": p.head_dim,
+            "attention_bias": false,
+            "mlp_bias": false,
+        }),
+    };
+    if let Some(o) = config.as_object_mut() {
+        let common = serde_json::json!({
+            "hidden_size": p.hidden,
+            "intermediate_size": p.inter,
+            "num_hidden_layers": p.layers,
+            "num_attention_heads": p.heads,
+            "num_key_value_heads": p.kv_heads,
+            "vocab_size": p.vocab,
+            "rms_norm_eps": p.eps,
+            "rope_theta": p.theta,
+            "tie_word_embeddings": p.tied,
+            "hidden_act": "silu",
+            "max_position_embeddings": p.context,
+            "torch_dtype": "float32",
+        });
+        o.extend(common.as_object().into_iter().flatten().map(|(k, v)| (k.clone(), v.clone())));
+        for (k, key) in [("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"), ("pad_token_id", "tokenizer.ggml.padding_token_id")] {
+            // Range-checked against the vocabulary by `tokenizer_files` when there is one.
+            if let Some(id) = m.uint(key)?.filter(|&i| (i as usize) < p.vocab) {
+                o.insert(k.into(), id.into());
+            }
+        }
+    }
+    let mut generation = serde_json::json!({"do_sample": false});
+    for k in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+        if let (Some(v), Some(o)) = (config.get(k).cloned(), generation.as_object_mut()) {
+            o.insert(k.into(), v);
+        }
+    }
+    Ok(GgufModel { path: gguf.to_path_buf(), file, content: c, p, config, tokenizer, generation })
+}
+
+impl GgufModel {
+    /// (llama.cpp name, HF name) of every tensor, sorted by the llama.cpp name.
+    pub fn names(&self) -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = self.content.tensor_infos.keys().filter_map(|g| Some((g.clone(), hf_name(g)?))).collect();
+        v.sort();
+        v
+    }
+
+    /// The architecture (`general.architecture`): `llama` or `qwen2`.
+    pub fn arch(&self) -> &'static str {
+        self.p.arch
+    }
+
+    /// The blocks of `gguf_name` as stored, on `device`.
+    pub fn read(&mut self, gguf_name: &str, device: &Device) -> Result<candle_core::quantized::QTensor> {
+        let m = Meta { c: &self.content, file: &self.path };
+        self.content.tensor(&mut self.file, gguf_name, device).map_err(|e| m.err(gguf_name, crate::error::candle_msg(&e)))
+    }
+
+    /// The q/k head count whose llama.cpp row permutation `gguf_name` carries (llama only).
+    pub fn permuted_heads(&self, gguf_name: &str) -> Option<usize> {
+        self.p.permuted_heads(gguf_name)
+    }
+
+    /// Bytes of tensor data, by ggml type name (what a run holding the blocks holds).
+    pub fn bytes_by_type(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut out = std::collections::BTreeMap::new();
+        for t in self.content.tensor_infos.values() {
+            let bytes = crate::weights::quantized::ggml_bytes(t.ggml_dtype, t.shape.elem_count()) as u64;
+            *out.entry(format!("{:?}", t.ggml_dtype)).or_default() += bytes;
+        }
+        out
+    }
+
+    /// Bytes of each tensor's data, by HF name.
+    pub fn hf_bytes(&self) -> HashMap<String, usize> {
+        let infos = &self.content.tensor_infos;
+        self.names().into_iter().map(|(g, h)| (h, crate::weights::quantized::ggml_bytes(infos[&g].ggml_dtype, infos[&g].shape.elem_count()))).collect()
+    }
+
+    /// The full tensor `gguf_name` in f32 with llama.cpp's q/k permutation undone.
+    pub fn dequantize(&mut self, gguf_name: &str) -> Result<Tensor> {
+        let heads = self.permuted_heads(gguf_name);
+        let q = self.read(gguf_name, &Device::Cpu)?;
+        let m = Meta { c: &self.content, file: &self.path };
+        let err = |e: candle_core::Error| m.err(gguf_name, crate::error::candle_msg(&e));
+        let t = q.dequantize(&Device::Cpu).map_err(err)?;
+        match heads {
+            Some(h) => unpermute(&t, h).map_err(err),
+            None => Ok(t),
+        }
+    }
+
+    /// Write config.json, generation_config.json and (when the file has a vocabulary)
+    /// tokenizer.json and tokenizer_config.json into `dir`.
+    pub fn write_description(&self, dir: &Path) -> Result<()> {
+        let w = |name: &str, v: &serde_json::Value| crate::fsutil::write_atomic(&dir.join(name), serde_json::to_string_pretty(v).unwrap_or_default().as_bytes());
+        w("config.json", &self.config)?;
+        w("generation_config.json", &self.generation)?;
+        if let Some((tok, tok_cfg)) = &self.tokenizer {
+            w("tokenizer.json", tok)?;
+            w("tokenizer_config.json", tok_cfg)?;
+        }
+        Ok(())
+    }
+}
+
+/// A GGUF file as the block source of a quantized base (`model.path = "x.gguf"`).
+pub struct GgufReader {
+    model: GgufModel,
+    /// HF name -> llama.cpp name.
+    by_hf: HashMap<String, String>,
+}
+
+impl GgufReader {
+    pub fn new(model: GgufModel) -> Self {
+        let by_hf = model.names().into_iter().map(|(g, h)| (h, g)).collect();
+        GgufReader { model, by_hf }
+    }
+}
+
+impl crate::weights::quantized::BlockReader for GgufReader {
+    fn contains(&self, name: &str) -> bool {
+        self.by_hf.contains_key(name)
+    }
+    fn file(&self) -> String {
+        self.model.path.display().to_string()
+    }
+    fn read(&mut self, name: &str, device: &Device) -> Result<crate::weights::quantized::Blocks> {
+        let g = self.by_hf.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file() })?.clone();
+        let q = self.model.read(&g, device)?;
+        Ok(crate::weights::quantized::Blocks::Ggml { q, unpermute_heads: self.model.permuted_heads(&g) })
+    }
+}
+
+/// Where finetune keeps what it derives once and reuses: `FINETUNE_CACHE`, else
+/// `$XDG_CACHE_HOME/finetune`, else `~/.cache/finetune`.
+pub fn cache_root() -> Result<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    var("FINETUNE_CACHE")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("finetune")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("finetune")))
+        .ok_or_else(|| Error::model("FINETUNE_CACHE", "no cache folder: set FINETUNE_CACHE (or HOME) to a writable folder"))
+}
+
+/// The HF description of `gguf` (config.json, tokenizer files, generation_config.json)
+/// in a folder of the cache named by the digest of the file's header, written on first use
+/// (whole or not at all): the folder `model.path = "x.gguf"` resolves to. The weights stay
+/// in the GGUF file.
+pub fn describe_in_cache(gguf: &Path) -> Result<PathBuf> {
+    use sha2::Digest;
+    let g = open(gguf)?;
+    let mut header = vec![0u8; g.content.tensor_data_offset as usize];
+    {
+        use std::io::{Seek, SeekFrom};
+        let mut f = &g.file;
+        f.seek(SeekFrom::Start(0)).and_then(|_| f.read_exact(&mut header)).map_err(|e| Error::io(gguf, e))?;
+    }
+    let digest = sha2::Sha256::digest(&header);
+    let hex: String = digest.iter().take(10).map(|b| format!("{b:02x}")).collect();
+    let stem = gguf.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+    let dir = cache_root()?.join("gguf").join(format!("{hex}-{}", stem.chars().filter(|c| c.is_ascii_alphanumeric() || "-_.".contains(*c)).take(60).collect::<String>()));
+    if !dir.join("config.json").is_file() {
+        // Another process may have written it meanwhile: its copy is the same.
+        if let Err(e) = write_folder(&dir, |tmp| g.write_description(tmp)) {
+            if !dir.join("config.json").is_file() {
+                return Err(e);
+            }
+        }
+    }
+    Ok(dir)
+}
+
 /// Import `gguf` into `out` (which must not exist or be empty), storing weights in `dtype`.
 ///
 /// Everything is checked before anything is written: the header (see [`read_header`]), the
-/// llama metadata against itself and the tensors, the tokenizer. The folder is then built
+/// metadata against itself and the tensors, the tokenizer. The folder is then built
 /// under a hidden sibling name and renamed into place, so `out` appears whole or not at all:
 /// a bad file, or a failure while writing, leaves no output behind.
 pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Result<ImportReport> {
@@ -811,71 +1050,29 @@ pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Re
     if out.exists() && !std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_none()) {
         return Err(Error::io(out, std::io::Error::new(std::io::ErrorKind::AlreadyExists, "output exists and is not an empty folder (choose another --out)")));
     }
-    let (mut f, c) = read_header(gguf)?;
-    let m = Meta { c: &c, file: gguf };
-    let p = Llama::from_gguf(&m)?;
-    let (tok, tok_cfg) = tokenizer_files(&m, p.vocab, p.context)?;
-
+    let mut g = open(gguf)?;
+    if g.tokenizer.is_none() {
+        return Err(gguf_err(gguf, "tokenizer.ggml.model", "missing: an imported model folder needs a tokenizer"));
+    }
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
-    let mut names: Vec<&String> = c.tensor_infos.keys().collect();
-    names.sort();
-    for name in names {
-        let hf = hf_name(name).ok_or_else(|| m.err(name, "has no HF equivalent"))?; // checked above
-        let tensor_err = |e: candle_core::Error| m.err(name, crate::error::candle_msg(&e));
-        let mut t = c.tensor(&mut f, name, &Device::Cpu).and_then(|q| q.dequantize(&Device::Cpu)).map_err(tensor_err)?;
-        if name.ends_with("attn_q.weight") {
-            t = unpermute(&t, p.heads).map_err(tensor_err)?;
-        } else if name.ends_with("attn_k.weight") {
-            t = unpermute(&t, p.kv_heads).map_err(tensor_err)?;
-        }
-        tensors.push((hf, t.to_dtype(dtype).map_err(tensor_err)?));
+    for (name, hf) in g.names() {
+        let t = g.dequantize(&name)?;
+        tensors.push((hf, t.to_dtype(dtype).map_err(|e| gguf_err(gguf, &name, crate::error::candle_msg(&e)))?));
     }
     let torch_dtype = match dtype {
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
         _ => "float32",
     };
-    let mut config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": p.hidden,
-        "intermediate_size": p.inter,
-        "num_hidden_layers": p.layers,
-        "num_attention_heads": p.heads,
-        "num_key_value_heads": p.kv_heads,
-        "head_dim": p.head_dim,
-        "vocab_size": p.vocab,
-        "rms_norm_eps": p.eps,
-        "rope_theta": p.theta,
-        "tie_word_embeddings": p.tied,
-        "hidden_act": "silu",
-        "max_position_embeddings": p.context,
-        "attention_bias": false,
-        "mlp_bias": false,
-        "torch_dtype": torch_dtype,
-    });
-    for (k, key) in [("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"), ("pad_token_id", "tokenizer.ggml.padding_token_id")] {
-        // Range-checked against the vocabulary by `tokenizer_files`.
-        if let (Some(id), Some(o)) = (m.uint(key)?, config.as_object_mut()) {
-            o.insert(k.into(), id.into());
-        }
-    }
-    let mut gen = serde_json::json!({"do_sample": false});
-    for k in ["bos_token_id", "eos_token_id", "pad_token_id"] {
-        if let (Some(v), Some(o)) = (config.get(k).cloned(), gen.as_object_mut()) {
-            o.insert(k.into(), v);
-        }
+    if let Some(o) = g.config.as_object_mut() {
+        o.insert("torch_dtype".into(), torch_dtype.into());
     }
     let shards = write_folder(out, |dir| {
         let shards = write_weights(dir, &tensors, max_shard_bytes)?;
-        let w = |name: &str, v: &serde_json::Value| crate::fsutil::write_atomic(&dir.join(name), serde_json::to_string_pretty(v).unwrap_or_default().as_bytes());
-        w("config.json", &config)?;
-        w("tokenizer.json", &tok)?;
-        w("tokenizer_config.json", &tok_cfg)?;
-        w("generation_config.json", &gen)?;
+        g.write_description(dir)?;
         Ok(shards)
     })?;
-    Ok(ImportReport { tensors: tensors.len(), config, shards })
+    Ok(ImportReport { tensors: tensors.len(), config: g.config, shards })
 }
 
 /// Fill a hidden sibling folder of `out` with `fill`, then rename it to `out` (which may

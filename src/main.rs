@@ -438,7 +438,8 @@ fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> any
     if let Some(0) = worlds.iter().min() {
         anyhow::bail!("--world-size: world sizes must be at least 1");
     }
-    let plans: Vec<_> = worlds.iter().map(|&w| finetune::dist::plan::plan(&cfg, r, w, on_gpu)).collect();
+    let quant = finetune::weights::quantized::plan_base(&loaded, &cfg)?;
+    let plans: Vec<_> = worlds.iter().map(|&w| finetune::dist::plan::plan_with(&cfg, r, w, on_gpu, quant.as_ref())).collect();
     print!("{}", finetune::dist::plan::render(&cfg, r, &plans, on_gpu));
     Ok(())
 }

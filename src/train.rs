@@ -17,6 +17,7 @@ use crate::dist::Partition;
 use crate::dist::zero::{Account, MemoryUse, ShardedWeights};
 use crate::optim::{AdamW, Moments, Schedule};
 use crate::recipe::LoadedRecipe;
+use crate::weights::quantized::{BlockReader, QuantizeOnLoad, QuantizedWeights};
 use crate::weights::{parse_dtype, ModelDir, ResidentWeights, WeightSource};
 use candle_core::{DType, Tensor, Var};
 use std::path::PathBuf;
@@ -261,7 +262,6 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let lead = rank == 0;
     let model_dir = ModelDir::of_recipe(loaded)?;
     let cfg = ModelConfig::from_file(&model_dir.config_path())?;
-    let files = model_dir.open_weights()?;
     let storage_dtype = parse_dtype(&r.model.dtype);
     // The fused CPU kernels compute in f32 (a bf16/f16 base is only the storage format of the
     // frozen weights there); GPUs and the portable path compute in the storage dtype.
@@ -286,13 +286,8 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     };
     let account = Arc::new(Account::default());
     let sharded = r.dist.zero_stage == 3;
-    let src: Arc<dyn WeightSource> = if sharded {
-        let n = cfg.num_hidden_layers;
-        let s = ShardedWeights::new(files, comm.clone(), n, r.dist.prefetch_layers, storage_dtype, compute_dtype, device.clone(), account.clone());
-        Arc::new(s.with_matmul_dtype(matmul))
-    } else {
-        Arc::new(ResidentWeights::new(files, storage_dtype, compute_dtype, device.clone()).with_matmul_dtype(matmul))
-    };
+    let frozen = Frozen { storage: storage_dtype, compute: compute_dtype, matmul, device: device.clone(), account: account.clone() };
+    let (src, quantized) = frozen_source(loaded, &model_dir, &cfg, comm.clone(), frozen)?;
     let lora_spec = r.lora.spec(&cfg);
     // Same seed on every rank: every rank starts from the same adapters.
     let adapters = Adapters::init(&cfg, lora_spec, t.seed, &device)?;
@@ -301,8 +296,8 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     }
     let model = Model::load(src.clone(), cfg, &adapters)?.with_kernels(kernels);
     src.seal();
-    if !sharded {
-        // ShardedWeights counts its own shards as it reads them.
+    if !sharded && !quantized {
+        // ShardedWeights and QuantizedWeights count what they hold as they read it.
         let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes();
         account.frozen.store(bytes, Ordering::SeqCst);
     }
@@ -885,6 +880,55 @@ pub fn evaluate_part(model: &Model, adapters: &Adapters, examples: &[crate::data
         count += tgt.len();
     }
     Ok((sum, count))
+}
+
+/// How the frozen base is held (`frozen_source`).
+struct Frozen {
+    storage: DType,
+    compute: DType,
+    matmul: DType,
+    device: candle_core::Device,
+    account: Arc<Account>,
+}
+
+/// The frozen base of one rank: quantized blocks dequantised a layer at a time (a GGUF
+/// `model.path`, or `model.quantize`), 1/N shards gathered a layer at a time (ZeRO-3), or
+/// the whole base resident. The bool says whether it is quantized.
+fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig, comm: Arc<dyn Collective>, f: Frozen) -> Result<(Arc<dyn WeightSource>, bool)> {
+    let r = &loaded.recipe;
+    let n = cfg.num_hidden_layers;
+    let reader: Option<Box<dyn BlockReader>> = match (&model_dir.gguf, &r.model.quantize) {
+        (Some(g), Some(_)) => {
+            let msg = format!("{} is a GGUF file, quantized already; remove model.quantize (it quantizes safetensors bases)", g.display());
+            return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "model.quantize".into(), msg });
+        }
+        (Some(g), None) => Some(Box::new(crate::gguf::GgufReader::new(crate::gguf::open(g)?))),
+        (None, Some(q)) => {
+            let dtype = crate::weights::quantized::parse_format(q).ok_or_else(|| Error::Recipe {
+                file: loaded.file.display().to_string(),
+                key: "model.quantize".into(),
+                msg: format!("`{q}` is not a format this quantizes to"),
+            })?;
+            Some(Box::new(QuantizeOnLoad { files: model_dir.open_weights()?, dtype, storage: f.storage }))
+        }
+        (None, None) => None,
+    };
+    if let Some(reader) = reader {
+        if r.dist.zero_stage == 3 && comm.world_size() > 1 {
+            let msg = "a quantized base is not sharded: every rank holds the whole quantized base (set dist.zero_stage = 0)".to_string();
+            return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "dist.zero_stage".into(), msg });
+        }
+        // No layers ahead: dequantising is not overlapped with compute, so a prefetched
+        // layer would only cost memory.
+        let q = QuantizedWeights::new(reader, n, 0, f.storage, f.compute, f.device, f.account);
+        return Ok((Arc::new(q.with_matmul_dtype(f.matmul)), true));
+    }
+    let files = model_dir.open_weights()?;
+    if r.dist.zero_stage == 3 {
+        let s = ShardedWeights::new(files, comm, n, r.dist.prefetch_layers, f.storage, f.compute, f.device, f.account);
+        return Ok((Arc::new(s.with_matmul_dtype(f.matmul)), false));
+    }
+    Ok((Arc::new(ResidentWeights::new(files, f.storage, f.compute, f.device).with_matmul_dtype(f.matmul)), false))
 }
 
 /// The recipe as checkpoints and `recipe.resolved.toml` record it: `lora.targets` resolved

@@ -16,7 +16,7 @@ const V2: &str = "parity-deepseek-v2";
 
 fn load_model(dir: &Path, adapters: Option<&Adapters>) -> (Model, Adapters) {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let md = ModelDir { dir: dir.to_path_buf(), name: String::new(), commit: None };
+    let md = ModelDir { dir: dir.to_path_buf(), name: String::new(), commit: None, gguf: None };
     let src = Arc::new(ResidentWeights::new(md.open_weights().unwrap(), DType::F32, DType::F32, Device::Cpu));
     let none = Adapters::none(&cfg).unwrap();
     let m = Model::load(src, cfg, adapters.unwrap_or(&none)).unwrap();
@@ -52,7 +52,7 @@ fn cached_generation_steps_equal_the_full_forward_on_mla() {
 #[test]
 fn merged_deepseek_export_verifies_and_equals_base_plus_adapter() {
     let out = tempfile::tempdir().unwrap();
-    let base = ModelDir { dir: fixture(V2).join("model"), name: String::new(), commit: None };
+    let base = ModelDir { dir: fixture(V2).join("model"), name: String::new(), commit: None, gguf: None };
     let adapter = finetune::export::PeftAdapter::open(&fixture(V2).join("expected/adapter")).unwrap();
     let opts = finetune::export::ExportOptions { merge: true, ..Default::default() };
     let rep = finetune::export::merge(&base, &adapter, &out.path().join("merged"), &opts).unwrap();
@@ -109,7 +109,7 @@ fn fp8_blocks_dequantise_exactly_whole_and_in_any_flat_range() {
     let (q, scale, want) = fp8_quantise(&Tensor::from_vec(vals, (300, 260), &Device::Cpu).unwrap());
     let map: std::collections::HashMap<String, Tensor> = [("w.weight".to_string(), q), ("w.weight_scale_inv".to_string(), scale)].into();
     candle_core::safetensors::save(&map, d.path().join("model.safetensors")).unwrap();
-    let md = ModelDir { dir: d.path().to_path_buf(), name: String::new(), commit: None };
+    let md = ModelDir { dir: d.path().to_path_buf(), name: String::new(), commit: None, gguf: None };
     let files = md.open_weights().unwrap();
     assert_eq!(max_abs_diff(&files.load("w.weight", &[300, 260], &Device::Cpu).unwrap(), &want), 0.0);
     let flat = want.flatten_all().unwrap();
@@ -174,7 +174,7 @@ fn an_fp8_base_trains_exactly_like_its_dequantised_copy_and_merges_to_bf16() {
     assert!(l32 != losses[0][0].0);
 
     // Merged: a plain bf16 model (no scales, no quantization_config) that verifies.
-    let base = ModelDir { dir: fp8_dir.clone(), name: String::new(), commit: None };
+    let base = ModelDir { dir: fp8_dir.clone(), name: String::new(), commit: None, gguf: None };
     let adapter = finetune::export::PeftAdapter::open(&root.path().join("out-fp8/adapter")).unwrap();
     let merged = root.path().join("merged");
     let rep = finetune::export::merge(&base, &adapter, &merged, &finetune::export::ExportOptions { merge: true, ..Default::default() }).unwrap();
@@ -515,7 +515,7 @@ fn the_v3_router_bias_stays_f32_under_a_bf16_base() {
     // transformers keeps e_score_correction_bias in f32 in a bf16 model; rounding it would
     // change which experts win close calls.
     let dir = fixture("parity-deepseek-v3").join("model");
-    let md = ModelDir { dir: dir.clone(), name: String::new(), commit: None };
+    let md = ModelDir { dir: dir.clone(), name: String::new(), commit: None, gguf: None };
     let src = ResidentWeights::new(md.open_weights().unwrap(), DType::BF16, DType::BF16, Device::Cpu);
     let name = "model.layers.1.mlp.gate.e_score_correction_bias";
     let got = finetune::weights::Frozen::new(&src).get_f32(&[8], name).unwrap();

@@ -10,7 +10,7 @@ use finetune::weights::ModelDir;
 use std::path::{Path, PathBuf};
 
 fn model_dir(p: &Path) -> ModelDir {
-    ModelDir { dir: p.to_path_buf(), name: p.display().to_string(), commit: None }
+    ModelDir { dir: p.to_path_buf(), name: p.display().to_string(), commit: None, gguf: None }
 }
 
 fn merge_fixture(case: &str, out: &Path) -> ExportReport {

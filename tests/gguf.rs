@@ -60,7 +60,7 @@ fn quantized_import_equals_candles_dequantization() {
 
 /// Greedy continuation with our model (no stop tokens), `n` tokens.
 fn ours_greedy(model_dir: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
-    let g = Generator::load(&ModelDir { dir: model_dir.to_path_buf(), name: String::new(), commit: None }, None).unwrap();
+    let g = Generator::load(&ModelDir { dir: model_dir.to_path_buf(), name: String::new(), commit: None, gguf: None }, None).unwrap();
     let mut caches: Vec<KvCache> = vec![None; g.model.cfg.num_hidden_layers];
     let (mut out, mut input, mut offset) = (Vec::new(), prompt.to_vec(), 0);
     for _ in 0..n {
@@ -188,7 +188,7 @@ fn smollm2_import_matches_transformers_tokenizer_and_quantized_predictions() {
         let want: Vec<u32> = serde_json::from_value(t["ids"].clone()).unwrap();
         assert_eq!(tok.encode(t["text"].as_str().unwrap(), true).unwrap().get_ids(), want.as_slice(), "{}", t["text"]);
     }
-    let g = Generator::load(&ModelDir { dir: out.clone(), name: String::new(), commit: None }, None).unwrap();
+    let g = Generator::load(&ModelDir { dir: out.clone(), name: String::new(), commit: None, gguf: None }, None).unwrap();
     for c in f["chats"].as_array().unwrap() {
         let msgs: Vec<finetune::chat::Message> = serde_json::from_value(c["messages"].clone()).unwrap();
         let text = g.chat.as_ref().unwrap().render(&msgs, true).unwrap();

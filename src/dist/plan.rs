@@ -8,7 +8,7 @@
 //! records the same quantities, and a test holds the two equal. Activations are an estimate
 //! (they are not in the account): the tensors one decoder layer keeps for backward.
 
-use super::zero::{Unit, Window};
+use crate::weights::{Unit, Window};
 use crate::config::ModelConfig;
 use crate::recipe::Recipe;
 use std::collections::HashMap;
@@ -32,6 +32,8 @@ pub struct Plan {
     pub activations_ckpt: usize,
     pub activations_full: usize,
     pub checkpointing: bool,
+    /// A quantized base: what holds it (`GGUF Q4_K, Q6_K, F32` or `model.quantize = q8_0`).
+    pub quantized: Option<String>,
 }
 
 impl Plan {
@@ -41,17 +43,38 @@ impl Plan {
     }
 }
 
+/// The frozen base of a quantized run: bytes of each tensor's blocks (by HF name), and what
+/// holds them (for the plan's header).
+pub struct QuantizedBase {
+    pub bytes: HashMap<String, usize>,
+    pub what: String,
+}
+
 /// The plan of `r` on `world` ranks. `on_gpu` plans the portable path a GPU runs (also what
 /// `model.kernels = "portable"` allocates on a CPU): activations in the storage dtype and
 /// tall attention strips; otherwise the fused CPU path (f32 activations).
 pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
+    plan_with(cfg, r, world, on_gpu, None)
+}
+
+/// [`plan`], for a quantized base when `quant` is given: every rank holds the blocks whole
+/// (a quantized base is not sharded) and dequantises one layer at a time into the storage
+/// dtype (`weights::quantized`, no layers prefetched).
+pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quant: Option<&QuantizedBase>) -> Plan {
     let storage = crate::weights::parse_dtype(&r.model.dtype);
     let es = storage.size_in_bytes();
     let es_of = |name: &str| crate::weights::stored_dtype(name, storage).size_in_bytes();
     let tensors = cfg.frozen_tensors();
     let numel = |s: &[usize]| s.iter().product::<usize>();
     let stage3 = r.dist.zero_stage == 3;
-    let (frozen, gathered_peak) = if stage3 {
+    let (frozen, gathered_peak) = if let Some(q) = quant {
+        let frozen = tensors.iter().map(|(n, s)| q.bytes.get(n).copied().unwrap_or(numel(s) * es_of(n))).sum();
+        let mut unit_bytes: HashMap<Unit, usize> = HashMap::new();
+        for (name, s) in &tensors {
+            *unit_bytes.entry(Unit::of(name)).or_default() += numel(s) * es_of(name);
+        }
+        (frozen, replay_peak(cfg, 0, &unit_bytes))
+    } else if stage3 {
         let chunk = |s: &[usize]| super::Partition::new(numel(s), 0, world).chunk();
         let frozen = tensors.iter().map(|(n, s)| chunk(s) * es_of(n)).sum();
         // Gathered bytes per unit, as the source allocates them: N * ceil(n / N) per tensor.
@@ -59,7 +82,7 @@ pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
         for (name, s) in &tensors {
             *unit_bytes.entry(Unit::of(name)).or_default() += world * chunk(s) * es_of(name);
         }
-        (frozen, replay_peak(cfg, r, &unit_bytes))
+        (frozen, replay_peak(cfg, r.dist.prefetch_layers, &unit_bytes))
     } else {
         (tensors.iter().map(|(n, s)| numel(s) * es_of(n)).sum(), 0)
     };
@@ -79,13 +102,14 @@ pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
         activations_ckpt: ckpt,
         activations_full: full,
         checkpointing: r.train.activation_checkpointing,
+        quantized: quant.map(|q| q.what.clone()),
     }
 }
 
 /// Replay the order a run asks for frozen tensors (load check, then one training
 /// micro-batch with recomputation, then an evaluation batch) through the [`Window`], and
 /// return the most bytes held at once.
-fn replay_peak(cfg: &ModelConfig, r: &Recipe, unit_bytes: &HashMap<Unit, usize>) -> usize {
+fn replay_peak(cfg: &ModelConfig, prefetch: usize, unit_bytes: &HashMap<Unit, usize>) -> usize {
     let n = cfg.num_hidden_layers;
     let embed = Unit::Tensor("model.embed_tokens.weight".into());
     let norm = Unit::Tensor("model.norm.weight".into());
@@ -101,7 +125,7 @@ fn replay_peak(cfg: &ModelConfig, r: &Recipe, unit_bytes: &HashMap<Unit, usize>)
     order.push(embed);
     order.extend((0..n).map(Unit::Layer));
     order.extend([norm, head]);
-    let mut w = Window::new(n, r.dist.prefetch_layers);
+    let mut w = Window::new(n, prefetch);
     order.iter().map(|u| w.request(u).iter().map(|k| unit_bytes.get(k).copied().unwrap_or(0)).sum::<usize>()).max().unwrap_or(0)
 }
 
@@ -165,6 +189,9 @@ pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> St
         r.data.max_seq_len,
         r.dist.zero_stage
     );
+    if let Some(q) = plans.first().and_then(|p| p.quantized.as_ref()) {
+        out.insert_str(out.len() - 1, &format!("quantized base: {q}; each layer dequantised into {} when it runs\n", r.model.dtype));
+    }
     let mut head = format!("{:<44}", "");
     for p in plans {
         head.push_str(&format!("{:>14}", format!("{} {dev}{}", p.world, if p.world > 1 { "s" } else { "" })));
@@ -174,7 +201,7 @@ pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> St
     let rows: Vec<(&str, Box<dyn Fn(&Plan) -> String>)> = vec![
         ("per device", Box::new(|_| String::new())),
         ("  frozen base kept (own shard)", Box::new(|p| gb(p.frozen))),
-        ("  gathered layers, peak", Box::new(|p| gb(p.gathered_peak))),
+        (if plans.iter().any(|p| p.quantized.is_some()) { "  dequantised layers, peak" } else { "  gathered layers, peak" }, Box::new(|p| gb(p.gathered_peak))),
         ("  LoRA parameters", Box::new(|p| gb(p.lora_params))),
         ("  LoRA gradients", Box::new(|p| gb(p.lora_grads))),
         ("  optimizer state", Box::new(|p| if p.optimizer_on_host { "(host)".into() } else { gb(p.optimizer) })),

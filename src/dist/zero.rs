@@ -8,7 +8,7 @@
 //! elements -> the tensor's shape), as DeepSpeed's partitioned parameters do.
 //!
 //! Gathered tensors are cached per *unit* (a decoder layer, or one non-layer tensor such as
-//! the embedding). [`Window`] says which units stay gathered after a request: the requested
+//! the embedding). [`Window`](crate::weights::Window) says which units stay gathered after a request: the requested
 //! one and the next `prefetch_layers` layers in the direction of travel (forward in the
 //! forward pass, backward in the recomputed backward pass); everything else is released.
 //! The [`Account`] records what is held, and `finetune plan` replays the same window over
@@ -18,7 +18,7 @@
 
 use super::collective::Collective;
 use crate::error::{Error, Result};
-use crate::weights::{SafetensorsFiles, WeightSource};
+use crate::weights::{Held, SafetensorsFiles, Unit, WeightSource};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -44,11 +44,11 @@ impl Account {
     pub fn get(&self, f: &AtomicUsize) -> usize {
         f.load(Ordering::SeqCst)
     }
-    fn add_gathered(&self, bytes: usize) {
+    pub(crate) fn add_gathered(&self, bytes: usize) {
         let now = self.gathered.fetch_add(bytes, Ordering::SeqCst) + bytes;
         self.gathered_peak.fetch_max(now, Ordering::SeqCst);
     }
-    fn sub_gathered(&self, bytes: usize) {
+    pub(crate) fn sub_gathered(&self, bytes: usize) {
         self.gathered.fetch_sub(bytes, Ordering::SeqCst);
     }
 }
@@ -93,79 +93,12 @@ impl std::fmt::Display for MemoryUse {
     }
 }
 
-/// What is gathered and released together.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Unit {
-    Layer(usize),
-    /// A non-layer tensor (embedding, final norm, lm_head) by name.
-    Tensor(String),
-}
-
-impl Unit {
-    pub fn of(name: &str) -> Unit {
-        name.strip_prefix("model.layers.")
-            .and_then(|rest| rest.split('.').next())
-            .and_then(|i| i.parse().ok())
-            .map_or_else(|| Unit::Tensor(name.to_string()), Unit::Layer)
-    }
-}
-
-/// The gather/release policy: after a request for unit `u`, keep `u` and the next
-/// `prefetch` layers in the direction of travel; release the rest.
-#[derive(Clone, Debug)]
-pub struct Window {
-    pub n_layers: usize,
-    pub prefetch: usize,
-    last_layer: Option<usize>,
-    /// A non-layer unit was requested since the last layer (embedding before layer 0, the
-    /// head before the backward pass starts again at the last layer).
-    other_since: bool,
-    backward: bool,
-}
-
-impl Window {
-    pub fn new(n_layers: usize, prefetch: usize) -> Self {
-        Window { n_layers, prefetch, last_layer: None, other_since: true, backward: false }
-    }
-
-    /// Units to hold after a request for `u`, the requested one first.
-    pub fn request(&mut self, u: &Unit) -> Vec<Unit> {
-        let Unit::Layer(i) = *u else {
-            self.other_since = true;
-            return vec![u.clone()];
-        };
-        self.backward = match self.last_layer {
-            _ if self.other_since && i == 0 => false,
-            _ if self.other_since && i + 1 == self.n_layers => true,
-            Some(l) if l + 1 == i => false,
-            Some(l) if l == i + 1 => true,
-            _ => self.backward,
-        };
-        self.last_layer = Some(i);
-        self.other_since = false;
-        let mut keep = vec![Unit::Layer(i)];
-        for k in 1..=self.prefetch {
-            let j = if self.backward { i.checked_sub(k) } else { Some(i + k).filter(|&j| j < self.n_layers) };
-            match j {
-                Some(j) => keep.push(Unit::Layer(j)),
-                None => break,
-            }
-        }
-        keep
-    }
-}
-
 struct Shard {
     /// [c] in the storage dtype.
     data: Tensor,
     shape: Vec<usize>,
 }
 
-#[derive(Default)]
-struct Cache {
-    units: HashMap<Unit, HashMap<String, Tensor>>,
-    bytes: HashMap<Unit, usize>,
-}
 
 /// The ZeRO-3 frozen-weight source of one rank.
 pub struct ShardedWeights {
@@ -175,7 +108,7 @@ pub struct ShardedWeights {
     shards: Mutex<HashMap<String, Shard>>,
     /// Names per layer in the order they were sharded (the same on every rank).
     order: Mutex<Vec<String>>,
-    cache: Mutex<(Window, Cache)>,
+    held: Mutex<Held>,
     storage_dtype: DType,
     compute_dtype: DType,
     matmul_dtype: DType,
@@ -200,7 +133,7 @@ impl ShardedWeights {
             files: Mutex::new(Some(files)),
             shards: Default::default(),
             order: Default::default(),
-            cache: Mutex::new((Window::new(n_layers, prefetch), Cache::default())),
+            held: Mutex::new(Held::new(n_layers, prefetch)),
             storage_dtype,
             compute_dtype,
             matmul_dtype: compute_dtype,
@@ -302,23 +235,7 @@ impl WeightSource for ShardedWeights {
     }
     fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.shard(name, shape)?;
-        let unit = Unit::of(name);
-        let mut guard = lock(&self.cache);
-        let (window, cache) = &mut *guard;
-        let keep = window.request(&unit);
-        // Release first, then gather: what is held never exceeds the window.
-        let gone: Vec<Unit> = cache.units.keys().filter(|u| !keep.contains(u)).cloned().collect();
-        for u in gone {
-            cache.units.remove(&u);
-            self.account.sub_gathered(cache.bytes.remove(&u).unwrap_or(0));
-        }
-        for (k, u) in keep.iter().enumerate() {
-            let held = cache.units.entry(u.clone()).or_default();
-            let added = self.gather_unit(u, held, if k == 0 { Some(name) } else { None })?;
-            *cache.bytes.entry(u.clone()).or_default() += added;
-            self.account.add_gathered(added);
-        }
-        let t = cache.units.get(&unit).and_then(|h| h.get(name)).cloned().ok_or_else(|| Error::MissingTensor { name: name.into(), files: "(gathered)".into() })?;
+        let t = lock(&self.held).fetch(name, &self.account, |u, held, also| self.gather_unit(u, held, also))?;
         if t.dims() != shape {
             return Err(Error::Shape { name: name.into(), file: "(sharded base)".into(), expected: shape.to_vec(), got: t.dims().to_vec() });
         }
@@ -327,32 +244,5 @@ impl WeightSource for ShardedWeights {
 
     fn contains(&self, name: &str) -> bool {
         lock(&self.shards).contains_key(name) || lock(&self.files).as_ref().is_some_and(|f| f.file_of(name).is_some())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn window_prefetches_in_the_direction_of_travel() {
-        let mut w = Window::new(4, 1);
-        assert_eq!(w.request(&Unit::Tensor("model.embed_tokens.weight".into())), vec![Unit::Tensor("model.embed_tokens.weight".into())]);
-        assert_eq!(w.request(&Unit::Layer(0)), vec![Unit::Layer(0), Unit::Layer(1)]);
-        assert_eq!(w.request(&Unit::Layer(0)), vec![Unit::Layer(0), Unit::Layer(1)]);
-        assert_eq!(w.request(&Unit::Layer(1)), vec![Unit::Layer(1), Unit::Layer(2)]);
-        assert_eq!(w.request(&Unit::Layer(2)), vec![Unit::Layer(2), Unit::Layer(3)]);
-        assert_eq!(w.request(&Unit::Layer(3)), vec![Unit::Layer(3)]);
-        w.request(&Unit::Tensor("lm_head.weight".into()));
-        // Recomputed backward: from the last layer down.
-        assert_eq!(w.request(&Unit::Layer(3)), vec![Unit::Layer(3), Unit::Layer(2)]);
-        assert_eq!(w.request(&Unit::Layer(2)), vec![Unit::Layer(2), Unit::Layer(1)]);
-        assert_eq!(w.request(&Unit::Layer(0)), vec![Unit::Layer(0)]);
-    }
-
-    #[test]
-    fn units_are_layers_or_single_tensors() {
-        assert_eq!(Unit::of("model.layers.12.self_attn.q_proj.weight"), Unit::Layer(12));
-        assert_eq!(Unit::of("model.norm.weight"), Unit::Tensor("model.norm.weight".into()));
     }
 }

@@ -60,12 +60,16 @@ pub fn tokenizer_metadata(vocab: usize) -> Vec<(String, Value)> {
 /// matrices in `dtype`: what `write_gguf` writes, for tests that break one part first.
 pub fn gguf_parts(model: &Path, shape: &TinyShape, dtype: GgmlDType) -> (Vec<(String, Value)>, Vec<(String, QTensor)>) {
     let hf = load_tensors(&model.join("model.safetensors"));
+    // Qwen2: q/k/v biases, and llama.cpp leaves its q/k rows as they are (NEOX RoPE).
+    let qwen = shape.arch == "Qwen2ForCausalLM";
+    let arch = if qwen { "qwen2" } else { "llama" };
     let reverse: HashMap<String, String> = (0..shape.layers)
         .flat_map(|l| {
             [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
              ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"), ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")]
                 .into_iter()
                 .map(move |(g, h)| (format!("model.layers.{l}.{h}.weight"), format!("blk.{l}.{g}.weight")))
+                .chain(["q", "k", "v"].map(|x| (format!("model.layers.{l}.self_attn.{x}_proj.bias"), format!("blk.{l}.attn_{x}.bias"))))
         })
         .chain([("model.embed_tokens.weight", "token_embd.weight"), ("model.norm.weight", "output_norm.weight"), ("lm_head.weight", "output.weight")].map(|(a, b)| (a.to_string(), b.to_string())))
         .collect();
@@ -73,7 +77,8 @@ pub fn gguf_parts(model: &Path, shape: &TinyShape, dtype: GgmlDType) -> (Vec<(St
     for (name, t) in &hf {
         let g = reverse[name].clone();
         let mut t = t.clone();
-        if g.ends_with("attn_q.weight") {
+        if qwen {
+        } else if g.ends_with("attn_q.weight") {
             t = permute(&t, shape.heads).unwrap();
         } else if g.ends_with("attn_k.weight") {
             t = permute(&t, shape.kv_heads).unwrap();
@@ -83,16 +88,16 @@ pub fn gguf_parts(model: &Path, shape: &TinyShape, dtype: GgmlDType) -> (Vec<(St
     }
     let head_dim = shape.hidden / shape.heads;
     let mut md: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("llama".into())),
-        ("llama.attention.head_count".into(), Value::U32(shape.heads as u32)),
-        ("llama.attention.head_count_kv".into(), Value::U32(shape.kv_heads as u32)),
-        ("llama.block_count".into(), Value::U32(shape.layers as u32)),
-        ("llama.embedding_length".into(), Value::U32(shape.hidden as u32)),
-        ("llama.feed_forward_length".into(), Value::U32(shape.inter as u32)),
-        ("llama.rope.dimension_count".into(), Value::U32(head_dim as u32)),
-        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-6)),
-        ("llama.rope.freq_base".into(), Value::F32(10000.0)),
-        ("llama.context_length".into(), Value::U32(256)),
+        ("general.architecture".into(), Value::String(arch.into())),
+        (format!("{arch}.attention.head_count"), Value::U32(shape.heads as u32)),
+        (format!("{arch}.attention.head_count_kv"), Value::U32(shape.kv_heads as u32)),
+        (format!("{arch}.block_count"), Value::U32(shape.layers as u32)),
+        (format!("{arch}.embedding_length"), Value::U32(shape.hidden as u32)),
+        (format!("{arch}.feed_forward_length"), Value::U32(shape.inter as u32)),
+        (format!("{arch}.rope.dimension_count"), Value::U32(head_dim as u32)),
+        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (format!("{arch}.rope.freq_base"), Value::F32(10000.0)),
+        (format!("{arch}.context_length"), Value::U32(256)),
     ];
     md.extend(tokenizer_metadata(shape.vocab));
     (md, qs)

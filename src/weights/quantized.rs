@@ -1,0 +1,286 @@
+//! A quantized frozen base (QLoRA): the weights stay in their quantized blocks, and a layer
+//! is dequantised into the storage dtype when the model asks for it, held in the layer
+//! [`Window`](super::Window) (so the recomputed forward and the backward of activation
+//! checkpointing reuse one dequantisation), and dropped when the window moves on.
+//!
+//! Peak frozen memory is the quantized bytes plus one window of dequantised layers; the
+//! [`Account`] books the first as `frozen` and the second as `gathered`.
+//!
+//! Where the blocks come from is a [`BlockReader`]: a GGUF file (`gguf::GgufReader`), or a
+//! safetensors checkpoint quantised as it is read (`model.quantize`, [`QuantizeOnLoad`]).
+//! Tensors are read on first request (`Model::load` asks for every tensor it uses), so only
+//! what the model uses is held; `seal` then drops the reader.
+//!
+//! The forward matmul runs on the dequantised weight, not on the blocks: candle's quantized
+//! matmul quantises the activations to 8 bits first (ggml's `vec_dot` scheme), which is not
+//! what PEFT + bitsandbytes or transformers' GGUF loading compute (both dequantise), so
+//! parity would be lost for a speed-up the backward (dx = g W, on the dequantised weight)
+//! could not share anyway.
+
+use super::window::{Held, Unit};
+use super::{stored_dtype, WeightSource};
+use crate::dist::zero::Account;
+use crate::error::{Error, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+/// One frozen tensor as held.
+pub enum Blocks {
+    /// ggml blocks (any type candle reads, F32/F16 included). `unpermute_heads`: llama.cpp
+    /// permuted the rows of this q/k projection for its RoPE; undone after dequantising
+    /// (see `gguf::unpermute`).
+    Ggml { q: QTensor, unpermute_heads: Option<usize> },
+    /// Kept as it is (norms and biases, which quantising would save nothing on).
+    Plain(Tensor),
+}
+
+impl Blocks {
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Blocks::Ggml { q, .. } => q.shape().dims().to_vec(),
+            Blocks::Plain(t) => t.dims().to_vec(),
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Blocks::Ggml { q, .. } => q.storage_size_in_bytes(),
+            Blocks::Plain(t) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+
+    /// The full tensor in f32 (ggml) or its own dtype (plain), on `device`.
+    fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
+        match self {
+            Blocks::Ggml { q, unpermute_heads } => {
+                let t = q.dequantize(device)?;
+                match unpermute_heads {
+                    Some(h) => crate::gguf::unpermute(&t, *h),
+                    None => Ok(t),
+                }
+            }
+            Blocks::Plain(t) => t.to_device(device),
+        }
+    }
+}
+
+/// Where a quantized base's tensors come from. `read` returns the tensor `name` (HF name),
+/// or an error naming it and the file; `file` names the source for messages.
+pub trait BlockReader: Send {
+    fn contains(&self, name: &str) -> bool;
+    fn read(&mut self, name: &str, device: &Device) -> Result<Blocks>;
+    fn file(&self) -> String;
+}
+
+/// A safetensors checkpoint quantised to `dtype` as it is read (`model.quantize`).
+///
+/// Projection and embedding matrices are quantised; norms, biases and MoE router weights
+/// stay in the storage dtype (they are a rounding error of the size, and the router picks
+/// experts by score differences quantisation could flip). A matrix whose rows do not split
+/// into `dtype`'s blocks takes the 32-wide fallback llama.cpp's quantiser also takes for
+/// k-quants (q5_0 for q4_k), else stays as it is.
+pub struct QuantizeOnLoad {
+    pub files: super::SafetensorsFiles,
+    pub dtype: GgmlDType,
+    pub storage: DType,
+}
+
+/// The type `model.quantize = target` stores tensor `name` of shape `dims` in (see
+/// [`QuantizeOnLoad`]); `None`: kept as it is.
+pub fn quantized_format(target: GgmlDType, name: &str, dims: &[usize]) -> Option<GgmlDType> {
+    let matrix = dims.len() == 2 && name.ends_with(".weight") && !name.contains("norm") && !name.ends_with("mlp.gate.weight");
+    let cols = *dims.last()?;
+    let fallback = match target {
+        GgmlDType::Q4K | GgmlDType::Q3K | GgmlDType::Q2K => GgmlDType::Q5_0,
+        GgmlDType::Q5K | GgmlDType::Q6K => GgmlDType::Q8_0,
+        other => other,
+    };
+    [target, fallback].into_iter().find(|d| matrix && cols % d.block_size() == 0)
+}
+
+/// Bytes of `elems` weights in ggml type `d`.
+pub fn ggml_bytes(d: GgmlDType, elems: usize) -> usize {
+    elems / d.block_size() * d.type_size()
+}
+
+/// What `finetune plan` needs of a quantized base: a GGUF `model.path` (its tensors' types,
+/// from the header), or `model.quantize` (the types [`quantized_format`] picks). `None` for
+/// a base held as it is.
+pub fn plan_base(loaded: &crate::recipe::LoadedRecipe, cfg: &crate::config::ModelConfig) -> Result<Option<crate::dist::plan::QuantizedBase>> {
+    let m = &loaded.recipe.model;
+    let local = loaded.dir.join(&m.path);
+    if local.is_file() && m.path.to_ascii_lowercase().ends_with(".gguf") {
+        let g = crate::gguf::open(&local)?;
+        let types: Vec<String> = g.bytes_by_type().iter().rev().map(|(t, b)| format!("{t} {:.1} MB", *b as f64 / 1e6)).collect();
+        return Ok(Some(crate::dist::plan::QuantizedBase { bytes: g.hf_bytes(), what: format!("GGUF blocks ({})", types.join(", ")) }));
+    }
+    let Some(q) = &m.quantize else { return Ok(None) };
+    let target = parse_format(q).ok_or_else(|| Error::Recipe { file: loaded.file.display().to_string(), key: "model.quantize".into(), msg: format!("`{q}` is not a format this quantizes to") })?;
+    let storage = super::parse_dtype(&m.dtype);
+    let bytes = cfg
+        .frozen_tensors()
+        .into_iter()
+        .map(|(n, s)| {
+            let elems = s.iter().product::<usize>();
+            let b = quantized_format(target, &n, &s).map_or(elems * stored_dtype(&n, storage).size_in_bytes(), |d| ggml_bytes(d, elems));
+            (n, b)
+        })
+        .collect();
+    Ok(Some(crate::dist::plan::QuantizedBase { bytes, what: format!("model.quantize = {q}") }))
+}
+
+impl BlockReader for QuantizeOnLoad {
+    fn contains(&self, name: &str) -> bool {
+        self.files.file_of(name).is_some()
+    }
+    fn file(&self) -> String {
+        self.files.names_by_file().iter().map(|(p, _)| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    }
+    fn read(&mut self, name: &str, device: &Device) -> Result<Blocks> {
+        let dims = self.files.shape(name)?;
+        let t = self.files.load(name, &dims, &Device::Cpu)?;
+        Ok(match quantized_format(self.dtype, name, &dims) {
+            Some(d) => Blocks::Ggml { q: QTensor::quantize_onto(&t.to_dtype(DType::F32)?, d, device)?, unpermute_heads: None },
+            None => Blocks::Plain(t.to_dtype(stored_dtype(name, self.storage))?.to_device(device)?),
+        })
+    }
+}
+
+/// The ggml type a `model.quantize` value names.
+pub fn parse_format(s: &str) -> Option<GgmlDType> {
+    Some(match s {
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_k" => GgmlDType::Q4K,
+        "q5_k" => GgmlDType::Q5K,
+        "q6_k" => GgmlDType::Q6K,
+        _ => return None,
+    })
+}
+
+/// The quantized frozen-weight source.
+pub struct QuantizedWeights {
+    reader: Mutex<Option<Box<dyn BlockReader>>>,
+    /// Where the blocks came from, for messages once the reader is gone.
+    origin: String,
+    blocks: Mutex<HashMap<String, Arc<Blocks>>>,
+    held: Mutex<Held>,
+    storage_dtype: DType,
+    compute_dtype: DType,
+    matmul_dtype: DType,
+    device: Device,
+    account: Arc<Account>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl QuantizedWeights {
+    /// Layers are dequantised into `storage_dtype` (the recipe's `model.dtype`), with
+    /// `prefetch` layers ahead held too.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(reader: Box<dyn BlockReader>, n_layers: usize, prefetch: usize, storage_dtype: DType, compute_dtype: DType, device: Device, account: Arc<Account>) -> Self {
+        QuantizedWeights {
+            origin: reader.file(),
+            reader: Mutex::new(Some(reader)),
+            blocks: Default::default(),
+            held: Mutex::new(Held::new(n_layers, prefetch)),
+            storage_dtype,
+            compute_dtype,
+            matmul_dtype: compute_dtype,
+            device,
+            account,
+        }
+    }
+
+    /// Hand projection weights to the frozen matmul in `dtype` (see `ops::Kernels::matmul_dtype`).
+    pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
+        self.matmul_dtype = dtype;
+        self
+    }
+
+    /// The blocks of `name`, read on first request, shape checked.
+    fn blocks(&self, name: &str, shape: &[usize]) -> Result<Arc<Blocks>> {
+        // Bound first: a guard in the match scrutinee would live through the insert below.
+        let cached = lock(&self.blocks).get(name).cloned();
+        let b = match cached {
+            Some(b) => b,
+            None => {
+                let mut reader = lock(&self.reader);
+                let reader = reader.as_mut().ok_or_else(|| Error::MissingTensor { name: name.into(), files: format!("{} (weights sealed after load)", self.origin) })?;
+                if !reader.contains(name) {
+                    return Err(Error::MissingTensor { name: name.into(), files: self.origin.clone() });
+                }
+                let b = Arc::new(reader.read(name, &self.device)?);
+                self.account.frozen.fetch_add(b.bytes(), Ordering::SeqCst);
+                lock(&self.blocks).insert(name.to_string(), b.clone());
+                b
+            }
+        };
+        if b.dims() != shape {
+            return Err(Error::Shape { name: name.into(), file: self.origin.clone(), expected: shape.to_vec(), got: b.dims() });
+        }
+        Ok(b)
+    }
+
+    /// Dequantise every tensor of `unit` not yet in `held` (plus `also`).
+    fn dequantize_unit(&self, unit: &Unit, held: &mut HashMap<String, Tensor>, also: Option<&str>) -> Result<usize> {
+        let todo: Vec<(String, Arc<Blocks>)> = lock(&self.blocks)
+            .iter()
+            .filter(|(n, _)| (&Unit::of(n) == unit || Some(n.as_str()) == also) && !held.contains_key(*n))
+            .map(|(n, b)| (n.clone(), b.clone()))
+            .collect();
+        let mut bytes = 0;
+        for (name, b) in todo {
+            let t = b.dequantize(&self.device).and_then(|t| t.to_dtype(stored_dtype(&name, self.storage_dtype))).map_err(|e| Error::Safetensors {
+                file: self.origin.clone().into(),
+                msg: format!("dequantising `{name}`: {}", crate::error::candle_msg(&e)),
+            })?;
+            bytes += t.elem_count() * t.dtype().size_in_bytes();
+            held.insert(name, t);
+        }
+        Ok(bytes)
+    }
+
+    /// Bytes of quantized blocks held (the `frozen` of the memory account).
+    pub fn quantized_bytes(&self) -> usize {
+        lock(&self.blocks).values().map(|b| b.bytes()).sum()
+    }
+}
+
+impl WeightSource for QuantizedWeights {
+    fn compute_dtype(&self) -> DType {
+        self.compute_dtype
+    }
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn matmul_dtype(&self) -> DType {
+        self.matmul_dtype
+    }
+    fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.blocks(name, shape)?;
+        lock(&self.held).fetch(name, &self.account, |u, held, also| self.dequantize_unit(u, held, also))
+    }
+    /// Rows of a quantized embedding are dequantised alone (candle's `QTensor::embedding`):
+    /// the whole table is expanded only when it is also the (tied) output projection.
+    fn embedding(&self, name: &str, shape: &[usize], ids: &Tensor) -> Result<Tensor> {
+        match &*self.blocks(name, shape)? {
+            Blocks::Ggml { q, unpermute_heads: None } if shape[1] % q.dtype().block_size() == 0 => {
+                Ok(q.embedding(ids)?.to_dtype(self.storage_dtype)?.to_dtype(self.compute_dtype)?)
+            }
+            _ => Ok(self.get_stored(name, shape)?.index_select(ids, 0)?.to_dtype(self.compute_dtype)?),
+        }
+    }
+    fn contains(&self, name: &str) -> bool {
+        lock(&self.blocks).contains_key(name) || lock(&self.reader).as_ref().is_some_and(|r| r.contains(name))
+    }
+    fn seal(&self) {
+        *lock(&self.reader) = None;
+    }
+}

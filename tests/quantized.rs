@@ -1,0 +1,196 @@
+//! A quantized frozen base (QLoRA): training straight from a GGUF file, and `model.quantize`
+//! on a safetensors base. What must hold: the result equals training on the dequantised
+//! base (the model code cannot tell), the blocks stay quantized in memory (the memory
+//! account books the file's bytes as the frozen base), and misuse is refused by key.
+
+mod common;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+use common::gguf::*;
+use common::*;
+use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+use std::path::Path;
+
+const RECIPE: &str = r#"
+[model]
+path = "MODEL"
+dtype = "f32"
+[lora]
+rank = 4
+alpha = 8
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+[data]
+train = "data"
+format = "tokenized"
+shuffle = false
+[train]
+micro_batch_size = 2
+grad_accum_steps = 2
+max_steps = 3
+lr = 0.01
+[output]
+dir = "out"
+"#;
+
+/// A temp folder with `hf/` (a tiny random model of `shape`), `model.gguf` (it in `dtype`,
+/// llama.cpp's layout), `imported/` (that file dequantised by `finetune import`) and data.
+fn workspace(shape: &TinyShape, dtype: GgmlDType) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("hf"), shape, 5, 1).unwrap();
+    write_gguf(&d.path().join("hf"), shape, dtype, &d.path().join("model.gguf"));
+    finetune::gguf::import(&d.path().join("model.gguf"), &d.path().join("imported"), candle_core::DType::F32, u64::MAX).unwrap();
+    write_tokenized_dataset(&d.path().join("data"), &counting_rows(16, shape.vocab, 3, 6, 20)).unwrap();
+    d
+}
+
+/// Train `model` (a path relative to `root`) with `extra` overrides; the run's summary.
+fn train(root: &Path, name: &str, model: &str, extra: &[&str]) -> finetune::train::RunSummary {
+    let dir = run_dir(root, name, &RECIPE.replace("MODEL", &format!("../{model}")));
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    copy_dir(&root.join("data"), &dir.join("data"));
+    let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let loaded = finetune::recipe::LoadedRecipe::load(&dir.join("recipe.toml"), &o).unwrap();
+    finetune::train::run(&loaded).unwrap()
+}
+
+fn losses(root: &Path, name: &str) -> Vec<f64> {
+    read_metrics(&root.join(name).join("out/metrics.jsonl")).iter().map(|m| m["loss"].as_f64().unwrap()).collect()
+}
+
+/// The GGUF's description is derived into finetune's cache: one for this test binary
+/// (content-addressed, so tests may share it), never the user's.
+fn cache_env(_root: &Path) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| std::env::set_var("FINETUNE_CACHE", Path::new(env!("CARGO_TARGET_TMPDIR")).join("finetune-cache")));
+}
+
+#[test]
+fn training_on_a_gguf_equals_training_on_its_dequantised_import() {
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        let d = workspace(&shape(), dtype);
+        cache_env(d.path());
+        train(d.path(), "gguf", "model.gguf", &[]);
+        train(d.path(), "imported", "imported", &[]);
+        let (a, b) = (losses(d.path(), "gguf"), losses(d.path(), "imported"));
+        assert_eq!(a.len(), 3);
+        assert_eq!(a, b, "{dtype:?}: the GGUF base must train exactly as its dequantised import");
+        // The adapters too, bit for bit.
+        let ta = load_tensors(&d.path().join("gguf/out/adapter/adapter_model.safetensors"));
+        let tb = load_tensors(&d.path().join("imported/out/adapter/adapter_model.safetensors"));
+        for (k, t) in &ta {
+            assert_eq!(max_abs_diff(t, &tb[k]), 0.0, "{k}");
+        }
+    }
+}
+
+#[test]
+fn a_qwen2_gguf_with_biases_and_tied_embeddings_trains_as_its_import() {
+    let s = TinyShape { arch: "Qwen2ForCausalLM", tie: true, ..shape() };
+    let d = workspace(&s, GgmlDType::Q8_0);
+    cache_env(d.path());
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.path().join("imported/config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["model_type"].as_str(), cfg["tie_word_embeddings"].as_bool()), (Some("qwen2"), Some(true)));
+    // The import itself equals the original up to Q8_0 rounding: nothing was permuted.
+    let (orig, got) = (load_tensors(&d.path().join("hf/model.safetensors")), load_tensors(&d.path().join("imported/model.safetensors")));
+    let q = &orig["model.layers.1.self_attn.q_proj.weight"];
+    assert!(max_abs_diff(q, &got["model.layers.1.self_attn.q_proj.weight"]) < 0.01 * q.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap());
+    assert_eq!(max_abs_diff(&orig["model.layers.0.self_attn.k_proj.bias"], &got["model.layers.0.self_attn.k_proj.bias"]), 0.0);
+    train(d.path(), "gguf", "model.gguf", &[]);
+    train(d.path(), "imported", "imported", &[]);
+    assert_eq!(losses(d.path(), "gguf"), losses(d.path(), "imported"));
+}
+
+#[test]
+fn a_gguf_base_is_held_as_its_quantized_bytes_plus_one_dequantised_layer() {
+    let s = TinyShape { layers: 4, ..shape() };
+    let d = workspace(&s, GgmlDType::Q4_0);
+    cache_env(d.path());
+    let summary = train(d.path(), "gguf", "model.gguf", &[]);
+    let m = &summary.memory[0];
+    let g = finetune::gguf::open(&d.path().join("model.gguf")).unwrap();
+    let file_bytes: u64 = g.bytes_by_type().values().sum();
+    assert_eq!(m.frozen as u64, file_bytes, "the frozen base held is the file's tensor bytes");
+    // The window: one layer, or the embedding table (the tied head is the largest unit).
+    let layer_f32 = 4 * (2 * s.hidden * s.hidden + 2 * s.hidden * (s.hidden / s.heads * s.kv_heads) + 3 * s.hidden * s.inter + 2 * s.hidden);
+    let head_f32 = 4 * s.vocab * s.hidden;
+    assert!(m.gathered_peak <= layer_f32.max(head_f32), "{} > {}", m.gathered_peak, layer_f32.max(head_f32));
+    assert!(m.gathered_peak >= layer_f32.min(head_f32), "{} dequantised bytes at most: no layer was ever held whole?", m.gathered_peak);
+    // `finetune plan` predicts both from the header alone.
+    let loaded = finetune::recipe::LoadedRecipe::load(&d.path().join("gguf/recipe.toml"), &[]).unwrap();
+    let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded).unwrap()).unwrap();
+    let q = finetune::weights::quantized::plan_base(&loaded, &cfg).unwrap().expect("a quantized base");
+    let p = finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q));
+    assert_eq!((p.frozen, p.gathered_peak), (m.frozen, m.gathered_peak));
+    assert!(finetune::dist::plan::render(&cfg, &loaded.recipe, &[p], false).contains("GGUF blocks (Q4_0"));
+}
+
+#[test]
+fn quantize_on_load_equals_training_on_the_base_quantised_and_dequantised_beforehand() {
+    let d = workspace(&shape(), GgmlDType::F32);
+    cache_env(d.path());
+    // The same quantisation written out dequantised: what the run must see.
+    let src = load_tensors(&d.path().join("hf/model.safetensors"));
+    let deq: Vec<(String, candle_core::Tensor)> = src
+        .iter()
+        .map(|(k, t)| {
+            let q = t.rank() == 2 && !k.contains("norm");
+            let t = if q { QTensor::quantize(t, GgmlDType::Q8_0).unwrap().dequantize(&Device::Cpu).unwrap() } else { t.clone() };
+            (k.clone(), t)
+        })
+        .collect();
+    std::fs::create_dir_all(d.path().join("deq")).unwrap();
+    finetune::gguf::write_weights(&d.path().join("deq"), &deq, u64::MAX).unwrap();
+    std::fs::copy(d.path().join("hf/config.json"), d.path().join("deq/config.json")).unwrap();
+    let summary = train(d.path(), "q8", "hf", &["model.quantize=q8_0"]);
+    train(d.path(), "deq", "deq", &[]);
+    assert_eq!(losses(d.path(), "q8"), losses(d.path(), "deq"));
+    // Held as Q8_0: 34 bytes per 32 weights for the matrices.
+    let f32_bytes: usize = src.values().map(|t| t.elem_count() * 4).sum();
+    let m = &summary.memory[0];
+    assert!((m.frozen as f64) < 0.3 * f32_bytes as f64, "{} of {f32_bytes}", m.frozen);
+    let loaded = finetune::recipe::LoadedRecipe::load(&d.path().join("q8/recipe.toml"), &["model.quantize=q8_0".to_string()]).unwrap();
+    let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded).unwrap()).unwrap();
+    let q = finetune::weights::quantized::plan_base(&loaded, &cfg).unwrap().expect("a quantized base");
+    assert_eq!(finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q)).frozen, m.frozen);
+}
+
+#[test]
+fn a_quantized_base_refuses_quantize_twice_and_names_the_key() {
+    let d = workspace(&shape(), GgmlDType::Q8_0);
+    cache_env(d.path());
+    let dir = run_dir(d.path(), "both", &RECIPE.replace("MODEL", "../model.gguf"));
+    copy_dir(&d.path().join("data"), &dir.join("data"));
+    let loaded = finetune::recipe::LoadedRecipe::load(&dir.join("recipe.toml"), &["model.quantize=q4_k".to_string()]).unwrap();
+    let e = finetune::train::run(&loaded).err().expect("refused").to_string();
+    assert!(e.contains("model.quantize") && e.contains("GGUF"), "{e}");
+    assert!(!dir.join("out").exists(), "nothing written");
+    let bad = finetune::recipe::LoadedRecipe::load(&dir.join("recipe.toml"), &["model.quantize=q3".to_string()]).err().expect("refused").to_string();
+    assert!(bad.contains("model.quantize"), "{bad}");
+}
+
+#[test]
+fn a_gguf_base_merges_and_generates_as_its_import() {
+    let d = workspace(&shape(), GgmlDType::Q8_0);
+    cache_env(d.path());
+    train(d.path(), "gguf", "model.gguf", &[]);
+    let adapter = finetune::export::PeftAdapter::open(&d.path().join("gguf/out/adapter")).unwrap();
+    let opts = finetune::export::ExportOptions { merge: true, dtype: None, max_shard_size: None, no_verify: false, kernels: Default::default() };
+    let gguf = finetune::weights::ModelDir::resolve("model.gguf", d.path()).unwrap();
+    assert!(gguf.gguf.is_some());
+    let imported = finetune::weights::ModelDir::resolve("imported", d.path()).unwrap();
+    finetune::export::merge(&gguf, &adapter, &d.path().join("m-gguf"), &opts).unwrap();
+    finetune::export::merge(&imported, &adapter, &d.path().join("m-imported"), &opts).unwrap();
+    let (a, b) = (load_tensors(&d.path().join("m-gguf/model.safetensors")), load_tensors(&d.path().join("m-imported/model.safetensors")));
+    assert_eq!(a.len(), b.len());
+    for (k, t) in &a {
+        assert_eq!(max_abs_diff(t, &b[k]), 0.0, "{k}");
+    }
+    assert!(!std::fs::read_dir(d.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains("dequantised")), "the dequantised copy is removed");
+    // Generation from the GGUF with the adapter: the logits of its import.
+    let ids = candle_core::Tensor::new(&[[3u32, 17, 40, 99, 5]], &Device::Cpu).unwrap();
+    let logits = |m: &finetune::weights::ModelDir| {
+        let g = finetune::generate::Generator::load(m, Some(&d.path().join("gguf/out/adapter"))).unwrap();
+        g.model.logits(&ids, &g.adapters).unwrap()
+    };
+    assert_eq!(max_abs_diff(&logits(&gguf), &logits(&imported)), 0.0);
+}
