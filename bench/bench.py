@@ -99,13 +99,16 @@ LLAMA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 MLA_TARGETS = "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
 
 
-def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAMA_TARGETS):
+def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAMA_TARGETS, quantize=None):
     out = tempfile.mkdtemp(prefix="ft-bench-")
     recipe = os.path.join(out, "bench.toml")
     with open(recipe, "w") as f:
-        f.write(RECIPE.format(model=model, data=data, seq=seq, steps=steps + warmup, batch=batch,
-                              ckpt=str(ckpt).lower(), out=os.path.join(out, "run"), dtype=dtype,
-                              targets=json.dumps(targets.split(","))))
+        text = RECIPE.format(model=model, data=data, seq=seq, steps=steps + warmup, batch=batch,
+                             ckpt=str(ckpt).lower(), out=os.path.join(out, "run"), dtype=dtype,
+                             targets=json.dumps(targets.split(",")))
+        if quantize:
+            text = text.replace("[lora]", f'quantize = "{quantize}"\n[lora]', 1)
+        f.write(text)
     env = dict(os.environ, RAYON_NUM_THREADS="2", CANDLE_NUM_THREADS="2")
     _, rss = peak_rss_of([BIN, "--recipe", recipe], env=env)
     with open(os.path.join(out, "run", "metrics.jsonl")) as f:
@@ -128,6 +131,38 @@ def peft(model, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAMA_TARG
     res = json.loads(lines[-1])
     res["peak_rss_mb"] = max(rss, res["peak_rss_mb"])
     return res
+
+
+def qlora_7b(cache):
+    """A DeepSeek-LLM-7B-shaped Llama (30 layers, random weights) as a Q4_K GGUF written by
+    `finetune synth`: plan it, train one 1 x 256 step with activation checkpointing, and
+    compare the peak RSS with 8 GB and the frozen bytes the run held with the file's size
+    plus one dequantised layer window (bf16)."""
+    d = os.path.join(cache, "ds7b-q4_k")
+    gguf = os.path.join(d, "model.gguf")
+    if not os.path.isfile(gguf):
+        print("writing the 7B-shaped Q4_K GGUF (a few minutes) ...", file=sys.stderr, flush=True)
+        subprocess.run([BIN, "synth", "--out", d, "--shape", "deepseek-llm-7b", "--rows", "4",
+                        "--seq-min", "256", "--seq-max", "256", "--gguf", "q4_k"], check=True)
+    out = tempfile.mkdtemp(prefix="ft-bench-7b-")
+    recipe = os.path.join(out, "bench.toml")
+    with open(recipe, "w") as f:
+        f.write(RECIPE.format(model=gguf, data=os.path.join(d, "data"), seq=256, steps=1, batch=1, ckpt="true",
+                              out=os.path.join(out, "run"), dtype="bf16", targets=json.dumps(LLAMA_TARGETS.split(","))))
+    plan = subprocess.run([BIN, "plan", "--recipe", recipe], stdout=subprocess.PIPE, text=True, check=True).stdout
+    print("\n" + plan)
+    env = dict(os.environ, RAYON_NUM_THREADS="2", CANDLE_NUM_THREADS="2")
+    _, rss = peak_rss_of([BIN, "--recipe", recipe], env=env, timeout=3600)
+    with open(os.path.join(out, "run", "summary.json")) as f:
+        summary = json.load(f)
+    mem = summary.get("memory") or {}
+    mem = mem[0] if isinstance(mem, list) else mem
+    size = os.path.getsize(gguf)
+    layer = 2 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)  # one layer in bf16
+    print(f"7B-shaped Q4_K GGUF ({size / 1e9:.2f} GB), 1 x 256 step with checkpointing on {summary.get('cpu', '?')}: "
+          f"peak RSS {rss / 1024:.2f} GB (goal: under 8 GB); frozen bytes held {mem.get('frozen', 0) / 1e9:.2f} GB, "
+          f"dequantised peak {mem.get('gathered_peak', 0) / 1e9:.2f} GB; file + one bf16 layer = {(size + layer) / 1e9:.2f} GB "
+          f"(goal: frozen within 10% of it)")
 
 
 def data_bench(cache, rows):
@@ -288,8 +323,10 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row (median taken), after 1 warm-up")
     ap.add_argument("--data-only", action="store_true", help="only the data-loader benchmark")
     ap.add_argument("--data-rows", type=int, default=1_000_000)
-    ap.add_argument("--sections", default="data,main,batch1,scaling,moe",
+    ap.add_argument("--sections", default="data,main,batch1,scaling,qlora,moe",
                     help="comma list of: data, main (4 x 512 f32/bf16), batch1 (1 x 512), scaling (seq 256..2048, 2048 tokens/step), "
+                         "qlora (SmolLM2 shape from a Q4_1 GGUF vs its bf16 base, 4 x 512), "
+                         "qlora7b (a 7B-shaped Q4_K GGUF, one 1 x 256 step: memory only; not in the default list, ~15 min), "
                          "moe (DeepSeek-V2-Lite layer shapes, 3 layers, 1 x 512)")
     a = ap.parse_args()
     if a.steps < 1:
@@ -366,6 +403,27 @@ def main():
                 (f"PEFT f32 no ckpt, {batch} x {seq}", seq, lambda: peft(model, batch, seq, steps, warmup, False)),
             ])
         table("sequence-length scaling at 2048 tokens per step (ratios against all PEFT rows)", rows, peak, fpt)
+    if "qlora" in sections:
+        # The same random SmolLM2-shaped weights (same synth seed) written as a Q4_1 GGUF: the
+        # base a QLoRA user holds. Both rows dequantise/convert into bf16 (model.dtype).
+        _, data = ensure_model(cache, 512)
+        gguf = os.path.join(cache, "smol-q4_1", "model.gguf")
+        if not os.path.isfile(gguf):
+            subprocess.run([BIN, "synth", "--out", os.path.dirname(gguf), "--shape", "smollm2-135m", "--rows", "8", "--gguf", "q4_1"], check=True)
+        print(f"\nQLoRA: SmolLM2-135M shape, Q4_1 GGUF ({os.path.getsize(gguf) / 1e6:.0f} MB) trained directly vs the bf16 safetensors base "
+              f"({os.path.getsize(os.path.join(model, 'model.safetensors')) / 2e6:.0f} MB in bf16), batch 4 x 512, activation ckpt")
+        rows = run_rows([
+            ("finetune bf16 base, activation ckpt", 512, lambda: ours(model, data, 4, 512, steps, warmup, True, "bf16")),
+            ("finetune Q4_1 GGUF base, activation ckpt", 512, lambda: ours(gguf, data, 4, 512, steps, warmup, True, "bf16")),
+            ("finetune model.quantize = q8_0, activation ckpt", 512, lambda: ours(model, data, 4, 512, steps, warmup, True, "bf16", quantize="q8_0")),
+        ])
+        table("QLoRA, batch 4 x seq 512 (ratios against the bf16 base row)", rows, peak, fpt)
+        base, q = rows[0][1], rows[1][1]
+        if "tokens_per_s" in base and "tokens_per_s" in q:
+            print(f"Q4_1 GGUF base: {q['tokens_per_s'] / base['tokens_per_s']:.2f}x the tokens/s of the bf16 base, "
+                  f"{base['peak_rss_mb'] - q['peak_rss_mb']:.0f} MB less peak RSS (goals: at least 0.8x, at least 120 MB less)")
+    if "qlora7b" in sections:
+        qlora_7b(cache)
     if "moe" in sections:
         moe = ensure_moe_model(cache, model)
         data = ensure_random_data(cache, 512, 102400)

@@ -6,12 +6,23 @@ use std::io::Write;
 use std::path::Path;
 
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_with(path, |f| f.write_all(bytes).map_err(|e| Error::io(path, e)))
+}
+
+/// Write `path` through `fill` (a seekable writer on a temporary sibling), durably: `path`
+/// appears whole or not at all, and a failed `fill` leaves nothing behind.
+pub fn write_with(path: &Path, fill: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> Result<()>) -> Result<()> {
     let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let tmp = path.with_file_name(format!(".{name}.tmp"));
-    {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
-        f.sync_all().map_err(|e| Error::io(&tmp, e))?;
+    let written = (|| {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?);
+        fill(&mut f)?;
+        let f = f.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io(&tmp, e))
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
     rename_durable(&tmp, path)
 }

@@ -496,31 +496,44 @@ impl Meta<'_> {
     }
 }
 
+/// llama.cpp's names of a block's tensors and HF's (under `model.layers.N.`).
+const BLOCK_NAMES: [(&str, &str); 12] = [
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+];
+
+/// llama.cpp's names of the tensors outside the blocks and HF's.
+const TOP_NAMES: [(&str, &str); 3] = [("token_embd.weight", "model.embed_tokens.weight"), ("output_norm.weight", "model.norm.weight"), ("output.weight", "lm_head.weight")];
+
 /// llama.cpp name -> HF name.
 pub fn hf_name(gguf: &str) -> Option<String> {
-    match gguf {
-        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
-        "output_norm.weight" => return Some("model.norm.weight".into()),
-        "output.weight" => return Some("lm_head.weight".into()),
-        _ => {}
+    if let Some((_, hf)) = TOP_NAMES.iter().find(|(g, _)| *g == gguf) {
+        return Some(hf.to_string());
     }
     let (layer, name) = block_of(gguf)?;
-    let hf = match name {
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "attn_q.bias" => "self_attn.q_proj.bias",
-        "attn_k.bias" => "self_attn.k_proj.bias",
-        "attn_v.bias" => "self_attn.v_proj.bias",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        "attn_norm.weight" => "input_layernorm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        _ => return None,
-    };
+    let hf = BLOCK_NAMES.iter().find(|(g, _)| *g == name)?.1;
     Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// HF name -> llama.cpp name (the inverse of [`hf_name`]).
+pub fn gguf_name(hf: &str) -> Option<String> {
+    if let Some((g, _)) = TOP_NAMES.iter().find(|(_, h)| *h == hf) {
+        return Some(g.to_string());
+    }
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    let n: usize = layer.parse().ok().filter(|n: &usize| n.to_string() == layer)?;
+    let g = BLOCK_NAMES.iter().find(|(_, h)| *h == rest)?.0;
+    Some(format!("blk.{n}.{g}"))
 }
 
 /// `blk.N.rest` -> (N, rest), N written canonically (`blk.01` would alias `blk.1`).
@@ -764,6 +777,17 @@ fn tokenizer_files(m: &Meta, vocab: usize, context: usize) -> Result<(serde_json
         return Err(m.err("tokenizer.ggml.tokens", format!("has {} tokens; token_embd.weight has rows for {vocab}", tokens.len())));
     }
     let merges = m.strings("tokenizer.ggml.merges")?;
+    // The tokenizers crate panics on a merge whose parts or result are not in the
+    // vocabulary: refuse such a file here, naming the merge.
+    {
+        let known: HashSet<&str> = tokens.iter().map(|t| t.as_str()).collect();
+        for (i, mg) in merges.iter().enumerate() {
+            let ok = mg.split_once(' ').is_some_and(|(a, b)| known.contains(a) && known.contains(b) && known.contains(format!("{a}{b}").as_str()));
+            if !ok {
+                return Err(m.err("tokenizer.ggml.merges", format!("merge {i} (`{mg}`) is not two vocabulary tokens joining into a third")));
+            }
+        }
+    }
     let types: Vec<i64> = match m.array("tokenizer.ggml.token_type")? {
         Some(a) => a
             .iter()
@@ -1169,6 +1193,9 @@ mod tests {
         assert_eq!(hf_name("token_embd.weight").as_deref(), Some("model.embed_tokens.weight"));
         assert_eq!(hf_name("blk.0.ffn_norm.weight").as_deref(), Some("model.layers.0.post_attention_layernorm.weight"));
         assert_eq!(hf_name("rope_freqs.weight"), None);
+        for g in ["blk.3.attn_output.weight", "token_embd.weight", "blk.12.attn_k.bias", "output.weight"] {
+            assert_eq!(gguf_name(&hf_name(g).unwrap()).as_deref(), Some(g));
+        }
         // Only canonical block numbers: `blk.01` or `blk.+1` would alias `blk.1`.
         assert_eq!(hf_name("blk.01.attn_q.weight"), None);
         assert_eq!(hf_name("blk.+1.attn_q.weight"), None);

@@ -135,6 +135,11 @@ enum Command {
         seq_max: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Write the model as a llama.cpp GGUF file (<out>/model.gguf) quantized to this
+        /// type (q8_0, q4_0, q4_k, q5_k, q6_k, f32) instead of an HF folder: one tensor is
+        /// generated at a time, so a 7B-shaped file needs only its quantized size in memory.
+        #[arg(long)]
+        gguf: Option<String>,
     },
 }
 
@@ -274,7 +279,11 @@ struct ExportArgs {
     /// Skip the logits check of the merged model.
     #[arg(long)]
     no_verify: bool,
-    /// Output folder (must not exist or be empty).
+    /// "peft" (an adapter folder, or with --merge an HF model), or "gguf": the adapter as a
+    /// llama.cpp LoRA GGUF file (`llama-cli -m base.gguf --lora OUT`); --out is then a file.
+    #[arg(long, default_value = "peft")]
+    format: String,
+    /// Output folder (must not exist or be empty); with --format gguf, the .gguf file.
     #[arg(long)]
     out: PathBuf,
 }
@@ -305,6 +314,19 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
         Some(other) => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
     };
     let max_shard_size = a.max_shard_size.as_deref().map(parse_size).transpose().map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
+    match (a.format.as_str(), a.merge) {
+        ("gguf", true) => anyhow::bail!("--format gguf writes the adapter alone; merge with --format peft (a merged HF model), then convert it with llama.cpp"),
+        ("gguf", false) => {
+            if a.out.is_dir() {
+                anyhow::bail!("--out {}: with --format gguf, --out names the .gguf file to write, not a folder", a.out.display());
+            }
+            let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &a.out)?;
+            eprintln!("adapter (llama.cpp LoRA GGUF) written to {} ({} bytes); use it with: llama-cli -m <base>.gguf --lora {}", r.out.display(), r.total_bytes, r.out.display());
+            return Ok(());
+        }
+        ("peft", _) => {}
+        (other, _) => anyhow::bail!("--format {other}: expected peft or gguf"),
+    }
     if !a.merge {
         let r = export_adapter_only(&adapter, &base, &a.out)?;
         eprintln!("adapter (PEFT format) written to {} ({} bytes)", r.out.display(), r.total_bytes);
@@ -381,7 +403,7 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
     match e {
         E::Recipe { .. } => Some("fix the key in the recipe, or override it with --set section.key=value"),
         E::Model { .. } | E::Config { .. } => {
-            Some("model.path must name a local HF folder (config.json + *.safetensors) or a hub repo id (org/name)")
+            Some("model.path must name a local HF folder (config.json + *.safetensors), a llama.cpp .gguf file, or a hub repo id (org/name)")
         }
         E::Safetensors { .. } | E::MissingTensor { .. } | E::Shape { .. } => {
             Some("the checkpoint does not match its config.json; re-download or re-export it")
@@ -403,12 +425,14 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
     }
 }
 
-fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, tie: bool, len: (usize, usize), seed: u64) -> anyhow::Result<()> {
+#[allow(clippy::too_many_arguments)]
+fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, tie: bool, len: (usize, usize), seed: u64, gguf: Option<&str>) -> anyhow::Result<()> {
     use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, write_tokenizer, TinyShape};
     let mut s = match shape {
         "tiny" => TinyShape::default(),
         "smollm2-135m" => TinyShape::smollm2_135m(),
-        other => anyhow::bail!("--shape {other}: expected tiny or smollm2-135m"),
+        "deepseek-llm-7b" => TinyShape::deepseek_llm_7b(),
+        other => anyhow::bail!("--shape {other}: expected tiny, smollm2-135m or deepseek-llm-7b"),
     };
     s.arch = match arch {
         "llama" => "LlamaForCausalLM",
@@ -419,10 +443,23 @@ fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, tie: bool,
     if len.0 < 2 || len.0 > len.1 {
         anyhow::bail!("--seq-min/--seq-max: need 2 <= min <= max");
     }
-    write_model(&out.join("model"), &s, seed, 1)?;
-    write_tokenizer(&out.join("model"), s.vocab)?;
+    match gguf {
+        Some(q) => {
+            let dtype = match q {
+                "f32" => candle_core::quantized::GgmlDType::F32,
+                "q4_1" => candle_core::quantized::GgmlDType::Q4_1,
+                q => finetune::weights::quantized::parse_format(q).ok_or_else(|| anyhow::anyhow!("--gguf {q}: expected q8_0, q4_0, q4_1, q4_k, q5_k, q6_k or f32"))?,
+            };
+            std::fs::create_dir_all(out)?;
+            finetune::synth::write_gguf_model(&out.join("model.gguf"), &s, seed, dtype)?;
+        }
+        None => {
+            write_model(&out.join("model"), &s, seed, 1)?;
+            write_tokenizer(&out.join("model"), s.vocab)?;
+        }
+    }
     write_tokenized_dataset(&out.join("data"), &counting_rows(rows, s.vocab, seed + 1, len.0, len.1))?;
-    eprintln!("wrote {}/model and {}/data", out.display(), out.display());
+    eprintln!("wrote {}/{} and {}/data", out.display(), if gguf.is_some() { "model.gguf" } else { "model" }, out.display());
     Ok(())
 }
 
@@ -511,8 +548,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         (Some(Command::Plan { recipe, world_size, overrides }), _) => plan(&recipe, &world_size, &overrides)?,
         (Some(Command::Eval { model, adapter, data, max_new_tokens, chat }), _) => eval(&model, adapter.as_deref(), &data, max_new_tokens, chat)?,
-        (Some(Command::Synth { out, shape, arch, rows, tie, seq_min, seq_max, seed }), _) => {
-            synth(&out, &shape, &arch, rows, tie, (seq_min, seq_max), seed)?
+        (Some(Command::Synth { out, shape, arch, rows, tie, seq_min, seq_max, seed, gguf }), _) => {
+            synth(&out, &shape, &arch, rows, tie, (seq_min, seq_max), seed, gguf.as_deref())?
         }
         (None, None) => anyhow::bail!("nothing to do: try `finetune --recipe recipes/tiny-lora.toml` or `finetune --help`"),
     }

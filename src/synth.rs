@@ -44,6 +44,11 @@ impl Default for TinyShape {
 }
 
 impl TinyShape {
+    /// DeepSeek LLM 7B's shape (Llama: 30 layers, hidden 4096, 32 heads, vocab 102400).
+    pub fn deepseek_llm_7b() -> Self {
+        TinyShape { hidden: 4096, layers: 30, heads: 32, kv_heads: 32, inter: 11008, vocab: 102400, tie: false, init_std: 0.02, ..Default::default() }
+    }
+
     /// SmolLM2-135M's shape (the benchmark shape).
     pub fn smollm2_135m() -> Self {
         TinyShape { hidden: 576, layers: 30, heads: 9, kv_heads: 3, inter: 1536, vocab: 49152, tie: true, init_std: 0.02, ..Default::default() }
@@ -221,4 +226,62 @@ pub fn counting_rows(n: usize, vocab: usize, seed: u64, min_len: usize, max_len:
             (ids, labels)
         })
         .collect()
+}
+
+/// Write a random model of `shape` straight to a llama.cpp GGUF file with its matrices in
+/// `dtype` (a row length that does not split into `dtype`'s blocks takes the fallback
+/// `model.quantize` takes, see `weights::quantized::quantized_format`), norms in F32, q/k
+/// rows permuted as llama.cpp's converter does. One tensor is generated in f32 at a time:
+/// a 7B model is written holding its quantized bytes only. No tokenizer (the synthetic
+/// datasets are tokenized).
+pub fn write_gguf_model(path: &Path, shape: &TinyShape, seed: u64, dtype: candle_core::quantized::GgmlDType) -> Result<()> {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    if shape.arch != "LlamaForCausalLM" {
+        return Err(Error::Train("synth --gguf writes llama models only".into()));
+    }
+    let head_dim = shape.hidden / shape.heads;
+    let (h, q, kv, i) = (shape.hidden, shape.heads * head_dim, shape.kv_heads * head_dim, shape.inter);
+    let mut specs: Vec<(String, Vec<usize>, f64, f64)> = vec![("token_embd.weight".into(), vec![shape.vocab, h], 0.0, shape.init_std)];
+    for l in 0..shape.layers {
+        for (m, o, inp) in [("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q), ("ffn_gate", i, h), ("ffn_up", i, h), ("ffn_down", h, i)] {
+            specs.push((format!("blk.{l}.{m}.weight"), vec![o, inp], 0.0, shape.init_std));
+        }
+        specs.push((format!("blk.{l}.attn_norm.weight"), vec![h], 1.0, 0.1));
+        specs.push((format!("blk.{l}.ffn_norm.weight"), vec![h], 1.0, 0.1));
+    }
+    specs.push(("output_norm.weight".into(), vec![h], 1.0, 0.1));
+    if !shape.tie {
+        specs.push(("output.weight".into(), vec![shape.vocab, h], 0.0, shape.init_std));
+    }
+    let mut rng = Rng::new(seed);
+    let mut qs: Vec<(String, QTensor)> = Vec::with_capacity(specs.len());
+    for (name, dims, mean, std) in specs {
+        let n = dims.iter().product();
+        let mut t = Tensor::from_vec(normal(&mut rng, n, mean, std), dims.as_slice(), &Device::Cpu)?;
+        if name.ends_with("attn_q.weight") {
+            t = crate::gguf::permute(&t, shape.heads)?;
+        } else if name.ends_with("attn_k.weight") {
+            t = crate::gguf::permute(&t, shape.kv_heads)?;
+        }
+        let d = crate::weights::quantized::quantized_format(dtype, &name, &dims).unwrap_or(GgmlDType::F32);
+        qs.push((name, QTensor::quantize(&t, d)?));
+    }
+    let u = |x: usize| Value::U32(x as u32);
+    let md: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("general.name", Value::String("finetune synth".into())),
+        ("llama.block_count", u(shape.layers)),
+        ("llama.context_length", u(4096)),
+        ("llama.embedding_length", u(h)),
+        ("llama.feed_forward_length", u(i)),
+        ("llama.attention.head_count", u(shape.heads)),
+        ("llama.attention.head_count_kv", u(shape.kv_heads)),
+        ("llama.rope.dimension_count", u(head_dim)),
+        ("llama.rope.freq_base", Value::F32(10000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+    ];
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    crate::fsutil::write_with(path, |f| candle_core::quantized::gguf_file::write(f, &md_refs, &t_refs).map_err(|e| Error::Train(format!("writing {}: {e}", path.display()))))
 }

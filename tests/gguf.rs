@@ -577,3 +577,12 @@ fn unpermute_rejects_rows_that_do_not_split_into_even_heads_instead_of_dividing_
     }
     assert!(finetune::gguf::unpermute(&w, 3).is_ok());
 }
+
+#[test]
+fn a_merge_outside_the_vocabulary_is_an_error_naming_the_key_not_a_panic() {
+    let key = "tokenizer.ggml.merges";
+    for bad in ["zz qq", "h", "h e x"] {
+        let e = rejects("a merge the vocabulary lacks", key, |md, _| set(md, key, Value::Array(vec![Value::String(bad.into())])));
+        assert!(e.contains("merge 0"), "{e}");
+    }
+}

@@ -142,3 +142,60 @@ fn deepseek_mlp_shared_and_routed_expert_adapters_match_the_reference() {
 fn deepseek_mlp_and_expert_adapters_match_the_reference_on_the_portable_path() {
     check_parity("parity-deepseek-mlp", &["model.kernels=portable"]);
 }
+
+// ---------------------------------------------------------------------------------------
+// A quantized GGUF base trained directly (QLoRA) against PEFT on the base gguf-py
+// dequantises (`gguf_fixture.py` beside each fixture): Q8_0 with F16/Q4_1/Q5_0 tensors,
+// untied, every projection adapted; Q4_K_M-like (Q4_K, Q5_K, Q6_K), tied.
+
+#[test]
+fn gguf_q8_0_base_matches_peft_on_the_dequantised_base() {
+    check_parity("parity-gguf-q8_0", &[]);
+}
+
+#[test]
+fn gguf_q4_k_base_matches_peft_on_the_dequantised_base() {
+    check_parity("parity-gguf-q4_k", &[]);
+}
+
+#[test]
+fn gguf_q4_k_base_matches_peft_on_the_portable_path() {
+    check_parity("parity-gguf-q4_k", &["model.kernels=portable"]);
+}
+
+/// Every tensor candle dequantises (with llama.cpp's q/k permutation undone) has the sums
+/// gguf-py's dequantisation has: sum, sum of squares, and row- and column-weighted sums
+/// (which a permutation left in place would change).
+#[test]
+fn gguf_dequantisation_equals_gguf_py_tensor_by_tensor() {
+    for name in ["parity-gguf-q8_0", "parity-gguf-q4_k"] {
+        let sums: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected/dequantized_sums.json")).unwrap()).unwrap();
+        let mut g = finetune::gguf::open(&fixture(name).join("model.gguf")).unwrap();
+        let names = g.names();
+        let tensors = sums["tensors"].as_object().unwrap();
+        assert_eq!(names.len(), tensors.len(), "{name}: tensor count");
+        let mut worst = 0f64;
+        for (gg, hf) in names {
+            let e = &tensors[&hf];
+            let t = g.dequantize(&gg).unwrap().to_dtype(candle_core::DType::F64).unwrap();
+            let m = if t.rank() == 1 { t.unsqueeze(0).unwrap().t().unwrap() } else { t };
+            let (rows, cols) = m.dims2().unwrap();
+            let row_sums: Vec<f64> = m.sum(1).unwrap().to_vec1().unwrap();
+            let col_sums: Vec<f64> = m.sum(0).unwrap().to_vec1().unwrap();
+            let got = [
+                row_sums.iter().sum::<f64>(),
+                m.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(),
+                row_sums.iter().zip(1..=rows).map(|(s, i)| s * i as f64).sum(),
+                col_sums.iter().zip(1..=cols).map(|(s, i)| s * i as f64).sum(),
+            ];
+            for (k, v) in ["sum", "sum_sq", "sum_row_weighted", "sum_col_weighted"].iter().zip(got) {
+                let want = e[k].as_f64().unwrap();
+                // f32 values summed in f64 on both sides: only the summation order differs.
+                let d = (v - want).abs() / want.abs().max(1.0);
+                worst = worst.max(d);
+                assert!(d < 1e-9, "{name} {hf} {k}: {v} vs gguf-py {want}");
+            }
+        }
+        println!("{name}: worst relative difference of the sums {worst:.1e}");
+    }
+}

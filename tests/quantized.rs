@@ -57,11 +57,8 @@ fn losses(root: &Path, name: &str) -> Vec<f64> {
     read_metrics(&root.join(name).join("out/metrics.jsonl")).iter().map(|m| m["loss"].as_f64().unwrap()).collect()
 }
 
-/// The GGUF's description is derived into finetune's cache: one for this test binary
-/// (content-addressed, so tests may share it), never the user's.
 fn cache_env(_root: &Path) {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| std::env::set_var("FINETUNE_CACHE", Path::new(env!("CARGO_TARGET_TMPDIR")).join("finetune-cache")));
+    test_cache();
 }
 
 #[test]

@@ -12,8 +12,16 @@ pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
+/// Point finetune's cache (where a GGUF base's description is derived) at one folder of
+/// this test binary's, never the user's; content-addressed, so tests may share it.
+pub fn test_cache() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| std::env::set_var("FINETUNE_CACHE", Path::new(env!("CARGO_TARGET_TMPDIR")).join("finetune-cache")));
+}
+
 /// Load a fixture's recipe with its output redirected to `out` plus extra overrides.
 pub fn recipe(name: &str, out: &Path, extra: &[&str]) -> LoadedRecipe {
+    test_cache();
     let mut o = vec![format!("output.dir={}", out.display())];
     o.extend(extra.iter().map(|s| s.to_string()));
     LoadedRecipe::load(&fixture(name).join("recipe.toml"), &o).expect("fixture recipe loads")

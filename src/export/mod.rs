@@ -12,6 +12,8 @@
 //! compared with base + adapter; a merge that disagrees is deleted, not reported.
 //! The output appears only when complete (written to a sibling temporary and renamed).
 
+pub mod gguf;
+
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::lora::{peft_prefix, Adapters, LoraSpec};
