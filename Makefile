@@ -2,7 +2,7 @@
 CARGO ?= cargo
 PYTHON ?= python3
 
-.PHONY: build test demo tiny bench interop venv check-cuda check-dashboards clean-runs
+.PHONY: build test demo tiny bench interop venv check-cuda check-dashboards check-llama-cpp clean-runs
 
 build:
 	$(CARGO) build --release
@@ -31,9 +31,14 @@ venv: .venv/bin/python
 bench: build venv
 	$(PYTHON) bench/bench.py
 
-## Do transformers and PEFT load what we write? (not part of CI)
-interop: build venv
+## Do transformers, PEFT and llama.cpp load what we write? (the llama.cpp part runs in CI)
+interop: build venv check-llama-cpp
 	.venv/bin/python interop/check.py
+
+## llama.cpp (built from PyPI's llama-cpp-python into .cache/venv-llama, ~10-15 min the first
+## time) loads base GGUF + our LoRA GGUF and computes our logits.
+check-llama-cpp: build
+	bash scripts/check-llama-cpp.sh
 
 ## Compile-check the GPU build (cuda + nccl features) without a GPU: CUDA 13 toolkit from PyPI
 ## wheels into .cache/cuda; ~30 min the first time (candle's kernels), seconds afterwards.

@@ -609,11 +609,24 @@ impl ModelConfig {
 }
 
 /// Quantised checkpoints we read: DeepSeek-V3's FP8 (e4m3 weights, one f32 scale per
-/// 128 x 128 block, dequantised at load). Anything else is refused rather than misread.
+/// 128 x 128 block, dequantised at load) and bitsandbytes' 4-bit and 8-bit (a quantized
+/// base, `weights::bnb`). Anything else is refused rather than misread.
 fn check_quantization(q: &serde_json::Value) -> std::result::Result<(), String> {
     let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("");
+    if method == "bitsandbytes" {
+        // The weights say how each is stored (`weights::bnb`); the config only which kind.
+        let four = q.get("load_in_4bit").and_then(|b| b.as_bool()) == Some(true);
+        let eight = q.get("load_in_8bit").and_then(|b| b.as_bool()) == Some(true);
+        if let Some(t) = q.get("bnb_4bit_quant_type").and_then(|t| t.as_str()).filter(|t| four && !["nf4", "fp4"].contains(t)) {
+            return Err(format!("quantization_config.bnb_4bit_quant_type `{t}` is not supported (nf4, fp4)"));
+        }
+        if !four && !eight {
+            return Err("quantization_config: bitsandbytes without load_in_4bit or load_in_8bit".into());
+        }
+        return Ok(());
+    }
     if method != "fp8" {
-        return Err(format!("quantization_config.quant_method `{method}` is not supported (only DeepSeek-V3's block-scaled fp8)"));
+        return Err(format!("quantization_config.quant_method `{method}` is not supported (DeepSeek-V3's block-scaled fp8, bitsandbytes 4-bit and 8-bit)"));
     }
     if let Some(f) = q.get("fmt").and_then(|f| f.as_str()).filter(|f| *f != "e4m3") {
         return Err(format!("quantization_config.fmt `{f}` is not supported (e4m3)"));

@@ -1,14 +1,16 @@
-//! `finetune import --gguf`: a llama-architecture GGUF file (llama.cpp's format, often
-//! quantized) to an HF model folder our trainer, transformers and candle load.
+//! GGUF files (llama.cpp's format, often quantized), llama and qwen2 architectures: read as a
+//! quantized base to train on directly (`GgufReader`, `describe_in_cache`), or converted by
+//! `finetune import --gguf` to an HF model folder our trainer, transformers and candle load.
 //!
 //! - The header is read by [`read_header`], which bounds every length, count, dimension and
-//!   offset by the file's size; the llama metadata is then checked against itself and the
+//!   offset by the file's size; the metadata is then checked against itself and the
 //!   tensors present (`Llama::from_gguf`) before any tensor is read or anything written.
 //! - Tensors are dequantized (candle) and renamed from llama.cpp's names
 //!   (`blk.N.attn_q.weight`) to HF's (`model.layers.N.self_attn.q_proj.weight`).
-//! - llama.cpp's converter permutes the rows of q/k so that its interleaved RoPE equals HF's
-//!   rotate-half RoPE; we undo it (see `unpermute`), since our model uses rotate-half.
-//! - `config.json` comes from the `llama.*` metadata; `tokenizer.json` is built from the
+//! - llama.cpp's converter permutes the rows of llama's q/k so that its interleaved RoPE
+//!   equals HF's rotate-half RoPE; we undo it (see `unpermute`), since our model uses
+//!   rotate-half. Qwen2's are not permuted (llama.cpp runs it with NEOX, rotate-half, RoPE).
+//! - `config.json` comes from the `llama.*` / `qwen2.*` metadata; `tokenizer.json` is built from the
 //!   `tokenizer.ggml.*` vocabulary, merges and token types as transformers' GGUF converter
 //!   builds it (byte-level BPE for `gpt2` vocabularies); `tokenizer_config.json` carries the
 //!   chat template and special tokens.

@@ -35,6 +35,18 @@ struct TrainArgs {
 enum Command {
     /// Train LoRA adapters as a recipe says.
     Train(TrainArgs),
+    /// Print the logits of a model (with an optional PEFT adapter) for token ids, as JSON
+    /// `{"logits": [[V floats] per position]}`: for comparing with other runtimes.
+    Logits {
+        /// Model folder, .gguf file or cached repo id.
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        adapter: Option<PathBuf>,
+        /// Comma-separated token ids.
+        #[arg(long)]
+        tokens: String,
+    },
     /// Export a run's adapter (PEFT format) or merge it into the base model (HF safetensors).
     Export(ExportArgs),
     /// Convert a llama-architecture GGUF file (llama.cpp) into an HF model folder.
@@ -338,6 +350,20 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn logits(model: &str, adapter: Option<&std::path::Path>, tokens: &str) -> anyhow::Result<()> {
+    let ids: Vec<u32> = tokens.split(',').map(|t| t.trim().parse::<u32>()).collect::<Result<_, _>>().map_err(|e| anyhow::anyhow!("--tokens {tokens}: {e} (expected comma-separated token ids)"))?;
+    let dir = finetune::weights::ModelDir::resolve(model, std::path::Path::new("."))?;
+    let g = finetune::generate::Generator::load(&dir, adapter)?;
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= g.model.cfg.vocab_size) {
+        anyhow::bail!("--tokens: id {bad} is past the vocabulary ({} tokens)", g.model.cfg.vocab_size);
+    }
+    let n = ids.len();
+    let t = candle_core::Tensor::from_vec(ids, (1, n), &candle_core::Device::Cpu)?;
+    let l: Vec<Vec<f32>> = g.model.logits(&t, &g.adapters)?.squeeze(0)?.to_vec2()?;
+    println!("{}", serde_json::json!({ "logits": l }));
+    Ok(())
+}
+
 fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, max_new_tokens: usize, chat: bool) -> anyhow::Result<()> {
     use finetune::data::source::Rows;
     let dir = finetune::weights::ModelDir::resolve(model, std::path::Path::new("."))?;
@@ -507,6 +533,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 };
                 print_merge_report(&finetune::export::merge(&base, &adapter, &out, &opts)?);
             }
+            if summary.interrupted.is_none() && recipe.recipe.export.gguf && summary.lock.is_some() {
+                let adapter = finetune::export::PeftAdapter::open(&summary.output_dir.join("adapter"))?;
+                let base = finetune::weights::ModelDir::of_recipe(&recipe)?;
+                let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &summary.output_dir.join("adapter.gguf"))?;
+                eprintln!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
+            }
             if let Some(sig) = summary.interrupted {
                 let (name, code) = if sig == 15 { ("SIGTERM", 143) } else { ("SIGINT", 130) };
                 let at = summary.checkpoint.map(|d| d.display().to_string()).unwrap_or_default();
@@ -547,6 +579,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             eprintln!("report written to {} ({})", paths.html.display(), paths.png.display());
         }
         (Some(Command::Plan { recipe, world_size, overrides }), _) => plan(&recipe, &world_size, &overrides)?,
+        (Some(Command::Logits { model, adapter, tokens }), _) => logits(&model, adapter.as_deref(), &tokens)?,
         (Some(Command::Eval { model, adapter, data, max_new_tokens, chat }), _) => eval(&model, adapter.as_deref(), &data, max_new_tokens, chat)?,
         (Some(Command::Synth { out, shape, arch, rows, tie, seq_min, seq_max, seed, gguf }), _) => {
             synth(&out, &shape, &arch, rows, tie, (seq_min, seq_max), seed, gguf.as_deref())?

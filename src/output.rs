@@ -19,7 +19,7 @@ const LOCK: &str = ".finetune.lock";
 
 /// What a previous run leaves in its output folder (besides `previous/` and the lock), and
 /// whether each is a folder.
-pub const RUN_FILES: &[(&str, bool)] = &[("checkpoints", true), ("metrics.jsonl", false), ("adapter", true), ("merged", true), ("recipe.resolved.toml", false), ("tensorboard", true), ("summary.json", false), ("report.html", false), ("loss.png", false)];
+pub const RUN_FILES: &[(&str, bool)] = &[("checkpoints", true), ("metrics.jsonl", false), ("adapter", true), ("merged", true), ("recipe.resolved.toml", false), ("tensorboard", true), ("summary.json", false), ("report.html", false), ("loss.png", false), ("adapter.gguf", false)];
 
 /// The exclusive right to write an output folder, held until dropped.
 #[derive(Debug)]

@@ -138,7 +138,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
     ),
     ("output", true, &[req("dir", Kind::Str), key("tensorboard", Kind::Bool)]),
     ("checkpoint", false, &[key("every_steps", Kind::Int), key("keep_last", Kind::Int), key("resume", Kind::Str)]),
-    ("export", false, &[key("merged", Kind::Bool), one_of("dtype", &["f32", "bf16", "f16"]), key("max_shard_size", Kind::Str)]),
+    ("export", false, &[key("merged", Kind::Bool), one_of("dtype", &["f32", "bf16", "f16"]), key("max_shard_size", Kind::Str), key("gguf", Kind::Bool)]),
     (
         "dist",
         false,
@@ -220,6 +220,10 @@ pub struct ExportSection {
     /// Cut merged shards at this size, e.g. "5GB" (default: the base's layout).
     #[serde(default)]
     pub max_shard_size: Option<String>,
+    /// Also write `<output.dir>/adapter.gguf`: the adapter as a llama.cpp LoRA GGUF
+    /// (`llama-cli -m base.gguf --lora adapter.gguf`; llama and qwen2 bases).
+    #[serde(default)]
+    pub gguf: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -286,7 +286,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     };
     let account = Arc::new(Account::default());
     let sharded = r.dist.zero_stage == 3;
-    let frozen = Frozen { storage: storage_dtype, compute: compute_dtype, matmul, device: device.clone(), account: account.clone() };
+    let frozen = FrozenPlacement { storage: storage_dtype, compute: compute_dtype, matmul, device: device.clone(), account: account.clone() };
     let (src, quantized) = frozen_source(loaded, &model_dir, &cfg, comm.clone(), frozen)?;
     let lora_spec = r.lora.spec(&cfg);
     // Same seed on every rank: every rank starts from the same adapters.
@@ -883,7 +883,7 @@ pub fn evaluate_part(model: &Model, adapters: &Adapters, examples: &[crate::data
 }
 
 /// How the frozen base is held (`frozen_source`).
-struct Frozen {
+struct FrozenPlacement {
     storage: DType,
     compute: DType,
     matmul: DType,
@@ -892,9 +892,9 @@ struct Frozen {
 }
 
 /// The frozen base of one rank: quantized blocks dequantised a layer at a time (a GGUF
-/// `model.path`, or `model.quantize`), 1/N shards gathered a layer at a time (ZeRO-3), or
+/// `model.path`, a bitsandbytes checkpoint, or `model.quantize`), 1/N shards gathered a layer at a time (ZeRO-3), or
 /// the whole base resident. The bool says whether it is quantized.
-fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig, comm: Arc<dyn Collective>, f: Frozen) -> Result<(Arc<dyn WeightSource>, bool)> {
+fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig, comm: Arc<dyn Collective>, f: FrozenPlacement) -> Result<(Arc<dyn WeightSource>, bool)> {
     let r = &loaded.recipe;
     let n = cfg.num_hidden_layers;
     let reader: Option<Box<dyn BlockReader>> = match (&model_dir.gguf, &r.model.quantize) {
@@ -904,6 +904,10 @@ fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig,
         }
         (Some(g), None) => Some(Box::new(crate::gguf::GgufReader::new(crate::gguf::open(g)?))),
         (None, Some(q)) => {
+            if crate::weights::bnb::is_bnb(&model_dir.open_weights()?) {
+                let msg = format!("{} is quantized by bitsandbytes already; remove model.quantize", model_dir.dir.display());
+                return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "model.quantize".into(), msg });
+            }
             let dtype = crate::weights::quantized::parse_format(q).ok_or_else(|| Error::Recipe {
                 file: loaded.file.display().to_string(),
                 key: "model.quantize".into(),
@@ -911,7 +915,10 @@ fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig,
             })?;
             Some(Box::new(QuantizeOnLoad { files: model_dir.open_weights()?, dtype, storage: f.storage }))
         }
-        (None, None) => None,
+        (None, None) => {
+            let files = model_dir.open_weights()?;
+            crate::weights::bnb::is_bnb(&files).then(|| Box::new(crate::weights::bnb::BnbReader { files, storage: f.storage }) as Box<dyn BlockReader>)
+        }
     };
     if let Some(reader) = reader {
         if r.dist.zero_stage == 3 && comm.world_size() > 1 {

@@ -143,6 +143,32 @@ fn deepseek_mlp_and_expert_adapters_match_the_reference_on_the_portable_path() {
     check_parity("parity-deepseek-mlp", &["model.kernels=portable"]);
 }
 
+/// The checks `dequantized_sums.json` holds for one tensor (computed in f64 on the reference's
+/// dequantised f32 values): sum, sum of squares, and row- and column-weighted sums (which a
+/// permutation or a blocking error would change). Returns the worst relative difference.
+fn check_sums(what: &str, t: &candle_core::Tensor, e: &serde_json::Value) -> f64 {
+    let m = t.to_dtype(candle_core::DType::F64).unwrap();
+    let m = if m.rank() == 1 { m.unsqueeze(0).unwrap().t().unwrap() } else { m };
+    let (rows, cols) = m.dims2().unwrap();
+    let row_sums: Vec<f64> = m.sum(1).unwrap().to_vec1().unwrap();
+    let col_sums: Vec<f64> = m.sum(0).unwrap().to_vec1().unwrap();
+    let got = [
+        row_sums.iter().sum::<f64>(),
+        m.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(),
+        row_sums.iter().zip(1..=rows).map(|(s, i)| s * i as f64).sum(),
+        col_sums.iter().zip(1..=cols).map(|(s, i)| s * i as f64).sum(),
+    ];
+    let mut worst = 0f64;
+    for (k, v) in ["sum", "sum_sq", "sum_row_weighted", "sum_col_weighted"].iter().zip(got) {
+        let want = e[k].as_f64().unwrap();
+        // f32 values summed in f64 on both sides: only the summation order differs.
+        let d = (v - want).abs() / want.abs().max(1.0);
+        worst = worst.max(d);
+        assert!(d < 1e-9, "{what} {k}: {v} vs the reference's {want}");
+    }
+    worst
+}
+
 // ---------------------------------------------------------------------------------------
 // A quantized GGUF base trained directly (QLoRA) against PEFT on the base gguf-py
 // dequantises (`gguf_fixture.py` beside each fixture): Q8_0 with F16/Q4_1/Q5_0 tensors,
@@ -176,26 +202,57 @@ fn gguf_dequantisation_equals_gguf_py_tensor_by_tensor() {
         assert_eq!(names.len(), tensors.len(), "{name}: tensor count");
         let mut worst = 0f64;
         for (gg, hf) in names {
-            let e = &tensors[&hf];
-            let t = g.dequantize(&gg).unwrap().to_dtype(candle_core::DType::F64).unwrap();
-            let m = if t.rank() == 1 { t.unsqueeze(0).unwrap().t().unwrap() } else { t };
-            let (rows, cols) = m.dims2().unwrap();
-            let row_sums: Vec<f64> = m.sum(1).unwrap().to_vec1().unwrap();
-            let col_sums: Vec<f64> = m.sum(0).unwrap().to_vec1().unwrap();
-            let got = [
-                row_sums.iter().sum::<f64>(),
-                m.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(),
-                row_sums.iter().zip(1..=rows).map(|(s, i)| s * i as f64).sum(),
-                col_sums.iter().zip(1..=cols).map(|(s, i)| s * i as f64).sum(),
-            ];
-            for (k, v) in ["sum", "sum_sq", "sum_row_weighted", "sum_col_weighted"].iter().zip(got) {
-                let want = e[k].as_f64().unwrap();
-                // f32 values summed in f64 on both sides: only the summation order differs.
-                let d = (v - want).abs() / want.abs().max(1.0);
-                worst = worst.max(d);
-                assert!(d < 1e-9, "{name} {hf} {k}: {v} vs gguf-py {want}");
-            }
+            let t = g.dequantize(&gg).unwrap();
+            worst = worst.max(check_sums(&format!("{name} {hf}"), &t, &tensors[&hf]));
         }
         println!("{name}: worst relative difference of the sums {worst:.1e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A bitsandbytes 4-bit base (QLoRA as PEFT + bitsandbytes runs it): NF4 with double
+// quantisation, trained by PEFT on the model transformers loads from the 4-bit checkpoint
+// (`bnb_fixture.py` beside it).
+
+#[test]
+fn bnb_nf4_base_matches_peft_with_bitsandbytes() {
+    check_parity("parity-bnb-nf4", &[]);
+}
+
+#[test]
+fn bnb_nf4_base_matches_peft_on_the_portable_path() {
+    check_parity("parity-bnb-nf4", &["model.kernels=portable"]);
+}
+
+/// Our dequantisation of every bitsandbytes tensor equals bitsandbytes' by its sums (NF4 with
+/// double quantisation; FP4 without, rows not a multiple of the 64-element block), and two
+/// NF4 tensors element by element.
+#[test]
+fn bnb_dequantisation_equals_bitsandbytes_tensor_by_tensor() {
+    use finetune::weights::quantized::BlockReader;
+    for name in ["parity-bnb-nf4", "bnb-fp4-sample"] {
+        let dir = fixture(name).join("model");
+        let files = finetune::weights::SafetensorsFiles::open(&[dir.join("model.safetensors")]).unwrap();
+        assert!(finetune::weights::bnb::is_bnb(&files));
+        let mut r = finetune::weights::bnb::BnbReader { files, storage: candle_core::DType::F32 };
+        let sums: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected/dequantized_sums.json")).unwrap()).unwrap();
+        let tensors = sums["tensors"].as_object().unwrap();
+        let mut deq = std::collections::HashMap::new();
+        for (hf, e) in tensors {
+            let t = r.read(hf, &candle_core::Device::Cpu).unwrap();
+            let t = match &t {
+                finetune::weights::quantized::Blocks::Bnb4(b) => b.dequantize(&candle_core::Device::Cpu).unwrap(),
+                finetune::weights::quantized::Blocks::Plain(t) => t.clone(),
+                _ => panic!("{hf}: unexpected kind"),
+            };
+            check_sums(&format!("{name} {hf}"), &t, e);
+            deq.insert(hf.clone(), t);
+        }
+        let sample = fixture(name).join("expected/dequantized_sample.safetensors");
+        if sample.exists() {
+            for (k, t) in load_tensors(&sample) {
+                assert_eq!(max_abs_diff(&deq[&k], &t), 0.0, "{name} {k}: element by element");
+            }
+        }
     }
 }

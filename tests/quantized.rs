@@ -191,3 +191,24 @@ fn a_gguf_base_merges_and_generates_as_its_import() {
     };
     assert_eq!(max_abs_diff(&logits(&gguf), &logits(&imported)), 0.0);
 }
+
+#[test]
+fn a_bitsandbytes_base_merges_into_its_dequantised_weights() {
+    let fx = fixture("parity-bnb-nf4");
+    let d = tempfile::tempdir().unwrap();
+    let adapter = finetune::export::PeftAdapter::open(&fx.join("init")).unwrap();
+    let base = finetune::weights::ModelDir::resolve(fx.join("model").to_str().unwrap(), Path::new(".")).unwrap();
+    let opts = finetune::export::ExportOptions { merge: true, dtype: None, max_shard_size: None, no_verify: false, kernels: Default::default() };
+    finetune::export::merge(&base, &adapter, &d.path().join("merged"), &opts).unwrap();
+    let merged = load_tensors(&d.path().join("merged/model.safetensors"));
+    let deq = load_tensors(&fx.join("expected/dequantized_sample.safetensors"));
+    let init = load_tensors(&fx.join("init/adapter_model.safetensors"));
+    let key = "model.layers.0.self_attn.q_proj";
+    let a = &init[&format!("base_model.model.{key}.lora_A.weight")];
+    let b = &init[&format!("base_model.model.{key}.lora_B.weight")];
+    let want = (&deq[&format!("{key}.weight")] + (b.matmul(a).unwrap() * adapter.spec.scale()).unwrap()).unwrap();
+    assert!(max_abs_diff(&merged[&format!("{key}.weight")], &want) < 1e-6);
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.path().join("merged/config.json")).unwrap()).unwrap();
+    assert!(cfg.get("quantization_config").is_none(), "the merged model is not quantized");
+    assert!(merged.keys().all(|k| !k.contains("absmax") && !k.contains("quant_state")));
+}

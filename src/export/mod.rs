@@ -217,6 +217,9 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
     let cfg = ModelConfig::from_file(&base.config_path())?;
     let adapters = adapter.load(&cfg)?;
     let files = base.open_weights()?;
+    if crate::weights::bnb::is_bnb(&files) {
+        return merge_bnb(base, files, adapter, out, opts);
+    }
     // name -> (A, B) of every targeted projection.
     let mut lora: HashMap<String, (Tensor, Tensor)> = HashMap::new();
     for (i, path, ad) in adapters.iter() {
@@ -343,16 +346,58 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
 /// (in `--dtype`, default f32), merged from there, and the sibling removed. The merged
 /// model is a plain HF model: a quantized base is merged into its dequantised weights,
 /// as PEFT's `merge_and_unload` on a bitsandbytes base does. Holds the dequantised base in
-/// memory while importing it.
+/// memory while writing it.
 fn merge_gguf(gguf: &Path, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
-    let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    merge_dequantised(gguf.display().to_string(), adapter, out, opts, |deq| crate::gguf::import(gguf, deq, opts.dtype.unwrap_or(DType::F32), u64::MAX).map(|_| ()))
+}
+
+/// [`merge_gguf`] for a bitsandbytes base: its config without `quantization_config`, the
+/// side files, and every tensor dequantised.
+fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
+    use crate::weights::quantized::{BlockReader, Blocks};
+    merge_dequantised(base.name.clone(), adapter, out, opts, |deq| {
+        std::fs::create_dir_all(deq).map_err(|e| Error::io(deq, e))?;
+        let names: Vec<String> = files
+            .names()
+            .filter(|n| !n.contains(".quant_state.") && !n.ends_with(".absmax") && !n.ends_with(".quant_map") && !n.ends_with(".nested_absmax") && !n.ends_with(".SCB") && !n.ends_with(".weight_format"))
+            .cloned()
+            .collect();
+        let mut r = crate::weights::bnb::BnbReader { files, storage: DType::F32 };
+        let mut tensors = Vec::new();
+        for n in names {
+            let t = match r.read(&n, &Device::Cpu)? {
+                Blocks::Bnb4(b) => b.dequantize(&Device::Cpu)?,
+                Blocks::Bnb8(b) => b.dequantize(&Device::Cpu)?,
+                Blocks::Plain(t) => t,
+                Blocks::Ggml { q, .. } => q.dequantize(&Device::Cpu)?,
+            };
+            tensors.push((n, t.to_dtype(opts.dtype.unwrap_or(DType::F32))?));
+        }
+        crate::gguf::write_weights(deq, &tensors, u64::MAX)?;
+        let cp = base.config_path();
+        let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cp).map_err(|e| Error::io(&cp, e))?).map_err(|e| Error::Config { path: cp.clone(), msg: e.to_string() })?;
+        if let Some(o) = config.as_object_mut() {
+            o.remove("quantization_config");
+            o.insert("torch_dtype".into(), if opts.dtype == Some(DType::BF16) { "bfloat16" } else if opts.dtype == Some(DType::F16) { "float16" } else { "float32" }.into());
+        }
+        crate::fsutil::write_atomic(&deq.join("config.json"), config.to_string().as_bytes())?;
+        for f in SIDE_FILES {
+            if base.dir.join(f).is_file() {
+                std::fs::copy(base.dir.join(f), deq.join(f)).map_err(|e| Error::io(base.dir.join(f), e))?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Write the dequantised base with `write` into a hidden sibling of `out`, merge from it,
+/// and remove it, whatever happened.
+fn merge_dequantised(name: String, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions, write: impl FnOnce(&Path) -> Result<()>) -> Result<ExportReport> {
+    let leaf = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let deq = parent.join(format!(".{name}.dequantised-{}", std::process::id()));
+    let deq = parent.join(format!(".{leaf}.dequantised-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&deq);
-    let res = crate::gguf::import(gguf, &deq, opts.dtype.unwrap_or(DType::F32), u64::MAX).and_then(|_| {
-        let base = ModelDir { dir: deq.clone(), name: gguf.display().to_string(), commit: None, gguf: None };
-        merge(&base, adapter, out, opts)
-    });
+    let res = write(&deq).and_then(|_| merge(&ModelDir { dir: deq.clone(), name, commit: None, gguf: None }, adapter, out, opts));
     let _ = std::fs::remove_dir_all(&deq);
     res
 }

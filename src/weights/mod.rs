@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+pub mod bnb;
 pub mod quantized;
 pub mod window;
 

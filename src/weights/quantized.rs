@@ -6,8 +6,9 @@
 //! Peak frozen memory is the quantized bytes plus one window of dequantised layers; the
 //! [`Account`] books the first as `frozen` and the second as `gathered`.
 //!
-//! Where the blocks come from is a [`BlockReader`]: a GGUF file (`gguf::GgufReader`), or a
-//! safetensors checkpoint quantised as it is read (`model.quantize`, [`QuantizeOnLoad`]).
+//! Where the blocks come from is a [`BlockReader`]: a GGUF file (`gguf::GgufReader`), a
+//! checkpoint bitsandbytes saved (`weights::bnb`), or a safetensors checkpoint quantised as
+//! it is read (`model.quantize`, [`QuantizeOnLoad`]).
 //! Tensors are read on first request (`Model::load` asks for every tensor it uses), so only
 //! what the model uses is held; `seal` then drops the reader.
 //!
@@ -33,6 +34,9 @@ pub enum Blocks {
     /// permuted the rows of this q/k projection for its RoPE; undone after dequantising
     /// (see `gguf::unpermute`).
     Ggml { q: QTensor, unpermute_heads: Option<usize> },
+    /// bitsandbytes 4-bit (NF4/FP4) and 8-bit weights (`weights::bnb`).
+    Bnb4(super::bnb::Bnb4),
+    Bnb8(super::bnb::Bnb8),
     /// Kept as it is (norms and biases, which quantising would save nothing on).
     Plain(Tensor),
 }
@@ -41,6 +45,8 @@ impl Blocks {
     pub fn dims(&self) -> Vec<usize> {
         match self {
             Blocks::Ggml { q, .. } => q.shape().dims().to_vec(),
+            Blocks::Bnb4(b) => b.dims(),
+            Blocks::Bnb8(b) => b.dims(),
             Blocks::Plain(t) => t.dims().to_vec(),
         }
     }
@@ -49,23 +55,69 @@ impl Blocks {
     pub fn bytes(&self) -> usize {
         match self {
             Blocks::Ggml { q, .. } => q.storage_size_in_bytes(),
+            Blocks::Bnb4(b) => b.bytes(),
+            Blocks::Bnb8(b) => b.bytes(),
             Blocks::Plain(t) => t.elem_count() * t.dtype().size_in_bytes(),
         }
     }
 
-    /// The full tensor in f32 (ggml) or its own dtype (plain), on `device`.
+    /// The full tensor in f32 (quantized) or its own dtype (plain), on `device`.
     fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
         match self {
             Blocks::Ggml { q, unpermute_heads } => {
-                let t = q.dequantize(device)?;
+                let t = match device {
+                    Device::Cpu => dequantize_cpu(q)?,
+                    _ => q.dequantize(device)?,
+                };
                 match unpermute_heads {
                     Some(h) => crate::gguf::unpermute(&t, *h),
                     None => Ok(t),
                 }
             }
+            Blocks::Bnb4(b) => b.dequantize(device),
+            Blocks::Bnb8(b) => b.dequantize(device),
             Blocks::Plain(t) => t.to_device(device),
         }
     }
+}
+
+/// candle's CPU dequantisation on all cores: the same `GgmlType::to_float` per block (so the
+/// same values), over chunks of blocks in parallel (candle runs one thread; the dequantising
+/// of each layer, twice a step with checkpointing, cost a third of a SmolLM2 step on 2 cores).
+fn dequantize_cpu(q: &QTensor) -> candle_core::Result<Tensor> {
+    use candle_core::quantized::k_quants::*;
+    fn par<B: GgmlType>(bytes: &[u8], shape: &candle_core::Shape) -> Option<candle_core::Result<Tensor>> {
+        use rayon::prelude::*;
+        let n = shape.elem_count();
+        let size = std::mem::size_of::<B>();
+        // The storage is a Vec<B> viewed as bytes: aligned and whole; anything else falls back.
+        if bytes.as_ptr() as usize % std::mem::align_of::<B>() != 0 || bytes.len() % size != 0 || bytes.len() / size * B::BLCK_SIZE != n {
+            return None;
+        }
+        // SAFETY: `bytes` is the block storage of a QTensor of type B (checked above: aligned,
+        // a whole number of blocks covering `n` elements); B is plain old data.
+        let blocks: &[B] = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const B, bytes.len() / size) };
+        let per = (8192 / B::BLCK_SIZE).max(1);
+        let mut out = vec![0f32; n];
+        out.par_chunks_mut(per * B::BLCK_SIZE).zip(blocks.par_chunks(per)).for_each(|(o, b)| B::to_float(b, o));
+        Some(Tensor::from_vec(out, shape, &Device::Cpu))
+    }
+    let data = q.data()?;
+    let shape = q.shape();
+    let fast = match q.dtype() {
+        GgmlDType::Q4_0 => par::<BlockQ4_0>(&data, shape),
+        GgmlDType::Q4_1 => par::<BlockQ4_1>(&data, shape),
+        GgmlDType::Q5_0 => par::<BlockQ5_0>(&data, shape),
+        GgmlDType::Q5_1 => par::<BlockQ5_1>(&data, shape),
+        GgmlDType::Q8_0 => par::<BlockQ8_0>(&data, shape),
+        GgmlDType::Q2K => par::<BlockQ2K>(&data, shape),
+        GgmlDType::Q3K => par::<BlockQ3K>(&data, shape),
+        GgmlDType::Q4K => par::<BlockQ4K>(&data, shape),
+        GgmlDType::Q5K => par::<BlockQ5K>(&data, shape),
+        GgmlDType::Q6K => par::<BlockQ6K>(&data, shape),
+        _ => None,
+    };
+    fast.unwrap_or_else(|| q.dequantize(&Device::Cpu))
 }
 
 /// Where a quantized base's tensors come from. `read` returns the tensor `name` (HF name),
@@ -118,6 +170,19 @@ pub fn plan_base(loaded: &crate::recipe::LoadedRecipe, cfg: &crate::config::Mode
         let types: Vec<String> = g.bytes_by_type().iter().rev().map(|(t, b)| format!("{t} {:.1} MB", *b as f64 / 1e6)).collect();
         return Ok(Some(crate::dist::plan::QuantizedBase { bytes: g.hf_bytes(), what: format!("GGUF blocks ({})", types.join(", ")) }));
     }
+    if local.is_dir() {
+        let files = super::ModelDir::resolve(&m.path, &loaded.dir)?.open_weights()?;
+        if super::bnb::is_bnb(&files) {
+            // A weight's bytes: its own and those of its quantisation state (`W.absmax`, ...).
+            let mut bytes: HashMap<String, usize> = HashMap::new();
+            for n in files.names() {
+                let v = files.raw_view(n)?;
+                let weight = cfg.frozen_tensors().iter().map(|(w, _)| w.clone()).find(|w| n == w || n.starts_with(&format!("{w}."))).unwrap_or_else(|| n.clone());
+                *bytes.entry(weight).or_default() += v.data().len();
+            }
+            return Ok(Some(crate::dist::plan::QuantizedBase { bytes, what: "bitsandbytes 4/8-bit weights".into() }));
+        }
+    }
     let Some(q) = &m.quantize else { return Ok(None) };
     let target = parse_format(q).ok_or_else(|| Error::Recipe { file: loaded.file.display().to_string(), key: "model.quantize".into(), msg: format!("`{q}` is not a format this quantizes to") })?;
     let storage = super::parse_dtype(&m.dtype);
@@ -169,6 +234,9 @@ pub struct QuantizedWeights {
     origin: String,
     blocks: Mutex<HashMap<String, Arc<Blocks>>>,
     held: Mutex<Held>,
+    /// Keep every dequantised tensor (`keep_dequantised`): for generation, which runs every
+    /// layer per token.
+    kept: Option<Mutex<HashMap<String, Tensor>>>,
     storage_dtype: DType,
     compute_dtype: DType,
     matmul_dtype: DType,
@@ -190,6 +258,7 @@ impl QuantizedWeights {
             reader: Mutex::new(Some(reader)),
             blocks: Default::default(),
             held: Mutex::new(Held::new(n_layers, prefetch)),
+            kept: None,
             storage_dtype,
             compute_dtype,
             matmul_dtype: compute_dtype,
@@ -201,6 +270,13 @@ impl QuantizedWeights {
     /// Hand projection weights to the frozen matmul in `dtype` (see `ops::Kernels::matmul_dtype`).
     pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
         self.matmul_dtype = dtype;
+        self
+    }
+
+    /// Keep each tensor once dequantised (memory of an unquantized base, dequantising once):
+    /// what token-by-token generation wants, never training.
+    pub fn keep_dequantised(mut self) -> Self {
+        self.kept = Some(Mutex::new(HashMap::new()));
         self
     }
 
@@ -265,6 +341,16 @@ impl WeightSource for QuantizedWeights {
     }
     fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.blocks(name, shape)?;
+        if let Some(kept) = &self.kept {
+            if let Some(t) = lock(kept).get(name) {
+                return Ok(t.clone());
+            }
+            let mut one = HashMap::new();
+            self.dequantize_unit(&Unit::Tensor(String::new()), &mut one, Some(name))?;
+            let t = one.remove(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.origin.clone() })?;
+            lock(kept).insert(name.to_string(), t.clone());
+            return Ok(t);
+        }
         lock(&self.held).fetch(name, &self.account, |u, held, also| self.dequantize_unit(u, held, also))
     }
     /// Rows of a quantized embedding are dequantised alone (candle's `QTensor::embedding`):
