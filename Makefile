@@ -25,7 +25,7 @@ tiny: build
 venv: .venv/bin/python
 .venv/bin/python:
 	$(PYTHON) -m venv .venv
-	.venv/bin/pip install --quiet torch transformers peft datasets safetensors
+	.venv/bin/pip install --quiet torch transformers peft datasets safetensors bitsandbytes gguf
 
 ## Training-step speed and memory beside PyTorch + PEFT (ratios from one run).
 bench: build venv

@@ -416,12 +416,17 @@ def main():
             ("finetune bf16 base, activation ckpt", 512, lambda: ours(model, data, 4, 512, steps, warmup, True, "bf16")),
             ("finetune Q4_1 GGUF base, activation ckpt", 512, lambda: ours(gguf, data, 4, 512, steps, warmup, True, "bf16")),
             ("finetune model.quantize = q8_0, activation ckpt", 512, lambda: ours(model, data, 4, 512, steps, warmup, True, "bf16", quantize="q8_0")),
+            ("PEFT + bitsandbytes NF4 (double quant), grad ckpt", 512, lambda: peft(model, 4, 512, steps, warmup, True, extra=["--load-in-4bit"])),
         ])
         table("QLoRA, batch 4 x seq 512 (ratios against the bf16 base row)", rows, peak, fpt)
         base, q = rows[0][1], rows[1][1]
         if "tokens_per_s" in base and "tokens_per_s" in q:
             print(f"Q4_1 GGUF base: {q['tokens_per_s'] / base['tokens_per_s']:.2f}x the tokens/s of the bf16 base, "
                   f"{base['peak_rss_mb'] - q['peak_rss_mb']:.0f} MB less peak RSS (goals: at least 0.8x, at least 120 MB less)")
+        bnb = rows[3][1]
+        if "tokens_per_s" in q and "tokens_per_s" in bnb:
+            print(f"Q4_1 GGUF base against PEFT + bitsandbytes NF4: {q['tokens_per_s'] / bnb['tokens_per_s']:.2f}x the tokens/s, "
+                  f"{q['peak_rss_mb'] / bnb['peak_rss_mb']:.2f}x the peak RSS")
     if "qlora7b" in sections:
         qlora_7b(cache)
     if "moe" in sections:

@@ -261,7 +261,7 @@ fn unknown_routing_settings_are_errors_naming_the_key() {
         ("scoring_func", serde_json::json!("sigmoid"), "scoring_func `sigmoid`"),
         ("n_group", serde_json::json!(4), "n_group (4)"),
         ("rope_interleave", serde_json::json!(false), "rope_interleave"),
-        ("quantization_config", serde_json::json!({"quant_method": "bitsandbytes"}), "quant_method `bitsandbytes`"),
+        ("quantization_config", serde_json::json!({"quant_method": "gptq"}), "quant_method `gptq`"),
         ("moe_layer_freq", serde_json::json!(2), "moe_layer_freq = 2"),
     ] {
         let root = tempfile::tempdir().unwrap();

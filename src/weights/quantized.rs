@@ -170,8 +170,9 @@ pub fn plan_base(loaded: &crate::recipe::LoadedRecipe, cfg: &crate::config::Mode
         let types: Vec<String> = g.bytes_by_type().iter().rev().map(|(t, b)| format!("{t} {:.1} MB", *b as f64 / 1e6)).collect();
         return Ok(Some(crate::dist::plan::QuantizedBase { bytes: g.hf_bytes(), what: format!("GGUF blocks ({})", types.join(", ")) }));
     }
-    if local.is_dir() {
-        let files = super::ModelDir::resolve(&m.path, &loaded.dir)?.open_weights()?;
+    // A folder's weights, where it has them (a plan may run on config.json alone).
+    let files = local.is_dir().then(|| super::ModelDir::resolve(&m.path, &loaded.dir).and_then(|d| d.open_weights()).ok()).flatten();
+    if let Some(files) = files {
         if super::bnb::is_bnb(&files) {
             // A weight's bytes: its own and those of its quantisation state (`W.absmax`, ...).
             let mut bytes: HashMap<String, usize> = HashMap::new();
