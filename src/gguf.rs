@@ -985,6 +985,15 @@ impl GgufModel {
         }
     }
 
+    /// The files [`GgufModel::write_description`] writes.
+    pub fn description_files(&self) -> Vec<&'static str> {
+        let mut f = vec!["config.json", "generation_config.json"];
+        if self.tokenizer.is_some() {
+            f.extend(["tokenizer.json", "tokenizer_config.json"]);
+        }
+        f
+    }
+
     /// Write config.json, generation_config.json and (when the file has a vocabulary)
     /// tokenizer.json and tokenizer_config.json into `dir`.
     pub fn write_description(&self, dir: &Path) -> Result<()> {
@@ -1054,10 +1063,15 @@ pub fn describe_in_cache(gguf: &Path) -> Result<PathBuf> {
     let hex: String = digest.iter().take(10).map(|b| format!("{b:02x}")).collect();
     let stem = gguf.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let dir = cache_root()?.join("gguf").join(format!("{hex}-{}", stem.chars().filter(|c| c.is_ascii_alphanumeric() || "-_.".contains(*c)).take(60).collect::<String>()));
-    if !dir.join("config.json").is_file() {
+    let complete = |d: &Path| g.description_files().iter().all(|f| d.join(f).is_file());
+    if !complete(&dir) {
+        if dir.exists() {
+            // Incomplete (written by hand, or damaged): rebuilt whole.
+            let _ = std::fs::remove_dir_all(&dir);
+        }
         // Another process may have written it meanwhile: its copy is the same.
         if let Err(e) = write_folder(&dir, |tmp| g.write_description(tmp)) {
-            if !dir.join("config.json").is_file() {
+            if !complete(&dir) {
                 return Err(e);
             }
         }
@@ -1117,11 +1131,12 @@ fn write_folder<T>(out: &Path, fill: impl FnOnce(&Path) -> Result<T>) -> Result<
     let name = out.file_name().ok_or_else(|| Error::io(out, std::io::Error::new(std::io::ErrorKind::InvalidInput, "--out must name a folder")))?;
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-    let tmp = parent.join(format!(".{}.import-{}", name.to_string_lossy(), std::process::id()));
-    if tmp.exists() {
-        // Left by a crashed run of a process that had our id: nothing else writes here.
-        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    }
+    // Unique per process and call: two threads (or two containers whose processes share an
+    // id) writing the same folder never share a staging folder.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let tmp = parent.join(format!(".{}.import-{}-{call}-{nanos}", name.to_string_lossy(), std::process::id()));
     std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let mut staging = Staging(Some(tmp.clone()));
     let value = fill(&tmp)?;

@@ -359,7 +359,7 @@ fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: 
         std::fs::create_dir_all(deq).map_err(|e| Error::io(deq, e))?;
         let names: Vec<String> = files
             .names()
-            .filter(|n| !n.contains(".quant_state.") && !n.ends_with(".absmax") && !n.ends_with(".quant_map") && !n.ends_with(".nested_absmax") && !n.ends_with(".SCB") && !n.ends_with(".weight_format"))
+            .filter(|n| !n.contains(".quant_state.") && !n.ends_with(".absmax") && !n.ends_with(".quant_map") && !n.ends_with(".nested_quant_map") && !n.ends_with(".nested_absmax") && !n.ends_with(".SCB") && !n.ends_with(".weight_format"))
             .cloned()
             .collect();
         let mut r = crate::weights::bnb::BnbReader { files, storage: DType::F32 };

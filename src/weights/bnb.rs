@@ -128,9 +128,10 @@ impl BnbReader {
         let json: serde_json::Value =
             serde_json::from_slice(&self.bytes(state)?).map_err(|e| self.err(state, format!("is not the JSON bitsandbytes writes: {e}")))?;
         let field = |k: &str| json.get(k).ok_or_else(|| self.err(state, format!("has no `{k}`")));
-        let shape: Vec<usize> = field("shape")?.as_array().map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect()).unwrap_or_default();
-        let blocksize = field("blocksize")?.as_u64().unwrap_or(0) as usize;
-        let n: usize = shape.iter().product();
+        let dims = field("shape")?.as_array().cloned().unwrap_or_default();
+        let shape: Vec<usize> = dims.iter().filter_map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok())).collect();
+        let blocksize = field("blocksize")?.as_u64().and_then(|b| usize::try_from(b).ok()).unwrap_or(0);
+        let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).filter(|_| shape.len() == dims.len()).unwrap_or(0);
         if shape.len() != 2 || n == 0 || blocksize == 0 {
             return Err(self.err(state, format!("shape {shape:?} / blocksize {blocksize}: expected a 2-D weight and a positive blocksize")));
         }

@@ -178,7 +178,8 @@ pub fn plan_base(loaded: &crate::recipe::LoadedRecipe, cfg: &crate::config::Mode
             let mut bytes: HashMap<String, usize> = HashMap::new();
             for n in files.names() {
                 let v = files.raw_view(n)?;
-                let weight = cfg.frozen_tensors().iter().map(|(w, _)| w.clone()).find(|w| n == w || n.starts_with(&format!("{w}."))).unwrap_or_else(|| n.clone());
+                let of = |w: &str| n == w || n.starts_with(&format!("{w}.")) || *n == format!("{}.SCB", w.trim_end_matches(".weight"));
+                let weight = cfg.frozen_tensors().iter().map(|(w, _)| w.clone()).find(|w| of(w)).unwrap_or_else(|| n.clone());
                 *bytes.entry(weight).or_default() += v.data().len();
             }
             return Ok(Some(crate::dist::plan::QuantizedBase { bytes, what: "bitsandbytes 4/8-bit weights".into() }));
@@ -293,12 +294,21 @@ impl QuantizedWeights {
                 if !reader.contains(name) {
                     return Err(Error::MissingTensor { name: name.into(), files: self.origin.clone() });
                 }
+                // Read by another thread while this one waited for the reader.
+                let again = lock(&self.blocks).get(name).cloned();
+                if let Some(b) = again {
+                    return self.check_shape(name, shape, b);
+                }
                 let b = Arc::new(reader.read(name, &self.device)?);
                 self.account.frozen.fetch_add(b.bytes(), Ordering::SeqCst);
                 lock(&self.blocks).insert(name.to_string(), b.clone());
                 b
             }
         };
+        self.check_shape(name, shape, b)
+    }
+
+    fn check_shape(&self, name: &str, shape: &[usize], b: Arc<Blocks>) -> Result<Arc<Blocks>> {
         if b.dims() != shape {
             return Err(Error::Shape { name: name.into(), file: self.origin.clone(), expected: shape.to_vec(), got: b.dims() });
         }
@@ -365,7 +375,9 @@ impl WeightSource for QuantizedWeights {
         }
     }
     fn contains(&self, name: &str) -> bool {
-        lock(&self.blocks).contains_key(name) || lock(&self.reader).as_ref().is_some_and(|r| r.contains(name))
+        // One lock at a time: `blocks()` takes the reader, then the blocks.
+        let cached = lock(&self.blocks).contains_key(name);
+        cached || lock(&self.reader).as_ref().is_some_and(|r| r.contains(name))
     }
     fn seal(&self) {
         *lock(&self.reader) = None;
