@@ -870,12 +870,14 @@ pub fn evaluate_part(model: &Model, adapters: &Adapters, examples: &[crate::data
             mb.targets.iter().enumerate().filter(|(_, &t)| t != IGNORE).map(|(i, &t)| (i as u32, t as u32)).unzip();
         let h = model.cfg.hidden_size;
         let normed = model.final_norm(&x)?.reshape((mb.rows * mb.seq, h))?; // [N, H]
-        let head = model.lm_head()?;
-        if tgt.is_empty() || !keep {
+        // Every rank reads the head, with no rows where it has nothing to score (under
+        // ZeRO-3 reading it is a collective).
+        let (idx, tgt) = if keep { (idx, tgt) } else { (Vec::new(), Vec::new()) };
+        let rows = normed.index_select(&Tensor::from_vec(idx, tgt.len(), &device)?, 0)?; // [M, H]
+        let (ce, _) = crate::ops::loss::cross_entropy_sum_and_grad(model.kernels(), &rows, &model.lm_head_rows(), &tgt, 0.0).ctx("eval cross-entropy")?;
+        if tgt.is_empty() {
             continue;
         }
-        let rows = normed.index_select(&Tensor::from_vec(idx, tgt.len(), &device)?, 0)?; // [M, H]
-        let (ce, _) = crate::ops::loss::cross_entropy_sum_and_grad(model.kernels(), &rows, &head, &tgt, 0.0).ctx("eval cross-entropy")?;
         sum += ce;
         count += tgt.len();
     }
@@ -998,9 +1000,9 @@ pub fn forward_backward(
     // backward gives the gradient of scale * CE sum).
     let head_loss = |x: &Tensor| -> Result<(f64, Tensor)> {
         let rows = model.final_norm(x)?.index_select(&idx, 0)?; // [N, H] -> [M, H]
-        // Fetched just in time: under ZeRO-3 the head is gathered only while it is used.
-        let head = model.lm_head()?;
-        let (ce, g_rows) = crate::ops::loss::cross_entropy_sum_and_grad(model.kernels(), &rows, &head, &tgt, scale).ctx("cross-entropy")?;
+        // Read just in time, in chunks: under ZeRO-3 the head is gathered only while it is
+        // used, and a quantized head is dequantised a chunk at a time.
+        let (ce, g_rows) = crate::ops::loss::cross_entropy_sum_and_grad(model.kernels(), &rows, &model.lm_head_rows(), &tgt, scale).ctx("cross-entropy")?;
         Ok((ce, (rows * g_rows.detach())?.sum_all()?))
     };
     // Accumulated in f64: a sum of a few f32 gradients is then exact in practice, so it does

@@ -218,3 +218,65 @@ fn a_bitsandbytes_base_merges_into_its_dequantised_weights() {
     got.sort();
     assert_eq!(got, want);
 }
+
+// ---------------------------------------------------------------------------------------
+// DeepSeek-V2/V3 GGUFs as llama.cpp's own converter writes them (`fixtures/gguf-deepseek`,
+// `make.py` beside them): experts stacked per layer, kv_b_proj split into attn_k_b/attn_v_b.
+
+/// (version, the q projections the version has).
+const DEEPSEEK_GGUFS: [(&str, &str); 2] = [("v2", r#""q_proj""#), ("v3", r#""q_a_proj", "q_b_proj""#)];
+
+#[test]
+fn a_deepseek2_gguf_from_llama_cpps_converter_trains_exactly_as_its_hf_checkpoint() {
+    test_cache();
+    for (v, q) in DEEPSEEK_GGUFS {
+        let fx = fixture("gguf-deepseek");
+        let d = tempfile::tempdir().unwrap();
+        copy_dir(&fx.join(format!("hf-{v}")), &d.path().join("hf"));
+        std::fs::copy(fx.join(format!("model-{v}-f32.gguf")), d.path().join("model.gguf")).unwrap();
+        let vocab = finetune::gguf::open(&d.path().join("model.gguf")).unwrap().config["vocab_size"].as_u64().unwrap() as usize;
+        write_tokenized_dataset(&d.path().join("data"), &counting_rows(16, vocab, 3, 6, 20)).unwrap();
+        let targets = format!(r#"lora.targets=[{q}, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]"#);
+        let extra = [targets.as_str(), "lora.routed_experts=true"];
+        train(d.path(), "gguf", "model.gguf", &extra);
+        train(d.path(), "hf", "hf", &extra);
+        let (a, b) = (losses(d.path(), "gguf"), losses(d.path(), "hf"));
+        assert_eq!(a.len(), 3);
+        assert_eq!(a, b, "{v}: the GGUF must train exactly as the checkpoint it was converted from");
+        let ta = load_tensors(&d.path().join("gguf/out/adapter/adapter_model.safetensors"));
+        let tb = load_tensors(&d.path().join("hf/out/adapter/adapter_model.safetensors"));
+        assert_eq!(ta.len(), tb.len());
+        assert!(ta.keys().any(|k| k.contains(".mlp.experts.")), "{v}: routed experts adapted");
+        for (k, t) in &ta {
+            assert_eq!(max_abs_diff(t, &tb[k]), 0.0, "{v}: {k}");
+        }
+    }
+}
+
+/// Every HF tensor of a Q8_0 deepseek2 GGUF, read as a quantized base reads it (an expert cut
+/// out of its stacked blocks, kv_b_proj joined from attn_k_b and attn_v_b), equals gguf-py's
+/// dequantisation mapped back to HF by the fixture script's own inverse of the converter.
+#[test]
+fn deepseek2_gguf_tensors_equal_gguf_pys_dequantisation_mapped_back_to_hf() {
+    for (v, _) in DEEPSEEK_GGUFS {
+        let fx = fixture("gguf-deepseek");
+        let want = load_tensors(&fx.join(format!("dequant-{v}-q8_0.safetensors")));
+        let mut g = finetune::gguf::open(&fx.join(format!("model-{v}-q8_0.gguf"))).unwrap();
+        let names = g.hf_names();
+        let mut sorted: Vec<&String> = want.keys().collect();
+        sorted.sort();
+        assert_eq!(names.iter().collect::<Vec<_>>(), sorted, "{v}: the HF tensors");
+        let bytes = g.hf_bytes();
+        for n in &names {
+            let t = g.dequantize(n).unwrap();
+            assert_eq!(t.dims(), want[n].dims(), "{v}: {n}");
+            assert_eq!(max_abs_diff(&t, &want[n]), 0.0, "{v}: {n}");
+            assert!(bytes[n] > 0, "{v}: {n}");
+        }
+        // The HF config the file describes is the one it was converted from, key by key.
+        let hf: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fx.join(format!("hf-{v}/config.json"))).unwrap()).unwrap();
+        let parse = |c: &serde_json::Value| finetune::config::ModelConfig::resolve(&serde_json::from_value(c.clone()).unwrap()).unwrap();
+        let (ours, theirs) = (parse(&g.config), parse(&hf));
+        assert_eq!(format!("{ours:?}"), format!("{theirs:?}"), "{v}: config");
+    }
+}

@@ -10,7 +10,9 @@
 
 use crate::weights::{Unit, Window};
 use crate::config::ModelConfig;
+use crate::ops::Kernels;
 use crate::recipe::Recipe;
+use candle_core::{DType, Device};
 use std::collections::HashMap;
 
 /// Bytes per device (one rank) and on the host, for one world size.
@@ -73,7 +75,15 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
         for (name, s) in &tensors {
             *unit_bytes.entry(Unit::of(name)).or_default() += numel(s) * es_of(name);
         }
-        (frozen, replay_peak(cfg, 0, &unit_bytes))
+        // The embedding's picked rows are never held (their few KB are not counted); the head
+        // is dequantised a chunk of vocabulary rows at a time (`ops::loss`), its size set by
+        // the matmul dtype.
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let matmul = if on_gpu { storage } else { Kernels::Auto.matmul_dtype(&r.model.matmul, storage, DType::F32, &Device::Cpu) };
+        let chunk = crate::ops::loss::vocab_chunk(v, h * matmul.size_in_bytes()) * h * es_of("lm_head.weight");
+        unit_bytes.insert(Unit::Tensor("model.embed_tokens.weight".into()), 0);
+        unit_bytes.insert(head_unit(cfg), chunk);
+        (frozen, replay_peak(cfg, 0, &unit_bytes, false))
     } else if stage3 {
         let chunk = |s: &[usize]| super::Partition::new(numel(s), 0, world).chunk();
         let frozen = tensors.iter().map(|(n, s)| chunk(s) * es_of(n)).sum();
@@ -82,7 +92,7 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
         for (name, s) in &tensors {
             *unit_bytes.entry(Unit::of(name)).or_default() += world * chunk(s) * es_of(name);
         }
-        (frozen, replay_peak(cfg, r.dist.prefetch_layers, &unit_bytes))
+        (frozen, replay_peak(cfg, r.dist.prefetch_layers, &unit_bytes, true))
     } else {
         (tensors.iter().map(|(n, s)| numel(s) * es_of(n)).sum(), 0)
     };
@@ -106,15 +116,20 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
     }
 }
 
+fn head_unit(cfg: &ModelConfig) -> Unit {
+    Unit::Tensor(if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" }.into())
+}
+
 /// Replay the order a run asks for frozen tensors (load check, then one training
 /// micro-batch with recomputation, then an evaluation batch) through the [`Window`], and
-/// return the most bytes held at once.
-fn replay_peak(cfg: &ModelConfig, prefetch: usize, unit_bytes: &HashMap<Unit, usize>) -> usize {
+/// return the most bytes held at once. `load_gathers`: the load check materialises the
+/// embedding, norm and head (ZeRO-3 gathers them; a quantized source only reads blocks).
+fn replay_peak(cfg: &ModelConfig, prefetch: usize, unit_bytes: &HashMap<Unit, usize>, load_gathers: bool) -> usize {
     let n = cfg.num_hidden_layers;
     let embed = Unit::Tensor("model.embed_tokens.weight".into());
     let norm = Unit::Tensor("model.norm.weight".into());
-    let head = if cfg.tie_word_embeddings { embed.clone() } else { Unit::Tensor("lm_head.weight".into()) };
-    let mut order = vec![embed.clone(), norm.clone(), head.clone()];
+    let head = head_unit(cfg);
+    let mut order = if load_gathers { vec![embed.clone(), norm.clone(), head.clone()] } else { Vec::new() };
     order.extend((0..n).map(Unit::Layer));
     // Training micro-batch: forward, head, recomputed backward from the top.
     order.push(embed.clone());

@@ -354,7 +354,7 @@ fn merge_gguf(gguf: &Path, adapter: &PeftAdapter, out: &Path, opts: &ExportOptio
 /// [`merge_gguf`] for a bitsandbytes base: its config without `quantization_config`, the
 /// side files, and every tensor dequantised.
 fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
-    use crate::weights::quantized::{BlockReader, Blocks};
+    use crate::weights::quantized::BlockReader;
     merge_dequantised(base.name.clone(), adapter, out, opts, |deq| {
         std::fs::create_dir_all(deq).map_err(|e| Error::io(deq, e))?;
         let names: Vec<String> = files
@@ -365,12 +365,7 @@ fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: 
         let mut r = crate::weights::bnb::BnbReader { files, storage: DType::F32 };
         let mut tensors = Vec::new();
         for n in names {
-            let t = match r.read(&n, &Device::Cpu)? {
-                Blocks::Bnb4(b) => b.dequantize(&Device::Cpu)?,
-                Blocks::Bnb8(b) => b.dequantize(&Device::Cpu)?,
-                Blocks::Plain(t) => t,
-                Blocks::Ggml { q, .. } => q.dequantize(&Device::Cpu)?,
-            };
+            let t = r.read(&n, &Device::Cpu)?.dequantize(&Device::Cpu)?;
             tensors.push((n, t.to_dtype(opts.dtype.unwrap_or(DType::F32))?));
         }
         crate::gguf::write_weights(deq, &tensors, u64::MAX)?;

@@ -17,6 +17,7 @@ pub mod llama;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraLinear};
+use crate::ops::loss::HeadRows;
 use crate::ops::{self, KeyStarts, Kernels};
 use crate::weights::{Frozen, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
@@ -173,9 +174,10 @@ impl Model {
     /// before training starts, naming the tensor), and keep the source.
     pub fn load(src: Arc<dyn WeightSource>, cfg: ModelConfig, lora: &Adapters) -> Result<Self> {
         let m = Model { inv_freq: cfg.inv_freq(), cfg, src, kernels: Kernels::Auto };
-        m.embed_tokens()?;
-        m.norm_weight()?;
-        m.lm_head()?;
+        let (v, h) = (m.cfg.vocab_size, m.cfg.hidden_size);
+        m.src.check("model.embed_tokens.weight", &[v, h])?;
+        m.src.check("model.norm.weight", &[h])?;
+        m.src.check(m.lm_head_name(), &[v, h])?;
         let vb = Frozen::new(&*m.src);
         for i in 0..m.cfg.num_hidden_layers {
             DecoderLayer::load(&vb.pp(format!("model.layers.{i}")), &m.cfg, i, lora)?;
@@ -234,8 +236,22 @@ impl Model {
     /// A matmul operand only, so in the source's matmul dtype (bf16 on AMX, see `loss::Head`).
     pub fn lm_head(&self) -> Result<Tensor> {
         let c = &self.cfg;
-        let name = if c.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-        Frozen::new(&*self.src).get_matmul(&[c.vocab_size, c.hidden_size], name)
+        Frozen::new(&*self.src).get_matmul(&[c.vocab_size, c.hidden_size], self.lm_head_name())
+    }
+
+    /// The output projection as the loss reads it, in chunks of vocabulary rows
+    /// (`ops::loss`): a quantized base dequantises, and a bf16 base computing in f32
+    /// converts, one chunk at a time.
+    pub fn lm_head_rows(&self) -> HeadRows<'_> {
+        let c = &self.cfg;
+        let shape = [c.vocab_size, c.hidden_size];
+        let name = self.lm_head_name();
+        let read = move |start, len| self.src.get_matmul_rows(name, &shape, start, len).map_err(candle_core::Error::wrap);
+        HeadRows { vocab: c.vocab_size, hidden: c.hidden_size, dtype: self.src.matmul_dtype(), read: Box::new(read) }
+    }
+
+    fn lm_head_name(&self) -> &'static str {
+        if self.cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" }
     }
 
     /// The device the weight source puts tensors on.

@@ -1,10 +1,20 @@
 //! Chunked cross-entropy through the frozen LM head, with its gradient computed directly.
 //!
 //! The full logits tensor of a batch ([N, V] f32, plus its gradient under autograd) is the
-//! largest allocation of a training step (4 x 512 x 49152 x 4 B = 400 MB, twice). Because the
-//! LM head is frozen, dLoss/dhidden has a closed form: (softmax(logits) - onehot(target)) @ W.
-//! We compute it chunk by chunk for the target rows only, never holding more than one
-//! [C, V] chunk, and hand the result to autograd as the upstream gradient of the hidden rows.
+//! largest allocation of a training step (4 x 512 x 49152 x 4 B = 400 MB, twice), and the
+//! head itself is the largest frozen tensor (a 7B model's [102400, 4096] is 0.84 GB in bf16,
+//! twice a decoder layer). Neither is ever held whole here:
+//! - The head is read in chunks of vocabulary rows (`head(start, len)`), so a quantized base
+//!   dequantises, and a bf16 base on an f32 CPU converts, one chunk at a time.
+//! - Each chunk's logits are folded into a running softmax per token row, as flash attention
+//!   does over keys: the running max and sum of exp(l - max), and
+//!   acc = Σ exp(l - max) W over the chunks seen, rescaled when the max grows.
+//! - Because the head is frozen, dLoss/dhidden has a closed form,
+//!   (softmax(logits) - onehot(target)) @ W = acc / sum - W[target], which is handed to
+//!   autograd as the upstream gradient of the hidden rows.
+//!
+//! Each head chunk is read once and used for two GEMMs (logits, then p @ W), as the whole
+//! head was before.
 
 use super::bf16_gemm::PackedB;
 use super::{Kernels, Op, Path};
@@ -15,7 +25,11 @@ use candle_core::{DType, Result, Tensor, D};
 /// fresh mmap, so every chunk of every step would fault in and zero new pages.
 const CHUNK_ELEMS: usize = 7 << 20;
 
-/// Rows per chunk for a vocabulary of `v`: as many as fit in `CHUNK_ELEMS`, rounded down to
+/// Most bytes of the head read at once: under the same mmap threshold, and a small part of a
+/// decoder layer of any model whose head is worth chunking (a 7B layer is 400 MB in bf16).
+const HEAD_CHUNK_BYTES: usize = 32 << 20;
+
+/// Token rows per chunk for `v` vocabulary rows: as many as fit in `CHUNK_ELEMS`, rounded down to
 /// whole 32-row GEMM blocks for each thread when that many fit. Why: the head GEMMs split a
 /// chunk's row blocks over the threads, and the 149 rows that fit for a 49k vocabulary are 5
 /// blocks, which 2 threads run as 3 + 2 (a sixth of the head's time idle); 128 rows are 2 + 2.
@@ -25,69 +39,249 @@ fn chunk_rows(v: usize, threads: usize) -> usize {
     if fit >= quantum { fit - fit % quantum } else { fit }
 }
 
-/// rows [M, H] (final-normed hidden states of the positions that have a target),
-/// head [V, H], targets [M] -> (sum of token cross-entropies, d(scale * sum)/d rows [M, H]).
-///
-/// Fused path (CPU f32 rows): one parallel pass per chunk computes the cross-entropy and
-/// softmax − onehot together. Portable path: the same from candle ops; the logits of a chunk
-/// come out of the head's own dtype (as transformers computes `lm_head` in the model dtype)
-/// and the softmax and cross-entropy run in f32 (as its loss upcasts the logits).
-pub fn cross_entropy_sum_and_grad(k: Kernels, rows: &Tensor, head: &Tensor, targets: &[u32], scale: f64) -> Result<(f64, Tensor)> {
-    let (m, h) = rows.dims2()?;
-    let v = head.dim(0)?;
-    if head.dim(1)? != h || targets.len() != m {
-        candle_core::bail!("cross-entropy: rows {:?}, head {:?} and {} targets do not fit", rows.dims(), head.dims(), targets.len());
+/// Vocabulary rows per head chunk for a head of `v` rows of `row_bytes` (as the loss reads
+/// it: in the matmul dtype): equal chunks of at most `HEAD_CHUNK_BYTES`, in whole 64-row GEMM
+/// panels. Depends on the head alone, so a token row's arithmetic is the same however many
+/// rows a rank has (world sizes agree). `finetune plan` counts a quantized head's chunks by it.
+pub fn vocab_chunk(v: usize, row_bytes: usize) -> usize {
+    let chunks = (v * row_bytes).div_ceil(HEAD_CHUNK_BYTES).max(1);
+    v.div_ceil(chunks).next_multiple_of(64).min(v).max(1)
+}
+
+/// The frozen head [V, H] as the loss reads it: `read(start, len)` gives rows
+/// start..start+len [len, H] in `dtype`, the dtype its matmul takes.
+pub struct HeadRows<'a> {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub dtype: DType,
+    pub read: Box<dyn Fn(usize, usize) -> Result<Tensor> + 'a>,
+}
+
+impl<'a> HeadRows<'a> {
+    /// A head held whole (tests, and callers that have the tensor anyway).
+    pub fn of(head: &'a Tensor) -> Result<Self> {
+        let (vocab, hidden) = head.dims2()?;
+        Ok(HeadRows { vocab, hidden, dtype: head.dtype(), read: Box::new(move |start, len| head.narrow(0, start, len)) })
     }
-    let chunk = chunk_rows(v, rayon::current_num_threads());
+}
+
+/// rows [M, H] (final-normed hidden states of the positions that have a target), the head
+/// [V, H], targets [M] -> (sum of token cross-entropies, d(scale * sum)/d rows [M, H]).
+/// With `scale` 0 (evaluation) the gradient GEMMs are skipped and the gradient is zeros.
+///
+/// Every head chunk is read even when M = 0: under ZeRO-3 reading the head is a collective
+/// all ranks join.
+///
+/// Fused path (CPU f32 rows): one parallel pass per chunk folds the logits into the running
+/// softmax. Portable path: the same from candle ops; the logits of a chunk come out of the
+/// head's own dtype (as transformers computes `lm_head` in the model dtype) and the softmax
+/// and cross-entropy run in f32 (as its loss upcasts the logits).
+pub fn cross_entropy_sum_and_grad(k: Kernels, rows: &Tensor, head: &HeadRows, targets: &[u32], scale: f64) -> Result<(f64, Tensor)> {
+    let (m, h) = rows.dims2()?;
+    let v = head.vocab;
+    if head.hidden != h || targets.len() != m {
+        candle_core::bail!("cross-entropy: rows {:?}, head [{v}, {}] and {} targets do not fit", rows.dims(), head.hidden, targets.len());
+    }
+    if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
+        candle_core::bail!("cross-entropy: target token {t} is outside the vocabulary of {v}");
+    }
+    let vc = vocab_chunk(v, h * head.dtype.size_in_bytes());
+    let chunk = chunk_rows(vc, rayon::current_num_threads());
+    let spans: Vec<(usize, usize)> = (0..m).step_by(chunk.max(1)).map(|s| (s, chunk.min(m - s))).collect();
+    let want_grad = scale != 0.0;
+    let mut runs: Vec<Running> = Vec::new();
+    let mut picked = None; // W[target] per row [M, H] f32, filled chunk by chunk
+    for v0 in (0..v).step_by(vc) {
+        let n = vc.min(v - v0);
+        let w = (head.read)(v0, n)?; // [n, H]
+        if m == 0 {
+            continue;
+        }
+        let path = k.pick(Op::LossHead, rows, &[&w]);
+        if runs.is_empty() {
+            runs = spans.iter().map(|&(_, c)| Running::new(path, c, rows.device())).collect::<Result<_>>()?;
+        }
+        let hd = Head::new(path, &w)?;
+        for (run, &(r0, c)) in runs.iter_mut().zip(&spans) {
+            let x = rows.narrow(0, r0, c)?; // [C, H]
+            let logits = hd.logits(&x)?; // [C, n] f32
+            let (p, alpha) = run.fold(&logits, &targets[r0..r0 + c], v0)?; // [C, n], [C, 1]
+            if want_grad {
+                let g = hd.input_grad(&p)?.to_dtype(DType::F32)?; // [C, H]
+                run.acc = Some(match run.acc.take() {
+                    Some(acc) => (acc.broadcast_mul(&alpha)? + g)?,
+                    None => g,
+                });
+            }
+        }
+        if want_grad {
+            picked = Some(add_target_rows(picked, &w, targets, v0, m)?);
+        }
+    }
     let mut total = 0f64;
     let mut grads = Vec::new();
-    let mut start = 0;
-    let path = k.pick(Op::LossHead, rows, &[head]);
-    let head = Head::new(path, head)?;
-    while start < m {
-        let c = chunk.min(m - start);
-        let x = rows.narrow(0, start, c)?; // [C, H]
-        let logits = head.logits(&x)?; // [C, V] f32
-        let t = &targets[start..start + c];
-        let (ce, g_logits) = match path {
-            // One parallel pass per row instead of seven whole-tensor ops.
-            Path::Fused => softmax_ce_rows(&logits, t, scale)?,
-            Path::Portable => softmax_ce_portable(&logits, t, scale)?,
-        };
+    for (run, &(r0, c)) in runs.into_iter().zip(&spans) {
+        let (ce, inv_sum) = run.stats.finish()?; // CE sum, 1 / sum [C, 1]
         total += ce;
-        grads.push(head.input_grad(&g_logits)?.to_dtype(rows.dtype())?); // [C, H]
-        start += c;
+        if let (Some(acc), Some(picked)) = (run.acc, &picked) {
+            // (softmax - onehot) @ W = acc / sum - W[target], times scale.
+            let g = (acc.broadcast_mul(&(inv_sum * scale)?)? - (picked.narrow(0, r0, c)? * scale)?)?; // [C, H]
+            grads.push(g.to_dtype(rows.dtype())?);
+        }
     }
     let grad = if grads.is_empty() { rows.zeros_like()? } else { Tensor::cat(&grads, 0)? };
     Ok((total, grad))
 }
 
-/// The CE sum (f64) and scale · (softmax − onehot) [C, V] of f32 logits [C, V], from candle
-/// ops (any device).
-fn softmax_ce_portable(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64, Tensor)> {
-    let c = logits.dim(0)?;
-    let max = logits.max_keepdim(D::Minus1)?; // [C, 1]
-    let shifted = logits.broadcast_sub(&max)?; // [C, V]
-    let exp = shifted.exp()?;
-    let sum = exp.sum_keepdim(D::Minus1)?; // [C, 1]
-    let t = Tensor::from_slice(targets, (c, 1), logits.device())?;
-    let picked = shifted.gather(&t, 1)?; // [C, 1]
-    // CE = log(sum exp(l - max)) - (l_t - max), summed in f64.
-    let ce = (sum.log()? - picked)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-    // d CE / d logits = softmax - onehot.
-    let probs = exp.broadcast_div(&sum)?; // [C, V]
-    let minus_one = Tensor::full(-1f32, (c, 1), logits.device())?;
-    Ok((ce, (probs.scatter_add(&t, &minus_one, 1)? * scale)?)) // [C, V]
+/// `picked` (zeros [M, H] f32 when None) with W's rows for the targets that fall in the head
+/// chunk `w` = rows v0..v0+n added. Each target falls in one chunk, so each row is written once.
+fn add_target_rows(picked: Option<Tensor>, w: &Tensor, targets: &[u32], v0: usize, m: usize) -> Result<Tensor> {
+    let (n, h) = w.dims2()?;
+    let picked = match picked {
+        Some(p) => p,
+        None => Tensor::zeros((m, h), DType::F32, w.device())?,
+    };
+    let (at, local): (Vec<u32>, Vec<u32>) = targets
+        .iter()
+        .enumerate()
+        .filter_map(|(r, &t)| (t as usize).checked_sub(v0).filter(|&i| i < n).map(|i| (r as u32, i as u32)))
+        .unzip();
+    if at.is_empty() {
+        return Ok(picked);
+    }
+    let k = at.len();
+    let rows = w.index_select(&Tensor::from_vec(local, k, w.device())?, 0)?.to_dtype(DType::F32)?; // [K, H]
+    picked.index_add(&Tensor::from_vec(at, k, w.device())?, &rows, 0)
 }
 
-/// The frozen head [V, H] in the form its two matmuls per chunk want, prepared once per call.
+/// The running softmax of one chunk of token rows over the head chunks read so far.
+struct Running {
+    /// Σ exp(l - max) W over the head chunks seen, at the current max [C, H] f32.
+    acc: Option<Tensor>,
+    stats: Stats,
+}
+
+/// Per token row: the running max of its logits, the sum of exp(l - max), and the logit of
+/// its target (once its chunk has been seen).
+enum Stats {
+    /// Fused path: on the host, updated in one parallel pass per chunk.
+    Host { rows: Vec<RowStats>, device: candle_core::Device },
+    /// Portable path: [C, 1] f32 tensors on the rows' device.
+    Device { max: Tensor, sum: Tensor, target: Tensor },
+}
+
+#[derive(Clone, Copy)]
+struct RowStats {
+    max: f32,
+    sum: f32,
+    target: f32,
+}
+
+impl Running {
+    fn new(path: Path, c: usize, device: &candle_core::Device) -> Result<Self> {
+        let stats = match path {
+            Path::Fused => Stats::Host { rows: vec![RowStats { max: f32::NEG_INFINITY, sum: 0.0, target: 0.0 }; c], device: device.clone() },
+            Path::Portable => Stats::Device {
+                max: Tensor::full(f32::NEG_INFINITY, (c, 1), device)?,
+                sum: Tensor::zeros((c, 1), DType::F32, device)?,
+                target: Tensor::zeros((c, 1), DType::F32, device)?,
+            },
+        };
+        Ok(Running { acc: None, stats })
+    }
+
+    /// Fold a head chunk's logits [C, n] (vocabulary rows v0..v0+n) into the stats; returns
+    /// p = exp(l - new max) [C, n] and each row's factor exp(old max - new max) [C, 1], by
+    /// which what was summed before is rescaled.
+    fn fold(&mut self, logits: &Tensor, targets: &[u32], v0: usize) -> Result<(Tensor, Tensor)> {
+        match &mut self.stats {
+            Stats::Host { rows, .. } => fold_rows(logits, rows, targets, v0),
+            Stats::Device { max, sum, target } => {
+                let (c, n) = logits.dims2()?;
+                let new_max = max.maximum(&logits.max_keepdim(D::Minus1)?)?; // [C, 1]
+                // 0 on the first chunk, where max is -inf and nothing was summed yet.
+                let alpha = (&*max - &new_max)?.exp()?; // [C, 1]
+                let p = logits.broadcast_sub(&new_max)?.exp()?; // [C, n]
+                *sum = ((&*sum * &alpha)? + p.sum_keepdim(D::Minus1)?)?;
+                let (local, inside): (Vec<u32>, Vec<f32>) = targets
+                    .iter()
+                    .map(|&t| (t as usize).checked_sub(v0).filter(|&i| i < n).map_or((0, 0.0), |i| (i as u32, 1.0)))
+                    .unzip();
+                if inside.contains(&1.0) {
+                    let idx = Tensor::from_vec(local, (c, 1), logits.device())?;
+                    let mask = Tensor::from_vec(inside, (c, 1), logits.device())?;
+                    *target = (&*target + (logits.gather(&idx, 1)? * mask)?)?;
+                }
+                *max = new_max;
+                Ok((p, alpha))
+            }
+        }
+    }
+}
+
+impl Stats {
+    /// (the CE sum of the rows, summed in f64; 1 / sum [C, 1] f32).
+    fn finish(self) -> Result<(f64, Tensor)> {
+        match self {
+            Stats::Host { rows, device } => {
+                // CE = log(sum exp(l - max)) - (l_t - max)
+                let ce = rows.iter().map(|s| (s.sum.ln() - (s.target - s.max)) as f64).sum();
+                let inv: Vec<f32> = rows.iter().map(|s| 1.0 / s.sum).collect();
+                let c = inv.len();
+                Ok((ce, Tensor::from_vec(inv, (c, 1), &device)?))
+            }
+            Stats::Device { max, sum, target } => {
+                let ce = (sum.log()? - (target - max)?)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                Ok((ce, sum.recip()?))
+            }
+        }
+    }
+}
+
+/// `Running::fold` on the host (CPU f32 logits [C, n]), one parallel pass over the rows.
+fn fold_rows(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize) -> Result<(Tensor, Tensor)> {
+    use rayon::prelude::*;
+    let (c, n) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let (st, layout) = logits.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)) = &*st else {
+        candle_core::bail!("fold_rows: f32 cpu logits expected")
+    };
+    let Some((o, e)) = layout.contiguous_offsets() else { candle_core::bail!("fold_rows: contiguous logits expected") };
+    let data = &data[o..e];
+    let mut p = super::zeros_f32(c * n);
+    let mut alpha = vec![0f32; c];
+    p.par_chunks_mut(n).zip(data.par_chunks(n)).zip(stats.par_iter_mut()).zip(alpha.par_iter_mut()).zip(targets.par_iter()).for_each(
+        |((((p, l), s), a), &t)| {
+            let max = l.iter().fold(s.max, |m, &x| m.max(x));
+            *a = if s.max == max {
+                1.0
+            } else if s.max == f32::NEG_INFINITY {
+                0.0
+            } else {
+                super::exp_f32(s.max - max)
+            };
+            p.iter_mut().zip(l).for_each(|(pi, &li)| *pi = super::exp_f32(li - max));
+            s.sum = s.sum * *a + super::sum_f32(p);
+            s.max = max;
+            if let Some(i) = (t as usize).checked_sub(v0).filter(|&i| i < n) {
+                s.target = l[i];
+            }
+        },
+    );
+    drop(st);
+    let dev = logits.device();
+    Ok((Tensor::from_vec(p, (c, n), dev)?, Tensor::from_vec(alpha, (c, 1), dev)?))
+}
+
+/// A head chunk [n, H] in the form its two matmuls want, prepared once per chunk.
 enum Head {
     /// Fused, f32 head: the f32 GEMM.
     F32(Tensor),
     /// Fused, bf16 head on a CPU with a bf16 unit (the weight source hands one out only then):
-    /// packed for x @ Wᵀ and for g @ W, so both run on it like the frozen projections.
+    /// packed for x @ Wᵀ and for p @ W, so both run on it like the frozen projections.
     Bf16 { nk: PackedB, kn: PackedB },
-    /// Portable: the head in its own dtype (never converted whole), chunks meeting it there.
+    /// Portable: the head in its own dtype, chunks meeting it there.
     Native(Tensor),
 }
 
@@ -100,7 +294,7 @@ impl Head {
         })
     }
 
-    /// x [C, H] -> logits [C, V] f32
+    /// x [C, H] -> logits [C, n] f32
     fn logits(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Head::F32(w) => x.matmul(&w.t()?),
@@ -109,47 +303,14 @@ impl Head {
         }
     }
 
-    /// g [C, V] f32 -> g @ W [C, H] (f32, or the head's dtype on the portable path)
-    fn input_grad(&self, g: &Tensor) -> Result<Tensor> {
+    /// p [C, n] f32 -> p @ W [C, H] (f32, or the head's dtype on the portable path)
+    fn input_grad(&self, p: &Tensor) -> Result<Tensor> {
         match self {
-            Head::F32(w) => g.matmul(w),
-            Head::Bf16 { kn, .. } => super::bf16_gemm::matmul(g, kn),
-            Head::Native(w) => g.to_dtype(w.dtype())?.matmul(w),
+            Head::F32(w) => p.matmul(w),
+            Head::Bf16 { kn, .. } => super::bf16_gemm::matmul(p, kn),
+            Head::Native(w) => p.to_dtype(w.dtype())?.matmul(w),
         }
     }
-}
-
-/// Per row of logits [C, V] (CPU, f32): the cross-entropy against `targets` (summed in f64)
-/// and scale · (softmax − onehot), computed in one parallel pass over the rows.
-fn softmax_ce_rows(logits: &Tensor, targets: &[u32], scale: f64) -> Result<(f64, Tensor)> {
-    use rayon::prelude::*;
-    let (c, v) = logits.dims2()?;
-    let logits = logits.contiguous()?;
-    let (st, layout) = logits.storage_and_layout();
-    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)) = &*st else {
-        candle_core::bail!("softmax_ce_rows: f32 cpu logits expected")
-    };
-    let Some((o, e)) = layout.contiguous_offsets() else { candle_core::bail!("softmax_ce_rows: contiguous logits expected") };
-    let data = &data[o..e];
-    let mut grad = super::zeros_f32(c * v);
-    let scale = scale as f32;
-    let ce: f64 = grad
-        .par_chunks_mut(v)
-        .zip(data.par_chunks(v))
-        .zip(targets.par_iter())
-        .map(|((g, l), &t)| {
-            let max = l.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            g.iter_mut().zip(l).for_each(|(gi, &li)| *gi = super::exp_f32(li - max));
-            let sum = super::sum_f32(g);
-            let k = scale / sum;
-            g.iter_mut().for_each(|gi| *gi *= k);
-            g[t as usize] -= scale;
-            // CE = log(sum exp(l - max)) - (l_t - max)
-            (sum.ln() - (l[t as usize] - max)) as f64
-        })
-        .sum();
-    drop(st);
-    Ok((ce, Tensor::from_vec(grad, (c, v), logits.device())?))
 }
 
 #[cfg(test)]
@@ -168,13 +329,18 @@ mod tests {
         let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
         let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05).collect(), (v, h), &dev)?.to_dtype(DType::BF16)?;
         let targets: Vec<u32> = (0..m as u32).map(|i| i * 7 % v as u32).collect();
-        let (ce, grad) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &head, &targets, 0.25)?;
+        let (ce, grad) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &HeadRows::of(&head)?, &targets, 0.25)?;
         let rounded = rows.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
-        let (ce32, _) = cross_entropy_sum_and_grad(Kernels::Auto, &rounded, &head.to_dtype(DType::F32)?, &targets, 0.25)?;
-        // The input gradient rounds g = softmax - onehot to bf16 too: compare with that.
-        let logits = rounded.matmul(&head.to_dtype(DType::F32)?.t()?)?;
-        let (_, g_logits) = softmax_ce_rows(&logits, &targets, 0.25)?;
-        let want = g_logits.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.matmul(&head.to_dtype(DType::F32)?)?;
+        let h32 = head.to_dtype(DType::F32)?;
+        let (ce32, _) = cross_entropy_sum_and_grad(Kernels::Auto, &rounded, &HeadRows::of(&h32)?, &targets, 0.25)?;
+        // The input gradient rounds p = exp(l - max) to bf16 too (one head chunk here): compare
+        // with 0.25 (round(p) W / sum - W[target]), p from the same fold.
+        let logits = rounded.matmul(&h32.t()?)?;
+        let mut stats = vec![RowStats { max: f32::NEG_INFINITY, sum: 0.0, target: 0.0 }; m];
+        let (p, _) = fold_rows(&logits, &mut stats, &targets, 0)?;
+        let sum = Tensor::from_vec(stats.iter().map(|s| s.sum).collect::<Vec<_>>(), (m, 1), &dev)?;
+        let picked = h32.index_select(&Tensor::new(targets.as_slice(), &dev)?, 0)?;
+        let want = ((p.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.matmul(&h32)?.broadcast_div(&sum)? - picked)? * 0.25)?;
         let diff = (grad - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         println!("bf16 head: |ce diff| {:e}, max |grad diff| {diff:e}", (ce - ce32).abs());
         assert!((ce - ce32).abs() < 1e-4 * ce32.abs(), "ce {ce} vs {ce32}");
@@ -210,7 +376,7 @@ mod tests {
         let rows = Var::from_vec((0..24).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (4, 6), &dev)?;
         let head = Tensor::from_vec((0..60).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.2).collect(), (10, 6), &dev)?;
         let targets = [3u32, 0, 9, 3];
-        let (loss, grad) = cross_entropy_sum_and_grad(Kernels::Auto, rows.as_tensor(), &head, &targets, 0.5)?;
+        let (loss, grad) = cross_entropy_sum_and_grad(Kernels::Auto, rows.as_tensor(), &HeadRows::of(&head)?, &targets, 0.5)?;
         let logits = rows.matmul(&head.t()?)?;
         let lsm = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         let t = Tensor::new(&targets, &dev)?.unsqueeze(1)?;
@@ -233,17 +399,72 @@ mod tests {
         let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
         let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05).collect(), (v, h), &dev)?;
         let targets: Vec<u32> = (0..m as u32).map(|i| i * 7 % v as u32).collect();
-        let (ce_f, g_f) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &head, &targets, 0.25)?;
-        let (ce_p, g_p) = cross_entropy_sum_and_grad(Kernels::Portable, &rows, &head, &targets, 0.25)?;
+        let (ce_f, g_f) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &HeadRows::of(&head)?, &targets, 0.25)?;
+        let (ce_p, g_p) = cross_entropy_sum_and_grad(Kernels::Portable, &rows, &HeadRows::of(&head)?, &targets, 0.25)?;
         let dg = (&g_f - &g_p)?.abs()?.max_all()?.to_scalar::<f32>()?;
         println!("portable vs fused loss: |ce diff| {:.1e}, max |grad diff| {dg:.1e}", (ce_f - ce_p).abs());
         assert!((ce_f - ce_p).abs() < 1e-6 * ce_f.abs() && dg < 1e-6);
         let (rb, hb) = (rows.to_dtype(DType::BF16)?, head.to_dtype(DType::BF16)?);
-        let (ce_b, g_b) = cross_entropy_sum_and_grad(Kernels::Portable, &rb, &hb, &targets, 0.25)?;
+        let (ce_b, g_b) = cross_entropy_sum_and_grad(Kernels::Portable, &rb, &HeadRows::of(&hb)?, &targets, 0.25)?;
         assert_eq!(g_b.dtype(), DType::BF16);
         let rel = (ce_b - ce_f).abs() / ce_f.abs();
         println!("bf16 portable loss: relative CE diff {rel:.1e}");
         assert!(rel < 2f64.powi(-8), "{rel}");
+        Ok(())
+    }
+
+    /// A head larger than one chunk is read chunk by chunk, each chunk once, also when no row
+    /// has a target (a ZeRO-3 gather is a collective), and the running softmax over the
+    /// chunks gives the loss and gradient of the whole head, on both paths.
+    #[test]
+    fn a_head_read_in_chunks_gives_the_loss_and_gradient_of_the_whole_head() -> Result<()> {
+        let dev = Device::Cpu;
+        let (m, h, v) = (40, 448, 20_000); // 36 MB of f32: two chunks
+        let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
+        let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.01).collect(), (v, h), &dev)?;
+        // Targets in both chunks, the chunk edge included.
+        let targets: Vec<u32> = (0..m as u32).map(|i| [0, 9_999, 10_047, 10_048, 19_999][i as usize % 5] + i % 3).map(|t| t.min(v as u32 - 1)).collect();
+        // The head, recording each read.
+        let reads = std::cell::RefCell::new(Vec::new());
+        let counted = || HeadRows {
+            vocab: v,
+            hidden: h,
+            dtype: DType::F32,
+            read: Box::new(|s, n| {
+                reads.borrow_mut().push((s, n));
+                head.narrow(0, s, n)
+            }),
+        };
+        // The whole head, from candle ops: CE = -log_softmax[target], grad = 0.5 (softmax - onehot) W.
+        let logits = rows.matmul(&head.t()?)?;
+        let t = Tensor::new(targets.as_slice(), &dev)?.unsqueeze(1)?;
+        let want_ce = candle_nn::ops::log_softmax(&logits, D::Minus1)?.gather(&t, 1)?.neg()?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let onehot = Tensor::zeros((m, v), DType::F32, &dev)?.scatter_add(&t, &Tensor::ones((m, 1), DType::F32, &dev)?, 1)?;
+        let want_grad = ((candle_nn::ops::softmax_last_dim(&logits)? - onehot)?.matmul(&head)? * 0.5)?;
+        for k in [Kernels::Auto, Kernels::Portable] {
+            reads.borrow_mut().clear();
+            let (ce, grad) = cross_entropy_sum_and_grad(k, &rows, &counted(), &targets, 0.5)?;
+            assert_eq!(*reads.borrow(), vec![(0, 10_048), (10_048, 9_952)], "{k:?}");
+            let dce = (ce - want_ce).abs() / want_ce.abs();
+            let dg = (grad - &want_grad)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            println!("{k:?}: chunked head: relative CE diff {dce:.1e}, max |grad diff| {dg:.1e}");
+            assert!(dce < 5e-7 && dg < 1e-6, "{k:?}: CE {ce} vs {want_ce}, grad differs by {dg}");
+        }
+        let none = rows.narrow(0, 0, 0)?;
+        reads.borrow_mut().clear();
+        let (ce, grad) = cross_entropy_sum_and_grad(Kernels::Auto, &none, &counted(), &[], 0.5)?;
+        assert_eq!((ce, grad.dims()), (0.0, &[0, h][..]));
+        assert_eq!(reads.borrow().len(), 2, "every chunk is read with no rows too");
+        Ok(())
+    }
+
+    #[test]
+    fn a_target_outside_the_vocabulary_is_an_error() -> Result<()> {
+        let dev = Device::Cpu;
+        let rows = Tensor::zeros((2, 8), DType::F32, &dev)?;
+        let head = Tensor::zeros((10, 8), DType::F32, &dev)?;
+        let e = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &HeadRows::of(&head)?, &[3, 10], 1.0).unwrap_err().to_string();
+        assert!(e.contains("target token 10 is outside the vocabulary of 10"), "{e}");
         Ok(())
     }
 }

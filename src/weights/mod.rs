@@ -42,6 +42,16 @@ pub trait WeightSource: Send + Sync {
     fn get_matmul(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         Ok(self.get_stored(name, shape)?.to_dtype(self.matmul_dtype())?)
     }
+    /// Check that `name` exists with `shape` (`Model::load`), materialising it only where
+    /// the source must (a resident base reads it; ZeRO-3 joins the gather every rank makes).
+    fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        self.get_stored(name, shape).map(drop)
+    }
+    /// Rows start..start+len of `name` [V, H] as the frozen matmul takes them: the LM head,
+    /// which the loss reads in chunks (`ops::loss`). Only those rows are converted.
+    fn get_matmul_rows(&self, name: &str, shape: &[usize], start: usize, len: usize) -> Result<Tensor> {
+        Ok(self.get_stored(name, shape)?.narrow(0, start, len)?.to_dtype(self.matmul_dtype())?)
+    }
     /// Rows `ids` [N] (u32) of the table `name` [V, H], as [N, H] in the compute dtype. Only
     /// the picked rows are converted: converting the whole table first cost a 113 MB copy
     /// per step (135M model).

@@ -39,6 +39,10 @@ pub enum Blocks {
     Bnb8(super::bnb::Bnb8),
     /// Kept as it is (norms and biases, which quantising would save nothing on).
     Plain(Tensor),
+    /// DeepSeek's `kv_b_proj` as llama.cpp writes it: `k_b` [heads, kv_lora, nope] (the k
+    /// rows transposed, for its absorbed MLA) and `v_b` [heads, v, kv_lora]; joined into
+    /// [heads x (nope + v), kv_lora] when dequantised.
+    MlaKvB { k_b: QTensor, v_b: QTensor },
 }
 
 impl Blocks {
@@ -48,6 +52,10 @@ impl Blocks {
             Blocks::Bnb4(b) => b.dims(),
             Blocks::Bnb8(b) => b.dims(),
             Blocks::Plain(t) => t.dims().to_vec(),
+            Blocks::MlaKvB { k_b, v_b } => match (k_b.shape().dims(), v_b.shape().dims()) {
+                (&[h, r, nope], &[_, v, _]) => vec![h * (nope + v), r],
+                (k, _) => k.to_vec(),
+            },
         }
     }
 
@@ -58,21 +66,30 @@ impl Blocks {
             Blocks::Bnb4(b) => b.bytes(),
             Blocks::Bnb8(b) => b.bytes(),
             Blocks::Plain(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Blocks::MlaKvB { k_b, v_b } => k_b.storage_size_in_bytes() + v_b.storage_size_in_bytes(),
         }
     }
 
     /// The full tensor in f32 (quantized) or its own dtype (plain), on `device`.
-    fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
+    pub fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
+        let deq = |q: &QTensor| match device {
+            Device::Cpu => dequantize_cpu(q),
+            _ => q.dequantize(device),
+        };
         match self {
             Blocks::Ggml { q, unpermute_heads } => {
-                let t = match device {
-                    Device::Cpu => dequantize_cpu(q)?,
-                    _ => q.dequantize(device)?,
-                };
+                let t = deq(q)?;
                 match unpermute_heads {
                     Some(h) => crate::gguf::unpermute(&t, *h),
                     None => Ok(t),
                 }
+            }
+            Blocks::MlaKvB { k_b, v_b } => {
+                let (k, v) = (deq(k_b)?, deq(v_b)?); // [heads, kv_lora, nope], [heads, v, kv_lora]
+                let (h, r, _) = k.dims3()?;
+                let kv = Tensor::cat(&[k.transpose(1, 2)?, v], 1)?; // [heads, nope + v, kv_lora]
+                let rows = kv.dim(1)?;
+                kv.reshape((h * rows, r))
             }
             Blocks::Bnb4(b) => b.dequantize(device),
             Blocks::Bnb8(b) => b.dequantize(device),
@@ -81,10 +98,39 @@ impl Blocks {
     }
 }
 
+impl Blocks {
+    /// Rows start..start+len of a matrix, as `dequantize` gives them. On the CPU, ggml
+    /// blocks that tile the rows are dequantised alone (the LM head, a chunk at a time);
+    /// otherwise the whole tensor is dequantised and cut.
+    fn dequantize_rows(&self, start: usize, len: usize, device: &Device) -> candle_core::Result<Tensor> {
+        if let (Blocks::Ggml { q, unpermute_heads: None }, Device::Cpu) = (self, device) {
+            let (_, cols) = q.shape().dims2()?;
+            if cols % q.dtype().block_size() == 0 {
+                let row = ggml_bytes(q.dtype(), cols);
+                let data = q.data()?;
+                if let Some(t) = data.get(start * row..(start + len) * row).and_then(|b| dequantize_blocks(b, q.dtype(), &(len, cols).into())) {
+                    return t;
+                }
+            }
+        }
+        match self {
+            Blocks::Plain(t) => t.narrow(0, start, len)?.to_device(device),
+            _ => self.dequantize(device)?.narrow(0, start, len),
+        }
+    }
+}
+
 /// candle's CPU dequantisation on all cores: the same `GgmlType::to_float` per block (so the
 /// same values), over chunks of blocks in parallel (candle runs one thread; the dequantising
 /// of each layer, twice a step with checkpointing, cost a third of a SmolLM2 step on 2 cores).
 fn dequantize_cpu(q: &QTensor) -> candle_core::Result<Tensor> {
+    let data = q.data()?;
+    dequantize_blocks(&data, q.dtype(), q.shape()).unwrap_or_else(|| q.dequantize(&Device::Cpu))
+}
+
+/// `bytes`, whole blocks of ggml type `dtype`, dequantised to f32 in `shape` on the CPU in
+/// parallel; `None` for a type without blocks (F32/F16/BF16) or bytes that do not fit.
+fn dequantize_blocks(bytes: &[u8], dtype: GgmlDType, shape: &candle_core::Shape) -> Option<candle_core::Result<Tensor>> {
     use candle_core::quantized::k_quants::*;
     fn par<B: GgmlType>(bytes: &[u8], shape: &candle_core::Shape) -> Option<candle_core::Result<Tensor>> {
         use rayon::prelude::*;
@@ -94,30 +140,27 @@ fn dequantize_cpu(q: &QTensor) -> candle_core::Result<Tensor> {
         if bytes.as_ptr() as usize % std::mem::align_of::<B>() != 0 || bytes.len() % size != 0 || bytes.len() / size * B::BLCK_SIZE != n {
             return None;
         }
-        // SAFETY: `bytes` is the block storage of a QTensor of type B (checked above: aligned,
-        // a whole number of blocks covering `n` elements); B is plain old data.
+        // SAFETY: `bytes` are blocks of a QTensor of type B (checked above: aligned, a whole
+        // number of blocks covering `n` elements); B is plain old data.
         let blocks: &[B] = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const B, bytes.len() / size) };
         let per = (8192 / B::BLCK_SIZE).max(1);
         let mut out = vec![0f32; n];
         out.par_chunks_mut(per * B::BLCK_SIZE).zip(blocks.par_chunks(per)).for_each(|(o, b)| B::to_float(b, o));
         Some(Tensor::from_vec(out, shape, &Device::Cpu))
     }
-    let data = q.data()?;
-    let shape = q.shape();
-    let fast = match q.dtype() {
-        GgmlDType::Q4_0 => par::<BlockQ4_0>(&data, shape),
-        GgmlDType::Q4_1 => par::<BlockQ4_1>(&data, shape),
-        GgmlDType::Q5_0 => par::<BlockQ5_0>(&data, shape),
-        GgmlDType::Q5_1 => par::<BlockQ5_1>(&data, shape),
-        GgmlDType::Q8_0 => par::<BlockQ8_0>(&data, shape),
-        GgmlDType::Q2K => par::<BlockQ2K>(&data, shape),
-        GgmlDType::Q3K => par::<BlockQ3K>(&data, shape),
-        GgmlDType::Q4K => par::<BlockQ4K>(&data, shape),
-        GgmlDType::Q5K => par::<BlockQ5K>(&data, shape),
-        GgmlDType::Q6K => par::<BlockQ6K>(&data, shape),
+    match dtype {
+        GgmlDType::Q4_0 => par::<BlockQ4_0>(bytes, shape),
+        GgmlDType::Q4_1 => par::<BlockQ4_1>(bytes, shape),
+        GgmlDType::Q5_0 => par::<BlockQ5_0>(bytes, shape),
+        GgmlDType::Q5_1 => par::<BlockQ5_1>(bytes, shape),
+        GgmlDType::Q8_0 => par::<BlockQ8_0>(bytes, shape),
+        GgmlDType::Q2K => par::<BlockQ2K>(bytes, shape),
+        GgmlDType::Q3K => par::<BlockQ3K>(bytes, shape),
+        GgmlDType::Q4K => par::<BlockQ4K>(bytes, shape),
+        GgmlDType::Q5K => par::<BlockQ5K>(bytes, shape),
+        GgmlDType::Q6K => par::<BlockQ6K>(bytes, shape),
         _ => None,
-    };
-    fast.unwrap_or_else(|| q.dequantize(&Device::Cpu))
+    }
 }
 
 /// Where a quantized base's tensors come from. `read` returns the tensor `name` (HF name),
@@ -324,14 +367,15 @@ impl QuantizedWeights {
             .collect();
         let mut bytes = 0;
         for (name, b) in todo {
-            let t = b.dequantize(&self.device).and_then(|t| t.to_dtype(stored_dtype(&name, self.storage_dtype))).map_err(|e| Error::Safetensors {
-                file: self.origin.clone().into(),
-                msg: format!("dequantising `{name}`: {}", crate::error::candle_msg(&e)),
-            })?;
+            let t = b.dequantize(&self.device).and_then(|t| t.to_dtype(stored_dtype(&name, self.storage_dtype))).map_err(|e| self.dequantize_error(&name, &e))?;
             bytes += t.elem_count() * t.dtype().size_in_bytes();
             held.insert(name, t);
         }
         Ok(bytes)
+    }
+
+    fn dequantize_error(&self, name: &str, e: &candle_core::Error) -> Error {
+        Error::Safetensors { file: self.origin.clone().into(), msg: format!("dequantising `{name}`: {}", crate::error::candle_msg(e)) }
     }
 
     /// Bytes of quantized blocks held (the `frozen` of the memory account).
@@ -364,15 +408,40 @@ impl WeightSource for QuantizedWeights {
         }
         lock(&self.held).fetch(name, &self.account, |u, held, also| self.dequantize_unit(u, held, also))
     }
-    /// Rows of a quantized embedding are dequantised alone (candle's `QTensor::embedding`):
-    /// the whole table is expanded only when it is also the (tied) output projection.
-    fn embedding(&self, name: &str, shape: &[usize], ids: &Tensor) -> Result<Tensor> {
-        match &*self.blocks(name, shape)? {
-            Blocks::Ggml { q, unpermute_heads: None } if shape[1] % q.dtype().block_size() == 0 => {
-                Ok(q.embedding(ids)?.to_dtype(self.storage_dtype)?.to_dtype(self.compute_dtype)?)
-            }
-            _ => Ok(self.get_stored(name, shape)?.index_select(ids, 0)?.to_dtype(self.compute_dtype)?),
+    /// Only these rows are dequantised (the LM head, which the loss reads a chunk at a time);
+    /// the window moves on to the head, so the layers' dequantised weights are gone meanwhile.
+    fn get_matmul_rows(&self, name: &str, shape: &[usize], start: usize, len: usize) -> Result<Tensor> {
+        if self.kept.is_some() {
+            return Ok(self.get_stored(name, shape)?.narrow(0, start, len)?.to_dtype(self.matmul_dtype)?);
         }
+        let b = self.blocks(name, shape)?;
+        let make = || b.dequantize_rows(start, len, &self.device).and_then(|t| t.to_dtype(stored_dtype(name, self.storage_dtype))).map_err(|e| self.dequantize_error(name, &e));
+        Ok(lock(&self.held).transient(name, &self.account, make)?.to_dtype(self.matmul_dtype)?)
+    }
+    /// Reads the blocks (checking the shape) without dequantising them.
+    fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        self.blocks(name, shape).map(drop)
+    }
+    /// Only the picked rows are dequantised (candle's `QTensor::embedding`), never held in
+    /// the window; a table whose rows do not split into blocks is dequantised whole for the
+    /// moment (the transient bytes booked are the rows').
+    fn embedding(&self, name: &str, shape: &[usize], ids: &Tensor) -> Result<Tensor> {
+        let storage = stored_dtype(name, self.storage_dtype);
+        let b = self.blocks(name, shape)?;
+        if self.kept.is_some() {
+            return Ok(self.get_stored(name, shape)?.index_select(ids, 0)?.to_dtype(self.compute_dtype)?);
+        }
+        let make = || {
+            match &*b {
+                Blocks::Ggml { q, unpermute_heads: None } if shape[1] % q.dtype().block_size() == 0 => q.embedding(ids),
+                Blocks::Plain(t) => t.index_select(ids, 0),
+                b => b.dequantize(&self.device).and_then(|t| t.index_select(ids, 0)),
+            }
+            .and_then(|t| t.to_dtype(storage))
+            .map_err(|e| self.dequantize_error(name, &e))
+        };
+        // Through the window like the other tensors, so the layers are released meanwhile.
+        Ok(lock(&self.held).transient(name, &self.account, make)?.to_dtype(self.compute_dtype)?)
     }
     fn contains(&self, name: &str) -> bool {
         // One lock at a time: `blocks()` takes the reader, then the blocks.
@@ -381,5 +450,28 @@ impl WeightSource for QuantizedWeights {
     }
     fn seal(&self) {
         *lock(&self.reader) = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chunk of rows dequantised alone equals those rows of the whole tensor, for block
+    /// sizes 32 and 256, at chunk edges that are not block multiples of rows.
+    #[test]
+    fn rows_dequantised_alone_equal_the_rows_of_the_whole_tensor() -> candle_core::Result<()> {
+        let (v, h) = (300, 512);
+        let t = Tensor::from_vec((0..v * h).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect(), (v, h), &Device::Cpu)?;
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::F16] {
+            let b = Blocks::Ggml { q: QTensor::quantize(&t, dtype)?, unpermute_heads: None };
+            let whole = b.dequantize(&Device::Cpu)?;
+            for (start, len) in [(0, 64), (64, 173), (237, 63)] {
+                let rows = b.dequantize_rows(start, len, &Device::Cpu)?;
+                let d = (rows - whole.narrow(0, start, len)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(d, 0.0, "{dtype:?} rows {start}+{len}");
+            }
+        }
+        Ok(())
     }
 }

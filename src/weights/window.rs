@@ -101,12 +101,7 @@ impl Held {
         mut fill: impl FnMut(&Unit, &mut HashMap<String, Tensor>, Option<&str>) -> Result<usize>,
     ) -> Result<Tensor> {
         let unit = Unit::of(name);
-        let keep = self.window.request(&unit);
-        let gone: Vec<Unit> = self.units.keys().filter(|u| !keep.contains(u)).cloned().collect();
-        for u in gone {
-            self.units.remove(&u);
-            account.sub_gathered(self.bytes.remove(&u).unwrap_or(0));
-        }
+        let keep = self.request(&unit, account);
         for (k, u) in keep.iter().enumerate() {
             let held = self.units.entry(u.clone()).or_default();
             let added = fill(u, held, if k == 0 { Some(name) } else { None })?;
@@ -118,6 +113,32 @@ impl Held {
             .and_then(|h| h.get(name))
             .cloned()
             .ok_or_else(|| Error::MissingTensor { name: name.into(), files: "(layer window)".into() })
+    }
+}
+
+impl Held {
+    /// Move the window to `unit`, releasing what leaves it; the units to hold now.
+    fn request(&mut self, unit: &Unit, account: &Account) -> Vec<Unit> {
+        let keep = self.window.request(unit);
+        let gone: Vec<Unit> = self.units.keys().filter(|u| !keep.contains(u)).cloned().collect();
+        for u in gone {
+            self.units.remove(&u);
+            account.sub_gathered(self.bytes.remove(&u).unwrap_or(0));
+        }
+        keep
+    }
+
+    /// Part of `name` materialised by `make` and handed out without being held (the LM
+    /// head's rows, read a chunk at a time by the loss): the window moves to its unit first,
+    /// so what is held meanwhile is only that, and the part's bytes count towards the
+    /// gathered peak while it is made. The caller holds one part at a time.
+    pub fn transient(&mut self, name: &str, account: &Account, make: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
+        self.request(&Unit::of(name), account);
+        let t = make()?;
+        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+        account.add_gathered(bytes);
+        account.sub_gathered(bytes);
+        Ok(t)
     }
 }
 

@@ -1,6 +1,7 @@
-//! GGUF files (llama.cpp's format, often quantized), llama and qwen2 architectures: read as a
-//! quantized base to train on directly (`GgufReader`, `describe_in_cache`), or converted by
-//! `finetune import --gguf` to an HF model folder our trainer, transformers and candle load.
+//! GGUF files (llama.cpp's format, often quantized), llama, qwen2 and deepseek2 (`deepseek2.rs`)
+//! architectures: read as a quantized base to train on directly (`GgufReader`,
+//! `describe_in_cache`), or converted by `finetune import --gguf` to an HF model folder our
+//! trainer, transformers and candle load.
 //!
 //! - The header is read by [`read_header`], which bounds every length, count, dimension and
 //!   offset by the file's size; the metadata is then checked against itself and the
@@ -15,11 +16,14 @@
 //!   builds it (byte-level BPE for `gpt2` vocabularies); `tokenizer_config.json` carries the
 //!   chat template and special tokens.
 
+mod deepseek2;
+
 use crate::error::{Error, Result};
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value, VersionedMagic};
-use candle_core::quantized::GgmlDType;
+use crate::weights::quantized::Blocks;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -54,7 +58,7 @@ const MAX_KEPT_ARRAY: u64 = 1 << 22;
 /// Metadata the import reads; the values of other keys are checked for their type and
 /// length and skipped, so a large unrelated array costs no memory.
 fn kept(key: &str) -> bool {
-    key == "general.architecture" || key == "general.alignment" || ["llama.", "qwen2.", "tokenizer."].iter().any(|p| key.starts_with(p))
+    key == "general.architecture" || key == "general.alignment" || ["llama.", "qwen2.", "deepseek2.", "tokenizer."].iter().any(|p| key.starts_with(p))
 }
 
 struct Reader<'a, R> {
@@ -419,7 +423,7 @@ impl Meta<'_> {
     }
 
     fn missing(&self, key: &str) -> Error {
-        self.err(key, "missing: a llama GGUF file must have this key")
+        self.err(key, "missing: a GGUF file of this architecture must have this key")
     }
 
     /// A uint32 count or id (any integer type holding a value in 0..=u32::MAX).
@@ -443,17 +447,19 @@ impl Meta<'_> {
 
     fn positive(&self, key: &str, n: u64, what: &str) -> Result<usize> {
         if n == 0 {
-            return Err(self.err(key, format!("is 0; a llama model has at least one {what}")));
+            return Err(self.err(key, format!("is 0; the model has at least one {what}")));
         }
         Ok(n as usize)
     }
 
-    /// A float32 (or float64) that is finite and positive.
-    fn positive_float(&self, key: &str) -> Result<Option<f32>> {
+    /// A float32 (or float64) that is finite and positive. A float32 is read as the decimal
+    /// it was written from (its shortest round-trip form: 1e-6, not 9.99999997e-7), so
+    /// config.json says what the original config said.
+    fn positive_float(&self, key: &str) -> Result<Option<f64>> {
         let Some(v) = self.c.metadata.get(key) else { return Ok(None) };
         let x = match *v {
-            Value::F32(x) => x,
-            Value::F64(x) => x as f32,
+            Value::F32(x) => x.to_string().parse::<f64>().unwrap_or(x as f64),
+            Value::F64(x) => x,
             _ => return Err(self.err(key, format!("has GGUF type {}, expected a float (float32)", type_name(v)))),
         };
         if !(x.is_finite() && x > 0.0) {
@@ -549,6 +555,29 @@ fn block_of(gguf: &str) -> Option<(usize, &str)> {
 const BLOCK_TENSORS: [&str; 9] =
     ["attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_norm.weight", "ffn_norm.weight"];
 
+/// Where an HF tensor's values are in a GGUF file.
+#[derive(Clone, Debug)]
+pub(crate) enum Source {
+    /// One tensor as stored; `unpermute`: the heads of llama's q/k rows, whose llama.cpp
+    /// permutation is undone after dequantising.
+    Tensor { name: String, unpermute: Option<usize> },
+    /// Expert `j` of a stacked [E, out, in] tensor (deepseek2's `ffn_*_exps`).
+    Expert { name: String, j: usize },
+    /// DeepSeek's `kv_b_proj` [heads x (nope + v), kv_lora], which llama.cpp writes as
+    /// `attn_k_b` [heads, kv_lora, nope] (the k part transposed) and `attn_v_b` [heads, v, kv_lora].
+    KvB { k_b: String, v_b: String },
+}
+
+/// What an architecture reader makes of a file: the HF tensors and where each is, and the
+/// HF config (token ids are added by [`open`]).
+struct Described {
+    arch: &'static str,
+    vocab: usize,
+    context: usize,
+    sources: BTreeMap<String, Source>,
+    config: serde_json::Value,
+}
+
 /// The model a GGUF file describes, every number checked against the others and against
 /// the tensors present before any tensor is read or anything written.
 struct Llama {
@@ -562,8 +591,8 @@ struct Llama {
     inter: usize,
     head_dim: usize,
     vocab: usize,
-    eps: f32,
-    theta: f32,
+    eps: f64,
+    theta: f64,
     context: usize,
     tied: bool,
 }
@@ -574,7 +603,7 @@ impl Llama {
         let a: &'static str = match arch {
             "llama" => "llama",
             "qwen2" => "qwen2",
-            _ => return Err(m.err("general.architecture", format!("is `{arch}`; supported: llama, qwen2"))),
+            _ => return Err(m.err("general.architecture", format!("is `{arch}`; supported: llama, qwen2, deepseek2"))),
         };
         let k = |key: &str| format!("{a}.{key}");
         let heads = m.count(&k("attention.head_count"), "attention head")?;
@@ -688,6 +717,46 @@ impl Llama {
             }
         }
         Ok(())
+    }
+
+    fn describe(self, m: &Meta) -> Described {
+        let sources = m
+            .c
+            .tensor_infos
+            .keys()
+            .filter_map(|g| Some((hf_name(g)?, Source::Tensor { name: g.clone(), unpermute: self.permuted_heads(g) })))
+            .collect();
+        let p = &self;
+        let mut config = match p.arch {
+            "qwen2" => serde_json::json!({
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                "use_sliding_window": false,
+            }),
+            _ => serde_json::json!({
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "head_dim": p.head_dim,
+                "attention_bias": false,
+                "mlp_bias": false,
+            }),
+        };
+        let common = serde_json::json!({
+            "hidden_size": p.hidden,
+            "intermediate_size": p.inter,
+            "num_hidden_layers": p.layers,
+            "num_attention_heads": p.heads,
+            "num_key_value_heads": p.kv_heads,
+            "vocab_size": p.vocab,
+            "rms_norm_eps": p.eps,
+            "rope_theta": p.theta,
+            "tie_word_embeddings": p.tied,
+            "hidden_act": "silu",
+            "max_position_embeddings": p.context,
+            "torch_dtype": "float32",
+        });
+        extend(&mut config, common);
+        Described { arch: p.arch, vocab: p.vocab, context: p.context, sources, config }
     }
 
     /// Qwen2 has q/k/v biases, llama none.
@@ -868,7 +937,9 @@ pub struct GgufModel {
     pub path: PathBuf,
     file: std::fs::File,
     content: Content,
-    p: Llama,
+    arch: &'static str,
+    /// HF name -> where its values are.
+    sources: BTreeMap<String, Source>,
     /// `config.json` as transformers writes it for this model.
     pub config: serde_json::Value,
     /// `tokenizer.json` and `tokenizer_config.json`, when the file has a vocabulary.
@@ -881,44 +952,19 @@ pub struct GgufModel {
 pub fn open(gguf: &Path) -> Result<GgufModel> {
     let (file, c) = read_header(gguf)?;
     let m = Meta { c: &c, file: gguf };
-    let p = Llama::from_gguf(&m)?;
+    let d = match m.string("general.architecture")? {
+        Some("deepseek2") => deepseek2::describe(&m)?,
+        _ => Llama::from_gguf(&m)?.describe(&m),
+    };
     let tokenizer = match c.metadata.contains_key("tokenizer.ggml.model") {
-        true => Some(tokenizer_files(&m, p.vocab, p.context)?),
+        true => Some(tokenizer_files(&m, d.vocab, d.context)?),
         false => None,
     };
-    let mut config = match p.arch {
-        "qwen2" => serde_json::json!({
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "use_sliding_window": false,
-        }),
-        _ => serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "head_dim": p.head_dim,
-            "attention_bias": false,
-            "mlp_bias": false,
-        }),
-    };
+    let mut config = d.config;
     if let Some(o) = config.as_object_mut() {
-        let common = serde_json::json!({
-            "hidden_size": p.hidden,
-            "intermediate_size": p.inter,
-            "num_hidden_layers": p.layers,
-            "num_attention_heads": p.heads,
-            "num_key_value_heads": p.kv_heads,
-            "vocab_size": p.vocab,
-            "rms_norm_eps": p.eps,
-            "rope_theta": p.theta,
-            "tie_word_embeddings": p.tied,
-            "hidden_act": "silu",
-            "max_position_embeddings": p.context,
-            "torch_dtype": "float32",
-        });
-        o.extend(common.as_object().into_iter().flatten().map(|(k, v)| (k.clone(), v.clone())));
         for (k, key) in [("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"), ("pad_token_id", "tokenizer.ggml.padding_token_id")] {
             // Range-checked against the vocabulary by `tokenizer_files` when there is one.
-            if let Some(id) = m.uint(key)?.filter(|&i| (i as usize) < p.vocab) {
+            if let Some(id) = m.uint(key)?.filter(|&i| (i as usize) < d.vocab) {
                 o.insert(k.into(), id.into());
             }
         }
@@ -929,31 +975,61 @@ pub fn open(gguf: &Path) -> Result<GgufModel> {
             o.insert(k.into(), v);
         }
     }
-    Ok(GgufModel { path: gguf.to_path_buf(), file, content: c, p, config, tokenizer, generation })
+    Ok(GgufModel { path: gguf.to_path_buf(), file, content: c, arch: d.arch, sources: d.sources, config, tokenizer, generation })
+}
+
+/// `config` with the keys of `more` added.
+fn extend(config: &mut serde_json::Value, more: serde_json::Value) {
+    if let (Some(o), serde_json::Value::Object(more)) = (config.as_object_mut(), more) {
+        o.extend(more);
+    }
 }
 
 impl GgufModel {
-    /// (llama.cpp name, HF name) of every tensor, sorted by the llama.cpp name.
-    pub fn names(&self) -> Vec<(String, String)> {
-        let mut v: Vec<(String, String)> = self.content.tensor_infos.keys().filter_map(|g| Some((g.clone(), hf_name(g)?))).collect();
-        v.sort();
-        v
+    /// The HF names of the model's tensors, sorted.
+    pub fn hf_names(&self) -> Vec<String> {
+        self.sources.keys().cloned().collect()
     }
 
-    /// The architecture (`general.architecture`): `llama` or `qwen2`.
+    /// The architecture (`general.architecture`): `llama`, `qwen2` or `deepseek2`.
     pub fn arch(&self) -> &'static str {
-        self.p.arch
+        self.arch
     }
 
     /// The blocks of `gguf_name` as stored, on `device`.
-    pub fn read(&mut self, gguf_name: &str, device: &Device) -> Result<candle_core::quantized::QTensor> {
+    fn read(&mut self, gguf_name: &str, device: &Device) -> Result<QTensor> {
         let m = Meta { c: &self.content, file: &self.path };
         self.content.tensor(&mut self.file, gguf_name, device).map_err(|e| m.err(gguf_name, crate::error::candle_msg(&e)))
     }
 
-    /// The q/k head count whose llama.cpp row permutation `gguf_name` carries (llama only).
-    pub fn permuted_heads(&self, gguf_name: &str) -> Option<usize> {
-        self.p.permuted_heads(gguf_name)
+    /// Expert `j` of the stacked tensor `gguf_name` [E, out, in], read alone.
+    fn read_expert(&mut self, gguf_name: &str, j: usize, device: &Device) -> Result<QTensor> {
+        let m = Meta { c: &self.content, file: &self.path };
+        let info = &self.content.tensor_infos[gguf_name];
+        let (e, out, inp) = info.shape.dims3().map_err(|e| m.err(gguf_name, crate::error::candle_msg(&e)))?;
+        if j >= e {
+            return Err(m.err(gguf_name, format!("has {e} experts; expert {j} asked for")));
+        }
+        let per = crate::weights::quantized::ggml_bytes(info.ggml_dtype, out * inp) as u64;
+        let one = TensorInfo { ggml_dtype: info.ggml_dtype, shape: (out, inp).into(), offset: info.offset + j as u64 * per };
+        one.read(&mut self.file, self.content.tensor_data_offset, device).map_err(|e| m.err(gguf_name, format!("expert {j}: {}", crate::error::candle_msg(&e))))
+    }
+
+    /// The HF tensor `hf` as held blocks, on `device`.
+    pub fn read_blocks(&mut self, hf: &str, device: &Device) -> Result<Blocks> {
+        let src = self.sources.get(hf).cloned().ok_or_else(|| Error::MissingTensor { name: hf.into(), files: self.path.display().to_string() })?;
+        Ok(match src {
+            Source::Tensor { name, unpermute } => Blocks::Ggml { q: self.read(&name, device)?, unpermute_heads: unpermute },
+            Source::Expert { name, j } => Blocks::Ggml { q: self.read_expert(&name, j, device)?, unpermute_heads: None },
+            Source::KvB { k_b, v_b } => Blocks::MlaKvB { k_b: self.read(&k_b, device)?, v_b: self.read(&v_b, device)? },
+        })
+    }
+
+    /// The HF tensor `hf` in f32 on the CPU (llama's q/k permutation undone, experts cut
+    /// out, DeepSeek's kv_b_proj joined).
+    pub fn dequantize(&mut self, hf: &str) -> Result<Tensor> {
+        let b = self.read_blocks(hf, &Device::Cpu)?;
+        b.dequantize(&Device::Cpu).map_err(|e| gguf_err(&self.path, hf, crate::error::candle_msg(&e)))
     }
 
     /// Bytes of tensor data, by ggml type name (what a run holding the blocks holds).
@@ -966,23 +1042,16 @@ impl GgufModel {
         out
     }
 
-    /// Bytes of each tensor's data, by HF name.
+    /// Bytes of each tensor's data, by HF name (an expert's share of its stacked tensor).
     pub fn hf_bytes(&self) -> HashMap<String, usize> {
         let infos = &self.content.tensor_infos;
-        self.names().into_iter().map(|(g, h)| (h, crate::weights::quantized::ggml_bytes(infos[&g].ggml_dtype, infos[&g].shape.elem_count()))).collect()
-    }
-
-    /// The full tensor `gguf_name` in f32 with llama.cpp's q/k permutation undone.
-    pub fn dequantize(&mut self, gguf_name: &str) -> Result<Tensor> {
-        let heads = self.permuted_heads(gguf_name);
-        let q = self.read(gguf_name, &Device::Cpu)?;
-        let m = Meta { c: &self.content, file: &self.path };
-        let err = |e: candle_core::Error| m.err(gguf_name, crate::error::candle_msg(&e));
-        let t = q.dequantize(&Device::Cpu).map_err(err)?;
-        match heads {
-            Some(h) => unpermute(&t, h).map_err(err),
-            None => Ok(t),
-        }
+        let bytes = |g: &str| crate::weights::quantized::ggml_bytes(infos[g].ggml_dtype, infos[g].shape.elem_count());
+        let of = |s: &Source| match s {
+            Source::Tensor { name, .. } => bytes(name),
+            Source::Expert { name, .. } => bytes(name) / infos[name].shape.dims()[0],
+            Source::KvB { k_b, v_b } => bytes(k_b) + bytes(v_b),
+        };
+        self.sources.iter().map(|(h, s)| (h.clone(), of(s))).collect()
     }
 
     /// The files [`GgufModel::write_description`] writes.
@@ -1011,28 +1080,23 @@ impl GgufModel {
 /// A GGUF file as the block source of a quantized base (`model.path = "x.gguf"`).
 pub struct GgufReader {
     model: GgufModel,
-    /// HF name -> llama.cpp name.
-    by_hf: HashMap<String, String>,
 }
 
 impl GgufReader {
     pub fn new(model: GgufModel) -> Self {
-        let by_hf = model.names().into_iter().map(|(g, h)| (h, g)).collect();
-        GgufReader { model, by_hf }
+        GgufReader { model }
     }
 }
 
 impl crate::weights::quantized::BlockReader for GgufReader {
     fn contains(&self, name: &str) -> bool {
-        self.by_hf.contains_key(name)
+        self.model.sources.contains_key(name)
     }
     fn file(&self) -> String {
         self.model.path.display().to_string()
     }
-    fn read(&mut self, name: &str, device: &Device) -> Result<crate::weights::quantized::Blocks> {
-        let g = self.by_hf.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file() })?.clone();
-        let q = self.model.read(&g, device)?;
-        Ok(crate::weights::quantized::Blocks::Ggml { q, unpermute_heads: self.model.permuted_heads(&g) })
+    fn read(&mut self, name: &str, device: &Device) -> Result<Blocks> {
+        self.model.read_blocks(name, device)
     }
 }
 
@@ -1095,9 +1159,9 @@ pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Re
         return Err(gguf_err(gguf, "tokenizer.ggml.model", "missing: an imported model folder needs a tokenizer"));
     }
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
-    for (name, hf) in g.names() {
-        let t = g.dequantize(&name)?;
-        tensors.push((hf, t.to_dtype(dtype).map_err(|e| gguf_err(gguf, &name, crate::error::candle_msg(&e)))?));
+    for hf in g.hf_names() {
+        let t = g.dequantize(&hf)?;
+        tensors.push((hf.clone(), t.to_dtype(dtype).map_err(|e| gguf_err(gguf, &hf, crate::error::candle_msg(&e)))?));
     }
     let torch_dtype = match dtype {
         DType::BF16 => "bfloat16",

@@ -1,0 +1,264 @@
+//! llama.cpp's `deepseek2` GGUF files (DeepSeek-V2, -V2-Lite, -Coder-V2, -V3, Moonlight):
+//! the metadata read back into a DeepSeek-V2/V3 `config.json`, and each HF tensor found in
+//! the file. Where llama.cpp's converter (`conversion/deepseek.py`, `DeepseekV2Model`)
+//! reshapes, we undo it:
+//! - the routed experts of a layer are stacked into one [E, out, in] tensor per projection
+//!   (`ffn_{gate,up,down}_exps`): expert j is read alone, as a slice of the stacked blocks;
+//! - `kv_b_proj` is split into `attn_k_b` (the k rows, transposed per head) and `attn_v_b`
+//!   for llama.cpp's absorbed MLA: both are held and joined when dequantised (files written
+//!   before that split have `attn_kv_b`, taken as it is);
+//! - nothing is permuted (DeepSeek rotates interleaved pairs, as llama.cpp does).
+//!
+//! What the converter does not write, and how it is read back:
+//! - `topk_method`: V3 (sigmoid gating) is `noaux_tc`; V2 (softmax) is `group_limited_greedy`
+//!   when groups restrict the choice (`expert_group_used_count` < `expert_group_count`), else
+//!   `greedy` (the two choose the same experts when every group is allowed).
+//! - YaRN's `mscale`: only `mscale_all_dim` is written (as `rope.scaling.yarn_log_multiplier`
+//!   = 0.1 x mscale_all_dim); `mscale` is taken equal to it, as in every DeepSeek-V2/V3
+//!   config published (V2: 0.707 / 0.707, V3: 1.0 / 1.0), which is also what llama.cpp
+//!   computes (cos/sin unscaled).
+//! - `moe_layer_freq`: 1 (llama.cpp's graph has no other).
+
+use super::{extend, Described, Meta, Source};
+use crate::error::Result;
+use std::collections::{BTreeMap, HashSet};
+
+/// The numbers of a deepseek2 file, each checked.
+struct Dims {
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    inter: usize,
+    vocab: usize,
+    q_lora: Option<usize>,
+    kv_lora: usize,
+    nope: usize,
+    rope: usize,
+    v: usize,
+    experts: usize,
+    used: usize,
+    shared: usize,
+    moe_inter: usize,
+    dense: usize,
+    sigmoid: bool,
+}
+
+pub(super) fn describe(m: &Meta) -> Result<Described> {
+    let k = |key: &str| format!("deepseek2.{key}");
+    let d = dims(m)?;
+    let sources = check_tensors(m, &d)?;
+    let context = match m.uint(&k("context_length"))? {
+        Some(n) => m.positive(&k("context_length"), n, "position")?,
+        None => 4096,
+    };
+    let eps = m.positive_float(&k("attention.layer_norm_rms_epsilon"))?.ok_or_else(|| m.missing(&k("attention.layer_norm_rms_epsilon")))?;
+    let theta = m.positive_float(&k("rope.freq_base"))?.unwrap_or(10000.0);
+    let groups = match m.uint(&k("expert_group_count"))? {
+        Some(n) => m.positive(&k("expert_group_count"), n, "expert group")?,
+        None => 1,
+    };
+    let groups_used = match m.uint(&k("expert_group_used_count"))? {
+        Some(n) => m.positive(&k("expert_group_used_count"), n, "expert group")?,
+        None => groups,
+    };
+    let scale = m.positive_float(&k("expert_weights_scale"))?.unwrap_or(1.0);
+    let norm = m.bool(&k("expert_weights_norm"))?.unwrap_or(false);
+    let (arch, model_type, topk) = match (d.sigmoid, groups_used < groups) {
+        (true, _) => ("DeepseekV3ForCausalLM", "deepseek_v3", "noaux_tc"),
+        (false, true) => ("DeepseekV2ForCausalLM", "deepseek_v2", "group_limited_greedy"),
+        (false, false) => ("DeepseekV2ForCausalLM", "deepseek_v2", "greedy"),
+    };
+    let mut config = serde_json::json!({
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": d.hidden,
+        "intermediate_size": d.inter,
+        "moe_intermediate_size": d.moe_inter,
+        "num_hidden_layers": d.layers,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.heads,
+        "n_routed_experts": d.experts,
+        "n_shared_experts": d.shared,
+        "num_experts_per_tok": d.used,
+        "first_k_dense_replace": d.dense,
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": scale,
+        "norm_topk_prob": norm,
+        "topk_method": topk,
+        "scoring_func": if d.sigmoid { "sigmoid" } else { "softmax" },
+        "n_group": groups,
+        "topk_group": groups_used,
+        "q_lora_rank": d.q_lora,
+        "kv_lora_rank": d.kv_lora,
+        "qk_nope_head_dim": d.nope,
+        "qk_rope_head_dim": d.rope,
+        "v_head_dim": d.v,
+        "vocab_size": d.vocab,
+        "rms_norm_eps": eps,
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling(m)?,
+        "tie_word_embeddings": !m.c.tensor_infos.contains_key("output.weight"),
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "max_position_embeddings": context,
+        "torch_dtype": "float32",
+    });
+    if d.sigmoid {
+        extend(&mut config, serde_json::json!({"rope_interleave": true}));
+    }
+    Ok(Described { arch: "deepseek2", vocab: d.vocab, context, sources, config })
+}
+
+fn dims(m: &Meta) -> Result<Dims> {
+    let k = |key: &str| format!("deepseek2.{key}");
+    let hidden = m.count(&k("embedding_length"), "embedding dimension")?;
+    let layers = m.count(&k("block_count"), "block")?;
+    let heads = m.count(&k("attention.head_count"), "attention head")?;
+    let inter = m.count(&k("feed_forward_length"), "feed-forward unit")?;
+    let kv_lora = m.count(&k("attention.kv_lora_rank"), "latent dimension")?;
+    let q_lora = match m.uint(&k("attention.q_lora_rank"))? {
+        Some(0) | None => None,
+        Some(n) => Some(n as usize),
+    };
+    let rope = m.count(&k("rope.dimension_count"), "rotated dimension")?;
+    if rope % 2 != 0 {
+        return Err(m.err(&k("rope.dimension_count"), format!("is {rope}, odd; RoPE rotates pairs of dimensions")));
+    }
+    // The per-head q/k and v sizes: `*_mla` in files written since llama.cpp absorbed MLA
+    // (where key_length/value_length describe the latent form), else key/value_length.
+    let (kl_key, vl_key) = match m.uint(&k("attention.key_length_mla"))? {
+        Some(_) => (k("attention.key_length_mla"), k("attention.value_length_mla")),
+        None => (k("attention.key_length"), k("attention.value_length")),
+    };
+    let qk = m.count(&kl_key, "dimension per head")?;
+    if qk <= rope {
+        return Err(m.err(&kl_key, format!("is {qk}, not more than deepseek2.rope.dimension_count {rope}: no unrotated part of a head")));
+    }
+    let v = m.count(&vl_key, "value dimension per head")?;
+    let experts = m.count(&k("expert_count"), "routed expert")?;
+    let used = m.count(&k("expert_used_count"), "expert per token")?;
+    if used > experts {
+        return Err(m.err(&k("expert_used_count"), format!("is {used}, more than deepseek2.expert_count {experts}")));
+    }
+    let shared = m.uint(&k("expert_shared_count"))?.unwrap_or(0) as usize;
+    let moe_inter = m.count(&k("expert_feed_forward_length"), "expert feed-forward unit")?;
+    let dense = m.uint(&k("leading_dense_block_count"))?.unwrap_or(0) as usize;
+    let sigmoid = match m.uint(&k("expert_gating_func"))? {
+        None | Some(1) => false,
+        Some(2) => true,
+        Some(g) => return Err(m.err(&k("expert_gating_func"), format!("is {g}; supported: 1 (softmax, DeepSeek-V2), 2 (sigmoid, DeepSeek-V3)"))),
+    };
+    let embd = m.c.tensor_infos.get("token_embd.weight").ok_or_else(|| m.err("token_embd.weight", "missing: the file has no token embedding"))?;
+    let vocab = match *embd.shape.dims() {
+        [v, w] if v > 0 && w == hidden => v,
+        ref s => return Err(m.err("token_embd.weight", format!("has shape {s:?}, expected [vocabulary, deepseek2.embedding_length {hidden}]"))),
+    };
+    Ok(Dims { hidden, layers, heads, inter, vocab, q_lora, kv_lora, nope: qk - rope, rope, v, experts, used, shared, moe_inter, dense, sigmoid })
+}
+
+/// `rope_scaling` for config.json: none, or YaRN from the `rope.scaling.*` keys.
+fn rope_scaling(m: &Meta) -> Result<serde_json::Value> {
+    let k = |key: &str| format!("deepseek2.rope.scaling.{key}");
+    match m.string(&k("type"))? {
+        None | Some("none") => return Ok(serde_json::Value::Null),
+        Some("yarn") => {}
+        Some(t) => return Err(m.err(&k("type"), format!("is `{t}`; DeepSeek models use yarn or none"))),
+    }
+    let factor = m.positive_float(&k("factor"))?.ok_or_else(|| m.missing(&k("factor")))?;
+    let original = m.count(&k("original_context_length"), "position")?;
+    // Written as 0.1 x mscale_all_dim (a float32): read back to the 6 decimals configs use.
+    let mscale = match m.positive_float(&k("yarn_log_multiplier"))? {
+        Some(mul) => (mul / 0.1 * 1e6).round() / 1e6,
+        None => 0.0,
+    };
+    let beta_fast = m.positive_float(&k("yarn_beta_fast"))?.unwrap_or(32.0);
+    let beta_slow = m.positive_float(&k("yarn_beta_slow"))?.unwrap_or(1.0);
+    Ok(serde_json::json!({
+        "type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": original,
+        "beta_fast": beta_fast,
+        "beta_slow": beta_slow,
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+    }))
+}
+
+/// HF name -> where it is, with every tensor of the file accounted for, each of the shape
+/// the metadata implies, and each layer complete.
+fn check_tensors(m: &Meta, d: &Dims) -> Result<BTreeMap<String, Source>> {
+    let t = &m.c.tensor_infos;
+    let (h, qk) = (d.hidden, d.nope + d.rope);
+    let mut want: Vec<(String, Vec<usize>, Option<String>)> = vec![
+        ("token_embd.weight".into(), vec![d.vocab, h], Some("model.embed_tokens.weight".into())),
+        ("output_norm.weight".into(), vec![h], Some("model.norm.weight".into())),
+    ];
+    if t.contains_key("output.weight") {
+        want.push(("output.weight".into(), vec![d.vocab, h], Some("lm_head.weight".into())));
+    }
+    let mut sources = BTreeMap::new();
+    for b in 0..d.layers {
+        let g = |s: &str| format!("blk.{b}.{s}");
+        let hf = |s: &str| Some(format!("model.layers.{b}.{s}"));
+        let mut add = |name: String, shape: Vec<usize>, to: Option<String>| want.push((name, shape, to));
+        add(g("attn_norm.weight"), vec![h], hf("input_layernorm.weight"));
+        add(g("ffn_norm.weight"), vec![h], hf("post_attention_layernorm.weight"));
+        match d.q_lora {
+            None => add(g("attn_q.weight"), vec![d.heads * qk, h], hf("self_attn.q_proj.weight")),
+            Some(r) => {
+                add(g("attn_q_a.weight"), vec![r, h], hf("self_attn.q_a_proj.weight"));
+                add(g("attn_q_a_norm.weight"), vec![r], hf("self_attn.q_a_layernorm.weight"));
+                add(g("attn_q_b.weight"), vec![d.heads * qk, r], hf("self_attn.q_b_proj.weight"));
+            }
+        }
+        add(g("attn_kv_a_mqa.weight"), vec![d.kv_lora + d.rope, h], hf("self_attn.kv_a_proj_with_mqa.weight"));
+        add(g("attn_kv_a_norm.weight"), vec![d.kv_lora], hf("self_attn.kv_a_layernorm.weight"));
+        if t.contains_key(&g("attn_kv_b.weight")) {
+            add(g("attn_kv_b.weight"), vec![d.heads * (d.nope + d.v), d.kv_lora], hf("self_attn.kv_b_proj.weight"));
+        } else {
+            add(g("attn_k_b.weight"), vec![d.heads, d.kv_lora, d.nope], None);
+            add(g("attn_v_b.weight"), vec![d.heads, d.v, d.kv_lora], None);
+            sources.insert(format!("model.layers.{b}.self_attn.kv_b_proj.weight"), Source::KvB { k_b: g("attn_k_b.weight"), v_b: g("attn_v_b.weight") });
+        }
+        add(g("attn_output.weight"), vec![h, d.heads * d.v], hf("self_attn.o_proj.weight"));
+        if b < d.dense {
+            add(g("ffn_gate.weight"), vec![d.inter, h], hf("mlp.gate_proj.weight"));
+            add(g("ffn_up.weight"), vec![d.inter, h], hf("mlp.up_proj.weight"));
+            add(g("ffn_down.weight"), vec![h, d.inter], hf("mlp.down_proj.weight"));
+            continue;
+        }
+        add(g("ffn_gate_inp.weight"), vec![d.experts, h], hf("mlp.gate.weight"));
+        if d.sigmoid {
+            add(g("exp_probs_b.bias"), vec![d.experts], hf("mlp.gate.e_score_correction_bias"));
+        }
+        for (p, shape) in [("gate", vec![d.experts, d.moe_inter, h]), ("up", vec![d.experts, d.moe_inter, h]), ("down", vec![d.experts, h, d.moe_inter])] {
+            add(g(&format!("ffn_{p}_exps.weight")), shape, None);
+            for j in 0..d.experts {
+                sources.insert(format!("model.layers.{b}.mlp.experts.{j}.{p}_proj.weight"), Source::Expert { name: g(&format!("ffn_{p}_exps.weight")), j });
+            }
+        }
+        if d.shared > 0 {
+            let si = d.shared * d.moe_inter;
+            add(g("ffn_gate_shexp.weight"), vec![si, h], hf("mlp.shared_experts.gate_proj.weight"));
+            add(g("ffn_up_shexp.weight"), vec![si, h], hf("mlp.shared_experts.up_proj.weight"));
+            add(g("ffn_down_shexp.weight"), vec![h, si], hf("mlp.shared_experts.down_proj.weight"));
+        }
+    }
+    let mut expected = HashSet::new();
+    for (name, shape, hf) in want {
+        let info = t.get(&name).ok_or_else(|| m.err(&name, format!("missing: the metadata (deepseek2.block_count {}, leading_dense_block_count {}, q_lora_rank, expert counts) implies it", d.layers, d.dense)))?;
+        if info.shape.dims() != shape.as_slice() {
+            return Err(m.err(&name, format!("has shape {:?}, but the deepseek2 metadata gives {shape:?}", info.shape.dims())));
+        }
+        if let Some(hf) = hf {
+            sources.insert(hf, Source::Tensor { name: name.clone(), unpermute: None });
+        }
+        expected.insert(name);
+    }
+    let mut names: Vec<&String> = t.keys().collect();
+    names.sort();
+    if let Some(extra) = names.into_iter().find(|n| !expected.contains(*n)) {
+        return Err(m.err(extra, format!("is not a deepseek2 tensor this reads (for deepseek2.block_count {} and the expert counts)", d.layers)));
+    }
+    Ok(sources)
+}
