@@ -2,7 +2,7 @@
 CARGO ?= cargo
 PYTHON ?= python3
 
-.PHONY: build test demo tiny bench interop venv check-cuda check-dashboards check-llama-cpp clean-runs
+.PHONY: build test demo tiny bench interop venv check-cuda build-cuda check-dashboards check-llama-cpp clean-runs
 
 build:
 	$(CARGO) build --release
@@ -44,6 +44,11 @@ check-llama-cpp: build
 ## wheels into .cache/cuda; ~30 min the first time (candle's kernels), seconds afterwards.
 check-cuda:
 	bash scripts/check-cuda.sh
+
+## Link the GPU binary (target/cuda/release/finetune) without a GPU, to carry to one; there,
+## `python3 scripts/gpu_check.py --bin ... --out DIR` checks it and scripts/gpu_bench.py times it.
+build-cuda:
+	bash scripts/build-cuda.sh
 
 ## TensorBoard's own reader (PyPI, into .cache/venv-tb) on the events of a tiny run killed and
 ## resumed: metrics.jsonl's numbers, each step once; then `finetune report` on it.

@@ -80,7 +80,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
     (
         "model",
         true,
-        &[req("path", Kind::Str), key("revision", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"]), one_of("kernels", &["auto", "portable"]), one_of("quantize", &["q8_0", "q4_k", "q4_0", "q5_k", "q6_k"])],
+        &[req("path", Kind::Str), key("revision", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"]), one_of("kernels", &["auto", "portable"]), one_of("quantize", &["q8_0", "q4_k", "q4_0", "q5_k", "q6_k", "nf4"])],
     ),
     (
         "lora",

@@ -910,12 +910,12 @@ fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig,
                 let msg = format!("{} is quantized by bitsandbytes already; remove model.quantize", model_dir.dir.display());
                 return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "model.quantize".into(), msg });
             }
-            let dtype = crate::weights::quantized::parse_format(q).ok_or_else(|| Error::Recipe {
+            let target = crate::weights::quantized::parse_quantize(q).ok_or_else(|| Error::Recipe {
                 file: loaded.file.display().to_string(),
                 key: "model.quantize".into(),
                 msg: format!("`{q}` is not a format this quantizes to"),
             })?;
-            Some(Box::new(QuantizeOnLoad { files: model_dir.open_weights()?, dtype, storage: f.storage }))
+            Some(Box::new(QuantizeOnLoad { files: model_dir.open_weights()?, target, storage: f.storage }))
         }
         (None, None) => {
             let files = model_dir.open_weights()?;

@@ -121,34 +121,77 @@ fn a_gguf_base_is_held_as_its_quantized_bytes_plus_one_dequantised_layer() {
     assert!(finetune::dist::plan::render(&cfg, &loaded.recipe, &[p], false).contains("GGUF blocks (Q4_0"));
 }
 
-#[test]
-fn quantize_on_load_equals_training_on_the_base_quantised_and_dequantised_beforehand() {
+/// Trains `hf` with `model.quantize = quantize` and a copy of it whose tensors were passed
+/// through `roundtrip` (quantised and dequantised) beforehand: the losses must be equal, the
+/// frozen bytes below `frozen_ratio` of the f32 base, and the plan must count them exactly.
+fn quantize_on_load_matches(quantize: &str, roundtrip: impl Fn(&str, &candle_core::Tensor) -> candle_core::Tensor, frozen_ratio: f64) {
     let d = workspace(&shape(), GgmlDType::F32);
     cache_env(d.path());
-    // The same quantisation written out dequantised: what the run must see.
     let src = load_tensors(&d.path().join("hf/model.safetensors"));
-    let deq: Vec<(String, candle_core::Tensor)> = src
-        .iter()
-        .map(|(k, t)| {
-            let q = t.rank() == 2 && !k.contains("norm");
-            let t = if q { QTensor::quantize(t, GgmlDType::Q8_0).unwrap().dequantize(&Device::Cpu).unwrap() } else { t.clone() };
-            (k.clone(), t)
-        })
-        .collect();
+    let deq: Vec<(String, candle_core::Tensor)> = src.iter().map(|(k, t)| (k.clone(), roundtrip(k, t))).collect();
     std::fs::create_dir_all(d.path().join("deq")).unwrap();
     finetune::gguf::write_weights(&d.path().join("deq"), &deq, u64::MAX).unwrap();
     std::fs::copy(d.path().join("hf/config.json"), d.path().join("deq/config.json")).unwrap();
-    let summary = train(d.path(), "q8", "hf", &["model.quantize=q8_0"]);
+    let set = format!("model.quantize={quantize}");
+    let summary = train(d.path(), "q", "hf", &[&set]);
     train(d.path(), "deq", "deq", &[]);
-    assert_eq!(losses(d.path(), "q8"), losses(d.path(), "deq"));
-    // Held as Q8_0: 34 bytes per 32 weights for the matrices.
+    assert_eq!(losses(d.path(), "q"), losses(d.path(), "deq"));
     let f32_bytes: usize = src.values().map(|t| t.elem_count() * 4).sum();
     let m = &summary.memory[0];
-    assert!((m.frozen as f64) < 0.3 * f32_bytes as f64, "{} of {f32_bytes}", m.frozen);
-    let loaded = finetune::recipe::LoadedRecipe::load(&d.path().join("q8/recipe.toml"), &["model.quantize=q8_0".to_string()]).unwrap();
+    assert!((m.frozen as f64) < frozen_ratio * f32_bytes as f64, "{} of {f32_bytes}", m.frozen);
+    let loaded = finetune::recipe::LoadedRecipe::load(&d.path().join("q/recipe.toml"), &[set]).unwrap();
     let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded).unwrap()).unwrap();
     let q = finetune::weights::quantized::plan_base(&loaded, &cfg).unwrap().expect("a quantized base");
     assert_eq!(finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q)).frozen, m.frozen);
+}
+
+#[test]
+fn quantize_on_load_equals_training_on_the_base_quantised_and_dequantised_beforehand() {
+    // Q8_0 holds 34 bytes per 32 weights for every matrix.
+    quantize_on_load_matches(
+        "q8_0",
+        |k, t| match t.rank() == 2 && !k.contains("norm") {
+            true => QTensor::quantize(t, GgmlDType::Q8_0).unwrap().dequantize(&Device::Cpu).unwrap(),
+            false => t.clone(),
+        },
+        0.3,
+    );
+}
+
+#[test]
+fn nf4_quantize_on_load_equals_training_on_the_base_quantised_and_dequantised_beforehand() {
+    // NF4 as transformers' BitsAndBytesConfig applies it: the decoder's linear layers only
+    // (embeddings and the head stay, so the ratio is higher than q8_0's at this tiny size).
+    use finetune::weights::{bnb::Bnb4, quantized::nf4_quantizes};
+    quantize_on_load_matches(
+        "nf4",
+        |k, t| match nf4_quantizes(k, t.dims()) {
+            true => Bnb4::quantize_nf4(t).unwrap().dequantize(&Device::Cpu).unwrap(),
+            false => t.clone(),
+        },
+        0.75,
+    );
+}
+
+#[test]
+fn nf4_quantisation_equals_bitsandbytes_bit_for_bit() {
+    // tests/fixtures/nf4-quantize: bitsandbytes 0.50.2's quantize_4bit / dequantize_4bit on
+    // gaussian, odd-sized, zero-tailed and crafted tie-breaking inputs (README there).
+    let fx = load_tensors(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nf4-quantize/cases.safetensors"));
+    let bits = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let cases = ["f32_64x128", "f32_40x50", "bf16_32x64", "f32_3x7", "f32_2x40_zero_tail", "crafted_7x50"];
+    for c in cases {
+        let q = finetune::weights::bnb::Bnb4::quantize_nf4(&fx[&format!("{c}.input")]).unwrap();
+        let (codes, absmax) = q.nf4_parts().unwrap();
+        assert_eq!(codes, fx[&format!("{c}.codes")].to_vec1::<u8>().unwrap().as_slice(), "{c}: codes");
+        assert_eq!(absmax.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), bits(&fx[&format!("{c}.absmax")]), "{c}: absmax");
+        let deq = q.dequantize(&Device::Cpu).unwrap();
+        assert_eq!(deq.dims(), fx[&format!("{c}.input")].dims(), "{c}");
+        assert_eq!(bits(&deq), bits(&fx[&format!("{c}.dequant")]), "{c}: dequantised");
+    }
+    let inf = candle_core::Tensor::new(&[1f32, f32::INFINITY], &Device::Cpu).unwrap();
+    let e = finetune::weights::bnb::Bnb4::quantize_nf4(&inf).err().expect("refused").to_string();
+    assert!(e.contains("element 1") && e.contains("finite"), "{e}");
 }
 
 #[test]

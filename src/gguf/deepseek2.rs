@@ -18,6 +18,11 @@
 //!   config published (V2: 0.707 / 0.707, V3: 1.0 / 1.0), which is also what llama.cpp
 //!   computes (cos/sin unscaled).
 //! - `moe_layer_freq`: 1 (llama.cpp's graph has no other).
+//! - `n_group` / `topk_group` in files written before the converter stored them: see
+//!   [`expert_groups`].
+//!
+//! Files from other converters that reuse the `deepseek2` architecture for different math are
+//! refused by key ([`refuse_foreign_keys`]).
 
 use super::{extend, Described, Meta, Source};
 use crate::error::Result;
@@ -53,14 +58,8 @@ pub(super) fn describe(m: &Meta) -> Result<Described> {
     };
     let eps = m.positive_float(&k("attention.layer_norm_rms_epsilon"))?.ok_or_else(|| m.missing(&k("attention.layer_norm_rms_epsilon")))?;
     let theta = m.positive_float(&k("rope.freq_base"))?.unwrap_or(10000.0);
-    let groups = match m.uint(&k("expert_group_count"))? {
-        Some(n) => m.positive(&k("expert_group_count"), n, "expert group")?,
-        None => 1,
-    };
-    let groups_used = match m.uint(&k("expert_group_used_count"))? {
-        Some(n) => m.positive(&k("expert_group_used_count"), n, "expert group")?,
-        None => groups,
-    };
+    refuse_foreign_keys(m)?;
+    let (groups, groups_used) = expert_groups(m, &d)?;
     let scale = m.positive_float(&k("expert_weights_scale"))?.unwrap_or(1.0);
     let norm = m.bool(&k("expert_weights_norm"))?.unwrap_or(false);
     let (arch, model_type, topk) = match (d.sigmoid, groups_used < groups) {
@@ -107,6 +106,65 @@ pub(super) fn describe(m: &Meta) -> Result<Described> {
         extend(&mut config, serde_json::json!({"rope_interleave": true}));
     }
     Ok(Described { arch: "deepseek2", vocab: d.vocab, context, sources, config })
+}
+
+/// Keys other converters write into `deepseek2` files for models whose math is not DeepSeek's
+/// (attention temperature tuning, extra YaRN factors, multi-token-prediction layers in the
+/// block count): read as a DeepSeek model they would train on a different network, so such a
+/// file is refused, naming the key. Neutral values (a factor of 1, no MTP layers) pass.
+fn refuse_foreign_keys(m: &Meta) -> Result<()> {
+    let k = |key: &str| format!("deepseek2.{key}");
+    let why = "expected a DeepSeek-V2/V3 file from llama.cpp's convert_hf_to_gguf.py; this key comes from another model's converter and changes the math";
+    for key in ["attention.temperature_length", "attention.temperature_scale"] {
+        if m.c.metadata.contains_key(&k(key)) {
+            return Err(m.err(&k(key), format!("is set (attention temperature tuning): {why}")));
+        }
+    }
+    for key in ["rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor"] {
+        let neutral = matches!(m.c.metadata.get(&k(key)), None | Some(candle_core::quantized::gguf_file::Value::F32(1.0)));
+        if !neutral {
+            return Err(m.err(&k(key), format!("is {:?}, not 1: {why}", m.c.metadata[&k(key)])));
+        }
+    }
+    if let Some(n) = m.uint(&k("nextn_predict_layers"))?.filter(|&n| n > 0) {
+        return Err(m.err(&k("nextn_predict_layers"), format!("is {n}: multi-token-prediction layers are not read; {why}")));
+    }
+    Ok(())
+}
+
+/// (n_group, topk_group). llama.cpp's converter has written `expert_group_count` /
+/// `expert_group_used_count` only since late 2025, and most published DeepSeek-V3 / R1 and
+/// V2 (236B) GGUFs predate it; without them those models would route to experts the
+/// checkpoint never chose together. Where the keys are missing, the two published shapes that
+/// limit groups get their config.json values (V3: sigmoid, 256 experts -> 8 groups, top 4;
+/// V2 / V2.5: softmax, 160 experts -> 8 groups, top 3) with a note saying so; every other
+/// DeepSeek model published (V2-Lite, Coder-V2-Lite, Moonlight, Kimi) routes without groups.
+fn expert_groups(m: &Meta, d: &Dims) -> Result<(usize, usize)> {
+    let k = |key: &str| format!("deepseek2.{key}");
+    let groups = m.uint(&k("expert_group_count"))?.map(|n| m.positive(&k("expert_group_count"), n, "expert group")).transpose()?;
+    let used = m.uint(&k("expert_group_used_count"))?.map(|n| m.positive(&k("expert_group_used_count"), n, "expert group")).transpose()?;
+    let (groups, used) = match (groups, used) {
+        (Some(g), u) => (g, u.unwrap_or(g)),
+        (None, Some(_)) => return Err(m.err(&k("expert_group_used_count"), "is set but deepseek2.expert_group_count is not")),
+        (None, None) => match (d.sigmoid, d.experts) {
+            (true, 256) | (false, 160) => {
+                let inferred = if d.sigmoid { (8, 4) } else { (8, 3) };
+                eprintln!(
+                    "note: {} has no deepseek2.expert_group_count; its shape is DeepSeek-{}'s, so experts are routed in {} groups, the best {} per token, as that model's config.json says",
+                    m.file.display(),
+                    if d.sigmoid { "V3" } else { "V2" },
+                    inferred.0,
+                    inferred.1
+                );
+                inferred
+            }
+            _ => (1, 1),
+        },
+    };
+    if used > groups || d.experts % groups != 0 {
+        return Err(m.err(&k("expert_group_used_count"), format!("{used} of {groups} groups of deepseek2.expert_count {} experts: expected at most all groups, of equal size", d.experts)));
+    }
+    Ok((groups, used))
 }
 
 fn dims(m: &Meta) -> Result<Dims> {
@@ -261,4 +319,56 @@ fn check_tensors(m: &Meta, d: &Dims) -> Result<BTreeMap<String, Source>> {
         return Err(m.err(extra, format!("is not a deepseek2 tensor this reads (for deepseek2.block_count {} and the expert counts)", d.layers)));
     }
     Ok(sources)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::gguf_file::{Content, Value, VersionedMagic};
+
+    fn content(keys: &[(&str, Value)]) -> Content {
+        let metadata = keys.iter().map(|(k, v)| (format!("deepseek2.{k}"), v.clone())).collect();
+        Content { magic: VersionedMagic::GgufV3, metadata, tensor_infos: Default::default(), tensor_data_offset: 0 }
+    }
+
+    fn dims(experts: usize, sigmoid: bool) -> Dims {
+        let (hidden, layers, heads, inter, vocab, kv_lora, nope, rope, v) = (8, 1, 1, 8, 8, 4, 4, 2, 4);
+        Dims { hidden, layers, heads, inter, vocab, q_lora: None, kv_lora, nope, rope, v, experts, used: 2, shared: 1, moe_inter: 4, dense: 0, sigmoid }
+    }
+
+    #[test]
+    fn files_without_expert_groups_get_the_groups_of_the_published_model_of_their_shape() -> Result<()> {
+        let file = std::path::Path::new("x.gguf");
+        let none = content(&[]);
+        let m = Meta { c: &none, file };
+        assert_eq!(expert_groups(&m, &dims(256, true))?, (8, 4), "DeepSeek-V3 / R1");
+        assert_eq!(expert_groups(&m, &dims(160, false))?, (8, 3), "DeepSeek-V2 / V2.5");
+        assert_eq!(expert_groups(&m, &dims(64, false))?, (1, 1), "V2-Lite");
+        assert_eq!(expert_groups(&m, &dims(64, true))?, (1, 1), "Moonlight");
+        let written = content(&[("expert_group_count", Value::U32(4)), ("expert_group_used_count", Value::U32(2))]);
+        assert_eq!(expert_groups(&Meta { c: &written, file }, &dims(256, true))?, (4, 2), "the file's keys win");
+        let uneven = content(&[("expert_group_count", Value::U32(3))]);
+        let e = expert_groups(&Meta { c: &uneven, file }, &dims(64, false)).unwrap_err().to_string();
+        assert!(e.contains("expert_group") && e.contains("equal size"), "{e}");
+        Ok(())
+    }
+
+    #[test]
+    fn keys_from_other_converters_are_refused_by_name_and_neutral_values_pass() {
+        let file = std::path::Path::new("x.gguf");
+        for (key, value) in [
+            ("attention.temperature_length", Value::U32(8192)),
+            ("attention.temperature_scale", Value::F32(0.1)),
+            ("rope.scaling.yarn_attn_factor", Value::F32(0.8)),
+            ("rope.scaling.attn_factor", Value::F32(1.2)),
+            ("rope.scaling.yarn_ext_factor", Value::F32(0.5)),
+            ("nextn_predict_layers", Value::U32(1)),
+        ] {
+            let c = content(&[(key, value)]);
+            let e = refuse_foreign_keys(&Meta { c: &c, file }).unwrap_err().to_string();
+            assert!(e.contains(&format!("deepseek2.{key}")) && e.contains("x.gguf"), "{e}");
+        }
+        let neutral = content(&[("rope.scaling.yarn_attn_factor", Value::F32(1.0)), ("nextn_predict_layers", Value::U32(0))]);
+        assert!(refuse_foreign_keys(&Meta { c: &neutral, file }).is_ok());
+    }
 }

@@ -10,8 +10,11 @@
 //!   does over keys: the running max and sum of exp(l - max), and
 //!   acc = Σ exp(l - max) W over the chunks seen, rescaled when the max grows.
 //! - Because the head is frozen, dLoss/dhidden has a closed form,
-//!   (softmax(logits) - onehot(target)) @ W = acc / sum - W[target], which is handed to
-//!   autograd as the upstream gradient of the hidden rows.
+//!   (softmax(logits) - onehot(target)) @ W = (acc - others W[target]) / sum, which is handed
+//!   to autograd as the upstream gradient of the hidden rows. The target's own term is left
+//!   out of acc and of others = Σ exp(l - max) (its sum over the other tokens): both sides
+//!   then shrink as the softmax settles on the target, where acc / sum - W[target] would be a
+//!   difference of two near-equal vectors, lost to rounding when acc is bf16 (a GPU's head).
 //!
 //! Each head chunk is read once and used for two GEMMs (logits, then p @ W), as the whole
 //! head was before.
@@ -121,11 +124,11 @@ pub fn cross_entropy_sum_and_grad(k: Kernels, rows: &Tensor, head: &HeadRows, ta
     let mut total = 0f64;
     let mut grads = Vec::new();
     for (run, &(r0, c)) in runs.into_iter().zip(&spans) {
-        let (ce, inv_sum) = run.stats.finish()?; // CE sum, 1 / sum [C, 1]
+        let (ce, inv_sum, others) = run.stats.finish()?; // CE sum, 1 / sum, Σ other e [C, 1]
         total += ce;
         if let (Some(acc), Some(picked)) = (run.acc, &picked) {
-            // (softmax - onehot) @ W = acc / sum - W[target], times scale.
-            let g = (acc.broadcast_mul(&(inv_sum * scale)?)? - (picked.narrow(0, r0, c)? * scale)?)?; // [C, H]
+            // (softmax - onehot) @ W = (acc - others W[target]) / sum, times scale.
+            let g = (acc - picked.narrow(0, r0, c)?.broadcast_mul(&others)?)?.broadcast_mul(&(inv_sum * scale)?)?; // [C, H]
             grads.push(g.to_dtype(rows.dtype())?);
         }
     }
@@ -156,34 +159,37 @@ fn add_target_rows(picked: Option<Tensor>, w: &Tensor, targets: &[u32], v0: usiz
 
 /// The running softmax of one chunk of token rows over the head chunks read so far.
 struct Running {
-    /// Σ exp(l - max) W over the head chunks seen, at the current max [C, H] f32.
+    /// Σ exp(l - max) W over the head chunks seen, the target's row left out, at the current
+    /// max [C, H] f32.
     acc: Option<Tensor>,
     stats: Stats,
 }
 
-/// Per token row: the running max of its logits, the sum of exp(l - max), and the logit of
-/// its target (once its chunk has been seen).
+/// Per token row: the running max of its logits, the sum of exp(l - max) (and that sum
+/// without the target's term), and the logit of its target (once its chunk has been seen).
 enum Stats {
     /// Fused path: on the host, updated in one parallel pass per chunk.
     Host { rows: Vec<RowStats>, device: candle_core::Device },
     /// Portable path: [C, 1] f32 tensors on the rows' device.
-    Device { max: Tensor, sum: Tensor, target: Tensor },
+    Device { max: Tensor, sum: Tensor, others: Tensor, target: Tensor },
 }
 
 #[derive(Clone, Copy)]
 struct RowStats {
     max: f32,
     sum: f32,
+    others: f32,
     target: f32,
 }
 
 impl Running {
     fn new(path: Path, c: usize, device: &candle_core::Device) -> Result<Self> {
         let stats = match path {
-            Path::Fused => Stats::Host { rows: vec![RowStats { max: f32::NEG_INFINITY, sum: 0.0, target: 0.0 }; c], device: device.clone() },
+            Path::Fused => Stats::Host { rows: vec![RowStats { max: f32::NEG_INFINITY, sum: 0.0, others: 0.0, target: 0.0 }; c], device: device.clone() },
             Path::Portable => Stats::Device {
                 max: Tensor::full(f32::NEG_INFINITY, (c, 1), device)?,
                 sum: Tensor::zeros((c, 1), DType::F32, device)?,
+                others: Tensor::zeros((c, 1), DType::F32, device)?,
                 target: Tensor::zeros((c, 1), DType::F32, device)?,
             },
         };
@@ -191,26 +197,36 @@ impl Running {
     }
 
     /// Fold a head chunk's logits [C, n] (vocabulary rows v0..v0+n) into the stats; returns
-    /// p = exp(l - new max) [C, n] and each row's factor exp(old max - new max) [C, 1], by
-    /// which what was summed before is rescaled.
+    /// p = exp(l - new max) [C, n] with each row's target entry zeroed, and each row's factor
+    /// exp(old max - new max) [C, 1], by which what was summed before is rescaled.
     fn fold(&mut self, logits: &Tensor, targets: &[u32], v0: usize) -> Result<(Tensor, Tensor)> {
         match &mut self.stats {
             Stats::Host { rows, .. } => fold_rows(logits, rows, targets, v0),
-            Stats::Device { max, sum, target } => {
+            Stats::Device { max, sum, others, target } => {
                 let (c, n) = logits.dims2()?;
                 let new_max = max.maximum(&logits.max_keepdim(D::Minus1)?)?; // [C, 1]
                 // 0 on the first chunk, where max is -inf and nothing was summed yet.
                 let alpha = (&*max - &new_max)?.exp()?; // [C, 1]
-                let p = logits.broadcast_sub(&new_max)?.exp()?; // [C, n]
-                *sum = ((&*sum * &alpha)? + p.sum_keepdim(D::Minus1)?)?;
-                let (local, inside): (Vec<u32>, Vec<f32>) = targets
+                let mut p = logits.broadcast_sub(&new_max)?.exp()?; // [C, n]
+                let (local, inside): (Vec<u32>, Vec<u8>) = targets
                     .iter()
-                    .map(|&t| (t as usize).checked_sub(v0).filter(|&i| i < n).map_or((0, 0.0), |i| (i as u32, 1.0)))
+                    .map(|&t| (t as usize).checked_sub(v0).filter(|&i| i < n).map_or((0, 0), |i| (i as u32, 1)))
                     .unzip();
-                if inside.contains(&1.0) {
+                let mut p_target = None;
+                if inside.contains(&1) {
                     let idx = Tensor::from_vec(local, (c, 1), logits.device())?;
                     let mask = Tensor::from_vec(inside, (c, 1), logits.device())?;
-                    *target = (&*target + (logits.gather(&idx, 1)? * mask)?)?;
+                    let zero = Tensor::zeros((c, 1), DType::F32, logits.device())?;
+                    *target = (&*target + mask.where_cond(&logits.gather(&idx, 1)?, &zero)?)?;
+                    let pt = mask.where_cond(&p.gather(&idx, 1)?, &zero)?; // [C, 1]
+                    p = p.scatter_add(&idx, &pt.neg()?, 1)?; // the target entries are now exactly 0
+                    p_target = Some(pt);
+                }
+                let rest = p.sum_keepdim(D::Minus1)?; // [C, 1]
+                *others = ((&*others * &alpha)? + &rest)?;
+                *sum = ((&*sum * &alpha)? + rest)?;
+                if let Some(pt) = p_target {
+                    *sum = (&*sum + pt)?;
                 }
                 *max = new_max;
                 Ok((p, alpha))
@@ -220,19 +236,21 @@ impl Running {
 }
 
 impl Stats {
-    /// (the CE sum of the rows, summed in f64; 1 / sum [C, 1] f32).
-    fn finish(self) -> Result<(f64, Tensor)> {
+    /// (the CE sum of the rows, summed in f64; 1 / sum and the sum without the targets'
+    /// terms, [C, 1] f32 each).
+    fn finish(self) -> Result<(f64, Tensor, Tensor)> {
         match self {
             Stats::Host { rows, device } => {
                 // CE = log(sum exp(l - max)) - (l_t - max)
                 let ce = rows.iter().map(|s| (s.sum.ln() - (s.target - s.max)) as f64).sum();
-                let inv: Vec<f32> = rows.iter().map(|s| 1.0 / s.sum).collect();
-                let c = inv.len();
-                Ok((ce, Tensor::from_vec(inv, (c, 1), &device)?))
+                let c = rows.len();
+                let inv = Tensor::from_vec(rows.iter().map(|s| 1.0 / s.sum).collect(), (c, 1), &device)?;
+                let others = Tensor::from_vec(rows.iter().map(|s| s.others).collect(), (c, 1), &device)?;
+                Ok((ce, inv, others))
             }
-            Stats::Device { max, sum, target } => {
+            Stats::Device { max, sum, others, target } => {
                 let ce = (sum.log()? - (target - max)?)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-                Ok((ce, sum.recip()?))
+                Ok((ce, sum.recip()?, others))
             }
         }
     }
@@ -262,11 +280,16 @@ fn fold_rows(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize
                 super::exp_f32(s.max - max)
             };
             p.iter_mut().zip(l).for_each(|(pi, &li)| *pi = super::exp_f32(li - max));
-            s.sum = s.sum * *a + super::sum_f32(p);
-            s.max = max;
+            // The target's term is taken out of p (see the module doc) and added to sum alone.
+            let mut p_target = 0.0;
             if let Some(i) = (t as usize).checked_sub(v0).filter(|&i| i < n) {
                 s.target = l[i];
+                p_target = std::mem::take(&mut p[i]);
             }
+            let rest = super::sum_f32(p);
+            s.others = s.others * *a + rest;
+            s.sum = s.sum * *a + rest + p_target;
+            s.max = max;
         },
     );
     drop(st);
@@ -334,13 +357,14 @@ mod tests {
         let h32 = head.to_dtype(DType::F32)?;
         let (ce32, _) = cross_entropy_sum_and_grad(Kernels::Auto, &rounded, &HeadRows::of(&h32)?, &targets, 0.25)?;
         // The input gradient rounds p = exp(l - max) to bf16 too (one head chunk here): compare
-        // with 0.25 (round(p) W / sum - W[target]), p from the same fold.
+        // with 0.25 (round(p) W - others W[target]) / sum, p from the same fold.
         let logits = rounded.matmul(&h32.t()?)?;
-        let mut stats = vec![RowStats { max: f32::NEG_INFINITY, sum: 0.0, target: 0.0 }; m];
+        let mut stats = vec![RowStats { max: f32::NEG_INFINITY, sum: 0.0, others: 0.0, target: 0.0 }; m];
         let (p, _) = fold_rows(&logits, &mut stats, &targets, 0)?;
-        let sum = Tensor::from_vec(stats.iter().map(|s| s.sum).collect::<Vec<_>>(), (m, 1), &dev)?;
+        let col = |f: fn(&RowStats) -> f32| Tensor::from_vec(stats.iter().map(f).collect::<Vec<_>>(), (m, 1), &dev);
         let picked = h32.index_select(&Tensor::new(targets.as_slice(), &dev)?, 0)?;
-        let want = ((p.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.matmul(&h32)?.broadcast_div(&sum)? - picked)? * 0.25)?;
+        let acc = p.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.matmul(&h32)?;
+        let want = ((acc - picked.broadcast_mul(&col(|s| s.others)?)?)?.broadcast_div(&col(|s| s.sum)?)? * 0.25)?;
         let diff = (grad - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         println!("bf16 head: |ce diff| {:e}, max |grad diff| {diff:e}", (ce - ce32).abs());
         assert!((ce - ce32).abs() < 1e-4 * ce32.abs(), "ce {ce} vs {ce32}");
@@ -410,6 +434,48 @@ mod tests {
         let rel = (ce_b - ce_f).abs() / ce_f.abs();
         println!("bf16 portable loss: relative CE diff {rel:.1e}");
         assert!(rel < 2f64.powi(-8), "{rel}");
+        Ok(())
+    }
+
+    /// With a bf16 head on the portable path (what a GPU runs), the gradient stays within bf16
+    /// rounding of the f32 gradient also where the softmax has all but settled on the target:
+    /// there (softmax - onehot) @ W is a small difference of two near-equal vectors, which must
+    /// not be formed from a bf16-rounded Σ p W.
+    #[test]
+    fn a_bf16_heads_gradient_is_accurate_where_the_softmax_settles_on_the_target() -> Result<()> {
+        let dev = Device::Cpu;
+        let (m, h, v) = (16, 64, 200);
+        // Distinct pseudo-random rows in (-0.5, 0.5).
+        let mix = |i: u64| {
+            let z = (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (i >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let head = Tensor::from_vec((0..(v * h) as u64).map(mix).collect(), (v, h), &dev)?;
+        let head = head.to_dtype(DType::BF16)?.to_dtype(DType::F32)?; // the bf16 values, exactly
+        let targets: Vec<u32> = (0..m as u32).map(|i| i * 11 % v as u32).collect();
+        // Each row points at its target's weight row, more sharply row by row: the target's
+        // softmax runs from 0.05 to 1 - 1e-7.
+        let picked = head.index_select(&Tensor::new(targets.as_slice(), &dev)?, 0)?;
+        let sharp = Tensor::from_vec((0..m).map(|i| 0.5 + i as f32 * 0.4).collect(), (m, 1), &dev)?;
+        let rows = picked.broadcast_mul(&sharp)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+        let (rb, hb) = (rows.to_dtype(DType::BF16)?, head.to_dtype(DType::BF16)?);
+        let (_, got) = cross_entropy_sum_and_grad(Kernels::Portable, &rb, &HeadRows::of(&hb)?, &targets, 1.0)?;
+        // The exact gradient for the same bf16 logits: (softmax - onehot) @ W in f64 (in f32,
+        // softmax - 1 at the target is already off by 6e-8 where the rest sums to 1e-7).
+        let logits = rb.matmul(&hb.t()?)?.to_dtype(DType::F64)?;
+        let t = Tensor::new(targets.as_slice(), &dev)?.unsqueeze(1)?;
+        let onehot = Tensor::zeros((m, v), DType::F64, &dev)?.scatter_add(&t, &Tensor::ones((m, 1), DType::F64, &dev)?, 1)?;
+        let want = (candle_nn::ops::softmax_last_dim(&logits)? - onehot)?.matmul(&head.to_dtype(DType::F64)?)?.to_dtype(DType::F32)?;
+        // Per row, relative to that row's gradient: a few bf16 roundings (2^-9 each).
+        let err = (got.to_dtype(DType::F32)? - &want)?.abs()?.max_keepdim(1)?;
+        let size = want.abs()?.max_keepdim(1)?;
+        let rel = (err / size)?.max_all()?.to_scalar::<f32>()?;
+        let settled = candle_nn::ops::softmax_last_dim(&logits)?.gather(&t, 1)?.min_all()?.to_scalar::<f64>()?;
+        println!("bf16 portable gradient: worst row relative error {rel:.1e}");
+        assert!(rel < 5e-3, "{rel}");
+        let sharpest = candle_nn::ops::softmax_last_dim(&logits.narrow(0, m - 1, 1)?)?.gather(&t.narrow(0, m - 1, 1)?, 1)?.to_vec2::<f64>()?[0][0];
+        assert!(sharpest > 1.0 - 1e-6 && settled < 0.1, "the rows span the settled regime: {settled} .. {sharpest}");
         Ok(())
     }
 

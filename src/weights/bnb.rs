@@ -24,6 +24,28 @@ use super::{stored_dtype, SafetensorsFiles};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 
+/// bitsandbytes' NF4 code values, in code order.
+const NF4: [f32; 16] = [
+    -1.0,
+    -0.696_192_8,
+    -0.525_073_05,
+    -0.394_917_5,
+    -0.284_441_38,
+    -0.184_773_43,
+    -0.091_050_036,
+    0.0,
+    0.079_580_3,
+    0.160_930_2,
+    0.246_112_3,
+    0.337_915_24,
+    0.440_709_83,
+    0.562_617,
+    0.722_956_84,
+    1.0,
+];
+/// The blocksize transformers' `BitsAndBytesConfig` uses by default.
+const NF4_BLOCK: usize = 64;
+
 /// A 4-bit weight as bitsandbytes stores it.
 pub struct Bnb4 {
     shape: Vec<usize>,
@@ -63,6 +85,51 @@ impl Bnb4 {
             Absmax::Nested { codes, map, scales, group, offset } => map[codes[block] as usize] * scales[block / group] + offset,
         }
     }
+    /// Bytes `quantize_nf4` holds for `n` weights: packed codes plus one f32 scale per block.
+    pub fn nf4_bytes(n: usize) -> usize {
+        n.div_ceil(2) + 4 * n.div_ceil(NF4_BLOCK)
+    }
+
+    /// NF4 (blocksize 64, f32 absmax, no double quantisation) exactly as bitsandbytes 0.50's
+    /// `quantize_4bit` computes it on CPU, so a base quantised here is the base PEFT + bitsandbytes
+    /// trains on (fixture `tests/fixtures/nf4-quantize`, whose README spells out each rounding rule).
+    /// Refuses non-finite weights: bitsandbytes would turn a whole block into code 15.
+    pub fn quantize_nf4(t: &Tensor) -> candle_core::Result<Bnb4> {
+        let shape = t.dims().to_vec();
+        // The cast is exact for bf16/f16; bitsandbytes quantises the f32 of the held dtype too.
+        let x = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            candle_core::bail!("weight element {i} is {}: NF4 quantisation needs finite weights", x[i]);
+        }
+        let mids: [f32; 15] = std::array::from_fn(|i| (NF4[i] + NF4[i + 1]) / 2.0);
+        let full = x.len() - x.len() % NF4_BLOCK;
+        let mut absmax = Vec::with_capacity(x.len().div_ceil(NF4_BLOCK));
+        let mut codes = vec![7u8; x.len().div_ceil(2) * 2]; // an odd count is padded with code 7
+        for (b, block) in x.chunks(NF4_BLOCK).enumerate() {
+            let am = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let clamped = am.max(1e-38);
+            let tail = b * NF4_BLOCK >= full;
+            // Full blocks multiply by the f32 reciprocal and store absmax as is; the partial last
+            // block divides and stores the clamped value (bitsandbytes' two code paths).
+            let recip = 1.0 / clamped;
+            absmax.push(if tail { clamped } else { am });
+            for (k, &v) in block.iter().enumerate() {
+                let scaled = if tail { v / clamped } else { v * recip }.clamp(-1.0, 1.0);
+                codes[b * NF4_BLOCK + k] = mids.iter().filter(|&&m| scaled > m).count() as u8;
+            }
+        }
+        let codes = codes.chunks_exact(2).map(|p| p[0] << 4 | p[1]).collect();
+        Ok(Bnb4 { shape, codes, table: NF4, blocksize: NF4_BLOCK, absmax: Absmax::F32(absmax) })
+    }
+
+    /// The packed codes and per-block scales (f32 absmax only), as bitsandbytes stores them.
+    pub fn nf4_parts(&self) -> Option<(&[u8], &[f32])> {
+        match &self.absmax {
+            Absmax::F32(a) => Some((&self.codes, a)),
+            Absmax::Nested { .. } => None,
+        }
+    }
+
     /// The weight in f32 on `device`.
     pub fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
         use rayon::prelude::*;

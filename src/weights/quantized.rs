@@ -99,23 +99,30 @@ impl Blocks {
 }
 
 impl Blocks {
-    /// Rows start..start+len of a matrix, as `dequantize` gives them. On the CPU, ggml
-    /// blocks that tile the rows are dequantised alone (the LM head, a chunk at a time);
-    /// otherwise the whole tensor is dequantised and cut.
-    fn dequantize_rows(&self, start: usize, len: usize, device: &Device) -> candle_core::Result<Tensor> {
-        if let (Blocks::Ggml { q, unpermute_heads: None }, Device::Cpu) = (self, device) {
-            let (_, cols) = q.shape().dims2()?;
-            if cols % q.dtype().block_size() == 0 {
+    /// Rows start..start+len of a matrix, as `dequantize` gives them, cut without
+    /// dequantising the rest: held full-precision tensors, and ggml blocks on the CPU that
+    /// tile the rows (F32/F16/BF16 rows are read from their bytes). `None` where only the
+    /// whole tensor can be dequantised (blocks on a GPU, llama's q/k permutation, other formats).
+    fn dequantize_rows(&self, start: usize, len: usize) -> Option<candle_core::Result<Tensor>> {
+        match self {
+            Blocks::Plain(t) => Some(t.narrow(0, start, len)),
+            Blocks::Ggml { q, unpermute_heads: None } if q.device().is_cpu() => {
+                let (_, cols) = q.shape().dims2().ok()?;
+                if cols % q.dtype().block_size() != 0 {
+                    return None;
+                }
                 let row = ggml_bytes(q.dtype(), cols);
-                let data = q.data()?;
-                if let Some(t) = data.get(start * row..(start + len) * row).and_then(|b| dequantize_blocks(b, q.dtype(), &(len, cols).into())) {
-                    return t;
+                let data = q.data().ok()?;
+                let bytes = data.get(start * row..(start + len) * row)?;
+                let plain = |dtype: DType| Tensor::from_raw_buffer(bytes, dtype, &[len, cols], &Device::Cpu).and_then(|t| t.to_dtype(DType::F32));
+                match q.dtype() {
+                    GgmlDType::F32 => Some(plain(DType::F32)),
+                    GgmlDType::F16 => Some(plain(DType::F16)),
+                    GgmlDType::BF16 => Some(plain(DType::BF16)),
+                    d => dequantize_blocks(bytes, d, &(len, cols).into()),
                 }
             }
-        }
-        match self {
-            Blocks::Plain(t) => t.narrow(0, start, len)?.to_device(device),
-            _ => self.dequantize(device)?.narrow(0, start, len),
+            _ => None,
         }
     }
 }
@@ -180,8 +187,35 @@ pub trait BlockReader: Send {
 /// k-quants (q5_0 for q4_k), else stays as it is.
 pub struct QuantizeOnLoad {
     pub files: super::SafetensorsFiles,
-    pub dtype: GgmlDType,
+    pub target: Quantize,
     pub storage: DType,
+}
+
+/// What `model.quantize` quantises to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Quantize {
+    /// A ggml type (candle's quantisers), as llama.cpp would store the model.
+    Ggml(GgmlDType),
+    /// bitsandbytes' NF4 with blocksize 64 and f32 absmax (`bnb_4bit_use_double_quant =
+    /// False`, transformers' default), on the decoder's projections only, as transformers +
+    /// bitsandbytes quantise a model (embeddings, the output head, norms and MoE routers
+    /// stay): the QLoRA base PEFT users train on, made from a bf16/f32 checkpoint.
+    Nf4,
+}
+
+/// The `model.quantize` value `s` names.
+pub fn parse_quantize(s: &str) -> Option<Quantize> {
+    if s == "nf4" {
+        return Some(Quantize::Nf4);
+    }
+    parse_format(s).map(Quantize::Ggml)
+}
+
+/// Whether `model.quantize = "nf4"` quantises tensor `name` of shape `dims`: a decoder
+/// layer's 2-D projection (bitsandbytes replaces the Linear modules of the layers; the
+/// MoE router `mlp.gate` stays, as PEFT + bitsandbytes runs DeepSeek with it unquantised).
+pub fn nf4_quantizes(name: &str, dims: &[usize]) -> bool {
+    dims.len() == 2 && name.starts_with("model.layers.") && name.ends_with("_proj.weight") && !name.contains("norm")
 }
 
 /// The type `model.quantize = target` stores tensor `name` of shape `dims` in (see
@@ -229,15 +263,18 @@ pub fn plan_base(loaded: &crate::recipe::LoadedRecipe, cfg: &crate::config::Mode
         }
     }
     let Some(q) = &m.quantize else { return Ok(None) };
-    let target = parse_format(q).ok_or_else(|| Error::Recipe { file: loaded.file.display().to_string(), key: "model.quantize".into(), msg: format!("`{q}` is not a format this quantizes to") })?;
+    let target = parse_quantize(q).ok_or_else(|| Error::Recipe { file: loaded.file.display().to_string(), key: "model.quantize".into(), msg: format!("`{q}` is not a format this quantizes to") })?;
     let storage = super::parse_dtype(&m.dtype);
     let bytes = cfg
         .frozen_tensors()
         .into_iter()
         .map(|(n, s)| {
             let elems = s.iter().product::<usize>();
-            let b = quantized_format(target, &n, &s).map_or(elems * stored_dtype(&n, storage).size_in_bytes(), |d| ggml_bytes(d, elems));
-            (n, b)
+            let quantized = match target {
+                Quantize::Ggml(t) => quantized_format(t, &n, &s).map(|d| ggml_bytes(d, elems)),
+                Quantize::Nf4 => nf4_quantizes(&n, &s).then(|| super::bnb::Bnb4::nf4_bytes(elems)),
+            };
+            (n.clone(), quantized.unwrap_or(elems * stored_dtype(&n, storage).size_in_bytes()))
         })
         .collect();
     Ok(Some(crate::dist::plan::QuantizedBase { bytes, what: format!("model.quantize = {q}") }))
@@ -253,9 +290,15 @@ impl BlockReader for QuantizeOnLoad {
     fn read(&mut self, name: &str, device: &Device) -> Result<Blocks> {
         let dims = self.files.shape(name)?;
         let t = self.files.load(name, &dims, &Device::Cpu)?;
-        Ok(match quantized_format(self.dtype, name, &dims) {
-            Some(d) => Blocks::Ggml { q: QTensor::quantize_onto(&t.to_dtype(DType::F32)?, d, device)?, unpermute_heads: None },
-            None => Blocks::Plain(t.to_dtype(stored_dtype(name, self.storage))?.to_device(device)?),
+        Ok(match self.target {
+            Quantize::Ggml(target) => match quantized_format(target, name, &dims) {
+                Some(d) => Blocks::Ggml { q: QTensor::quantize_onto(&t.to_dtype(DType::F32)?, d, device)?, unpermute_heads: None },
+                None => Blocks::Plain(t.to_dtype(stored_dtype(name, self.storage))?.to_device(device)?),
+            },
+            // Quantised from the weight in the storage dtype, as transformers casts a
+            // checkpoint to `torch_dtype` before bitsandbytes quantises it.
+            Quantize::Nf4 if nf4_quantizes(name, &dims) => Blocks::Bnb4(super::bnb::Bnb4::quantize_nf4(&t.to_dtype(self.storage)?)?),
+            Quantize::Nf4 => Blocks::Plain(t.to_dtype(stored_dtype(name, self.storage))?.to_device(device)?),
         })
     }
 }
@@ -415,7 +458,18 @@ impl WeightSource for QuantizedWeights {
             return Ok(self.get_stored(name, shape)?.narrow(0, start, len)?.to_dtype(self.matmul_dtype)?);
         }
         let b = self.blocks(name, shape)?;
-        let make = || b.dequantize_rows(start, len, &self.device).and_then(|t| t.to_dtype(stored_dtype(name, self.storage_dtype))).map_err(|e| self.dequantize_error(name, &e));
+        // Probe with an empty cut: whether rows can be had alone (the bytes are not copied).
+        if b.dequantize_rows(0, 0).is_none() {
+            // Dequantised whole once, into the window (as a layer is), and cut there.
+            return Ok(self.get_stored(name, shape)?.narrow(0, start, len)?.to_dtype(self.matmul_dtype)?);
+        }
+        let make = || {
+            b.dequantize_rows(start, len)
+                .unwrap_or_else(|| candle_core::bail!("rows {start}..{} of {shape:?}", start + len))
+                .and_then(|t| t.to_device(&self.device))
+                .and_then(|t| t.to_dtype(stored_dtype(name, self.storage_dtype)))
+                .map_err(|e| self.dequantize_error(name, &e))
+        };
         Ok(lock(&self.held).transient(name, &self.account, make)?.to_dtype(self.matmul_dtype)?)
     }
     /// Reads the blocks (checking the shape) without dequantising them.
@@ -463,11 +517,11 @@ mod tests {
     fn rows_dequantised_alone_equal_the_rows_of_the_whole_tensor() -> candle_core::Result<()> {
         let (v, h) = (300, 512);
         let t = Tensor::from_vec((0..v * h).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect(), (v, h), &Device::Cpu)?;
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::F16] {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::F16, GgmlDType::BF16, GgmlDType::F32] {
             let b = Blocks::Ggml { q: QTensor::quantize(&t, dtype)?, unpermute_heads: None };
             let whole = b.dequantize(&Device::Cpu)?;
             for (start, len) in [(0, 64), (64, 173), (237, 63)] {
-                let rows = b.dequantize_rows(start, len, &Device::Cpu)?;
+                let rows = b.dequantize_rows(start, len).expect("cut alone on the CPU")?;
                 let d = (rows - whole.narrow(0, start, len)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
                 assert_eq!(d, 0.0, "{dtype:?} rows {start}+{len}");
             }
