@@ -58,12 +58,15 @@ def peak_gpu(cmd, env):
     return p.stdout, peak[0] - base
 
 
-def ours(binary, model, data, batch, seq, steps, warmup, ckpt, env):
+def ours(binary, model, data, batch, seq, steps, warmup, ckpt, env, targets=bench.LLAMA_TARGETS, fmt=None):
     out = tempfile.mkdtemp(prefix="ft-gpu-bench-")
     recipe = os.path.join(out, "bench.toml")
+    text = RECIPE.format(model=model, data=data, seq=seq, steps=steps + warmup, batch=batch, ckpt=str(ckpt).lower(), out=os.path.join(out, "run"),
+                         dtype="bf16", targets=json.dumps(targets.split(",")))
+    if fmt:
+        text = text.replace("[data]\n", f'[data]\nformat = "{fmt}"\n', 1)
     with open(recipe, "w") as f:
-        f.write(RECIPE.format(model=model, data=data, seq=seq, steps=steps + warmup, batch=batch, ckpt=str(ckpt).lower(), out=os.path.join(out, "run"),
-                              dtype="bf16", targets=json.dumps(bench.LLAMA_TARGETS.split(","))))
+        f.write(text)
     _, mb = peak_gpu([binary, "--recipe", recipe], env)
     m = [json.loads(l) for l in open(os.path.join(out, "run", "metrics.jsonl")) if l.strip()]
     m = [x for x in m if "tokens_per_s" in x]
@@ -71,9 +74,10 @@ def ours(binary, model, data, batch, seq, steps, warmup, ckpt, env):
     return {"tokens_per_s": batch * seq / statistics.median(secs), "gpu_mb": mb, "losses": [x["loss"] for x in m]}
 
 
-def peft(model, batch, seq, steps, warmup, ckpt, env):
+def peft(model, batch, seq, steps, warmup, ckpt, env, targets=bench.LLAMA_TARGETS, extra=()):
     cmd = [sys.executable, os.path.join(ROOT, "bench/reference/peft_bench.py"), "--model", model, "--batch", str(batch), "--seq", str(seq),
-           "--steps", str(steps), "--warmup", str(warmup), "--dtype", "bf16", "--weight-decay", "0.0", "--device", "cuda", "--threads", "8"]
+           "--steps", str(steps), "--warmup", str(warmup), "--dtype", "bf16", "--weight-decay", "0.0", "--device", "cuda", "--threads", "8",
+           "--targets", targets, *extra]
     if ckpt:
         cmd.append("--grad-ckpt")
     out, mb = peak_gpu(cmd, env)
@@ -81,10 +85,32 @@ def peft(model, batch, seq, steps, warmup, ckpt, env):
     return {"tokens_per_s": r["tokens_per_s"], "gpu_mb": mb, "torch_peak_reserved_mb": r.get("gpu_peak_mb"), "losses": r["losses"]}
 
 
+def compare(rows, name, batch, seq, ckpt, runs):
+    """Run each (side, fn) of `runs`, append the rows, print them and the ratio line."""
+    got = {}
+    for side, fn in runs:
+        try:
+            r = fn()
+        except Exception as e:  # noqa: BLE001 - a failed row is reported, the others still run
+            r = {"error": str(e)[-800:]}
+        r.update(model=name, side=side, batch=batch, seq=seq, ckpt=ckpt)
+        rows.append(r)
+        shown = f"{r['tokens_per_s']:9.0f} tok/s {r['gpu_mb']:7.0f} MB" if "error" not in r else "ERROR " + r["error"][-300:]
+        print(f"{name} {side:28s} {batch}x{seq} ckpt={ckpt!s:5s} {shown}", flush=True)
+        if "error" not in r:
+            got[side] = r
+    if "finetune" in got and len(got) > 1:
+        best = max((r for s, r in got.items() if s != "finetune"), key=lambda r: r["tokens_per_s"])
+        f = got["finetune"]
+        print(f"{name} {batch}x{seq} ckpt={ckpt}: finetune {f['tokens_per_s'] / best['tokens_per_s']:.2f}x the tokens/s of {best['side']} "
+              f"at {f['gpu_mb'] / max(best['gpu_mb'], 1):.2f}x its GPU memory", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", default="smol,moe")
     ap.add_argument("--batches", default="4,16")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
@@ -100,27 +126,31 @@ def main():
     model, data = os.path.join(cache, "smol", "model"), os.path.join(cache, "d", "data")
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     rows = []
-    for batch in [int(b) for b in a.batches.split(",")]:
-        for ckpt in [True, False]:
-            for side, fn in [("finetune", lambda: ours(binary, model, data, batch, seq, a.steps, a.warmup, ckpt, env)),
-                             ("PEFT", lambda: peft(model, batch, seq, a.steps, a.warmup, ckpt, env))]:
-                try:
-                    r = fn()
-                except Exception as e:  # noqa: BLE001 - a failed row is reported, the others still run
-                    r = {"error": str(e)[-800:]}
-                r.update(side=side, batch=batch, seq=seq, ckpt=ckpt)
-                rows.append(r)
-                shown = f"{r['tokens_per_s']:9.0f} tok/s {r['gpu_mb']:7.0f} MB" if "error" not in r else "ERROR " + r["error"][-300:]
-                print(f"{side:9s} {batch}x{seq} ckpt={ckpt!s:5s} {shown}", flush=True)
-    res = {"gpu": gpu, "rows": rows}
-    for batch in [int(b) for b in a.batches.split(",")]:
-        for ckpt in [True, False]:
-            pick = {r["side"]: r for r in rows if r["batch"] == batch and r["ckpt"] == ckpt and "error" not in r}
-            if len(pick) == 2:
-                s = pick["finetune"]["tokens_per_s"] / pick["PEFT"]["tokens_per_s"]
-                m = pick["finetune"]["gpu_mb"] / max(pick["PEFT"]["gpu_mb"], 1)
-                print(f"{batch}x{seq} ckpt={ckpt}: finetune {s:.2f}x PEFT's tokens/s at {m:.2f}x its GPU memory")
-    json.dump(res, open(os.path.join(a.out, "gpu-bench.json"), "w"), indent=1)
+    if "smol" in a.sections:
+        for batch in [int(b) for b in a.batches.split(",")]:
+            for ckpt in [True, False]:
+                compare(rows, "smollm2", batch, seq, ckpt, [
+                    ("finetune", lambda: ours(binary, model, data, batch, seq, a.steps, a.warmup, ckpt, env)),
+                    ("PEFT", lambda: peft(model, batch, seq, a.steps, a.warmup, ckpt, env))])
+    if "moe" in a.sections:
+        # make bench's MoE model (DeepSeek-V2-Lite layer shapes, 3 layers) and uniform random ids,
+        # as PEFT's benchmark draws them (routing follows the tokens).
+        moe = os.path.join(cache, "ds-v2-lite-3l")
+        subprocess.run([sys.executable, os.path.join(ROOT, "bench/make_deepseek_model.py"), "--out", moe, "--layers", "3", "--tokenizer", model], check=True)
+        ids = os.path.join(cache, "random.jsonl")
+        rng = __import__("numpy").random.default_rng(0)
+        with open(ids, "w") as f:
+            for _ in range(64):
+                row = rng.integers(0, 102400, seq).tolist()
+                f.write(json.dumps({"input_ids": row, "labels": row}) + "\n")
+        targets = bench.MLA_TARGETS
+        for batch in [1, 4]:
+            for ckpt in [True, False]:
+                compare(rows, "ds-v2-lite-3l", batch, seq, ckpt, [
+                    ("finetune", lambda: ours(binary, moe, ids, batch, seq, a.steps, a.warmup, ckpt, env, targets, fmt="tokenized")),
+                    ("PEFT grouped_mm experts", lambda: peft(moe, batch, seq, a.steps, a.warmup, ckpt, env, targets, ["--experts", "grouped_mm"])),
+                    ("PEFT eager experts", lambda: peft(moe, batch, seq, a.steps, a.warmup, ckpt, env, targets, ["--experts", "eager"]))])
+    json.dump({"gpu": gpu, "rows": rows}, open(os.path.join(a.out, "gpu-bench.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -158,7 +158,8 @@ def main():
         same_metrics = key(metrics(os.path.join(part_dir, "out"))) == key(metrics(full))
         a1 = open(os.path.join(full, "adapter/adapter_model.safetensors"), "rb").read()
         a2 = open(os.path.join(part_dir, "out/adapter/adapter_model.safetensors"), "rb").read()
-        return same_metrics and a1 == a2, {"metrics equal": same_metrics, "adapter bytes equal": a1 == a2}
+        diff = [(x, y) for x, y in zip(key(metrics(os.path.join(part_dir, "out"))), key(metrics(full))) if x != y]
+        return same_metrics and a1 == a2, {"metrics equal": same_metrics, "adapter bytes equal": a1 == a2, "differing (resumed, uninterrupted)": diff}
 
     case("parity-llama-gqa resumed at step 2 (cuda) = uninterrupted, bit for bit", lambda: resume("parity-llama-gqa"))
 

@@ -60,8 +60,12 @@ impl RunLog {
     pub fn resume(&mut self, step: usize) -> Result<()> {
         let path = self.metrics_path();
         let text = std::fs::read_to_string(&path).unwrap_or_default();
-        let kept: Vec<StepMetrics> = text.lines().filter_map(|l| serde_json::from_str::<StepMetrics>(l).ok()).filter(|m| m.step <= step).collect();
-        let lines: String = kept.iter().map(|m| serde_json::to_string(m).map(|l| l + "\n")).collect::<std::result::Result<_, _>>().map_err(|e| Error::Train(e.to_string()))?;
+        let kept: Vec<(&str, StepMetrics)> =
+            text.lines().filter_map(|l| serde_json::from_str::<StepMetrics>(l).ok().map(|m| (l, m))).filter(|(_, m)| m.step <= step).collect();
+        // The lines as they were written: parsing and printing them again can move a float by
+        // an ulp (serde_json's default parser does not round-trip every f64).
+        let lines: String = kept.iter().map(|(l, _)| format!("{l}\n")).collect();
+        let kept: Vec<StepMetrics> = kept.into_iter().map(|(_, m)| m).collect();
         crate::fsutil::write_atomic(&path, lines.as_bytes())?;
         self.metrics = Some(std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| Error::io(&path, e))?);
         if self.tensorboard {
@@ -178,4 +182,27 @@ pub fn cpu_description() -> String {
         }
     }
     format!("{name}, {} threads{}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), if feats.is_empty() { String::new() } else { format!(", {}", feats.join(" ")) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Resuming keeps the lines of the steps before the checkpoint byte for byte. These two
+    /// grad_norm values came back an ulp off when the lines were parsed and printed again (a
+    /// GPU run's resume check caught it).
+    #[test]
+    fn resume_keeps_the_earlier_metrics_lines_byte_for_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines = [
+            r#"{"step":1,"loss":5.799017989358236,"lr":0.0,"grad_norm":0.9129807718190871,"tokens":26,"tokens_per_s":551.0}"#,
+            r#"{"step":2,"loss":5.918411974553709,"lr":0.001,"grad_norm":1.0686278257440787,"tokens":37,"tokens_per_s":2354.0}"#,
+            r#"{"step":3,"loss":5.8812,"lr":0.00075,"grad_norm":1.096,"tokens":51,"tokens_per_s":2833.0}"#,
+        ];
+        std::fs::write(dir.path().join("metrics.jsonl"), lines.join("\n") + "\n").unwrap();
+        let mut log = RunLog::new(dir.path(), "", false);
+        log.resume(2).unwrap();
+        let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(text, format!("{}\n{}\n", lines[0], lines[1]));
+    }
 }

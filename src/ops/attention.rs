@@ -1,8 +1,10 @@
 //! Causal self-attention with its own backward, computed in strips of query rows so no
 //! [S, S] score matrix (or its gradient) is ever held: the fused CPU op over f32 slices
 //! (`CausalAttention`) and the portable one from candle ops (`PortableAttention`, what CUDA
-//! runs). Both keep the log-sum-exp of each query row and recompute the probabilities from it
-//! in backward.
+//! runs). The fused op keeps the log-sum-exp of each query row and recomputes the
+//! probabilities from it in backward; the portable one recomputes them with one fused softmax
+//! kernel per strip (a strip holds whole rows of keys), fewer passes over the scores than
+//! exp(s − lse) from separate ops.
 //!
 //! Dimension legend (as in `model/llama.rs`):
 //!   B  micro-batch rows   NH query heads   KV key/value heads   R = NH / KV
@@ -117,7 +119,7 @@ pub fn strip_scratch_bytes(portable: bool, b: usize, nh: usize, s: usize) -> usi
 }
 
 /// The portable attention: each strip of `strip` query rows from candle ops (two batched
-/// matmuls, the mask built on the device from `starts.tensor`, softmax statistics in f32),
+/// matmuls, the mask built on the device from `starts.tensor`, candle-nn's softmax in f32),
 /// with no autograd graph inside. One [`PortableAttention`] node joins q, k and v to the
 /// result, and its backward runs FlashAttention-2's recurrences strip by strip in tensor ops.
 ///
@@ -127,8 +129,8 @@ pub fn strip_scratch_bytes(portable: bool, b: usize, nh: usize, s: usize) -> usi
 /// keeps autograd from storing every strip's [Q, W] probabilities, which is the point.
 fn portable_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, starts: &KeyStarts, strip: usize) -> Result<Tensor> {
     let st = Strips::new(q, k, scale, starts, strip)?;
-    let (out, lse) = st.forward(&q.detach(), &k.detach(), &v.detach())?;
-    let op = PortableAttention { strips: st, out: Mutex::new(Some(out)), lse };
+    let out = st.forward(&q.detach(), &k.detach(), &v.detach())?;
+    let op = PortableAttention { strips: st, out: Mutex::new(Some(out)) };
     q.apply_op3(k, v, op)
 }
 
@@ -189,30 +191,34 @@ impl Strips {
         sc.broadcast_add(&self.mask(q0, m, kbeg, kend)?)
     }
 
-    /// (out [B, NH, S, D] in q's dtype, lse [B, KV, R, S, 1] f32).
-    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Softmax over the keys of strip (q0, m), f32 [B, KV, R, m, W]. A strip holds every key
+    /// its rows see, so this is each row's whole softmax: one fused kernel (candle-nn's, on
+    /// CUDA too), where max, subtract, exp, sum and divide as separate ops were six passes
+    /// over the scores, which is what a GPU step spent most of its time on.
+    fn probs(&self, qs: &Tensor, k: &Tensor, strip: (usize, usize, usize, usize)) -> Result<Tensor> {
+        // Every query sees at least itself, so no row is all -inf.
+        candle_nn::ops::softmax_last_dim(&self.scores(qs, k, strip)?)
+    }
+
+    /// out [B, NH, S, D] in q's dtype.
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let (b, nh, kv, _, d) = self.dims;
-        let (mut outs, mut lses) = (Vec::new(), Vec::new());
+        let mut outs = Vec::new();
         for &(q0, m, kbeg, kend) in &self.list {
-            let sc = self.scores(&self.rows(q, q0, m)?, k, (q0, m, kbeg, kend))?; // [B, KV, R, m, W]
-            // Every query sees at least itself, so the max is finite.
-            let max = sc.max_keepdim(D::Minus1)?; // [B, KV, R, m, 1]
-            let lse = (sc.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?; // [B, KV, R, m, 1]
-            let p = sc.broadcast_sub(&lse)?.exp()?.to_dtype(v.dtype())?.reshape((b, kv, nh / kv * m, kend - kbeg))?; // [B, KV, R*m, W]
+            let p = self.probs(&self.rows(q, q0, m)?, k, (q0, m, kbeg, kend))?; // [B, KV, R, m, W]
+            let p = p.to_dtype(v.dtype())?.reshape((b, kv, nh / kv * m, kend - kbeg))?; // [B, KV, R*m, W]
             let o = p.matmul(&v.narrow(2, kbeg, kend - kbeg)?)?; // [B, KV, R*m, D]
             outs.push(o.reshape((b, kv, nh / kv, m, d))?); // [B, KV, R, m, D]
-            lses.push(lse);
         }
-        let out = Tensor::cat(&outs, 3)?.reshape((b, nh, self.dims.3, d))?; // [B, NH, S, D]
-        Ok((out, Tensor::cat(&lses, 3)?))
+        Tensor::cat(&outs, 3)?.reshape((b, nh, self.dims.3, d)) // [B, NH, S, D]
     }
 
     /// (dq, dk, dv) for the upstream gradient g [B, NH, S, D] of out = attention(q, k, v):
-    ///   p = exp(s − lse),  dv += pᵀ g,  dp = g vᵀ,  ds = p ⊙ (dp − rowsum(g ⊙ out)) · scale,
+    ///   p = softmax(s) (recomputed),  dv += pᵀ g,  dp = g vᵀ,  ds = p ⊙ (dp − rowsum(g ⊙ out)) · scale,
     ///   dq = ds k,  dk += dsᵀ q
     /// dk and dv sum over the R query heads of each kv head inside the matmuls (their rows),
     /// and accumulate over strips in f32.
-    fn backward(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, lse: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn backward(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, nh, kv, s, d) = self.dims;
         let (r, dt) = (nh / kv, q.dtype());
         let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
@@ -224,8 +230,7 @@ impl Strips {
             let w = kend - kbeg;
             let (qs, gs) = (self.rows(q, q0, m)?, self.rows(g, q0, m)?); // [B, KV, R*m, D] each
             let (ks, vs) = (k.narrow(2, kbeg, w)?, v.narrow(2, kbeg, w)?); // [B, KV, W, D] each
-            let sc = self.scores(&qs, k, (q0, m, kbeg, kend))?; // [B, KV, R, m, W]
-            let p = sc.broadcast_sub(&lse.narrow(3, q0, m)?)?.exp()?; // [B, KV, R, m, W]
+            let p = self.probs(&qs, k, (q0, m, kbeg, kend))?; // [B, KV, R, m, W]
             let pd = p.to_dtype(dt)?.reshape((b, kv, r * m, w))?; // [B, KV, R*m, W]
             let dv_s = pd.t()?.matmul(&gs)?; // [B, KV, W, D]
             let dp = f32_of(&gs.matmul(&vs.t()?)?)?.reshape((b, kv, r, m, w))?; // [B, KV, R, m, W]
@@ -248,8 +253,6 @@ struct PortableAttention {
     strips: Strips,
     /// The finished output, taken by the forward.
     out: Mutex<Option<Tensor>>,
-    /// [B, KV, R, S, 1] f32, for the backward.
-    lse: Tensor,
 }
 
 impl PortableAttention {
@@ -297,7 +300,7 @@ impl candle_core::CustomOp3 for PortableAttention {
     }
 
     fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dq, dk, dv) = self.strips.backward(q, k, v, res, &grad.contiguous()?, &self.lse)?;
+        let (dq, dk, dv) = self.strips.backward(q, k, v, res, &grad.contiguous()?)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

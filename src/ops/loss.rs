@@ -137,24 +137,23 @@ pub fn cross_entropy_sum_and_grad(k: Kernels, rows: &Tensor, head: &HeadRows, ta
 }
 
 /// `picked` (zeros [M, H] f32 when None) with W's rows for the targets that fall in the head
-/// chunk `w` = rows v0..v0+n added. Each target falls in one chunk, so each row is written once.
+/// chunk `w` = rows v0..v0+n put in place. Each target falls in one chunk, so each row is set
+/// once. A gather of M rows and a select, not an index_add: candle's index_add kernel walks the
+/// indices serially per column (a millisecond per chunk on a GPU).
 fn add_target_rows(picked: Option<Tensor>, w: &Tensor, targets: &[u32], v0: usize, m: usize) -> Result<Tensor> {
     let (n, h) = w.dims2()?;
     let picked = match picked {
         Some(p) => p,
         None => Tensor::zeros((m, h), DType::F32, w.device())?,
     };
-    let (at, local): (Vec<u32>, Vec<u32>) = targets
-        .iter()
-        .enumerate()
-        .filter_map(|(r, &t)| (t as usize).checked_sub(v0).filter(|&i| i < n).map(|i| (r as u32, i as u32)))
-        .unzip();
-    if at.is_empty() {
+    let (local, inside): (Vec<u32>, Vec<u8>) =
+        targets.iter().map(|&t| (t as usize).checked_sub(v0).filter(|&i| i < n).map_or((0, 0), |i| (i as u32, 1))).unzip();
+    if !inside.contains(&1) {
         return Ok(picked);
     }
-    let k = at.len();
-    let rows = w.index_select(&Tensor::from_vec(local, k, w.device())?, 0)?.to_dtype(DType::F32)?; // [K, H]
-    picked.index_add(&Tensor::from_vec(at, k, w.device())?, &rows, 0)
+    let rows = w.index_select(&Tensor::from_vec(local, m, w.device())?, 0)?.to_dtype(DType::F32)?; // [M, H]
+    let mask = Tensor::from_vec(inside, (m, 1), w.device())?.broadcast_as((m, h))?; // [M, H]
+    mask.where_cond(&rows, &picked)
 }
 
 /// The running softmax of one chunk of token rows over the head chunks read so far.
