@@ -100,12 +100,18 @@ MLA_TARGETS = "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
 
 
 def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAMA_TARGETS, quantize=None):
+    """One row of ours. `ckpt` and `dtype` None: the keys are left out of the recipe (their
+    defaults run, as for a user who does not set them)."""
     out = tempfile.mkdtemp(prefix="ft-bench-")
     recipe = os.path.join(out, "bench.toml")
     with open(recipe, "w") as f:
         text = RECIPE.format(model=model, data=data, seq=seq, steps=steps + warmup, batch=batch,
                              ckpt=str(ckpt).lower(), out=os.path.join(out, "run"), dtype=dtype,
                              targets=json.dumps(targets.split(",")))
+        if ckpt is None:
+            text = text.replace("activation_checkpointing = none\n", "")
+        if dtype is None:
+            text = text.replace('dtype = "None"\n', "")
         if quantize:
             text = text.replace("[lora]", f'quantize = "{quantize}"\n[lora]', 1)
         f.write(text)
@@ -115,10 +121,14 @@ def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAM
         m = [json.loads(l) for l in f]
     with open(os.path.join(out, "run", "summary.json")) as f:
         summary = json.load(f)
+    with open(os.path.join(out, "run", "recipe.resolved.toml")) as f:
+        resolved = f.read()
+    dtype_ran = next((l.split("=", 1)[1].strip().strip('"') for l in resolved.splitlines() if l.startswith("dtype")), "?")
     secs = [batch * seq / s["tokens_per_s"] for s in m[warmup:]]
     med = statistics.median(secs)
     return {"tokens_per_s": batch * seq / med, "s_per_step": med, "peak_rss_mb": rss,
-            "losses": [s["loss"] for s in m], "kernels": summary.get("kernels", "?"), "cpu": summary.get("cpu", "?")}
+            "losses": [s["loss"] for s in m], "kernels": summary.get("kernels", "?"), "cpu": summary.get("cpu", "?"),
+            "dtype": dtype_ran}
 
 
 def peft(model, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAMA_TARGETS, extra=()):
@@ -284,7 +294,9 @@ print(json.dumps(out))
     return json.loads(out.strip().splitlines()[-1])
 
 
-DEFAULT_ROW = "finetune default recipe (f32, activation ckpt)"
+# model.dtype and train.activation_checkpointing left unset: "auto" both (bf16 on a CPU with a
+# bf16 unit, f32 elsewhere; checkpointing that keeps what its budget allows).
+DEFAULT_ROW = "finetune default recipe (dtype and checkpointing auto)"
 
 
 def table(title, rows, peak, fpt_of):
@@ -304,12 +316,14 @@ def table(title, rows, peak, fpt_of):
             continue
         # A bf16 row runs its matmuls on the bf16 peak only where the CPU has a bf16 unit; ours
         # computes in f32 elsewhere (PEFT's bf16 rows are skipped there).
-        mfu = r["tokens_per_s"] * fpt_of(seq) / peak["bf16" if "bf16" in name and peak.get("bf16_unit") else "f32"]
+        bf16 = "bf16" in name or r.get("dtype") == "bf16"
+        mfu = r["tokens_per_s"] * fpt_of(seq) / peak["bf16" if bf16 and peak.get("bf16_unit") else "f32"]
         sp = r["tokens_per_s"] / fastest[1]["tokens_per_s"] if fastest else None
         rs = r["peak_rss_mb"] / peft_lean if peft_lean else None
         if name == DEFAULT_ROW and sp and rs:
             default = (sp, rs, fastest[0])
-        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['s_per_step']:.2f} | {r['peak_rss_mb']:.0f} | {100 * mfu:.0f}% | "
+        shown = f"{name}: {r['dtype']} base" if name == DEFAULT_ROW else name
+        print(f"| {shown} | {r['tokens_per_s']:.1f} | {r['s_per_step']:.2f} | {r['peak_rss_mb']:.0f} | {100 * mfu:.0f}% | "
               f"{f'{sp:.2f}x' if sp else '-'} | {f'{rs:.2f}x' if rs else '-'} |", flush=True)
     return default
 
@@ -372,14 +386,15 @@ def main():
     def cfgs(batch, seq, with_bf16):
         _, data = ensure_model(cache, seq)
         c = [
-            (DEFAULT_ROW, seq, lambda: ours(model, data, batch, seq, steps, warmup, True)),
+            (DEFAULT_ROW, seq, lambda: ours(model, data, batch, seq, steps, warmup, None, None)),
+            (f"finetune f32, ckpt = true (recompute all)", seq, lambda: ours(model, data, batch, seq, steps, warmup, True)),
             (f"finetune f32, no ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, False)),
             (f"PEFT f32, no ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, False)),
             (f"PEFT f32, grad ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, True)),
         ]
         if with_bf16:
             c += [
-                (f"finetune bf16 base, activation ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, True, "bf16")),
+                (f"finetune bf16 base, ckpt = true (recompute all)", seq, lambda: ours(model, data, batch, seq, steps, warmup, True, "bf16")),
                 (f"finetune bf16 base, no ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, False, "bf16")),
                 (f"PEFT bf16 base, no ckpt", seq, (lambda: peft(model, batch, seq, steps, warmup, False, "bf16")) if bf16_unit else
                  "no bf16 unit on this CPU: PyTorch's bf16 matmuls run at ~2 GFLOP/s here (over 10 minutes a step)"),
@@ -394,15 +409,19 @@ def main():
         d = table("batch 1 x seq 512 (ratios against PEFT's f32 and bf16 rows together)", run_rows(cfgs(1, 512, True)), peak, fpt)
         defaults.append(("1 x 512", d))
     if "scaling" in sections:
-        rows = []
-        for seq in [256, 512, 1024, 2048]:
-            batch = 2048 // seq
+        # The default recipe against PEFT's fastest dtype without checkpointing and PEFT's f32
+        # with gradient checkpointing (its leanest f32), one small table per shape: 2048 tokens
+        # per step at four sequence lengths, then 4096 tokens (1 x 4096 and 8 x 512).
+        fast = "bf16" if bf16_unit else "f32"
+        for batch, seq in [(8, 256), (2, 1024), (1, 2048), (1, 4096), (8, 512)]:
             _, data = ensure_model(cache, seq)
-            rows += run_rows([
-                (f"finetune f32 ckpt, {batch} x {seq}", seq, lambda: ours(model, data, batch, seq, steps, warmup, True)),
-                (f"PEFT f32 no ckpt, {batch} x {seq}", seq, lambda: peft(model, batch, seq, steps, warmup, False)),
+            rows = run_rows([
+                (DEFAULT_ROW, seq, lambda: ours(model, data, batch, seq, steps, warmup, None, None)),
+                (f"PEFT {fast}{' base' if fast == 'bf16' else ''}, no ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, False, fast)),
+                ("PEFT f32, grad ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, True)),
             ])
-        table("sequence-length scaling at 2048 tokens per step (ratios against all PEFT rows)", rows, peak, fpt)
+            d = table(f"batch {batch} x seq {seq}", rows, peak, fpt)
+            defaults.append((f"{batch} x {seq}", d))
     if "qlora" in sections:
         # The same random SmolLM2-shaped weights (same synth seed) written as a Q4_1 GGUF: the
         # base a QLoRA user holds. Both rows dequantise/convert into bf16 (model.dtype).

@@ -255,8 +255,19 @@ pub fn clean_temporaries(out_dir: &Path) {
 
 /// Keys that may change between a checkpoint and its resume (with a warning).
 /// Besides these, `checkpoint.*`, `export.*` (what is written after training) and `dist.*`
-/// (checked separately) may change. `data.eval` only chooses what is evaluated.
-const MAY_CHANGE: &[&str] = &["train.max_steps", "train.warmup_steps", "train.log_every", "train.eval_every", "data.eval", "output.dir", "output.tensorboard"];
+/// (checked separately) may change. `data.eval` only chooses what is evaluated; checkpointing
+/// only what is recomputed (the same bits either way).
+const MAY_CHANGE: &[&str] = &[
+    "train.max_steps",
+    "train.warmup_steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.activation_checkpointing",
+    "train.activation_memory_mb",
+    "data.eval",
+    "output.dir",
+    "output.tensorboard",
+];
 
 /// Compare the recipe a checkpoint was written with against the current one. Returns the
 /// warnings for allowed changes, or an error naming the first key that may not change.

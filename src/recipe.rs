@@ -23,6 +23,8 @@ enum Kind {
     StrOrList,
     /// A table of string values (`[data.columns]`).
     StrMap,
+    /// true, false or the string "auto".
+    BoolOrAuto,
 }
 
 impl Kind {
@@ -36,6 +38,7 @@ impl Kind {
             Kind::FloatPair => "a list of two numbers",
             Kind::StrOrList => "a string or a list of strings",
             Kind::StrMap => "a table of strings",
+            Kind::BoolOrAuto => "true, false or \"auto\"",
         }
     }
     fn accepts(self, v: &toml::Value) -> bool {
@@ -51,6 +54,8 @@ impl Kind {
             (Kind::StrOrList, V::String(_)) => true,
             (Kind::StrOrList, V::Array(a)) => !a.is_empty() && a.iter().all(|x| x.is_str()),
             (Kind::StrMap, V::Table(t)) => t.values().all(|x| x.is_str()),
+            (Kind::BoolOrAuto, V::Boolean(_)) => true,
+            (Kind::BoolOrAuto, V::String(s)) => s == "auto",
             _ => false,
         }
     }
@@ -80,7 +85,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
     (
         "model",
         true,
-        &[req("path", Kind::Str), key("revision", Kind::Str), one_of("dtype", &["f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"]), one_of("kernels", &["auto", "portable"]), one_of("quantize", &["q8_0", "q4_k", "q4_0", "q5_k", "q6_k", "nf4"])],
+        &[req("path", Kind::Str), key("revision", Kind::Str), one_of("dtype", &["auto", "f32", "bf16", "f16"]), key("device", Kind::Str), one_of("matmul", &["auto", "f32"]), one_of("kernels", &["auto", "portable"]), one_of("quantize", &["q8_0", "q4_k", "q4_0", "q5_k", "q6_k", "nf4"])],
     ),
     (
         "lora",
@@ -132,7 +137,8 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
             key("adam_eps", Kind::Float),
             key("max_grad_norm", Kind::Float),
             key("log_every", Kind::Int),
-            key("activation_checkpointing", Kind::Bool),
+            key("activation_checkpointing", Kind::BoolOrAuto),
+            key("activation_memory_mb", Kind::Int),
             key("eval_every", Kind::Int),
         ],
     ),
@@ -265,6 +271,9 @@ pub struct ModelSection {
     /// Branch, tag or commit of a repo id (default `main`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
+    /// The frozen base's dtype. "auto" (the default) is resolved when the recipe loads: bf16
+    /// on a CPU with a bf16 unit (AMX or AVX512-BF16, which run its matmuls about twice as
+    /// fast as f32, with f32 sums), f32 elsewhere (GPUs included: name bf16 there).
     #[serde(default = "default_dtype")]
     pub dtype: String,
     #[serde(default = "default_device")]
@@ -432,8 +441,15 @@ pub struct TrainSection {
     pub max_grad_norm: f64,
     #[serde(default = "one")]
     pub log_every: usize,
-    #[serde(default = "yes")]
-    pub activation_checkpointing: bool,
+    /// true: recompute every layer in backward, keeping only layer inputs (the leanest);
+    /// false: keep every layer's activations (the fastest, ~L times the activation memory);
+    /// "auto" (default): recompute, and keep the SwiGLU inputs of as many layers as
+    /// `activation_memory_mb` allows, so their recomputation skips the MLP's GEMMs.
+    #[serde(default)]
+    pub activation_checkpointing: Checkpointing,
+    /// What "auto" checkpointing may keep per micro-batch, in MB (unset: see `Checkpointing`).
+    #[serde(default)]
+    pub activation_memory_mb: Option<usize>,
     /// Evaluate every N steps (0: only at the end when eval data is set).
     #[serde(default)]
     pub eval_every: usize,
@@ -449,8 +465,66 @@ pub struct OutputSection {
     pub tensorboard: bool,
 }
 
+/// `train.activation_checkpointing`: true, false or "auto" in the recipe.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Checkpointing {
+    /// Keep every layer's activations until backward.
+    Off,
+    /// Keep each layer's input; recompute the layer in backward.
+    On,
+    /// As `On`, plus the SwiGLU inputs of the last layers that fit `activation_memory_mb`.
+    #[default]
+    Auto,
+}
+
+impl Checkpointing {
+    pub fn is_on(self) -> bool {
+        self != Checkpointing::Off
+    }
+}
+
+impl Serialize for Checkpointing {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Checkpointing::Off => s.serialize_bool(false),
+            Checkpointing::On => s.serialize_bool(true),
+            Checkpointing::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Checkpointing {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bool(bool),
+            Str(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Bool(true) => Ok(Checkpointing::On),
+            Raw::Bool(false) => Ok(Checkpointing::Off),
+            Raw::Str(s) if s == "auto" => Ok(Checkpointing::Auto),
+            Raw::Str(s) => Err(serde::de::Error::custom(format!("expected true, false or \"auto\", found \"{s}\""))),
+        }
+    }
+}
+
 fn default_dtype() -> String {
-    "f32".into()
+    "auto".into()
+}
+
+/// What `model.dtype = "auto"` means for this recipe on this machine: bf16 where every device
+/// is a CPU with a bf16 unit and the fused kernels run with bf16 matmuls (the defaults of
+/// `model.kernels` and `model.matmul`), f32 elsewhere.
+fn auto_dtype(r: &Recipe) -> &'static str {
+    let devices = r.dist.devices.clone().unwrap_or_else(|| vec![r.model.device.clone()]);
+    let cpu = devices.iter().all(|d| d.trim() == "cpu");
+    if cpu && r.model.kernels == "auto" && r.model.matmul == "auto" && crate::ops::bf16_gemm::available() {
+        "bf16"
+    } else {
+        "f32"
+    }
 }
 fn default_matmul() -> String {
     "auto".into()
@@ -481,9 +555,6 @@ fn default_clip() -> f64 {
 }
 fn one() -> usize {
     1
-}
-fn yes() -> bool {
-    true
 }
 
 /// A recipe as loaded: the typed sections plus where it came from.
@@ -519,7 +590,10 @@ impl LoadedRecipe {
         let recipe: Recipe = toml::Value::Table(value).try_into().map_err(|e: toml::de::Error| {
             Error::Recipe { file: fname.clone(), key: "(structure)".into(), msg: e.message().to_string() }
         })?;
-        let loaded = LoadedRecipe { recipe, file: file.to_path_buf(), dir: dir.to_path_buf() };
+        let mut loaded = LoadedRecipe { recipe, file: file.to_path_buf(), dir: dir.to_path_buf() };
+        if loaded.recipe.model.dtype == "auto" {
+            loaded.recipe.model.dtype = auto_dtype(&loaded.recipe).into();
+        }
         loaded.check_values()?;
         Ok(loaded)
     }
@@ -648,7 +722,7 @@ impl LoadedRecipe {
         if d.timeout_s == 0 {
             return Err(self.err("dist.timeout_s", "must be at least 1 second"));
         }
-        if d.zero_stage == 3 && !r.train.activation_checkpointing {
+        if d.zero_stage == 3 && r.train.activation_checkpointing == Checkpointing::Off {
             return Err(self.err(
                 "dist.zero_stage",
                 "ZeRO-3 needs train.activation_checkpointing = true: without it the autograd graph keeps \
@@ -829,7 +903,14 @@ dir = "out"
     #[test]
     fn minimal_recipe_fills_defaults() {
         let r = load(MINIMAL, &[]).unwrap().recipe;
-        assert_eq!(r.model.dtype, "f32");
+        // "auto": bf16 on a CPU with a bf16 unit, f32 elsewhere.
+        assert_eq!(r.model.dtype, if crate::ops::bf16_gemm::available() { "bf16" } else { "f32" });
+        assert_eq!(r.train.activation_checkpointing, Checkpointing::Auto);
+        assert_eq!(load(MINIMAL, &["model.matmul=f32"]).unwrap().recipe.model.dtype, "f32", "f32 math asked for: an f32 base");
+        assert_eq!(load(MINIMAL, &["model.device=cuda:0"]).unwrap().recipe.model.dtype, "f32", "GPUs: bf16 only when named");
+        assert_eq!(load(MINIMAL, &["train.activation_checkpointing=true"]).unwrap().recipe.train.activation_checkpointing, Checkpointing::On);
+        let e = err_text(MINIMAL, &["train.activation_checkpointing=yes"]);
+        assert!(e.contains("`train.activation_checkpointing`") && e.contains("\"auto\""), "{e}");
         assert_eq!(r.lora.targets, None);
         assert_eq!(r.train.adam_betas, [0.9, 0.999]);
         assert_eq!(r.train.lr_scheduler, "constant");
@@ -932,6 +1013,7 @@ dir = "out"
                     (Kind::Int, _) => toml::Value::Integer(if k.name == "zero_stage" { 3 } else { 4 }),
                     (Kind::Float, _) => toml::Value::Float(if k.name == "eval_fraction" { 0.0 } else { 0.5 }),
                     (Kind::Bool, _) => toml::Value::Boolean(true),
+                    (Kind::BoolOrAuto, _) => toml::Value::String("auto".into()),
                     (Kind::StrList, _) => toml::Value::Array(vec![toml::Value::String(if k.name == "devices" { "cpu" } else { "q_proj" }.into())]),
                     (Kind::FloatPair, _) => toml::Value::Array(vec![toml::Value::Float(0.5), toml::Value::Float(0.5)]),
                     (Kind::StrOrList, _) => toml::Value::Array(vec![toml::Value::String("a".into()), toml::Value::String("b".into())]),

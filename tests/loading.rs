@@ -145,6 +145,25 @@ fn activation_checkpointing_changes_nothing_even_with_dropout() {
     }
 }
 
+/// "auto" checkpointing keeps the SwiGLU inputs of layers for their recomputation and skips
+/// the down projection there: the same arithmetic on the same values, so the same bits.
+#[test]
+fn auto_checkpointing_trains_the_same_bits_as_recomputing_everything() {
+    let ws = workspace(&TinyShape::default(), 1);
+    let base = ["lora.dropout=0.1", "lora.targets=[\"q_proj\", \"v_proj\", \"o_proj\"]"];
+    let a = train(ws.path(), &[&base[..], &["train.activation_checkpointing=true"]].concat());
+    let adapter_a = load_tensors(&ws.path().join("out/adapter/adapter_model.safetensors"));
+    for budget in ["0", "1", "64"] {
+        let mb = format!("train.activation_memory_mb={budget}");
+        let b = train(ws.path(), &[&base[..], &["train.activation_checkpointing=auto", &mb]].concat());
+        let adapter_b = load_tensors(&ws.path().join("out/adapter/adapter_model.safetensors"));
+        assert_eq!(losses(&a), losses(&b), "budget {budget} MB");
+        for (k, t) in &adapter_a {
+            assert_eq!(max_abs_diff(t, &adapter_b[k]), 0.0, "{k}, budget {budget} MB");
+        }
+    }
+}
+
 #[test]
 fn fresh_adapter_leaves_the_model_unchanged() {
     // B = 0 at init: the step-1 loss with LoRA equals the loss with LoRA on other modules.
@@ -236,7 +255,7 @@ fn packed_records_give_the_same_loss_and_gradients_as_unpacked() {
         packed.positions.extend(&r.positions);
         packed.segments.extend(r.segments.iter().map(|_| seg as u32));
     }
-    let run = |mb: &MicroBatch, ckpt: bool| {
+    let run = |mb: &MicroBatch, ckpt: Option<&[KeepLayer]>| {
         let mut grads = vec![None; vars.len()];
         let loss = finetune::train::forward_backward(&model, &adapters, &vars, mb, 1.0, None, ckpt, &mut grads).unwrap();
         (loss, grads.into_iter().map(|g| g.unwrap().to_dtype(candle_core::DType::F32).unwrap()).collect::<Vec<_>>())
@@ -244,7 +263,10 @@ fn packed_records_give_the_same_loss_and_gradients_as_unpacked() {
     let unpacked = MicroBatch::collate(&records);
     let packed = MicroBatch::collate(&[packed]);
     assert_eq!(unpacked.num_targets(), packed.num_targets());
-    for ckpt in [false, true] {
+    let layers = model.cfg.num_hidden_layers;
+    use finetune::ops::checkpoint::KeepLayer;
+    let (recompute, keep) = (vec![KeepLayer::default(); layers], vec![KeepLayer { attention: true, swiglu: true }; layers]);
+    for ckpt in [None, Some(&recompute[..]), Some(&keep[..])] {
         let (l1, g1) = run(&unpacked, ckpt);
         let (l2, g2) = run(&packed, ckpt);
         assert!(rel(l2, l1) < 1e-6, "loss {l1} vs {l2}");

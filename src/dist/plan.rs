@@ -100,6 +100,10 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
     // Rank 0's share, the largest (the last rank's may be shorter).
     let optimizer = 2 * super::Partition::new(lora, 0, world).len() * 4;
     let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 }, on_gpu);
+    // What "auto" checkpointing keeps for the recomputation (`ops::checkpoint`).
+    let (att, swiglu) = crate::train::kept_bytes_per_layer(r, cfg);
+    let kept: usize = crate::train::checkpoint_layers(r, cfg, !on_gpu && r.model.kernels == "auto").unwrap_or_default().iter().map(|k| k.attention as usize * att + k.swiglu as usize * swiglu).sum();
+    let ckpt = ckpt + kept;
     Plan {
         world,
         zero_stage: r.dist.zero_stage,
@@ -111,7 +115,7 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
         optimizer_on_host: r.dist.offload_optimizer == "cpu",
         activations_ckpt: ckpt,
         activations_full: full,
-        checkpointing: r.train.activation_checkpointing,
+        checkpointing: r.train.activation_checkpointing.is_on(),
         quantized: quant.map(|q| q.what.clone()),
     }
 }

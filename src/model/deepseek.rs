@@ -50,6 +50,7 @@ pub struct MlaAttention<'a> {
     mla: Mla,
     num_heads: usize,
     scale: f64,
+    layer: usize,
 }
 
 impl<'a> MlaAttention<'a> {
@@ -72,6 +73,7 @@ impl<'a> MlaAttention<'a> {
             o_proj: linear(vb, cfg, layer, "self_attn.o_proj", lora)?,
             num_heads: cfg.num_attention_heads,
             scale: cfg.attention_scale(),
+            layer,
             mla,
         })
     }
@@ -136,7 +138,7 @@ impl<'a> MlaAttention<'a> {
             *cache = Some((k.clone(), v.clone()));
         }
         let out = match &ctx.cache_mask {
-            None => ops::causal_attention(kern, &q, &k, &v, self.scale, &ctx.key_start)?, // [B, NH, S, W]
+            None => ops::causal_attention(kern, &q, &k, &v, self.scale, &ctx.key_start, ctx.keep(self.layer))?, // [B, NH, S, W]
             Some(mask) => ops::attention::cached_attention(&q, &k, &v, self.scale, mask)?, // [B, NH, S, W]
         };
         let out = if width == dv { out } else { out.narrow(3, 0, dv)? }; // [B, NH, S, Dv]

@@ -16,11 +16,13 @@ use super::{linear, ForwardCtx, KvCache};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::lora::{Adapters, DropoutCtx, LoraLinear};
+use crate::ops::checkpoint::Keep;
 use crate::ops::{self, Kernels};
 use crate::weights::Frozen;
 use candle_core::Tensor;
 
 pub struct Attention<'a> {
+    layer: usize,
     q_proj: LoraLinear<'a>,
     k_proj: LoraLinear<'a>,
     v_proj: LoraLinear<'a>,
@@ -34,6 +36,7 @@ impl<'a> Attention<'a> {
     /// `vb` is the layer's view (`model.layers.{layer}`).
     pub fn load(vb: &Frozen, cfg: &ModelConfig, layer: usize, lora: &'a Adapters) -> Result<Self> {
         Ok(Attention {
+            layer,
             q_proj: linear(vb, cfg, layer, "self_attn.q_proj", lora)?,
             k_proj: linear(vb, cfg, layer, "self_attn.k_proj", lora)?,
             v_proj: linear(vb, cfg, layer, "self_attn.v_proj", lora)?,
@@ -76,7 +79,7 @@ impl<'a> Attention<'a> {
         let scale = 1.0 / (d as f64).sqrt();
         let out = match &ctx.cache_mask {
             // Training and prefill: strips, never [S, S] scores (ops/attention.rs).
-            None => ops::causal_attention(kern, &q, &k, &v, scale, &ctx.key_start)?, // [B, NH, S, D]
+            None => ops::causal_attention(kern, &q, &k, &v, scale, &ctx.key_start, ctx.keep(self.layer))?, // [B, NH, S, D]
             // Generation over cached keys.
             Some(mask) => ops::attention::cached_attention(&q, &k, &v, scale, mask)?, // [B, NH, S, D]
         };
@@ -105,12 +108,14 @@ impl<'a> Mlp<'a> {
     /// x + mlp(rms_norm(x, norm)) as one op (`ops::frozen_mlp_residual`) when no projection
     /// here is adapted or biased; `None` when the separate ops must run (adapters, or the
     /// portable path).
-    pub fn frozen_residual(&self, kern: Kernels, x: &Tensor, norm: &Tensor, eps: f64) -> Result<Option<Tensor>> {
+    /// `keep`: activation checkpointing's (`ops::checkpoint`).
+    pub fn frozen_residual(&self, kern: Kernels, x: &Tensor, norm: &Tensor, eps: f64, keep: Keep) -> Result<Option<Tensor>> {
         let plain = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|p| p.lora.is_none() && p.bias.is_none());
         if !plain {
             return Ok(None);
         }
-        Ok(ops::frozen_mlp_residual(kern, x, norm, eps, &self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight)?)
+        let w = (&self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight);
+        Ok(ops::frozen_mlp_residual(kern, x, norm, eps, w, keep)?)
     }
 
     /// x [N, H] -> [N, H]

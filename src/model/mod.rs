@@ -18,6 +18,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraLinear};
 use crate::ops::loss::HeadRows;
+use crate::ops::checkpoint::{Keep, Kept, Pass};
 use crate::ops::{self, KeyStarts, Kernels};
 use crate::weights::{Frozen, WeightSource};
 use candle_core::{DType, Device, Tensor, D};
@@ -41,9 +42,19 @@ pub struct ForwardCtx {
     pub dropout: Option<DropoutCtx>,
     /// Which op versions run (`ops::dispatch`).
     pub kernels: Kernels,
+    /// Activation checkpointing's pass (`ops::checkpoint`): in [`Pass::Recompute`] a layer's
+    /// output value is a placeholder (only its backward is used).
+    pub pass: Pass,
+    /// What a checkpointed forward keeps for the recomputation, per layer.
+    pub kept: Option<Arc<Kept>>,
 }
 
 impl ForwardCtx {
+    /// What layer `layer`'s ops are told about checkpointing.
+    pub fn keep(&self, layer: usize) -> Keep {
+        Keep { pass: self.pass, slot: self.kept.as_ref().and_then(|k| k.slot(layer)) }
+    }
+
     /// positions [B][S]; with `segments` [B][S] (packed rows: contiguous runs of one id per
     /// record, as `MicroBatch::collate` makes them), a token attends only to earlier tokens of
     /// its own record; without, to all earlier tokens. RoPE tables in `dtype`, on `device`.
@@ -75,7 +86,7 @@ impl ForwardCtx {
             }
         }
         let key_start = KeyStarts::new(key_start, b, s, device)?;
-        Ok(ForwardCtx { cos, sin, key_start, cache_mask: None, dropout, kernels })
+        Ok(ForwardCtx { cos, sin, key_start, cache_mask: None, dropout, kernels, pass: Pass::Plain, kept: None })
     }
 }
 
@@ -104,6 +115,7 @@ enum Ffn<'a> {
 /// One decoder layer of any family: x + attn(norm(x)), then + mlp(norm(.)). The families
 /// differ only in the two halves, chosen from the config.
 pub struct DecoderLayer<'a> {
+    layer: usize,
     self_attn: SelfAttn<'a>,
     mlp: Ffn<'a>,
     input_layernorm: Tensor,
@@ -121,6 +133,7 @@ impl<'a> DecoderLayer<'a> {
         };
         let mlp = if cfg.is_moe_layer(layer) { Ffn::Moe(deepseek::Moe::load(vb, cfg, layer, lora)?) } else { Ffn::Dense(llama::Mlp::load(vb, cfg, layer, "mlp", lora)?) };
         Ok(DecoderLayer {
+            layer,
             self_attn,
             mlp,
             input_layernorm: vb.get(&[h], "input_layernorm.weight")?,
@@ -143,7 +156,7 @@ impl<'a> DecoderLayer<'a> {
         }; // [N, H]
         let x = (x + a)?; // [N, H]
         let fused = match &self.mlp {
-            Ffn::Dense(m) => m.frozen_residual(kern, &x, &self.post_attention_layernorm, self.eps)?,
+            Ffn::Dense(m) => m.frozen_residual(kern, &x, &self.post_attention_layernorm, self.eps, ctx.keep(self.layer))?,
             Ffn::Moe(_) => None,
         };
         let y = match fused {

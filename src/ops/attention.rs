@@ -34,6 +34,7 @@
 
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, D};
 use super::{exp_f32, sgemm, sum_f32, zeros_f32, Kernels, Op, Path, Shared};
+use super::checkpoint::{Keep, Pass};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -77,7 +78,11 @@ impl KeyStarts {
 
 /// softmax(q k^T · scale + mask) v for q [B, NH, S, D], k and v [B, KV, S, D] -> [B, NH, S, D],
 /// where query i of row b sees keys `starts.host[b * S + i]..=i`.
-pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, starts: &KeyStarts) -> Result<Tensor> {
+///
+/// `keep` is activation checkpointing's (`ops::checkpoint`): on the fused CPU path a
+/// checkpointed forward leaves its output and log-sum-exp in the layer's slot, and the
+/// recomputation hands them back instead of running the kernel again (the same bits).
+pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, starts: &KeyStarts, keep: Keep) -> Result<Tensor> {
     let (b, nh, s, d) = q.dims4()?;
     let (_, kv, _, _) = k.dims4()?;
     if kv == 0 || nh % kv != 0 || k.dims() != v.dims() || k.dim(0)? != b || k.dim(2)? != s || k.dim(3)? != d {
@@ -91,7 +96,7 @@ pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale
     }
     match kern.pick(Op::Attention, q, &[]) {
         Path::Fused if [k.dtype(), v.dtype()].iter().all(|&t| t == DType::F32) => {
-            let op = CausalAttention { scale: scale as f32, key_start: starts.host.clone(), lse: Mutex::new(Vec::new()) };
+            let op = CausalAttention { scale: scale as f32, key_start: starts.host.clone(), lse: Mutex::new(Vec::new()), keep };
             q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
         }
         // Batched matmuls need one stride per batch dim: `cat` along the last dim (MLA's
@@ -355,6 +360,8 @@ struct CausalAttention {
     /// Log-sum-exp of each query row's scores, [B, NH, S], written by the forward for the
     /// backward (which recomputes the probabilities from it instead of storing them).
     lse: Mutex<Vec<f32>>,
+    /// The checkpointing pass, and where a checkpointed forward leaves (out, lse).
+    keep: Keep,
 }
 
 /// The keys a strip of queries q0..q0+m can see: kbeg..kend (kend = q0 + m).
@@ -405,6 +412,12 @@ impl candle_core::CustomOp3 for CausalAttention {
     fn cpu_fwd(&self, qs: &CpuStorage, ql: &Layout, ks: &CpuStorage, kl: &Layout, vs: &CpuStorage, vl: &Layout) -> Result<(CpuStorage, Shape)> {
         let (b, nh, kv, s, d) = dims(ql, kl)?;
         let (q, k, v) = (f32_slice(qs, ql, "q")?, f32_slice(ks, kl, "k")?, f32_slice(vs, vl, "v")?);
+        if let (Pass::Recompute, Some(slot)) = (self.keep.pass, &self.keep.slot) {
+            if let Some((out, lse)) = slot.take_attention().filter(|(o, l)| o.len() == b * nh * s * d && l.len() == b * nh * s) {
+                *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+                return Ok((CpuStorage::F32(out), ql.shape().clone()));
+            }
+        }
         let r = nh / kv;
         let mut out = zeros_f32(b * nh * s * d);
         let mut lse = vec![0f32; b * nh * s];
@@ -448,6 +461,11 @@ impl candle_core::CustomOp3 for CausalAttention {
                 sgemm(m, d, w, o, d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0, 1);
             }
         });
+        if let (Pass::Checkpointed, Some(slot)) = (self.keep.pass, &self.keep.slot) {
+            if slot.keeps_attention() {
+                slot.put_attention((out.clone(), lse.clone()));
+            }
+        }
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
@@ -585,6 +603,31 @@ mod tests {
         Ok(worst)
     }
 
+    /// A checkpointed forward leaves the output and log-sum-exp in its slot; the recomputation
+    /// hands them back (slot emptied) with the same value and gradients, bit for bit, as a
+    /// plain forward.
+    #[test]
+    fn the_recomputation_hands_back_the_kept_attention_output_with_the_same_gradients() -> Result<()> {
+        use crate::ops::checkpoint::{KeepLayer, Kept};
+        let starts = packed_starts(150)?;
+        let kept = Kept::new(&[KeepLayer { attention: true, swiglu: false }]);
+        let keep = |pass| Keep { pass, slot: kept.slot(0) };
+        let run = |pass, q: &Tensor, k: &Tensor, v: &Tensor| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, keep(pass));
+        let (q, k, v, _) = inputs(6, 2, 150, 16, DType::F32)?;
+        run(Pass::Checkpointed, &q, &k, &v)?;
+        assert_eq!(kept.bytes(), 4 * 2 * 6 * 150 * 17, "out and lse kept");
+        // The recomputation takes the slot that a checkpointed forward of the same inputs
+        // has just filled.
+        let both = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            run(Pass::Checkpointed, q, k, v)?;
+            run(Pass::Recompute, q, k, v)
+        };
+        let diffs = compare(both, |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain()), 6, 2, DType::F32)?;
+        assert!(diffs.iter().all(|(_, d)| *d == 0.0), "{diffs:?}");
+        assert_eq!(kept.bytes(), 0, "the slot is emptied");
+        Ok(())
+    }
+
     /// The fused op and the portable one (several strips of 64, a short last strip: S = 150
     /// = 2 x 64 + 22) each equal the whole-matrix reference in value and in all three
     /// gradients, with GQA (R = 3) and packed records; the fused op with few heads (strips
@@ -596,7 +639,7 @@ mod tests {
         for (nh, kv) in [(6, 2), (9, 3)] {
             assert_eq!(parts_for(2 * nh), if nh == 6 { 2 } else { 1 }, "both task splits are covered");
             let reference = |q: &Tensor, k: &Tensor, v: &Tensor| reference_attention(q, k, v, scale, &starts.host);
-            let fused = compare(|q, k, v| causal_attention(Kernels::Auto, q, k, v, scale, &starts), reference, nh, kv, DType::F32)?;
+            let fused = compare(|q, k, v| causal_attention(Kernels::Auto, q, k, v, scale, &starts, Keep::plain()), reference, nh, kv, DType::F32)?;
             let portable = compare(|q, k, v| portable_attention(q, k, v, scale, &starts, 64), reference, nh, kv, DType::F32)?;
             println!("NH {nh} KV {kv}: fused vs reference {fused:?}; portable vs reference {portable:?}");
             for (name, d) in fused.iter().chain(&portable) {
@@ -611,8 +654,8 @@ mod tests {
     fn portable_kernels_run_the_portable_op_and_agree_with_the_fused_one() -> Result<()> {
         let starts = packed_starts(150)?;
         let d = compare(
-            |q, k, v| causal_attention(Kernels::Portable, q, k, v, 0.25, &starts),
-            |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts),
+            |q, k, v| causal_attention(Kernels::Portable, q, k, v, 0.25, &starts, Keep::plain()),
+            |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain()),
             4,
             2,
             DType::F32,
@@ -650,10 +693,10 @@ mod tests {
         let k = Tensor::from_vec(pseudo(s * d, 6), (1, 1, s, d), &dev)?;
         let v = Tensor::from_vec(pseudo(s * d, 7), (1, 1, s, d), &dev)?;
         for kern in [Kernels::Auto, Kernels::Portable] {
-            let full = causal_attention(kern, &q, &k, &v, 0.5, &KeyStarts::causal(1, s, &dev)?)?;
+            let full = causal_attention(kern, &q, &k, &v, 0.5, &KeyStarts::causal(1, s, &dev)?, Keep::plain())?;
             // Position 100's output depends only on keys 0..=100: the prefix alone gives it too.
             let (qp, kp, vp) = (q.narrow(2, 0, 101)?, k.narrow(2, 0, 101)?, v.narrow(2, 0, 101)?);
-            let prefix = causal_attention(kern, &qp, &kp, &vp, 0.5, &KeyStarts::causal(1, 101, &dev)?)?;
+            let prefix = causal_attention(kern, &qp, &kp, &vp, 0.5, &KeyStarts::causal(1, 101, &dev)?, Keep::plain())?;
             let dmax = max_diff(&full.narrow(2, 100, 1)?, &prefix.narrow(2, 100, 1)?)?;
             assert!(dmax < 1e-6, "{kern:?}: position 100 saw the future: {dmax}");
         }

@@ -100,6 +100,12 @@ impl Kernels {
         }
     }
 
+    /// Whether the fused ops run on `device`, so that checkpointing can keep what they hand
+    /// over between forward and recomputation (`ops::checkpoint`).
+    pub fn fused_on(self, device: &Device) -> bool {
+        self == Kernels::Auto && device.is_cpu()
+    }
+
     /// The dtype frozen projection weights reach `frozen_linear` in. With `auto` kernels, a
     /// bf16 base on a CPU with a bf16 unit (AMX or AVX512-BF16) keeps them bf16 so the matmul
     /// runs on it (what PyTorch does with a bf16 model; activations are rounded to bf16, sums

@@ -3,6 +3,7 @@
 
 use super::linear::frozen_gemm;
 use super::norm::RmsNorm;
+use super::checkpoint::{Keep, Pass, SwiGluInputs};
 use super::{add_into, cpu_f32, exp_f32, f32_elems, zeros_f32, Kernels, Op, Path};
 use candle_core::{Result, Tensor};
 use std::sync::Mutex;
@@ -82,7 +83,12 @@ impl candle_core::CustomOp2 for SwiGlu {
 /// with g and u kept from the forward (recomputing them would be two of the three GEMMs).
 /// The sums are the ones the separate ops' backward makes (two terms each, so in any order),
 /// so both paths give the same bits.
-pub fn frozen_mlp_residual(k: Kernels, x: &Tensor, norm: &Tensor, eps: f64, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Option<Tensor>> {
+///
+/// `keep` is activation checkpointing's (`ops::checkpoint`): a checkpointed forward leaves g
+/// and u in the layer's slot; the recomputation takes them from there instead of running the
+/// gate and up GEMMs, and skips the down GEMM (its value is never read: it returns x in place
+/// of y). Gradients are the same bits either way.
+pub fn frozen_mlp_residual(k: Kernels, x: &Tensor, norm: &Tensor, eps: f64, (gate, up, down): (&Tensor, &Tensor, &Tensor), keep: Keep) -> Result<Option<Tensor>> {
     if x.rank() != 2 || k.pick(Op::FrozenMlp, x, &[gate, up, down]) == Path::Portable {
         return Ok(None);
     }
@@ -93,7 +99,7 @@ pub fn frozen_mlp_residual(k: Kernels, x: &Tensor, norm: &Tensor, eps: f64, gate
             x.dims(), norm.dims(), gate.dims(), up.dims(), down.dims()
         );
     }
-    let op = FrozenMlp { rms: RmsNorm::new(norm, eps)?, gate: gate.contiguous()?, up: up.contiguous()?, down: down.contiguous()?, kept: Mutex::new(None) };
+    let op = FrozenMlp { rms: RmsNorm::new(norm, eps)?, gate: gate.contiguous()?, up: up.contiguous()?, down: down.contiguous()?, kept: Mutex::new(None), keep };
     Ok(Some(x.contiguous()?.apply_op1(op)?))
 }
 
@@ -103,7 +109,9 @@ struct FrozenMlp {
     up: Tensor,
     down: Tensor,
     /// g and u [N, I] from the forward, taken by the backward.
-    kept: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+    kept: Mutex<Option<SwiGluInputs>>,
+    /// The checkpointing pass, and where a checkpointed forward leaves g and u.
+    keep: Keep,
 }
 
 impl candle_core::CustomOp1 for FrozenMlp {
@@ -114,12 +122,28 @@ impl candle_core::CustomOp1 for FrozenMlp {
     fn cpu_fwd(&self, storage: &candle_core::CpuStorage, layout: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
         let (n, _) = layout.shape().dims2()?;
         let x = cpu_f32("frozen-mlp", storage, layout)?;
-        let nx = self.rms.forward_rows(x); // [N, H]
-        let g = frozen_gemm(&nx, n, &self.gate, false)?; // [N, I]
-        let u = frozen_gemm(&nx, n, &self.up, false)?; // [N, I]
-        let mut y = frozen_gemm(&swiglu_rows(&g, &u), n, &self.down, false)?; // [N, H]
-        add_into(&mut y, x);
-        *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some((g, u));
+        let from_forward = match (self.keep.pass, &self.keep.slot) {
+            (Pass::Recompute, Some(slot)) => slot.take_swiglu(),
+            _ => None,
+        };
+        let (g, u) = match from_forward {
+            Some(gu) => gu,
+            None => {
+                let nx = self.rms.forward_rows(x); // [N, H]
+                (frozen_gemm(&nx, n, &self.gate, false)?, frozen_gemm(&nx, n, &self.up, false)?) // [N, I] each
+            }
+        };
+        let y = if self.keep.pass == Pass::Recompute {
+            x.to_vec() // a placeholder: the recomputation's value is never read
+        } else {
+            let mut y = frozen_gemm(&swiglu_rows(&g, &u), n, &self.down, false)?; // [N, H]
+            add_into(&mut y, x);
+            y
+        };
+        match (self.keep.pass, &self.keep.slot) {
+            (Pass::Checkpointed, Some(slot)) => slot.put_swiglu((g, u)),
+            _ => *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some((g, u)),
+        }
         Ok((candle_core::CpuStorage::F32(y), layout.shape().clone()))
     }
 
@@ -174,6 +198,38 @@ mod tests {
         check_frozen_mlp_residual(DType::BF16)
     }
 
+    /// A checkpointed forward leaves g and u in its slot; the recomputation takes them (the
+    /// slot is empty after) and gives x's gradient bit for bit as a plain forward's backward.
+    /// Without a slot the recomputation runs the gate and up GEMMs, to the same bits.
+    #[test]
+    fn the_recomputation_reuses_the_kept_swiglu_inputs_for_the_same_gradient() -> Result<()> {
+        use crate::ops::checkpoint::{KeepLayer, Kept};
+        let dev = Device::Cpu;
+        let (n, h, i) = (33, 16, 40);
+        let t = |len: usize, seed: usize, dims: (usize, usize)| Tensor::from_vec(pseudo(len, seed), dims, &dev);
+        let (gate, up, down) = (t(i * h, 1, (i, h))?, t(i * h, 2, (i, h))?, t(h * i, 3, (h, i))?);
+        let norm = Tensor::from_vec(pseudo(h, 4), h, &dev)?;
+        let dy = t(n * h, 5, (n, h))?;
+        let x = Var::from_tensor(&t(n * h, 6, (n, h))?)?;
+        let w = (&gate, &up, &down);
+        let dx = |pass: Pass, slot| -> Result<Tensor> {
+            let y = frozen_mlp_residual(K, x.as_tensor(), &norm, 1e-5, w, Keep { pass, slot })?.expect("fused on cpu");
+            Ok((y * &dy)?.sum_all()?.backward()?.get(&x).cloned().expect("dx"))
+        };
+        let want = dx(Pass::Plain, None)?;
+        let kept = Kept::new(&[KeepLayer::default(), KeepLayer { attention: false, swiglu: true }]);
+        let y = frozen_mlp_residual(K, x.as_tensor(), &norm, 1e-5, w, Keep { pass: Pass::Checkpointed, slot: kept.slot(1) })?.expect("fused on cpu");
+        let y_plain = frozen_mlp_residual(K, x.as_tensor(), &norm, 1e-5, w, Keep::plain())?.expect("fused on cpu");
+        assert_eq!((y - y_plain)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "a checkpointed forward's value is the plain one");
+        assert_eq!(kept.bytes(), 8 * n * i, "g and u kept");
+        for (what, slot) in [("kept g, u", kept.slot(1)), ("recomputed g, u", None)] {
+            let got = dx(Pass::Recompute, slot)?;
+            assert_eq!((got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "{what}");
+            assert_eq!(kept.bytes(), 0, "{what}: the slot is emptied");
+        }
+        Ok(())
+    }
+
     fn check_frozen_mlp_residual(dt: DType) -> Result<()> {
         let dev = Device::Cpu;
         let (n, h, i) = (37, 24, 70);
@@ -185,7 +241,7 @@ mod tests {
             let up = Tensor::from_vec(vals(i * h, 13, 17), (i, h), &dev)?.to_dtype(dt)?;
             let down = Tensor::from_vec(vals(h * i, 11, 13), (h, i), &dev)?.to_dtype(dt)?;
             let x = Var::from_vec(vals(n * h, 17, 19), (n, h), &dev)?;
-            let got = frozen_mlp_residual(K, x.as_tensor(), &norm, 1e-5, &gate, &up, &down)?.expect("fused on cpu");
+            let got = frozen_mlp_residual(K, x.as_tensor(), &norm, 1e-5, (&gate, &up, &down), Keep::plain())?.expect("fused on cpu");
             let nx = rms_norm(K, x.as_tensor(), &norm, 1e-5)?;
             let m = frozen_linear(K, &swiglu(K, &frozen_linear(K, &nx, &gate)?, &frozen_linear(K, &nx, &up)?)?, &down)?;
             let want = (x.as_tensor() + m)?;

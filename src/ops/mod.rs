@@ -19,6 +19,7 @@
 
 pub mod attention;
 pub mod bf16_gemm;
+pub mod checkpoint;
 pub(crate) mod cpu_bf16;
 pub mod dispatch;
 mod gemm;

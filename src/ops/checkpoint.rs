@@ -1,0 +1,183 @@
+//! What activation checkpointing keeps beyond each layer's input, and which pass an op is in.
+//!
+//! A checkpointed step runs every layer twice: once forward (graph dropped, only the layer's
+//! input kept) and once more in backward, to rebuild the graph the gradient flows through.
+//! The recomputation is a third of the step on a CPU. Three things make it cheaper without
+//! changing a bit of the gradients:
+//! - in the recomputation the layer's output value is never read (only its backward runs), so
+//!   the fused MLP skips its down projection and residual add there ([`Pass::Recompute`]);
+//! - the forward may leave the attention output and its log-sum-exp of chosen layers in a
+//!   [`Kept`] slot, and the recomputation then skips the attention kernel (4·N·(NH·D + NH)
+//!   bytes per layer: the best time saved per byte, so kept first);
+//! - likewise the SwiGLU inputs g and u [N, I], and the recomputation skips the gate and up
+//!   GEMMs (8·N·I bytes per layer).
+//!
+//! `train.activation_checkpointing = "auto"` picks the layers from the memory the recipe
+//! allows (`train::checkpoint_layers`). torchtune and PEFT checkpoint whole layers and
+//! recompute everything; PyTorch's selective checkpointing saves chosen op outputs in the same
+//! spirit (<https://pytorch.org/docs/stable/checkpoint.html>).
+
+use std::sync::{Arc, Mutex};
+
+/// The SwiGLU inputs of one layer: g = gate(n) and u = up(n), each [N, I] in f32.
+pub type SwiGluInputs = (Vec<f32>, Vec<f32>);
+/// One layer's attention output [B, NH, S, D] and log-sum-exp [B, NH, S], in f32.
+pub type AttentionOutput = (Vec<f32>, Vec<f32>);
+
+/// Which pass a layer's forward belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// An ordinary forward: its value is used and its graph (if any) is what backward reads.
+    Plain,
+    /// A checkpointed step's forward: the value is used, the graph is dropped after.
+    Checkpointed,
+    /// The recomputation in a checkpointed step's backward: only the gradient is used. Ops
+    /// may return a placeholder value (the fused MLP returns its input x unchanged).
+    Recompute,
+}
+
+/// What one layer keeps, and where.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeepLayer {
+    pub attention: bool,
+    pub swiglu: bool,
+}
+
+#[derive(Default)]
+struct Held {
+    attention: Option<AttentionOutput>,
+    swiglu: Option<SwiGluInputs>,
+}
+
+/// Per-layer slots for what a checkpointed forward keeps for its recomputation.
+pub struct Kept {
+    keep: Vec<KeepLayer>,
+    held: Vec<Mutex<Held>>,
+}
+
+impl Kept {
+    pub fn new(keep: &[KeepLayer]) -> Arc<Self> {
+        Arc::new(Kept { keep: keep.to_vec(), held: keep.iter().map(|_| Mutex::new(Held::default())).collect() })
+    }
+
+    /// Layer `layer`'s slot, when it keeps anything.
+    pub fn slot(self: &Arc<Self>, layer: usize) -> Option<Slot> {
+        self.keep.get(layer).filter(|k| k.attention || k.swiglu).map(|_| Slot { kept: self.clone(), layer })
+    }
+
+    /// Bytes held now.
+    pub fn bytes(&self) -> usize {
+        let pair = |p: &Option<(Vec<f32>, Vec<f32>)>| p.as_ref().map_or(0, |(a, b)| 4 * (a.len() + b.len()));
+        self.held.iter().map(|m| m.lock().unwrap_or_else(|e| e.into_inner())).map(|h| pair(&h.attention) + pair(&h.swiglu)).sum()
+    }
+}
+
+/// One layer's slot in a [`Kept`] (owned, so an op node can hold it).
+#[derive(Clone)]
+pub struct Slot {
+    kept: Arc<Kept>,
+    layer: usize,
+}
+
+impl Slot {
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.kept.held[self.layer].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether this layer keeps its attention output.
+    pub fn keeps_attention(&self) -> bool {
+        self.kept.keep[self.layer].attention
+    }
+
+    /// Kept only if this layer keeps its SwiGLU inputs; otherwise dropped.
+    pub fn put_swiglu(&self, v: SwiGluInputs) {
+        if self.kept.keep[self.layer].swiglu {
+            self.held().swiglu = Some(v);
+        }
+    }
+
+    pub fn take_swiglu(&self) -> Option<SwiGluInputs> {
+        self.held().swiglu.take()
+    }
+
+    /// Kept only if this layer keeps its attention output; otherwise dropped.
+    pub fn put_attention(&self, v: AttentionOutput) {
+        if self.kept.keep[self.layer].attention {
+            self.held().attention = Some(v);
+        }
+    }
+
+    pub fn take_attention(&self) -> Option<AttentionOutput> {
+        self.held().attention.take()
+    }
+}
+
+/// What an op is told about checkpointing: the pass, and the layer's slot if it keeps anything.
+#[derive(Clone)]
+pub struct Keep {
+    pub pass: Pass,
+    pub slot: Option<Slot>,
+}
+
+impl Keep {
+    /// An ordinary forward, nothing kept.
+    pub fn plain() -> Self {
+        Keep { pass: Pass::Plain, slot: None }
+    }
+}
+
+/// What each of `n_layers` layers keeps within `budget` bytes: first the attention output of
+/// every layer that can (`attention` bytes each, from the last layer down: their backward runs
+/// first, so their memory is freed first), then the SwiGLU inputs (`swiglu` bytes each).
+/// `eligible(i)` says which of the two layer i's ops can keep (the fused CPU ops).
+pub fn layers_to_keep(n_layers: usize, (attention, swiglu): (usize, usize), budget: usize, eligible: impl Fn(usize) -> KeepLayer) -> Vec<KeepLayer> {
+    let mut keep = vec![KeepLayer::default(); n_layers];
+    let mut left = budget;
+    let mut take = |cost: usize| {
+        let fits = cost > 0 && cost <= left;
+        if fits {
+            left -= cost;
+        }
+        fits
+    };
+    for i in (0..n_layers).rev() {
+        keep[i].attention = eligible(i).attention && take(attention);
+    }
+    for i in (0..n_layers).rev() {
+        keep[i].swiglu = eligible(i).swiglu && take(swiglu);
+    }
+    keep
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_budget_keeps_attention_outputs_first_then_swiglu_inputs_of_the_last_layers() {
+        let both = KeepLayer { attention: true, swiglu: true };
+        let att = KeepLayer { attention: true, swiglu: false };
+        let none = KeepLayer::default();
+        // Layer 2 has no fused MLP (MoE, say): it can keep only its attention output.
+        let elig = |i: usize| if i == 2 { att } else { both };
+        assert_eq!(layers_to_keep(4, (1, 10), 15, elig), vec![att, att, att, both]);
+        assert_eq!(layers_to_keep(4, (1, 10), 24, elig), vec![att, both, att, both]);
+        assert_eq!(layers_to_keep(4, (1, 10), 2, elig), vec![none, none, att, att]);
+        assert_eq!(layers_to_keep(4, (1, 10), 0, elig), vec![none; 4]);
+        assert_eq!(layers_to_keep(4, (1, 10), 1000, elig), vec![both, both, att, both]);
+    }
+
+    #[test]
+    fn a_slot_hands_back_what_was_put_once_and_only_what_its_layer_keeps() {
+        let kept = Kept::new(&[KeepLayer::default(), KeepLayer { attention: false, swiglu: true }]);
+        assert!(kept.slot(0).is_none() && kept.slot(7).is_none());
+        let s = kept.slot(1).expect("layer 1 keeps");
+        s.put_attention((vec![0.0; 5], vec![0.0; 1]));
+        s.put_swiglu((vec![1.0; 3], vec![2.0; 3]));
+        assert_eq!(kept.bytes(), 24, "only the SwiGLU inputs are kept");
+        assert_eq!(s.take_attention(), None);
+        assert_eq!(s.take_swiglu(), Some((vec![1.0; 3], vec![2.0; 3])));
+        assert_eq!(s.take_swiglu(), None);
+        assert_eq!(kept.bytes(), 0);
+    }
+}
