@@ -443,11 +443,13 @@ pub struct TrainSection {
     pub log_every: usize,
     /// true: recompute every layer in backward, keeping only layer inputs (the leanest);
     /// false: keep every layer's activations (the fastest, ~L times the activation memory);
-    /// "auto" (default): recompute, and keep the SwiGLU inputs of as many layers as
-    /// `activation_memory_mb` allows, so their recomputation skips the MLP's GEMMs.
+    /// "auto" (default): recompute, and keep the attention outputs, then the SwiGLU inputs,
+    /// of as many layers as `activation_memory_mb` allows, so their recomputation skips the
+    /// attention kernel and the MLP's GEMMs (`ops::checkpoint`; same gradients bit for bit).
     #[serde(default)]
     pub activation_checkpointing: Checkpointing,
-    /// What "auto" checkpointing may keep per micro-batch, in MB (unset: see `Checkpointing`).
+    /// What "auto" checkpointing may keep per micro-batch, in MB (unset: twice the saved
+    /// layer inputs, four times with a 16-bit base: `train::checkpoint_layers`).
     #[serde(default)]
     pub activation_memory_mb: Option<usize>,
     /// Evaluate every N steps (0: only at the end when eval data is set).
@@ -472,7 +474,8 @@ pub enum Checkpointing {
     Off,
     /// Keep each layer's input; recompute the layer in backward.
     On,
-    /// As `On`, plus the SwiGLU inputs of the last layers that fit `activation_memory_mb`.
+    /// As `On`, plus the attention outputs and SwiGLU inputs of the last layers that fit
+    /// `activation_memory_mb`.
     #[default]
     Auto,
 }
@@ -565,6 +568,9 @@ pub struct LoadedRecipe {
     pub file: PathBuf,
     /// Folder that relative paths resolve against.
     pub dir: PathBuf,
+    /// `model.dtype` was "auto" (resolved in `recipe.model.dtype`): a resumed run then keeps
+    /// the dtype its checkpoint was trained in (`train::run_with`).
+    pub dtype_auto: bool,
 }
 
 impl LoadedRecipe {
@@ -590,8 +596,9 @@ impl LoadedRecipe {
         let recipe: Recipe = toml::Value::Table(value).try_into().map_err(|e: toml::de::Error| {
             Error::Recipe { file: fname.clone(), key: "(structure)".into(), msg: e.message().to_string() }
         })?;
-        let mut loaded = LoadedRecipe { recipe, file: file.to_path_buf(), dir: dir.to_path_buf() };
-        if loaded.recipe.model.dtype == "auto" {
+        let dtype_auto = recipe.model.dtype == "auto";
+        let mut loaded = LoadedRecipe { recipe, file: file.to_path_buf(), dir: dir.to_path_buf(), dtype_auto };
+        if dtype_auto {
             loaded.recipe.model.dtype = auto_dtype(&loaded.recipe).into();
         }
         loaded.check_values()?;
@@ -725,7 +732,7 @@ impl LoadedRecipe {
         if d.zero_stage == 3 && r.train.activation_checkpointing == Checkpointing::Off {
             return Err(self.err(
                 "dist.zero_stage",
-                "ZeRO-3 needs train.activation_checkpointing = true: without it the autograd graph keeps \
+                "ZeRO-3 needs train.activation_checkpointing = true or \"auto\": without it the autograd graph keeps \
                  every gathered layer until backward, i.e. the whole base on every rank",
             ));
         }

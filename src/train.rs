@@ -116,6 +116,8 @@ pub fn run(loaded: &LoadedRecipe) -> Result<RunSummary> {
 /// With `checkpoint.resume = "auto"` the newest valid checkpoint in the output folder is
 /// continued exactly, whatever world size wrote it.
 pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSummary> {
+    let kept_dtype = dtype_of_resumed_run(loaded);
+    let loaded = &kept_dtype.unwrap_or_else(|| loaded.clone());
     let r = &loaded.recipe;
     let file = loaded.file.display().to_string();
     let layout = crate::dist::layout(&r.dist, &r.model.device, &|k| std::env::var(k).ok())
@@ -167,6 +169,31 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
         ranks.push((Arc::new(group.member(rank)), open_device(loaded, spec)?));
     }
     run_ranks(loaded, run_opts, ranks, &|rank, why| group.abort(rank, why), &|| group.failure().map(|f| f.0))
+}
+
+/// With `model.dtype` left to "auto", a run that resumes keeps the dtype its checkpoint was
+/// trained in (recorded in its recipe.toml), so an older run (the default was f32) or one
+/// moved to a CPU of the other kind continues as it began, with a note. `None`: nothing to
+/// change (the checkpoint itself is checked later, as always).
+fn dtype_of_resumed_run(loaded: &LoadedRecipe) -> Option<LoadedRecipe> {
+    let r = &loaded.recipe;
+    if !loaded.dtype_auto {
+        return None;
+    }
+    let dir = match r.checkpoint.resume.as_str() {
+        "never" => None,
+        "auto" => crate::checkpoint::latest_valid(&loaded.resolve(&r.output.dir)),
+        path => Some(loaded.resolve(std::path::Path::new(path))),
+    }?;
+    let saved: toml::Table = std::fs::read_to_string(dir.join("recipe.toml")).ok()?.parse().ok()?;
+    let dtype = saved.get("model")?.get("dtype")?.as_str()?.to_string();
+    if dtype == r.model.dtype || !["f32", "bf16", "f16"].contains(&dtype.as_str()) {
+        return None;
+    }
+    eprintln!("model.dtype = \"auto\": resuming in {dtype}, the dtype {} was trained in (set model.dtype to choose)", dir.display());
+    let mut l = loaded.clone();
+    l.recipe.model.dtype = dtype;
+    Some(l)
 }
 
 /// Open a rank's device; the error names the recipe key that chose it.
@@ -977,9 +1004,6 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
     crate::fsutil::rename_durable(&tmp, dir)
 }
 
-/// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` (f64)
-/// and returns the micro-batch's CE sum.
-#[allow(clippy::too_many_arguments)]
 /// What each layer of a checkpointed step keeps for its recomputation (`ops::checkpoint`);
 /// `None` when checkpointing is off. "auto" spends `train.activation_memory_mb` (or the
 /// default budget) on attention outputs first, then SwiGLU inputs, from the last layer down,
@@ -1004,10 +1028,16 @@ pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bo
     }
 }
 
+/// The most (padded) tokens a micro-batch holds: micro_batch_size x max_seq_len, or
+/// data.max_tokens with token batching.
+pub fn tokens_per_micro_batch(r: &crate::recipe::Recipe) -> usize {
+    if r.data.batch_by == "tokens" { r.data.max_tokens } else { r.train.micro_batch_size * r.data.max_seq_len }
+}
+
 /// Bytes one layer keeps per micro-batch: (attention output + log-sum-exp, SwiGLU inputs),
-/// all f32, for micro_batch_size x max_seq_len tokens.
+/// all f32, for the most tokens a micro-batch holds.
 pub fn kept_bytes_per_layer(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> (usize, usize) {
-    let tokens = r.train.micro_batch_size * r.data.max_seq_len;
+    let tokens = tokens_per_micro_batch(r);
     let nh = cfg.num_attention_heads;
     let width = match &cfg.mla {
         Some(m) => m.qk_head_dim().max(m.v_head_dim), // MLA pads v to the q/k width
@@ -1038,10 +1068,13 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, (att, swiglu): (usize, usi
 /// (the attention outputs of every layer and the SwiGLU inputs of 5), 540 MB with bf16 (16).
 /// Why not more: at 1 x 512 an f32 SmolLM2 run then stays near a third of PEFT's leanest RSS.
 fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> usize {
-    let inputs = cfg.num_hidden_layers * r.train.micro_batch_size * r.data.max_seq_len * cfg.hidden_size * 4;
+    let inputs = cfg.num_hidden_layers * tokens_per_micro_batch(r) * cfg.hidden_size * 4;
     if r.model.dtype == "f32" { 2 * inputs } else { 4 * inputs }
 }
 
+/// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` (f64)
+/// and returns the micro-batch's CE sum.
+#[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Model,
     adapters: &Adapters,

@@ -76,7 +76,7 @@ fn sharded_checkpoint_trains_exactly_like_single_file() {
 fn bf16_base_trains_close_to_f32() {
     let f32_ws = workspace(&TinyShape::default(), 1);
     let bf16_ws = workspace(&TinyShape { dtype: candle_core::DType::BF16, ..Default::default() }, 1);
-    let a = losses(&train(f32_ws.path(), &[]));
+    let a = losses(&train(f32_ws.path(), &["model.dtype=f32"]));
     let b = losses(&train(bf16_ws.path(), &["model.dtype=\"bf16\""]));
     for (x, y) in a.iter().zip(&b) {
         assert!(rel(*y, *x) < 1e-2, "f32 {x} vs bf16 {y}");
@@ -158,6 +158,13 @@ fn auto_checkpointing_trains_the_same_bits_as_recomputing_everything() {
         let b = train(ws.path(), &[&base[..], &["train.activation_checkpointing=auto", &mb]].concat());
         let adapter_b = load_tensors(&ws.path().join("out/adapter/adapter_model.safetensors"));
         assert_eq!(losses(&a), losses(&b), "budget {budget} MB");
+        // What was kept, as the run reports it: with room for everything, both kinds in every layer.
+        let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ws.path().join("out/summary.json")).unwrap()).unwrap();
+        let said = summary["kernels"].as_str().unwrap().to_string();
+        if budget == "64" {
+            let layers = TinyShape::default().layers;
+            assert!(said.contains(&format!("attention outputs of {layers} and the SwiGLU inputs of {layers} of {layers} layers")), "{said}");
+        }
         for (k, t) in &adapter_a {
             assert_eq!(max_abs_diff(t, &adapter_b[k]), 0.0, "{k}, budget {budget} MB");
         }

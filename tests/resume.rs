@@ -133,6 +133,31 @@ fn auto_resume_skips_a_damaged_checkpoint_and_ignores_half_written_ones() {
     assert!(!cks.join(".tmp-step-000005").exists(), "stale temporary removed");
 }
 
+/// `model.dtype` left to "auto" resumes in the dtype the checkpoint was trained in (an older
+/// run, whose default was f32, or one moved to a CPU of the other kind), bit for bit as the
+/// uninterrupted run; naming another dtype is still an error naming the key.
+#[test]
+fn a_run_resumed_with_dtype_auto_continues_in_the_dtype_it_was_trained_in() {
+    let root = setup();
+    let full = run_dir(root.path(), "full", RECIPE);
+    let auto = LoadedRecipe::load(&full.join("recipe.toml"), &[]).unwrap().recipe.model.dtype;
+    let other = if auto == "bf16" { "f32" } else { "bf16" };
+    let trained_in = format!("model.dtype={other}");
+    train(&full, &[&trained_in, "train.max_steps=4"]).unwrap();
+    let part = run_dir(root.path(), "part", RECIPE);
+    let ck = "out/checkpoints/step-000002";
+    copy_dir(&full.join(ck), &part.join(ck));
+    let lines: String = std::fs::read_to_string(full.join("out/metrics.jsonl")).unwrap().lines().take(2).map(|l| format!("{l}\n")).collect();
+    std::fs::write(part.join("out/metrics.jsonl"), lines).unwrap();
+    let named = format!("model.dtype={auto}");
+    let e = train(&part, &[&named, "train.max_steps=4"]).err().expect("a named dtype change must fail").to_string();
+    assert!(e.contains("`model.dtype`"), "{e}");
+    let s = train(&part, &["train.max_steps=4"]).unwrap();
+    assert_eq!(s.steps.len(), 2);
+    assert_eq!(metric_lines(&part), metric_lines(&full));
+    assert_eq!(adapter_bytes(&part), adapter_bytes(&full));
+}
+
 #[test]
 fn changing_the_model_shape_on_resume_is_an_error_naming_the_key() {
     let root = setup();
