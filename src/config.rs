@@ -178,6 +178,12 @@ impl Mla {
     pub fn qk_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
+
+    /// The head width attention runs at: v is padded to the q/k width when narrower
+    /// (`model::deepseek`), so its output is [B, NH, S, this].
+    pub fn attention_width(&self) -> usize {
+        self.qk_head_dim().max(self.v_head_dim)
+    }
 }
 
 /// How a token chooses its experts.

@@ -180,11 +180,7 @@ fn dtype_of_resumed_run(loaded: &LoadedRecipe) -> Option<LoadedRecipe> {
     if !loaded.dtype_auto {
         return None;
     }
-    let dir = match r.checkpoint.resume.as_str() {
-        "never" => None,
-        "auto" => crate::checkpoint::latest_valid(&loaded.resolve(&r.output.dir)),
-        path => Some(loaded.resolve(std::path::Path::new(path))),
-    }?;
+    let dir = resume_dir(loaded)?;
     let saved: toml::Table = std::fs::read_to_string(dir.join("recipe.toml")).ok()?.parse().ok()?;
     let dtype = saved.get("model")?.get("dtype")?.as_str()?.to_string();
     if dtype == r.model.dtype || !["f32", "bf16", "f16"].contains(&dtype.as_str()) {
@@ -194,6 +190,17 @@ fn dtype_of_resumed_run(loaded: &LoadedRecipe) -> Option<LoadedRecipe> {
     let mut l = loaded.clone();
     l.recipe.model.dtype = dtype;
     Some(l)
+}
+
+/// The checkpoint a run continues from, as `checkpoint.resume` says: none ("never"), the
+/// newest valid one in output.dir ("auto"), or the folder named.
+fn resume_dir(loaded: &LoadedRecipe) -> Option<PathBuf> {
+    let r = &loaded.recipe;
+    match r.checkpoint.resume.as_str() {
+        "never" => None,
+        "auto" => crate::checkpoint::latest_valid(&loaded.resolve(&r.output.dir)),
+        path => Some(loaded.resolve(std::path::Path::new(path))),
+    }
 }
 
 /// Open a rank's device; the error names the recipe key that chose it.
@@ -384,12 +391,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     if said[0] == 0.0 {
         return Err(lead_failed(rank, "to take the output folder"));
     }
-    let resume_from = match r.checkpoint.resume.as_str() {
-        "never" => None,
-        "auto" => crate::checkpoint::latest_valid(&out_dir),
-        path => Some(loaded.resolve(std::path::Path::new(path))),
-    };
-    if let Some(dir) = resume_from {
+    if let Some(dir) = resume_dir(loaded) {
         // Recipe rules first: a changed LoRA shape should be reported as the key that changed,
         // not as a tensor that no longer fits.
         let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
@@ -1040,7 +1042,7 @@ pub fn kept_bytes_per_layer(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> (us
     let tokens = tokens_per_micro_batch(r);
     let nh = cfg.num_attention_heads;
     let width = match &cfg.mla {
-        Some(m) => m.qk_head_dim().max(m.v_head_dim), // MLA pads v to the q/k width
+        Some(m) => m.attention_width(),
         None => cfg.head_dim,
     };
     (4 * tokens * nh * (width + 1), 8 * tokens * cfg.intermediate_size)

@@ -163,7 +163,7 @@ fn activations(cfg: &ModelConfig, r: &Recipe, a: usize, gpu: bool) -> (usize, us
     // plus each routed copy of the token's input and output).
     let (q, kv, i) = match (&cfg.mla, &cfg.moe) {
         (Some(m), moe) => {
-            let w = m.qk_head_dim().max(m.v_head_dim);
+            let w = m.attention_width();
             let ffn = match moe {
                 Some(e) if l > e.first_k_dense_replace => {
                     (e.num_experts_per_tok + e.n_shared_experts) * e.moe_intermediate_size + 2 * e.num_experts_per_tok * h / 4
