@@ -445,11 +445,13 @@ pub struct TrainSection {
     /// false: keep every layer's activations (the fastest, ~L times the activation memory);
     /// "auto" (default): recompute, and keep the attention outputs, then the SwiGLU inputs,
     /// of as many layers as `activation_memory_mb` allows, so their recomputation skips the
-    /// attention kernel and the MLP's GEMMs (`ops::checkpoint`; same gradients bit for bit).
+    /// attention kernel and the MLP's GEMMs, and with what is left leave the last layers out
+    /// of checkpointing (`ops::checkpoint`; same gradients bit for bit).
     #[serde(default)]
     pub activation_checkpointing: Checkpointing,
     /// What "auto" checkpointing may keep per micro-batch, in MB (unset: twice the saved
-    /// layer inputs, four times with a 16-bit base: `train::checkpoint_layers`).
+    /// layer inputs, four times with a 16-bit base, or a quarter of the base's weights where
+    /// that is more: `train::checkpoint_layers`).
     #[serde(default)]
     pub activation_memory_mb: Option<usize>,
     /// Evaluate every N steps (0: only at the end when eval data is set).
@@ -475,7 +477,7 @@ pub enum Checkpointing {
     /// Keep each layer's input; recompute the layer in backward.
     On,
     /// As `On`, plus the attention outputs and SwiGLU inputs of the last layers that fit
-    /// `activation_memory_mb`.
+    /// `activation_memory_mb`, then the last layers whole (not checkpointed) while they fit.
     #[default]
     Auto,
 }

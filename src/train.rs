@@ -15,7 +15,7 @@ use crate::model::Model;
 use crate::dist::collective::{Collective, InProcessGroup};
 use crate::dist::Partition;
 use crate::dist::zero::{Account, MemoryUse, ShardedWeights};
-use crate::ops::checkpoint::{KeepLayer, Kept, Pass};
+use crate::ops::checkpoint::{KeepCosts, KeepLayer, Kept, Pass};
 use crate::optim::{AdamW, Moments, Schedule};
 use crate::recipe::LoadedRecipe;
 use crate::weights::quantized::{BlockReader, QuantizeOnLoad, QuantizedWeights};
@@ -450,7 +450,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             eprintln!("resuming from {} (step {start_step})", dir.display());
         }
     }
-    let checkpointing = checkpoint_layers(r, &model.cfg, kernels.fused_on(&device));
+    let checkpointing = checkpoint_layers(r, &model.cfg, kernels.fused_on(&device), !sharded && !quantized && matmul == storage_dtype);
     let ckpt_said = describe_checkpointing(checkpointing.as_deref(), kept_bytes_per_layer(r, &model.cfg));
     if lead {
         eprintln!("{ckpt_said}");
@@ -1011,9 +1011,13 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
 /// default budget) on attention outputs first, then SwiGLU inputs, from the last layer down,
 /// where the fused CPU ops run (elsewhere nothing would be kept, so nothing is reserved):
 /// attention on a CPU with `model.kernels = "auto"`, the MLP where it is dense, unadapted and
-/// unbiased too.
+/// unbiased too. Whole layers (not checkpointed) only there too (a GPU's memory is the tight
+/// one: "auto" stays `true` on it), and only where `resident`: the frozen weights stay in
+/// memory as the matmuls read them. A layer's graph holds the weights it was handed,
+/// so with ZeRO-3 shards, a quantized base or a bf16 base converted for f32 matmuls a whole
+/// layer would keep its gathered, dequantised or converted copy until backward.
 /// `fused`: whether the fused CPU ops run (`Kernels::fused_on`).
-pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bool) -> Option<Vec<KeepLayer>> {
+pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bool, resident: bool) -> Option<Vec<KeepLayer>> {
     use crate::recipe::Checkpointing;
     let l = cfg.num_hidden_layers;
     match r.train.activation_checkpointing {
@@ -1024,7 +1028,7 @@ pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bo
             let budget = r.train.activation_memory_mb.map_or_else(|| default_keep_budget(r, cfg), |mb| mb << 20);
             let targets = r.lora.targets.as_deref().unwrap_or_default(); // unset: attention only
             let mlp_adapted = ["gate_proj", "up_proj", "down_proj"].iter().any(|p| targets.iter().any(|t| t == p));
-            let eligible = |i: usize| KeepLayer { attention: fused, swiglu: fused && !cfg.is_moe_layer(i) && !mlp_adapted && !cfg.mlp_bias };
+            let eligible = |i: usize| KeepLayer { attention: fused, swiglu: fused && !cfg.is_moe_layer(i) && !mlp_adapted && !cfg.mlp_bias, whole: fused && resident };
             Some(crate::ops::checkpoint::layers_to_keep(l, costs, budget, eligible))
         }
     }
@@ -1036,42 +1040,57 @@ pub fn tokens_per_micro_batch(r: &crate::recipe::Recipe) -> usize {
     if r.data.batch_by == "tokens" { r.data.max_tokens } else { r.train.micro_batch_size * r.data.max_seq_len }
 }
 
-/// Bytes one layer keeps per micro-batch: (attention output + log-sum-exp, SwiGLU inputs),
-/// all f32, for the most tokens a micro-batch holds.
-pub fn kept_bytes_per_layer(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> (usize, usize) {
+/// Bytes one layer keeps per micro-batch: attention output + log-sum-exp, SwiGLU inputs (all
+/// f32), and the whole layer's graph (the plan's estimate), for the most tokens a micro-batch
+/// holds.
+pub fn kept_bytes_per_layer(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> KeepCosts {
     let tokens = tokens_per_micro_batch(r);
     let nh = cfg.num_attention_heads;
     let width = match &cfg.mla {
         Some(m) => m.attention_width(),
         None => cfg.head_dim,
     };
-    (4 * tokens * nh * (width + 1), 8 * tokens * cfg.intermediate_size)
+    let (b, s) = if r.data.batch_by == "tokens" { (1, r.data.max_tokens) } else { (r.train.micro_batch_size, r.data.max_seq_len) };
+    KeepCosts {
+        attention: 4 * tokens * nh * (width + 1),
+        swiglu: 8 * tokens * cfg.intermediate_size,
+        whole: crate::dist::plan::layer_activations(cfg, b, s, 4, false),
+    }
 }
 
 /// One line on what checkpointing keeps, for the log and summary.json.
-fn describe_checkpointing(keep: Option<&[KeepLayer]>, (att, swiglu): (usize, usize)) -> String {
+fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> String {
     let Some(keep) = keep else { return "activation checkpointing off".into() };
     let a = keep.iter().filter(|k| k.attention).count();
     let m = keep.iter().filter(|k| k.swiglu).count();
-    if a + m == 0 {
-        return "activation checkpointing: every layer recomputed from its input".into();
+    let w = keep.iter().filter(|k| k.whole).count();
+    let l = keep.len();
+    let mb = keep.iter().map(|k| k.bytes(costs)).sum::<usize>() as f64 / (1u64 << 20) as f64;
+    match (a + m, w) {
+        (0, 0) => "activation checkpointing: every layer recomputed from its input".into(),
+        (_, w) if w == l => format!("activation checkpointing: none needed, every layer's activations fit the budget (~{mb:.0} MB per micro-batch)"),
+        (0, w) => format!("activation checkpointing: the last {w} of {l} layers not checkpointed, the others recomputed from their inputs (~{mb:.0} MB per micro-batch)"),
+        _ => format!(
+            "activation checkpointing: layers recomputed from their inputs, reusing the attention outputs of {a} and the SwiGLU inputs of {m} of {l} layers{} (~{mb:.0} MB per micro-batch)",
+            if w > 0 { format!("; the last {w} not checkpointed") } else { String::new() }
+        ),
     }
-    let mb = (a * att + m * swiglu) as f64 / (1u64 << 20) as f64;
-    format!(
-        "activation checkpointing: layers recomputed from their inputs, reusing the attention outputs of {a} and the SwiGLU inputs of {m} of {} layers ({mb:.0} MB per micro-batch)",
-        keep.len()
-    )
 }
 
 /// The budget "auto" checkpointing keeps activations in when the recipe sets none: twice
 /// what checkpointing keeps anyway (each layer's input, L·N·H f32), four times with a 16-bit
-/// base, whose weights take half the memory of f32 ones. It grows with the tokens of a
-/// micro-batch as every other activation does. On SmolLM2 at 4 x 512: 270 MB with an f32 base
-/// (the attention outputs of every layer and the SwiGLU inputs of 5), 540 MB with bf16 (16).
-/// Why not more: at 1 x 512 an f32 SmolLM2 run then stays near a third of PEFT's leanest RSS.
+/// base, whose weights take half the memory of f32 ones; or a quarter of the base's weights
+/// where that is more. The first grows with the tokens of a micro-batch as every other
+/// activation does; on SmolLM2 at 4 x 512: 270 MB with an f32 base (the attention outputs of
+/// every layer and the SwiGLU inputs of 5), 540 MB with bf16 (16). Why not more: at 1 x 512
+/// an f32 SmolLM2 run then stays near a third of PEFT's leanest RSS. The second is for models
+/// whose base dwarfs their activations (DeepSeek-V2-Lite's MoE cut at 1 x 512: 840 MB of a
+/// 3.4 GB bf16 base, room to checkpoint nothing), where the peak is the base plus at most a
+/// quarter.
 fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> usize {
     let inputs = cfg.num_hidden_layers * tokens_per_micro_batch(r) * cfg.hidden_size * 4;
-    if r.model.dtype == "f32" { 2 * inputs } else { 4 * inputs }
+    let base = cfg.base_param_count() as usize * if r.model.dtype == "f32" { 4 } else { 2 };
+    if r.model.dtype == "f32" { 2 * inputs } else { 4 * inputs }.max(base / 4)
 }
 
 /// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` (f64)
@@ -1137,24 +1156,37 @@ pub fn forward_backward(
 
     // Activation checkpointing: keep each layer's input (and what `keep` names for each layer,
     // `ops::checkpoint`); in backward, recompute one layer at a time on its saved
-    // input and backpropagate the upstream gradient through it.
+    // input and backpropagate the upstream gradient through it. The last layers that `keep`
+    // marks whole are not checkpointed: they run as an ordinary forward whose graph the
+    // head's backward goes through.
     let n_layers = model.cfg.num_hidden_layers;
+    let whole_from = (0..n_layers).find(|&i| keep[i..].iter().all(|k| k.whole)).unwrap_or(n_layers);
     ctx.pass = Pass::Checkpointed;
     ctx.kept = keep.iter().any(|k| k.attention || k.swiglu).then(|| Kept::new(keep));
-    let mut inputs = Vec::with_capacity(n_layers + 1);
+    let mut inputs = Vec::with_capacity(whole_from + 1);
     inputs.push(x0);
-    for i in 0..n_layers {
+    for i in 0..whole_from {
         let y = model.layer_forward(i, &inputs[i], &ctx, adapters)?.detach();
         inputs.push(y);
     }
+    // The whole layers on a leaf the gradient is read at (layer 0's input, the frozen
+    // embedding, needs none).
+    let top = if whole_from > 0 { Some(Var::from_tensor(&inputs[whole_from])?) } else { None };
+    let mut x = top.as_ref().map_or(&inputs[whole_from], |v| v.as_tensor()).clone();
+    ctx.pass = Pass::Plain;
+    for i in whole_from..n_layers {
+        x = model.layer_forward(i, &x, &ctx, adapters)?;
+    }
     // From here on a layer's output value is a placeholder: only its backward is used.
     ctx.pass = Pass::Recompute;
-    let last = Var::from_tensor(&inputs[n_layers])?;
-    let (ce, surrogate) = head_loss(last.as_tensor())?;
+    let (ce, surrogate) = head_loss(&x)?;
+    drop(x);
     let store = surrogate.backward().ctx("backward (head)")?;
-    let mut g_out = store.get(&last).cloned().ok_or_else(|| Error::Train("no gradient reached the last hidden state".into()))?;
+    add(&store)?; // the whole layers' adapters
+    let Some(top) = top else { return Ok(ce) };
+    let mut g_out = store.get(&top).cloned().ok_or_else(|| Error::Train("no gradient reached the last checkpointed hidden state".into()))?;
     drop(store);
-    for i in (0..n_layers).rev() {
+    for i in (0..whole_from).rev() {
         // Layer 0's input (the frozen embedding) needs no gradient: keep it a plain tensor.
         let input = if i > 0 { Some(Var::from_tensor(&inputs[i])?) } else { None };
         let x_in = input.as_ref().map_or(&inputs[i], |v| v.as_tensor());

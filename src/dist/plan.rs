@@ -101,9 +101,13 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
     let optimizer = 2 * super::Partition::new(lora, 0, world).len() * 4;
     let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 }, on_gpu);
     // What "auto" checkpointing keeps for the recomputation (`ops::checkpoint`).
-    let (att, swiglu) = crate::train::kept_bytes_per_layer(r, cfg);
-    let kept: usize = crate::train::checkpoint_layers(r, cfg, !on_gpu && r.model.kernels == "auto").unwrap_or_default().iter().map(|k| k.attention as usize * att + k.swiglu as usize * swiglu).sum();
-    let ckpt = ckpt + kept;
+    let costs = crate::train::kept_bytes_per_layer(r, cfg);
+    let matmul = if on_gpu { storage } else { Kernels::Auto.matmul_dtype(&r.model.matmul, storage, DType::F32, &Device::Cpu) };
+    let resident = !stage3 && quant.is_none() && matmul == storage;
+    let keep = crate::train::checkpoint_layers(r, cfg, !on_gpu && r.model.kernels == "auto", resident).unwrap_or_default();
+    let kept: usize = keep.iter().map(|k| k.bytes(costs)).sum();
+    // Every layer whole: no checkpointing at all, whatever the recipe says.
+    let ckpt = if !keep.is_empty() && keep.iter().all(|k| k.whole) { full } else { ckpt + kept };
     Plan {
         world,
         zero_stage: r.dist.zero_stage,
@@ -157,6 +161,17 @@ fn replay_peak(cfg: &ModelConfig, prefetch: usize, unit_bytes: &HashMap<Unit, us
 fn activations(cfg: &ModelConfig, r: &Recipe, a: usize, gpu: bool) -> (usize, usize) {
     let (b, s) = (r.train.micro_batch_size, r.data.max_seq_len);
     let (h, l) = (cfg.hidden_size, cfg.num_hidden_layers);
+    let layer = layer_activations(cfg, b, s, a, gpu);
+    // The loss head: one [chunk, V] block of f32 logits and its gradient.
+    let head = 2 * (8 << 20) * 4;
+    let saved_inputs = l * b * s * h * a;
+    (saved_inputs + 2 * layer + head, l * layer + layer + head)
+}
+
+/// Estimated bytes one layer's graph holds for its backward, for `b` rows of `s` tokens with
+/// activations of `a` bytes (see [`activations`]): what a layer that is not checkpointed keeps.
+pub fn layer_activations(cfg: &ModelConfig, b: usize, s: usize, a: usize, gpu: bool) -> usize {
+    let (h, l) = (cfg.hidden_size, cfg.num_hidden_layers);
     let nh = cfg.num_attention_heads;
     // Widths per token: q and each of k/v (MLA: per-head q/k of nope + rope, v padded to it,
     // plus the latent); the MLP's intermediate (MoE: K routed experts' and the shared ones',
@@ -175,11 +190,7 @@ fn activations(cfg: &ModelConfig, r: &Recipe, a: usize, gpu: bool) -> (usize, us
         (None, _) => (nh * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size),
     };
     let per_token = (8 * h + 3 * q + 3 * kv + 4 * i) * a + nh * 4;
-    let layer = b * s * per_token + crate::ops::attention::strip_scratch_bytes(gpu, b, cfg.num_attention_heads, s);
-    // The loss head: one [chunk, V] block of f32 logits and its gradient.
-    let head = 2 * (8 << 20) * 4;
-    let saved_inputs = l * b * s * h * a;
-    (saved_inputs + 2 * layer + head, l * layer + layer + head)
+    b * s * per_token + crate::ops::attention::strip_scratch_bytes(gpu, b, cfg.num_attention_heads, s)
 }
 
 fn gb(b: usize) -> String {

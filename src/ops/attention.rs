@@ -610,7 +610,7 @@ mod tests {
     fn the_recomputation_hands_back_the_kept_attention_output_with_the_same_gradients() -> Result<()> {
         use crate::ops::checkpoint::{KeepLayer, Kept};
         let starts = packed_starts(150)?;
-        let kept = Kept::new(&[KeepLayer { attention: true, swiglu: false }]);
+        let kept = Kept::new(&[KeepLayer { attention: true, ..KeepLayer::default() }]);
         let keep = |pass| Keep { pass, slot: kept.slot(0) };
         let run = |pass, q: &Tensor, k: &Tensor, v: &Tensor| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, keep(pass));
         let (q, k, v, _) = inputs(6, 2, 150, 16, DType::F32)?;

@@ -54,6 +54,14 @@ impl Kernel {
         }
     }
 
+    /// Rows of A (and C) each kernel call covers: M is padded to a multiple of it.
+    fn row_block(self) -> usize {
+        match self {
+            Kernel::Amx => 2 * TM,
+            Kernel::Avx512Bf16 => dot::MR,
+        }
+    }
+
     /// The unit's name, for messages.
     pub fn name(self) -> &'static str {
         match self {
@@ -122,10 +130,35 @@ impl PackedB {
     /// B [K, N] packed from `fill(bn, strip)`, which writes column strip `bn` (columns
     /// 16 bn .. 16 bn + 16, all K tiles; laid out as [`slot`] says) of the zeroed packing.
     fn packed(k: usize, n: usize, fill: impl Fn(usize, &mut [u16]) + Sync) -> Self {
-        let kb = round_up(k, TK) / TK;
-        let nb = round_up(n, 2 * TM) / TM;
+        let (kb, nb) = Self::blocks(k, n);
         // (k or n is 0 when this is empty: `gemm` then returns zeros or nothing)
         let tiles = crate::ops::par_zeroed(nb * kb * TM * TK, kb * TM * TK, fill);
+        PackedB { k, n, kb, nb, tiles }
+    }
+
+    /// K tiles and column blocks for B [K, N].
+    fn blocks(k: usize, n: usize) -> (usize, usize) {
+        (round_up(k, TK) / TK, round_up(n, 2 * TM) / TM)
+    }
+
+    /// As [`packed`](Self::packed) with a SIMD `fill` that stores every element of a pair of
+    /// strips (32 columns: whole cache lines of a [K, N] source), padding included, so the
+    /// packing is not zeroed first (packing runs on every call: the memset was a third of
+    /// its time).
+    ///
+    /// # Safety
+    /// `fill(pair, strips)` stores all `2 * kb * 512` u16 of strips 2 pair and 2 pair + 1
+    /// (`strips` points at the first; the second follows it).
+    unsafe fn packed_by_simd(k: usize, n: usize, fill: impl Fn(usize, *mut u16) + Sync) -> Self {
+        use rayon::prelude::*;
+        let (kb, nb) = Self::blocks(k, n); // nb is even
+        let pair = 2 * kb * TM * TK;
+        let mut tiles: Vec<u16> = Vec::with_capacity(nb / 2 * pair);
+        if pair > 0 {
+            tiles.spare_capacity_mut()[..nb / 2 * pair].par_chunks_mut(pair).enumerate().for_each(|(i, c)| fill(i, c.as_mut_ptr().cast()));
+        }
+        // SAFETY: the pairs of strips cover 0..nb * strip and `fill` stored each element.
+        unsafe { tiles.set_len(nb / 2 * pair) };
         PackedB { k, n, kb, nb, tiles }
     }
 
@@ -140,6 +173,18 @@ impl PackedB {
     /// rows of W: a 32-bit transpose, written a whole 64-byte tile row at a time (packing is
     /// done on every call, so it must stream, not scatter 16-bit stores).
     pub fn from_nk(w: &[u16], n: usize, k: usize) -> Self {
+        Self::from_nk_with(w, n, k, simd_pack::available())
+    }
+
+    /// [`from_nk`](Self::from_nk) by the SIMD packing (`simd`: the CPU must have it) or the scalar loop.
+    fn from_nk_with(w: &[u16], n: usize, k: usize, simd: bool) -> Self {
+        assert!(w.len() >= n * k, "bf16 gemm: W has {} elements, [{n}, {k}] needs {}", w.len(), n * k);
+        if simd {
+            assert!(simd_pack::available(), "bf16 gemm: SIMD packing needs AVX-512 F + BW");
+            // SAFETY: AVX-512 F + BW are present; `strip_nk` stores its whole strip and reads
+            // rows of W [N, K] only (checked above).
+            return unsafe { Self::packed_by_simd(k, n, |pair, strips| simd_pack::strips_nk(w, n, k, pair, strips)) };
+        }
         Self::packed(k, n, |bn, strip| {
             let rows = TM.min(n.saturating_sub(bn * TM));
             let w = &w[(bn * TM * k).min(w.len())..];
@@ -173,6 +218,18 @@ impl PackedB {
     ///
     /// A tile row interleaves 16 columns of rows 2p and 2p + 1 of W (two contiguous runs).
     pub fn from_kn(w: &[u16], k: usize, n: usize) -> Self {
+        Self::from_kn_with(w, k, n, simd_pack::available())
+    }
+
+    /// [`from_kn`](Self::from_kn) by the SIMD packing (`simd`: the CPU must have it) or the scalar loop.
+    fn from_kn_with(w: &[u16], k: usize, n: usize, simd: bool) -> Self {
+        assert!(w.len() >= n * k, "bf16 gemm: W has {} elements, [{k}, {n}] needs {}", w.len(), n * k);
+        if simd {
+            assert!(simd_pack::available(), "bf16 gemm: SIMD packing needs AVX-512 F + BW");
+            // SAFETY: AVX-512 F + BW are present; `strip_kn` stores its whole strip and
+            // reads rows of W [K, N] only (checked above).
+            return unsafe { Self::packed_by_simd(k, n, |pair, strips| simd_pack::strips_kn(w, k, n, pair, strips)) };
+        }
         Self::packed(k, n, |bn, strip| {
             let c0 = bn * TM;
             if c0 >= n {
@@ -227,7 +284,9 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
         return vec![0f32; m * n]; // an empty sum
     }
     let kp = b.kb * TK;
-    let mp = round_up(m, 2 * TM);
+    // Rows padded to the kernel's row block: AMX's tile pairs (32), the dot kernel's 8 (an
+    // expert's 48 rows would otherwise run as 64).
+    let mp = round_up(m, kern.row_block());
     let np = b.nb * TM;
     // A as bf16 [MP, KP], zero padded: rows are tile rows, so the loads need no masking.
     let ab = crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
@@ -240,7 +299,7 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
     let mut cbuf_vec: Vec<f32> = Vec::with_capacity(mp * np);
     let cbuf = crate::ops::Shared::uninit(&mut cbuf_vec.spare_capacity_mut()[..mp * np]);
-    let rows = mp / (2 * TM);
+    let rows = mp.div_ceil(2 * TM); // blocks of 32 rows, the last one maybe short of 32
     let pairs = b.nb / 2;
     let threads = rayon::current_num_threads().max(1);
     let by_rows = rows >= 2 * threads;
@@ -321,6 +380,147 @@ pub fn matmul(a: &candle_core::Tensor, b: &PackedB) -> candle_core::Result<candl
     let out = gemm(&x[o..e], m, b);
     drop(st);
     candle_core::Tensor::from_vec(out, (m, b.n), a.device())
+}
+
+/// SIMD packing (AVX-512 F + BW; every CPU with a bf16 unit has them): the packing runs
+/// on every call, over weights up to tens of MB, and the scalar loops moved 2-4 GB/s (a 48-row
+/// expert GEMM of DeepSeek-V2-Lite spent 1.5x its GEMM time packing).
+#[cfg(target_arch = "x86_64")]
+mod simd_pack {
+    use super::{TK, TM};
+    use std::arch::x86_64::*;
+
+    /// Are AVX-512 F and BW present?
+    pub fn available() -> bool {
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
+    }
+
+    /// Lanes `0..len` (at most 32) of a 32-lane mask.
+    fn mask32(len: usize) -> u32 {
+        if len >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << len) - 1
+        }
+    }
+
+    /// Strips 2 `pair` and 2 `pair` + 1 of B = Wᵀ for W [N, K]: per K tile, 16 rows of W (32
+    /// bf16 each, i.e. 16 k pairs as u32) transposed as a 16 x 16 matrix of u32, so that tile
+    /// row p holds pair p of the 16 rows. Rows past N and k past K are zeros (masked loads).
+    ///
+    /// # Safety
+    /// AVX-512 F + BW present; `w` holds [N, K]; `dst` points at the two strips' `2 kb * 512` u16.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn strips_nk(w: &[u16], n: usize, k: usize, pair: usize, dst: *mut u16) {
+        let kb = k.div_ceil(TK);
+        for half in 0..2 {
+            let j0 = (2 * pair + half) * TM;
+            let rows = TM.min(n.saturating_sub(j0));
+            for t in 0..kb {
+                let k0 = t * TK;
+                let m = mask32(k - k0);
+                let mut r = [_mm512_setzero_si512(); 16];
+                for (j, v) in r.iter_mut().enumerate().take(rows) {
+                    // SAFETY: the mask keeps the load inside row j0 + j of W [N, K].
+                    *v = unsafe { _mm512_maskz_loadu_epi16(m, w.as_ptr().add((j0 + j) * k + k0).cast()) };
+                }
+                transpose_16x16_u32(&mut r);
+                for (p, v) in r.iter().enumerate() {
+                    // SAFETY: tile t's row p of strip `half`, inside the two strips.
+                    unsafe { _mm512_storeu_si512(dst.add((half * kb + t) * TM * TK + p * TK).cast(), *v) };
+                }
+            }
+        }
+    }
+
+    /// Strips 2 `pair` and 2 `pair` + 1 of B = W for W [K, N]: per k pair p, the 32 columns
+    /// 32 pair.. of rows 2p and 2p + 1 (one cache line each) interleaved into a 64-byte tile row
+    /// of each strip. Columns past N and rows past K are zeros.
+    ///
+    /// # Safety
+    /// AVX-512 F + BW present; `w` holds [K, N]; `dst` points at the two strips' `2 kb * 512` u16.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn strips_kn(w: &[u16], k: usize, n: usize, pair: usize, dst: *mut u16) {
+        let c0 = pair * 2 * TM;
+        let m = mask32(n.saturating_sub(c0));
+        let kb = k.div_ceil(TK);
+        // Lane 2j takes column j of the even row (lanes 0..32 of the pair), lane 2j + 1 that of
+        // the odd row (lanes 32..64): columns 0..16 for the first strip, 16..32 for the second.
+        let lo = _mm512_set_epi16(
+            47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, //
+            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0,
+        );
+        let hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        let strip = kb * TM * TK;
+        for p in 0..kb * TM {
+            // SAFETY: reads inside rows 2p, 2p + 1 of W [K, N] only.
+            let (even, odd) = unsafe { (row32(w, k, n, 2 * p, c0, m), row32(w, k, n, 2 * p + 1, c0, m)) };
+            // SAFETY: tile row p of each strip, inside the two strips.
+            unsafe {
+                _mm512_storeu_si512(dst.add(p * TK).cast(), _mm512_permutex2var_epi16(even, lo, odd));
+                _mm512_storeu_si512(dst.add(strip + p * TK).cast(), _mm512_permutex2var_epi16(even, hi, odd));
+            }
+        }
+    }
+
+    /// Columns c0.. of row kk of W [K, N] where `m` has lanes (zeros past K or N).
+    ///
+    /// # Safety
+    /// AVX-512 BW present; `w` holds [K, N]; `m` has no lane at or past column N - c0.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn row32(w: &[u16], k: usize, n: usize, kk: usize, c0: usize, m: u32) -> __m512i {
+        if kk < k && m != 0 {
+            // SAFETY: the mask keeps the load inside row kk of W [K, N].
+            unsafe { _mm512_maskz_loadu_epi16(m, w.as_ptr().add(kk * n + c0).cast()) }
+        } else {
+            _mm512_setzero_si512()
+        }
+    }
+
+    /// r[j] lane q <- r[q] lane j, for 16 vectors of 16 u32: unpack 32-bit and 64-bit pairs
+    /// within 128-bit lanes (after which u[4i + c] lane L holds column 4L + c of rows
+    /// 4i..4i + 4), then gather the four 128-bit lanes of each column.
+    #[target_feature(enable = "avx512f")]
+    fn transpose_16x16_u32(r: &mut [__m512i; 16]) {
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for c in 0..4 {
+            let (a, b, cc, d) = (u[c], u[4 + c], u[8 + c], u[12 + c]);
+            let x0 = _mm512_shuffle_i32x4::<0x44>(a, b); // [a0 a1 b0 b1]
+            let x1 = _mm512_shuffle_i32x4::<0xEE>(a, b); // [a2 a3 b2 b3]
+            let y0 = _mm512_shuffle_i32x4::<0x44>(cc, d); // [c0 c1 d0 d1]
+            let y1 = _mm512_shuffle_i32x4::<0xEE>(cc, d); // [c2 c3 d2 d3]
+            r[c] = _mm512_shuffle_i32x4::<0x88>(x0, y0); // [a0 b0 c0 d0]: column c
+            r[4 + c] = _mm512_shuffle_i32x4::<0xDD>(x0, y0); // column 4 + c
+            r[8 + c] = _mm512_shuffle_i32x4::<0x88>(x1, y1); // column 8 + c
+            r[12 + c] = _mm512_shuffle_i32x4::<0xDD>(x1, y1); // column 12 + c
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod simd_pack {
+    pub fn available() -> bool {
+        false
+    }
+    pub unsafe fn strips_nk(_: &[u16], _: usize, _: usize, _: usize, _: *mut u16) {
+        unreachable!("x86-64 only")
+    }
+    pub unsafe fn strips_kn(_: &[u16], _: usize, _: usize, _: usize, _: *mut u16) {
+        unreachable!("x86-64 only")
+    }
 }
 
 /// The AMX kernel.
@@ -480,8 +680,8 @@ mod dot {
     use crate::ops::Shared;
     use std::arch::x86_64::*;
 
-    /// Rows of C per micro-block (four per 32-row block of A).
-    const MR: usize = 8;
+    /// Rows of C per micro-block (up to four per 32-row block of A).
+    pub const MR: usize = 8;
 
     /// C blocks for row blocks `rows` (of 32) x column pairs `pairs` (of 32) over the K tiles
     /// `ks`: C = A · B when `ks` starts at 0, else C += A · B. The same contract and walk as
@@ -493,12 +693,13 @@ mod dot {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_blocks(ab: &[u16], kp: usize, b: &PackedB, rows: (usize, usize), pairs: (usize, usize), ks: (usize, usize), np: usize, c: Shared) {
         let tile = TM * TK; // u16 per tile
+        let mp = ab.len() / kp; // rows of A (and C), a multiple of MR
         let panel = super::pairs_per_panel(ks);
         for p0 in (pairs.0..pairs.1).step_by(panel) {
             let p1 = (p0 + panel).min(pairs.1);
             for blk in rows.0..rows.1 {
-                for sub in 0..(2 * TM / MR) {
-                    let r0 = blk * 2 * TM + sub * MR;
+                // The last block of 32 rows stops at MP (M padded to MR only).
+                for r0 in (blk * 2 * TM..(blk + 1) * 2 * TM).step_by(MR).take_while(|&r0| r0 < mp) {
                     // `micro` reads A rows r0..r0 + 8 up to K tile ks.1, and both B strips
                     // of each pair up to K tile ks.1.
                     debug_assert!((r0 + MR - 1) * kp + ks.1 * TK <= ab.len() && ks.1 * TK <= kp, "avx512-bf16: A block past [MP, kp]");
@@ -559,6 +760,7 @@ mod dot {
 mod dot {
     use super::PackedB;
     use crate::ops::Shared;
+    pub const MR: usize = 8;
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_blocks(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
@@ -680,20 +882,23 @@ mod tests {
         t
     }
 
-    /// Runs on every CPU: each B[kk, col] sits where `slot` says, every other element of the
-    /// packing (K and N padding, the strip that makes the strip count even) is zero.
+    /// Runs on every CPU, by the scalar loops and (where the CPU has AVX-512) the SIMD packing:
+    /// each B[kk, col] sits where `slot` says, every other element of the packing (K and N
+    /// padding, the strip that makes the strip count even) is zero.
     #[test]
     fn both_packings_put_every_element_where_the_tile_layout_says_and_zeros_elsewhere() {
-        for &(n, k) in &[(1, 1), (5, 3), (16, 32), (17, 33), (40, 65), (48, 70), (0, 5), (5, 0)] {
+        let simd: &[bool] = if simd_pack::available() { &[false, true] } else { &[false] };
+        let shapes = [(1, 1), (5, 3), (16, 32), (17, 33), (40, 65), (48, 70), (0, 5), (5, 0), (33, 1), (16, 31), (50, 100), (64, 96)];
+        for (&(n, k), &simd) in shapes.iter().flat_map(|s| simd.iter().map(move |b| (s, b))) {
             let w: Vec<u16> = (0..n * k).map(|i| i as u16 + 1).collect(); // W [N, K], no zeros
-            for p in [PackedB::from_nk(&w, n, k), PackedB::from_kn(&transpose(&w, n, k), k, n)] {
+            for p in [PackedB::from_nk_with(&w, n, k, simd), PackedB::from_kn_with(&transpose(&w, n, k), k, n, simd)] {
                 let mut want = vec![0u16; p.tiles.len()];
                 for col in 0..n {
                     for kk in 0..k {
                         want[p.index(col / TM, kk, col % TM)] = w[col * k + kk];
                     }
                 }
-                assert_eq!(p.tiles, want, "n {n}, k {k}");
+                assert_eq!(p.tiles, want, "n {n}, k {k}, simd {simd}");
             }
         }
     }
@@ -718,11 +923,17 @@ mod speed {
             }
             2.0 * (m * n * k) as f64 / (t.elapsed().as_secs_f64() / reps as f64) / 1e9
         };
-        for &(m, n, k) in &[(2048, 576, 576), (2048, 192, 576), (2048, 1536, 576), (2048, 576, 1536), (170, 49152, 576), (170, 576, 49152)] {
+        // The 135M model's layers and head, then a DeepSeek-V2-Lite expert's 48 rows (both ways).
+        let shapes = [(2048, 576, 576), (2048, 192, 576), (2048, 1536, 576), (2048, 576, 1536), (170, 49152, 576), (170, 576, 49152), (48, 1408, 2048), (48, 2048, 1408)];
+        for &(m, n, k) in &shapes {
             let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
             let w: Vec<u16> = (0..n * k).map(|i| bf16_bits((i % 5) as f32 * 0.1)).collect();
             let b = PackedB::from_nk(&w, n, k);
-            let mut line = format!("{m}x{n}x{k}:");
+            // Packing counted as GEMM time, to compare with the GEMM alone.
+            let packs = gflops(m, n, k, &|| {
+                std::hint::black_box(PackedB::from_nk(&w, n, k));
+            });
+            let mut line = format!("{m}x{n}x{k}: packing as fast as {packs:.0} GFLOP/s;");
             for kern in [Kernel::Amx, Kernel::Avx512Bf16] {
                 if kern.supported() {
                     let r = gflops(m, n, k, &|| {

@@ -2,7 +2,7 @@
 //!
 //! A checkpointed step runs every layer twice: once forward (graph dropped, only the layer's
 //! input kept) and once more in backward, to rebuild the graph the gradient flows through.
-//! The recomputation is a third of the step on a CPU. Three things make it cheaper without
+//! The recomputation is a third of the step on a CPU. Four things make it cheaper without
 //! changing a bit of the gradients:
 //! - in the recomputation the layer's output value is never read (only its backward runs), so
 //!   the fused MLP skips its down projection and residual add there ([`Pass::Recompute`]);
@@ -10,7 +10,9 @@
 //!   [`Kept`] slot, and the recomputation then skips the attention kernel (4·N·(NH·D + NH)
 //!   bytes per layer: the best time saved per byte, so kept first);
 //! - likewise the SwiGLU inputs g and u [N, I], and the recomputation skips the gate and up
-//!   GEMMs (8·N·I bytes per layer).
+//!   GEMMs (8·N·I bytes per layer);
+//! - the last layers may not be checkpointed at all ([`KeepLayer::whole`]), when the budget
+//!   holds their whole graph (the plan's estimate of a layer's activations).
 //!
 //! `train.activation_checkpointing = "auto"` picks the layers from the memory the recipe
 //! allows (`train::checkpoint_layers`). torchtune and PEFT checkpoint whole layers and
@@ -41,6 +43,31 @@ pub enum Pass {
 pub struct KeepLayer {
     pub attention: bool,
     pub swiglu: bool,
+    /// Not checkpointed at all: the layer's graph is kept from the forward and backward runs
+    /// through it with no recomputation. Always a run of the last layers (`train` runs them
+    /// as one ordinary forward and backward after the checkpointed ones).
+    pub whole: bool,
+}
+
+impl KeepLayer {
+    /// Bytes this layer keeps per micro-batch, at `costs` per kind.
+    pub fn bytes(&self, costs: KeepCosts) -> usize {
+        if self.whole {
+            return costs.whole;
+        }
+        self.attention as usize * costs.attention + self.swiglu as usize * costs.swiglu
+    }
+}
+
+/// Bytes per micro-batch one layer keeps of each kind (`train::kept_bytes_per_layer`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeepCosts {
+    /// Attention output + log-sum-exp.
+    pub attention: usize,
+    /// SwiGLU inputs g, u.
+    pub swiglu: usize,
+    /// The whole layer's graph (an estimate: `dist::plan::layer_activations`).
+    pub whole: usize,
 }
 
 #[derive(Default)]
@@ -127,24 +154,34 @@ impl Keep {
 }
 
 /// What each of `n_layers` layers keeps within `budget` bytes: first the attention output of
-/// every layer that can (`attention` bytes each, from the last layer down: their backward runs
-/// first, so their memory is freed first), then the SwiGLU inputs (`swiglu` bytes each).
-/// `eligible(i)` says which of the two layer i's ops can keep (the fused CPU ops).
-pub fn layers_to_keep(n_layers: usize, (attention, swiglu): (usize, usize), budget: usize, eligible: impl Fn(usize) -> KeepLayer) -> Vec<KeepLayer> {
+/// every layer that can (`costs.attention` bytes each, from the last layer down: their
+/// backward runs first, so their memory is freed first), then the SwiGLU inputs
+/// (`costs.swiglu` each), then, with what is left, whole layers from the last one down
+/// (`costs.whole` each, less what the layer kept already): where the base dwarfs the
+/// activations (a MoE model at short sequences) "auto" then checkpoints little or nothing.
+/// `eligible(i)` says what layer i can keep (the fused CPU ops; whole layers anywhere).
+pub fn layers_to_keep(n_layers: usize, costs: KeepCosts, budget: usize, eligible: impl Fn(usize) -> KeepLayer) -> Vec<KeepLayer> {
     let mut keep = vec![KeepLayer::default(); n_layers];
     let mut left = budget;
-    let mut take = |cost: usize| {
-        let fits = cost > 0 && cost <= left;
+    let mut take = |cost: usize, refund: usize| {
+        let fits = cost > 0 && cost <= left + refund;
         if fits {
-            left -= cost;
+            left = left + refund - cost;
         }
         fits
     };
     for i in (0..n_layers).rev() {
-        keep[i].attention = eligible(i).attention && take(attention);
+        keep[i].attention = eligible(i).attention && take(costs.attention, 0);
     }
     for i in (0..n_layers).rev() {
-        keep[i].swiglu = eligible(i).swiglu && take(swiglu);
+        keep[i].swiglu = eligible(i).swiglu && take(costs.swiglu, 0);
+    }
+    // Then whole layers, from the last down while they fit, each giving back what it kept.
+    for i in (0..n_layers).rev() {
+        if !(eligible(i).whole && take(costs.whole, keep[i].bytes(costs))) {
+            break;
+        }
+        keep[i] = KeepLayer { attention: false, swiglu: false, whole: true };
     }
     keep
 }
@@ -154,22 +191,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_budget_keeps_attention_outputs_first_then_swiglu_inputs_of_the_last_layers() {
-        let both = KeepLayer { attention: true, swiglu: true };
-        let att = KeepLayer { attention: true, swiglu: false };
+    fn the_budget_keeps_attention_outputs_first_then_swiglu_inputs_then_whole_layers_from_the_last() {
+        let both = KeepLayer { attention: true, swiglu: true, whole: false };
+        let att = KeepLayer { attention: true, ..KeepLayer::default() };
+        let whole = KeepLayer { whole: true, ..KeepLayer::default() };
         let none = KeepLayer::default();
+        let all = KeepLayer { attention: true, swiglu: true, whole: true };
         // Layer 2 has no fused MLP (MoE, say): it can keep only its attention output.
-        let elig = |i: usize| if i == 2 { att } else { both };
-        assert_eq!(layers_to_keep(4, (1, 10), 15, elig), vec![att, att, att, both]);
-        assert_eq!(layers_to_keep(4, (1, 10), 24, elig), vec![att, both, att, both]);
-        assert_eq!(layers_to_keep(4, (1, 10), 2, elig), vec![none, none, att, att]);
-        assert_eq!(layers_to_keep(4, (1, 10), 0, elig), vec![none; 4]);
-        assert_eq!(layers_to_keep(4, (1, 10), 1000, elig), vec![both, both, att, both]);
+        let elig = |i: usize| if i == 2 { KeepLayer { swiglu: false, ..all } } else { all };
+        let costs = KeepCosts { attention: 1, swiglu: 10, whole: 30 };
+        assert_eq!(layers_to_keep(4, costs, 15, elig), vec![att, att, att, both]);
+        assert_eq!(layers_to_keep(4, costs, 24, elig), vec![att, both, att, both]);
+        assert_eq!(layers_to_keep(4, costs, 2, elig), vec![none, none, att, att]);
+        assert_eq!(layers_to_keep(4, costs, 0, elig), vec![none; 4]);
+        // 4 + 30 = 34 kept first; layer 3 then gives back its 11 for 30 (53), layer 2 its 1 (82).
+        assert_eq!(layers_to_keep(4, costs, 53, elig), vec![both, both, att, whole]);
+        assert_eq!(layers_to_keep(4, costs, 82, elig), vec![both, both, whole, whole]);
+        assert_eq!(layers_to_keep(4, costs, 120, elig), vec![whole; 4]);
+        // Whole layers stay a run of the last ones: a layer that cannot be whole ends it.
+        let elig = |i: usize| if i == 2 { both } else { all };
+        assert_eq!(layers_to_keep(4, costs, 1000, elig), vec![both, both, both, whole]);
     }
 
     #[test]
     fn a_slot_hands_back_what_was_put_once_and_only_what_its_layer_keeps() {
-        let kept = Kept::new(&[KeepLayer::default(), KeepLayer { attention: false, swiglu: true }]);
+        let kept = Kept::new(&[KeepLayer::default(), KeepLayer { swiglu: true, ..KeepLayer::default() }]);
         assert!(kept.slot(0).is_none() && kept.slot(7).is_none());
         let s = kept.slot(1).expect("layer 1 keeps");
         s.put_attention((vec![0.0; 5], vec![0.0; 1]));

@@ -217,7 +217,7 @@ mod tests {
             Ok((y * &dy)?.sum_all()?.backward()?.get(&x).cloned().expect("dx"))
         };
         let want = dx(Pass::Plain, None)?;
-        let kept = Kept::new(&[KeepLayer::default(), KeepLayer { attention: false, swiglu: true }]);
+        let kept = Kept::new(&[KeepLayer::default(), KeepLayer { swiglu: true, ..KeepLayer::default() }]);
         let y = frozen_mlp_residual(K, x.as_tensor(), &norm, 1e-5, w, Keep { pass: Pass::Checkpointed, slot: kept.slot(1) })?.expect("fused on cpu");
         let y_plain = frozen_mlp_residual(K, x.as_tensor(), &norm, 1e-5, w, Keep::plain())?.expect("fused on cpu");
         assert_eq!((y - y_plain)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "a checkpointed forward's value is the plain one");
