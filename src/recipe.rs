@@ -450,8 +450,8 @@ pub struct TrainSection {
     #[serde(default)]
     pub activation_checkpointing: Checkpointing,
     /// What "auto" checkpointing may keep per micro-batch, in MB (unset: twice the saved
-    /// layer inputs, four times with a 16-bit base, or a quarter of the base's weights where
-    /// that is more: `train::checkpoint_layers`).
+    /// layer inputs, four times with a 16-bit base, and no checkpointing at all when every
+    /// layer fits whole in a quarter of the base's bytes: `train::checkpoint_layers`).
     #[serde(default)]
     pub activation_memory_mb: Option<usize>,
     /// Evaluate every N steps (0: only at the end when eval data is set).

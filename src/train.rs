@@ -1016,6 +1016,10 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
 /// memory as the matmuls read them. A layer's graph holds the weights it was handed,
 /// so with ZeRO-3 shards, a quantized base or a bf16 base converted for f32 matmuls a whole
 /// layer would keep its gathered, dequantised or converted copy until backward.
+/// Without `train.activation_memory_mb`, a model whose layers all fit whole in a quarter of
+/// its base's bytes is not checkpointed at all (DeepSeek-V2-Lite's MoE cut at 1 x 512: 617 MB
+/// of activations beside a 3.4 GB bf16 base); the peak is then the base plus at most a
+/// quarter, where recomputing would save a few percent of it and cost ~30% of the step.
 /// `fused`: whether the fused CPU ops run (`Kernels::fused_on`).
 pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bool, resident: bool) -> Option<Vec<KeepLayer>> {
     use crate::recipe::Checkpointing;
@@ -1025,6 +1029,10 @@ pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bo
         Checkpointing::On => Some(vec![KeepLayer::default(); l]),
         Checkpointing::Auto => {
             let costs = kept_bytes_per_layer(r, cfg);
+            let base = cfg.base_param_count() as usize * parse_dtype(&r.model.dtype).size_in_bytes();
+            if fused && resident && r.train.activation_memory_mb.is_none() && l * costs.whole <= base / 4 {
+                return Some(vec![KeepLayer { whole: true, ..KeepLayer::default() }; l]);
+            }
             let budget = r.train.activation_memory_mb.map_or_else(|| default_keep_budget(r, cfg), |mb| mb << 20);
             let targets = r.lora.targets.as_deref().unwrap_or_default(); // unset: attention only
             let mlp_adapted = ["gate_proj", "up_proj", "down_proj"].iter().any(|p| targets.iter().any(|t| t == p));
@@ -1037,7 +1045,14 @@ pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bo
 /// The most (padded) tokens a micro-batch holds: micro_batch_size x max_seq_len, or
 /// data.max_tokens with token batching.
 pub fn tokens_per_micro_batch(r: &crate::recipe::Recipe) -> usize {
-    if r.data.batch_by == "tokens" { r.data.max_tokens } else { r.train.micro_batch_size * r.data.max_seq_len }
+    let (b, s) = micro_batch_shape(r);
+    b * s
+}
+
+/// The largest micro-batch as (rows, padded length): micro_batch_size x max_seq_len, or one
+/// row of data.max_tokens with token batching (the most tokens, in the longest rows).
+pub fn micro_batch_shape(r: &crate::recipe::Recipe) -> (usize, usize) {
+    if r.data.batch_by == "tokens" { (1, r.data.max_tokens) } else { (r.train.micro_batch_size, r.data.max_seq_len) }
 }
 
 /// Bytes one layer keeps per micro-batch: attention output + log-sum-exp, SwiGLU inputs (all
@@ -1050,7 +1065,7 @@ pub fn kept_bytes_per_layer(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> Kee
         Some(m) => m.attention_width(),
         None => cfg.head_dim,
     };
-    let (b, s) = if r.data.batch_by == "tokens" { (1, r.data.max_tokens) } else { (r.train.micro_batch_size, r.data.max_seq_len) };
+    let (b, s) = micro_batch_shape(r);
     KeepCosts {
         attention: 4 * tokens * nh * (width + 1),
         swiglu: 8 * tokens * cfg.intermediate_size,
@@ -1079,18 +1094,13 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> Strin
 
 /// The budget "auto" checkpointing keeps activations in when the recipe sets none: twice
 /// what checkpointing keeps anyway (each layer's input, L·N·H f32), four times with a 16-bit
-/// base, whose weights take half the memory of f32 ones; or a quarter of the base's weights
-/// where that is more. The first grows with the tokens of a micro-batch as every other
-/// activation does; on SmolLM2 at 4 x 512: 270 MB with an f32 base (the attention outputs of
-/// every layer and the SwiGLU inputs of 5), 540 MB with bf16 (16). Why not more: at 1 x 512
-/// an f32 SmolLM2 run then stays near a third of PEFT's leanest RSS. The second is for models
-/// whose base dwarfs their activations (DeepSeek-V2-Lite's MoE cut at 1 x 512: 840 MB of a
-/// 3.4 GB bf16 base, room to checkpoint nothing), where the peak is the base plus at most a
-/// quarter.
+/// base, whose weights take half the memory of f32 ones. It grows with the tokens of a
+/// micro-batch as every other activation does. On SmolLM2 at 4 x 512: 270 MB with an f32 base
+/// (the attention outputs of every layer and the SwiGLU inputs of 5), 540 MB with bf16 (16).
+/// Why not more: at 1 x 512 an f32 SmolLM2 run then stays near a third of PEFT's leanest RSS.
 fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> usize {
     let inputs = cfg.num_hidden_layers * tokens_per_micro_batch(r) * cfg.hidden_size * 4;
-    let base = cfg.base_param_count() as usize * if r.model.dtype == "f32" { 4 } else { 2 };
-    if r.model.dtype == "f32" { 2 * inputs } else { 4 * inputs }.max(base / 4)
+    if r.model.dtype == "f32" { 2 * inputs } else { 4 * inputs }
 }
 
 /// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` (f64)

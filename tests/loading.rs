@@ -196,6 +196,21 @@ fn auto_checkpointing_leaves_layers_whole_only_where_the_base_stays_resident() {
     assert!(sharded.contains(&format!("attention outputs of {layers} and the SwiGLU inputs of {layers} of {layers} layers (~")), "{sharded}");
 }
 
+/// With no `train.activation_memory_mb`, "auto" does not checkpoint a model whose layers all
+/// fit whole in a quarter of its base (a large vocabulary, short rows: the base dwarfs the
+/// activations, as a MoE model's does); elsewhere it recomputes as before.
+#[test]
+fn auto_checkpointing_without_a_budget_skips_checkpointing_where_the_base_dwarfs_the_activations() {
+    let big_vocab = TinyShape { vocab: 50_000, ..TinyShape::default() };
+    for (shape, want) in [(big_vocab, "none needed"), (TinyShape::default(), "recomputed from")] {
+        let ws = workspace(&shape, 1);
+        train(ws.path(), &["train.max_steps=1", "data.max_seq_len=16", "train.activation_checkpointing=auto"]);
+        let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ws.path().join("out/summary.json")).unwrap()).unwrap();
+        let said = summary["kernels"].as_str().unwrap();
+        assert!(said.contains(want), "vocab {}: {said}", shape.vocab);
+    }
+}
+
 #[test]
 fn fresh_adapter_leaves_the_model_unchanged() {
     // B = 0 at init: the step-1 loss with LoRA equals the loss with LoRA on other modules.

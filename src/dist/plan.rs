@@ -159,7 +159,7 @@ fn replay_peak(cfg: &ModelConfig, prefetch: usize, unit_bytes: &HashMap<Unit, us
 /// strips and never keeps scores); one strip's f32 scores are transient on top. `gpu` is the
 /// portable path (activations in the storage dtype, tall strips), else the fused CPU ops.
 fn activations(cfg: &ModelConfig, r: &Recipe, a: usize, gpu: bool) -> (usize, usize) {
-    let (b, s) = (r.train.micro_batch_size, r.data.max_seq_len);
+    let (b, s) = crate::train::micro_batch_shape(r);
     let (h, l) = (cfg.hidden_size, cfg.num_hidden_layers);
     let layer = layer_activations(cfg, b, s, a, gpu);
     // The loss head: one [chunk, V] block of f32 logits and its gradient.
