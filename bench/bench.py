@@ -8,7 +8,7 @@ threads and batch, measured in one run so only ratios matter.
 
 The model is a random-weight SmolLM2-135M-shaped Llama written by `finetune synth` (HF layout,
 so PEFT loads the very same files). The `moe` section writes a 6.7 GB f32 DeepSeek-V2-Lite-shaped
-model (3 layers) with transformers and needs about 8 GB of free RAM per side and 7 GB of disk. LoRA rank 16 on q/k/v/o, 2 threads. Sections: the data
+model (3 layers) with transformers and needs about 13 GB of free RAM (PEFT's rows) and 7 GB of disk. LoRA rank 16 on q/k/v/o, 2 threads. Sections: the data
 loader; batch 4 x 512 and 1 x 512, each in f32 and with a bf16 base; sequence lengths
 256..2048 at a fixed 2048 tokens per step. MFU is model FLOPs per second over the measured
 GEMM peak of the row's base dtype (torch: MKL f32, oneDNN bf16, on the model's shapes). Peak RSS is each process's own ru_maxrss (a
