@@ -1170,7 +1170,7 @@ pub fn forward_backward(
     // marks whole are not checkpointed: they run as an ordinary forward whose graph the
     // head's backward goes through.
     let n_layers = model.cfg.num_hidden_layers;
-    let whole_from = (0..n_layers).find(|&i| keep[i..].iter().all(|k| k.whole)).unwrap_or(n_layers);
+    let whole_from = keep.iter().rposition(|k| !k.whole).map_or(0, |i| i + 1);
     ctx.pass = Pass::Checkpointed;
     ctx.kept = keep.iter().any(|k| k.attention || k.swiglu).then(|| Kept::new(keep));
     let mut inputs = Vec::with_capacity(whole_from + 1);

@@ -69,6 +69,8 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
     let tensors = cfg.frozen_tensors();
     let numel = |s: &[usize]| s.iter().product::<usize>();
     let stage3 = r.dist.zero_stage == 3;
+    // The dtype the frozen matmuls read (a bf16 base is converted for f32 math without a bf16 unit).
+    let matmul = if on_gpu { storage } else { Kernels::Auto.matmul_dtype(&r.model.matmul, storage, DType::F32, &Device::Cpu) };
     let (frozen, gathered_peak) = if let Some(q) = quant {
         let frozen = tensors.iter().map(|(n, s)| q.bytes.get(n).copied().unwrap_or(numel(s) * es_of(n))).sum();
         let mut unit_bytes: HashMap<Unit, usize> = HashMap::new();
@@ -79,7 +81,6 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
         // is dequantised a chunk of vocabulary rows at a time (`ops::loss`), its size set by
         // the matmul dtype.
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let matmul = if on_gpu { storage } else { Kernels::Auto.matmul_dtype(&r.model.matmul, storage, DType::F32, &Device::Cpu) };
         let chunk = crate::ops::loss::vocab_chunk(v, h * matmul.size_in_bytes()) * h * es_of("lm_head.weight");
         unit_bytes.insert(Unit::Tensor("model.embed_tokens.weight".into()), 0);
         unit_bytes.insert(head_unit(cfg), chunk);
@@ -102,9 +103,8 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
     let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 }, on_gpu);
     // What "auto" checkpointing keeps for the recomputation (`ops::checkpoint`).
     let costs = crate::train::kept_bytes_per_layer(r, cfg);
-    let matmul = if on_gpu { storage } else { Kernels::Auto.matmul_dtype(&r.model.matmul, storage, DType::F32, &Device::Cpu) };
     let resident = !stage3 && quant.is_none() && matmul == storage;
-    let keep = crate::train::checkpoint_layers(r, cfg, !on_gpu && r.model.kernels == "auto", resident).unwrap_or_default();
+    let keep = crate::train::checkpoint_layers(r, cfg, !on_gpu && r.model.kernels().fused_on(&Device::Cpu), resident).unwrap_or_default();
     let kept: usize = keep.iter().map(|k| k.bytes(costs)).sum();
     // Every layer whole: no checkpointing at all, whatever the recipe says.
     let ckpt = if !keep.is_empty() && keep.iter().all(|k| k.whole) { full } else { ckpt + kept };
