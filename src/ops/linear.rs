@@ -133,7 +133,7 @@ pub fn lora_linear(k: Kernels, x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor, s
         let l = xd.matmul(&a.t()?)?.matmul(&(b * scale)?.t()?)?.to_dtype(x.dtype())?; // [N, out]
         return frozen_linear(k, x, w)? + l;
     }
-    let op = LoraMatmul { w: w.contiguous()?, scale: scale as f32, mask };
+    let op = LoraMatmul { w: w.contiguous()?, scale: scale as f32, mask, xa: std::sync::Mutex::new(None) };
     x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, op)
 }
 
@@ -143,6 +143,16 @@ struct LoraMatmul {
     scale: f32,
     /// [N * in] dropout mask (0 or 1 / (1 - p)) on the adapter's input.
     mask: Option<Vec<f32>>,
+    /// xa = (m ⊙ x) Aᵀ [N, R] from the forward, for dB in the backward (N·R floats, where
+    /// recomputing it re-read all of x).
+    xa: std::sync::Mutex<Option<Vec<f32>>>,
+}
+
+/// xa [N, R] = xd [N, in] · Aᵀ for A [R, in].
+fn down(xd: &[f32], n: usize, inp: usize, a: &[f32], r: usize) -> Vec<f32> {
+    let mut xa = vec![0f32; n * r];
+    sgemm(n, r, inp, &mut xa, r, false, xd, inp, 1, a, 1, inp, 1.0, candle_core::utils::get_num_threads());
+    xa
 }
 
 impl LoraMatmul {
@@ -179,9 +189,9 @@ impl candle_core::CustomOp3 for LoraMatmul {
         let threads = candle_core::utils::get_num_threads();
         let mut y = frozen_gemm(x, n, &self.w, false)?; // [N, out]
         // xa [N, R] = (m ⊙ x) Aᵀ;  y += s · xa Bᵀ
-        let mut xa = vec![0f32; n * r];
-        sgemm(n, r, inp, &mut xa, r, false, &self.dropped(x), inp, 1, a, 1, inp, 1.0, threads);
+        let xa = down(&self.dropped(x), n, inp, a, r);
         sgemm(n, out, r, &mut y, out, true, &xa, r, 1, b, 1, r, self.scale, threads);
+        *self.xa.lock().unwrap_or_else(|e| e.into_inner()) = Some(xa);
         Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((n, out))))
     }
 
@@ -207,9 +217,13 @@ impl candle_core::CustomOp3 for LoraMatmul {
         // dA [R, in] = s · uᵀ (m ⊙ x)
         let mut da = vec![0f32; r * inp];
         sgemm(r, inp, n, &mut da, inp, false, &u, 1, r, &xd, inp, 1, s, threads);
-        // dB [out, R] = s · gᵀ xa, xa = (m ⊙ x) Aᵀ [N, R] recomputed
-        let mut xa = vec![0f32; n * r];
-        sgemm(n, r, inp, &mut xa, r, false, &xd, inp, 1, &ae, 1, inp, 1.0, threads);
+        // dB [out, R] = s · gᵀ xa, xa = (m ⊙ x) Aᵀ [N, R] from the forward (recomputed if
+        // this op's forward did not run on the CPU path)
+        let kept = self.xa.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let xa = match kept {
+            Some(xa) if xa.len() == n * r => xa,
+            _ => down(&xd, n, inp, &ae, r),
+        };
         let mut db = vec![0f32; out * r];
         sgemm(out, r, n, &mut db, r, false, &ge, 1, out, &xa, r, 1, s, threads);
         let dev = x.device();
