@@ -321,10 +321,9 @@ pub fn gemm(a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
 ///
 /// Blocking, so that neither operand is streamed from memory more than once per K panel:
 /// K is cut into equal panels of at most `Kernel::k_panel` tiles (C is reloaded between panels);
-/// within a panel, work is split over threads by row blocks or by column blocks: every task
-/// then reads all of B or all of A, so the split re-reads the smaller one (by rows for the
-/// layers' big M, by columns for the LM head's chunk of rows against 49k columns), unless
-/// it has too few units to share between the threads. Each task
+/// within a panel, work is split over threads by row blocks or by column blocks (see
+/// [`split`]: by rows for the layers' big M, by columns for an expert's few rows or the LM
+/// head's chunk of rows against 49k columns). Each task
 /// walks its columns in panels of B small enough to stay in L2 while its row blocks pass.
 pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     check_a(a, m, b);
@@ -341,7 +340,7 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     let rows = mp.div_ceil(2 * TM); // blocks of 32 rows, the last one maybe short of 32
     let pairs = b.nb / 2;
     let threads = rayon::current_num_threads().max(1);
-    let (by_rows, per) = split(rows, pairs, mp >= np, threads);
+    let (by_rows, per) = split(rows, pairs, mp, np, threads);
     // A as bf16, zero padded to [MP, KP] so the loads need no masking: row-major for the dot
     // kernel, in whole tiles for AMX (see `ATiles`). AMX split by rows converts each task's
     // own rows as it starts (into a buffer its thread keeps), so they are in cache when its
@@ -496,12 +495,14 @@ unsafe fn tile_rows_avx512(src: &[f32], ks: (usize, usize), dst: &mut [std::mem:
 }
 
 /// How `gemm_with` shares a K panel between `threads`: by row blocks (true) or by column
-/// pairs, and how many of them per task. Tasks are about two per thread; the split whose
-/// tasks keep the threads busiest wins (9 units in tasks of 3 leave a thread idle a third
-/// of the time: 16 row blocks of 4 do not), and between equally busy ones, the split that
-/// re-reads the smaller operand (`rows_smaller`: each task reads all of B by rows, all of A
-/// by pairs).
-fn split(rows: usize, pairs: usize, rows_smaller: bool, threads: usize) -> (bool, usize) {
+/// pairs, and how many of them per task. Each task reads all of B when split by rows, all of
+/// A by columns. Where one operand is four times the other or more (`mp`, `np`: A's and B's
+/// padded rows and columns, both K long), the split re-reads the small one: a 48-row expert
+/// against a 1408-column weight goes by columns, since by rows each task would stream the
+/// whole 5.8 MB weight. Otherwise the split whose tasks (about two per thread) keep the threads
+/// busiest wins (9 column pairs in tasks of 3 leave a thread idle a third of the time: 16 row
+/// blocks of 4 do not), and between equally busy ones, the one that re-reads the smaller.
+fn split(rows: usize, pairs: usize, mp: usize, np: usize, threads: usize) -> (bool, usize) {
     let threads = threads.max(1);
     // (busy fraction, units per task) of sharing `units` in tasks of about units / 2 threads.
     let busy = |units: usize| {
@@ -511,7 +512,15 @@ fn split(rows: usize, pairs: usize, rows_smaller: bool, threads: usize) -> (bool
     };
     let (r, rper) = busy(rows);
     let (p, pper) = busy(pairs);
-    let by_rows = if (r - p).abs() > 0.05 { r > p } else { !rows_smaller };
+    let by_rows = if mp >= 4 * np && rows >= threads {
+        true
+    } else if np >= 4 * mp && pairs >= threads {
+        false
+    } else if (r - p).abs() > 0.05 {
+        r > p
+    } else {
+        mp >= np
+    };
     (by_rows, if by_rows { rper } else { pper })
 }
 
@@ -1171,6 +1180,19 @@ mod tests {
                 assert_eq!(x, y, "tile {t}, column {c}");
             }
         }
+    }
+
+    #[test]
+    fn gemm_work_is_split_to_keep_two_threads_busy_without_streaming_a_big_operand_twice() {
+        // (M padded, N padded) -> by rows?  Row blocks are 32 rows, column pairs 32 columns.
+        let by_rows = |mp: usize, np: usize| split(mp.div_ceil(32), np / 32, mp, np, 2).0;
+        assert!(by_rows(2048, 576), "a layer at 4 x 512: 64 row blocks");
+        assert!(by_rows(512, 576), "1 x 512: 16 row blocks share evenly, 9 column pairs do not");
+        assert!(by_rows(2048, 192), "k/v projections: B is small");
+        assert!(!by_rows(64, 1408), "an expert's 48 rows: by rows each task would stream all of W");
+        assert!(!by_rows(192, 49152), "an LM-head chunk: 49k columns");
+        assert!(!by_rows(192, 576), "the head's input gradient: as busy either way, A is smaller");
+        assert_eq!(split(64, 18, 2048, 576, 2), (true, 16));
     }
 
     #[test]
