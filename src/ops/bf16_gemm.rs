@@ -400,6 +400,69 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     crate::ops::par_zeroed(m * n, n, |r, row: &mut [f32]| row.copy_from_slice(&cbuf_vec[r * np..][..n]))
 }
 
+/// Rows of A up to which [`gemm_wt`] reads W where it lies rather than packing it.
+const WT_MAX_ROWS: usize = 128;
+
+/// C [M, N] = A [M, K] · Wᵀ for a bf16 W [N, K] (row-major), on AMX with W read where it
+/// lies as the tiles' first operand: Cᵀ = W · Aᵀ, so only A is packed (as Aᵀ, M columns).
+/// For the few rows of an expert, packing its weight on every call took as long as the GEMM
+/// (a quarter of a DeepSeek-V2-Lite MoE step on AMX). The same products and sums as
+/// [`gemm`] on a packed Wᵀ, the two operands' roles swapped. None where it does not apply:
+/// not on AMX, over `WT_MAX_ROWS` rows (packing W then pays for itself), N or K not a
+/// multiple of 32.
+pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec<f32>> {
+    if kernel() != Some(Kernel::Amx) || m == 0 || m > WT_MAX_ROWS || n == 0 || n % (2 * TM) != 0 || k == 0 || k % TK != 0 {
+        return None;
+    }
+    assert!(a.len() == m * k && w.len() >= n * k, "bf16 gemm: A [{m}, {k}] or W [{n}, {k}] short");
+    // Aᵀ as B: A rounded to bf16 [M, K], packed as the forward packs a weight [N, K].
+    let mut ab = vec![0u16; m * k];
+    for (row, dst) in a.chunks_exact(k).zip(ab.chunks_exact_mut(k)) {
+        round_row(row, dst);
+    }
+    let b = PackedB::from_nk(&ab, m, k);
+    let np = b.nb * TM; // M padded to whole column pairs
+    let bands = n / (2 * TM);
+    let mut ct: Vec<f32> = Vec::with_capacity(n * np); // Cᵀ [N, NP]
+    let cs = crate::ops::Shared::uninit(&mut ct.spare_capacity_mut()[..n * np]);
+    let per = bands.div_ceil(2 * rayon::current_num_threads().max(1)).max(1);
+    let kc = k_panels(b.kb, Kernel::Amx.k_panel());
+    for k0 in (0..b.kb).step_by(kc) {
+        let k1 = (k0 + kc).min(b.kb);
+        (0..bands.div_ceil(per)).into_par_iter().for_each(|t| {
+            let cp = cs;
+            // SAFETY: AMX is this process's kernel; tasks write disjoint bands of Cᵀ [N, NP];
+            // W holds N rows of K (asserted), K and N are multiples of 32 (checked above).
+            unsafe { amx::run_w(w, k, &b, (t * per, ((t + 1) * per).min(bands)), (k0, k1), np, cp) };
+        });
+    }
+    // SAFETY: the first K panel stored every band across every column pair: all of Cᵀ.
+    unsafe { ct.set_len(n * np) };
+    Some(crate::ops::par_zeroed(m * n, n, |i, row: &mut [f32]| {
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = ct[j * np + i];
+        }
+    }))
+}
+
+/// x [M, in] · Wᵀ for a frozen bf16 W [out, in] on CPU (a linear's forward): [`gemm_wt`] where
+/// it applies, else [`gemm`] on W packed.
+pub fn linear_forward(x: &[f32], m: usize, w: &candle_core::Tensor) -> candle_core::Result<Vec<f32>> {
+    use half::slice::HalfFloatSliceExt;
+    let (out, inp) = w.dims2()?;
+    {
+        let w = w.contiguous()?;
+        let (st, l) = w.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(data)), Some((o, e))) = (&*st, l.contiguous_offsets()) {
+            let bits: &[u16] = data[o..e].reinterpret_cast();
+            if let Some(y) = gemm_wt(x, m, bits, out, inp) {
+                return Ok(y);
+            }
+        }
+    }
+    Ok(gemm(x, m, &PackedB::from_weight(w, false)?))
+}
+
 thread_local! {
     /// The A tiles of the task a thread runs last (AMX split by rows): kept, so the next
     /// task converts into memory that is already mapped and likely in cache.
@@ -807,9 +870,45 @@ mod amx {
                     a_half: (a1 - a0) * 2,
                     c_stride: np * 4,
                     strip: b.kb * tile * 2,
+                    a_stride: TK * 2,
+                    a_step: tile * 2,
                 };
                 band_program(&band);
             }
+        }
+    }
+
+    /// Bands of Cᵀ = W · Aᵀ with W [N, K] (bf16, row-major) as the tiles' first operand read
+    /// where it lies (tile rows K apart): bands `bands` (32 rows of W each) across all column
+    /// pairs of `b` (Aᵀ packed), over the K tiles `ks` (= or += as `run_tiles`).
+    ///
+    /// # Safety
+    /// AMX is enabled; W has the bands' rows, K a multiple of 32 (`k` elements a row, so no
+    /// tile row reads past its row); `c` is a [N, np] f32 buffer whose bands in this range
+    /// nobody else touches.
+    pub unsafe fn run_w(w: &[u16], k: usize, b: &PackedB, bands: (usize, usize), ks: (usize, usize), np: usize, c: Shared) {
+        assert!(ks.0 < ks.1 && k % TK == 0, "amx: K panel {ks:?} of K {k}");
+        let cfg = config();
+        let tile = TM * TK; // u16 per tile
+        let pairs = b.nb / 2;
+        for blk in bands.0..bands.1 {
+            let r0 = blk * 2 * TM;
+            debug_assert!((r0 + 2 * TM - 1) * k + ks.1 * TK <= w.len(), "amx: W band past W");
+            let band = Band {
+                cfg: &cfg,
+                a: w.as_ptr().add(r0 * k + ks.0 * TK),
+                b: b.tiles.as_ptr().add(ks.0 * tile),
+                c: c.ptr_at(r0 * np, (2 * TM - 1) * np + pairs * 2 * TM),
+                nk: ks.1 - ks.0,
+                pairs,
+                accumulate: (ks.0 > 0) as usize,
+                a_half: TM * k * 2,
+                c_stride: np * 4,
+                strip: b.kb * tile * 2,
+                a_stride: k * 2,
+                a_step: TK * 2,
+            };
+            band_program(&band);
         }
     }
 
@@ -827,6 +926,8 @@ mod amx {
         a_half: usize,        // +56: bytes from A's tiles of rows 0-15 to those of rows 16-31
         c_stride: usize,      // +64: bytes between rows of C
         strip: usize,         // +72: bytes of one strip (a pair is two, side by side)
+        a_stride: usize,      // +80: bytes between the rows of one A tile
+        a_step: usize,        // +88: bytes from one K tile of A to the next
     }
 
     /// One self-contained tile program for a band, as the module invariant says: for each
@@ -850,19 +951,19 @@ mod amx {
             "mov {c}, [{p} + 24]",
             "mov {b}, [{p} + 16]",
             "mov {n}, [{p} + 40]",
-            "mov {sb}, 64",                      // packed A and B tile rows are 64 bytes apart
+            "mov {sb}, 64",                      // packed B tile rows are 64 bytes apart
             // One column pair per pass.
             "2:",
-            "mov {sc}, [{p} + 64]",              // C's row stride
-            "mov {x}, {sc}",
+            "mov {s}, [{p} + 64]",               // s: C's row stride here, A's in the k loop
+            "mov {x}, {s}",
             "shl {x}, 4",
             "add {x}, {c}",                      // x: C's row 16
             "cmp qword ptr [{p} + 48], 0",
             "je 4f",
-            "tileloadd tmm0, [{c} + {sc}*1]",
-            "tileloadd tmm1, [{c} + {sc}*1 + 64]",
-            "tileloadd tmm2, [{x} + {sc}*1]",
-            "tileloadd tmm3, [{x} + {sc}*1 + 64]",
+            "tileloadd tmm0, [{c} + {s}*1]",
+            "tileloadd tmm1, [{c} + {s}*1 + 64]",
+            "tileloadd tmm2, [{x} + {s}*1]",
+            "tileloadd tmm3, [{x} + {s}*1 + 64]",
             "jmp 5f",
             "4:",
             "tilezero tmm0",
@@ -877,29 +978,32 @@ mod amx {
             "mov {b1}, {b}",
             "add {b1}, [{p} + 72]",              // the pair's right strip
             "mov {k}, [{p} + 32]",
-            // The k loop: per K tile, both halves of A and both B strips advance one 1 KiB tile.
+            "mov {s}, [{p} + 80]",
+            // The k loop: per K tile, both halves of A advance one K tile (`a_step`) and both
+            // B strips one 1 KiB tile.
             "3:",
-            "tileloadd tmm4, [{a0} + {sb}*1]",
-            "tileloadd tmm5, [{a1} + {sb}*1]",
+            "tileloadd tmm4, [{a0} + {s}*1]",
+            "tileloadd tmm5, [{a1} + {s}*1]",
             "tileloadd tmm6, [{b0} + {sb}*1]",
             "tileloadd tmm7, [{b1} + {sb}*1]",
             "tdpbf16ps tmm0, tmm4, tmm6",
             "tdpbf16ps tmm1, tmm4, tmm7",
             "tdpbf16ps tmm2, tmm5, tmm6",
             "tdpbf16ps tmm3, tmm5, tmm7",
-            "add {a0}, 1024",
-            "add {a1}, 1024",
+            "add {a0}, [{p} + 88]",
+            "add {a1}, [{p} + 88]",
             "add {b0}, 1024",
             "add {b1}, 1024",
             "dec {k}",
             "jnz 3b",
-            "mov {x}, {sc}",
+            "mov {s}, [{p} + 64]",
+            "mov {x}, {s}",
             "shl {x}, 4",
             "add {x}, {c}",
-            "tilestored [{c} + {sc}*1], tmm0",
-            "tilestored [{c} + {sc}*1 + 64], tmm1",
-            "tilestored [{x} + {sc}*1], tmm2",
-            "tilestored [{x} + {sc}*1 + 64], tmm3",
+            "tilestored [{c} + {s}*1], tmm0",
+            "tilestored [{c} + {s}*1 + 64], tmm1",
+            "tilestored [{x} + {s}*1], tmm2",
+            "tilestored [{x} + {s}*1 + 64], tmm3",
             "add {c}, 128",                      // the next 32 columns of C
             "add {b}, [{p} + 72]",
             "add {b}, [{p} + 72]",               // the next pair's strips
@@ -911,7 +1015,7 @@ mod amx {
             c = out(reg) _,
             b = out(reg) _,
             n = out(reg) _,
-            sc = out(reg) _,
+            s = out(reg) _,
             sb = out(reg) _,
             a0 = out(reg) _,
             a1 = out(reg) _,
@@ -928,6 +1032,9 @@ mod amx {
     use super::{ATiles, PackedB};
     use crate::ops::Shared;
     pub unsafe fn run_tiles(_: &ATiles, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
+        unreachable!("AMX is x86-64 only; available() is false here")
+    }
+    pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AMX is x86-64 only; available() is false here")
     }
 }
@@ -1183,6 +1290,27 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(not(bf16_amx), ignore = "needs AMX (build.rs found none on this machine)")]
+    fn reading_w_where_it_lies_gives_the_bits_of_the_packed_gemm() {
+        let _ = here(Kernel::Amx);
+        // (M, N, K): one row, ragged M, K past one panel (2048), the most rows it takes.
+        for &(m, n, k) in &[(1, 32, 32), (17, 64, 96), (48, 96, 2080), (128, 64, 64)] {
+            let a = data(m * k, 11);
+            let w: Vec<u16> = data(n * k, 12).iter().map(|&x| bf16_bits(x)).collect();
+            let got = gemm_wt(&a, m, &w, n, k).expect("applies");
+            let want = gemm_with(Kernel::Amx, &a, m, &PackedB::from_nk(&w, n, k));
+            assert_eq!(got.len(), want.len());
+            for (i, (g, r)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), r.to_bits(), "{m}x{n}x{k}: C[{i}] = {g}, packed {r}");
+            }
+        }
+        let (a, w) = (data(129 * 64, 1), vec![0u16; 64 * 64]);
+        assert!(gemm_wt(&a, 129, &w, 64, 64).is_none(), "too many rows: W is packed");
+        assert!(gemm_wt(&a[..48 * 64], 48, &w[..48 * 64], 48, 64).is_none(), "N not a multiple of 32");
+        assert!(gemm_wt(&a[..40], 1, &w[..64 * 40], 64, 40).is_none(), "K not a multiple of 32");
+    }
+
+    #[test]
     fn gemm_work_is_split_to_keep_two_threads_busy_without_streaming_a_big_operand_twice() {
         // (M padded, N padded) -> by rows?  Row blocks are 32 rows, column pairs 32 columns.
         let by_rows = |mp: usize, np: usize| split(mp.div_ceil(32), np / 32, mp, np, 2).0;
@@ -1296,6 +1424,12 @@ mod speed {
                     });
                     line += &format!(" {kern:?} {r:.0}");
                 }
+            }
+            if Kernel::Amx.supported() && gemm_wt(&a, m, &w, n, k).is_some() {
+                // W read where it lies: no packing to add.
+                let r = gflops(m, n, k, &|| drop(std::hint::black_box(gemm_wt(&a, m, &w, n, k))));
+                let with_pack = gflops(m, n, k, &|| drop(std::hint::black_box(gemm_with(Kernel::Amx, &a, m, &PackedB::from_nk(&w, n, k)))));
+                line += &format!(" (AMX packing W each call {with_pack:.0}, reading W where it lies {r:.0})");
             }
             let wf: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.1).collect();
             let r = gflops(m, n, k, &|| {

@@ -24,7 +24,8 @@ pub(crate) fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> 
             sgemm(n, cols, k, &mut dst, cols, false, x, k, 1, &w, rs, cs, 1.0, candle_core::utils::get_num_threads());
             Ok(dst)
         }
-        DType::BF16 if super::bf16_gemm::available() => Ok(super::bf16_gemm::gemm(x, n, &super::bf16_gemm::PackedB::from_weight(w, input_grad)?)),
+        DType::BF16 if super::bf16_gemm::available() && !input_grad => super::bf16_gemm::linear_forward(x, n, w),
+        DType::BF16 if super::bf16_gemm::available() => Ok(super::bf16_gemm::gemm(x, n, &super::bf16_gemm::PackedB::from_weight(w, true)?)),
         dt => candle_core::bail!("frozen-matmul: no CPU kernel for a {dt:?} weight"),
     }
 }
