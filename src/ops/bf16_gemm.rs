@@ -245,16 +245,7 @@ impl PackedB {
     /// From a frozen bf16 weight W [out, in] on CPU: B = Wᵀ for the forward `x · Wᵀ`
     /// (`input_grad` false), B = W for the input gradient `g · W` (true).
     pub fn from_weight(w: &candle_core::Tensor, input_grad: bool) -> candle_core::Result<Self> {
-        use half::slice::HalfFloatSliceExt;
-        let (out, inp) = w.dims2()?;
-        let w = w.contiguous()?;
-        let (st, l) = w.storage_and_layout();
-        let candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(data)) = &*st else {
-            candle_core::bail!("bf16 gemm: the weight must be bf16 on cpu, got {:?}", w.dtype())
-        };
-        let Some((o, e)) = l.contiguous_offsets() else { candle_core::bail!("bf16 gemm: the weight must be contiguous") };
-        let bits: &[u16] = data[o..e].reinterpret_cast();
-        Ok(if input_grad { Self::from_kn(bits, out, inp) } else { Self::from_nk(bits, out, inp) })
+        with_weight_bits(w, |bits, out, inp| if input_grad { Self::from_kn(bits, out, inp) } else { Self::from_nk(bits, out, inp) })
     }
 
     /// B = W for W [K, N] row-major (the input gradient `g · W` of a linear layer).
@@ -445,22 +436,29 @@ pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec
     }))
 }
 
-/// x [M, in] · Wᵀ for a frozen bf16 W [out, in] on CPU (a linear's forward): [`gemm_wt`] where
-/// it applies, else [`gemm`] on W packed.
-pub fn linear_forward(x: &[f32], m: usize, w: &candle_core::Tensor) -> candle_core::Result<Vec<f32>> {
+/// `f(bits, out, in)` on the bits of a frozen bf16 weight W [out, in] on CPU.
+fn with_weight_bits<R>(w: &candle_core::Tensor, f: impl FnOnce(&[u16], usize, usize) -> R) -> candle_core::Result<R> {
     use half::slice::HalfFloatSliceExt;
     let (out, inp) = w.dims2()?;
-    {
-        let w = w.contiguous()?;
-        let (st, l) = w.storage_and_layout();
-        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(data)), Some((o, e))) = (&*st, l.contiguous_offsets()) {
-            let bits: &[u16] = data[o..e].reinterpret_cast();
-            if let Some(y) = gemm_wt(x, m, bits, out, inp) {
-                return Ok(y);
-            }
+    let w = w.contiguous()?;
+    let (st, l) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(data)) = &*st else {
+        candle_core::bail!("bf16 gemm: the weight must be bf16 on cpu, got {:?}", w.dtype())
+    };
+    let Some((o, e)) = l.contiguous_offsets() else { candle_core::bail!("bf16 gemm: the weight must be contiguous") };
+    Ok(f(data[o..e].reinterpret_cast(), out, inp))
+}
+
+/// A frozen linear's matmul with a bf16 W [out, in] on CPU: x [M, in] · Wᵀ (`input_grad`
+/// false; by [`gemm_wt`] where it applies, else on W packed), or g [M, out] · W (true).
+pub fn linear(x: &[f32], m: usize, w: &candle_core::Tensor, input_grad: bool) -> candle_core::Result<Vec<f32>> {
+    with_weight_bits(w, |bits, out, inp| {
+        if input_grad {
+            gemm(x, m, &PackedB::from_kn(bits, out, inp))
+        } else {
+            gemm_wt(x, m, bits, out, inp).unwrap_or_else(|| gemm(x, m, &PackedB::from_nk(bits, out, inp)))
         }
-    }
-    Ok(gemm(x, m, &PackedB::from_weight(w, false)?))
+    })
 }
 
 thread_local! {
@@ -917,7 +915,7 @@ mod amx {
     #[repr(C)]
     struct Band {
         cfg: *const TileCfg,  // +0
-        a: *const u16,        // +8: A's first K tile for rows 0-15 of the band (tiles follow each other)
+        a: *const u16,        // +8: A's first K tile for rows 0-15 of the band
         b: *const u16,        // +16: the first pair's left strip at that K tile
         c: *mut f32,          // +24: C's top-left
         nk: usize,            // +32: K tiles, >= 1

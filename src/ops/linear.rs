@@ -6,7 +6,8 @@ use candle_core::{DType, Result, Tensor};
 
 /// For a frozen W [out, in] on CPU: x [n, in] · Wᵀ -> [n, out] (`input_grad` false), or
 /// g [n, out] · W -> [n, in] (true). An f32 W by the f32 GEMM (Wᵀ read through strides, no
-/// copy); a bf16 W on the bf16 kernel, packed for it on every call (a cache of packed weights
+/// copy); a bf16 W on the bf16 kernel (`bf16_gemm::linear`), packed for it on every call
+/// except a forward on AMX over few rows, which reads W as it lies (a cache of packed weights
 /// kept across steps measured 20% slower at 4 x 512 on Zen 4: packing right before the GEMM
 /// leaves B in cache).
 pub(crate) fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> Result<Vec<f32>> {
@@ -24,8 +25,7 @@ pub(crate) fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> 
             sgemm(n, cols, k, &mut dst, cols, false, x, k, 1, &w, rs, cs, 1.0, candle_core::utils::get_num_threads());
             Ok(dst)
         }
-        DType::BF16 if super::bf16_gemm::available() && !input_grad => super::bf16_gemm::linear_forward(x, n, w),
-        DType::BF16 if super::bf16_gemm::available() => Ok(super::bf16_gemm::gemm(x, n, &super::bf16_gemm::PackedB::from_weight(w, true)?)),
+        DType::BF16 if super::bf16_gemm::available() => super::bf16_gemm::linear(x, n, w, input_grad),
         dt => candle_core::bail!("frozen-matmul: no CPU kernel for a {dt:?} weight"),
     }
 }
