@@ -306,16 +306,20 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     if lead && kernels == crate::ops::Kernels::Portable {
         eprintln!("portable kernels (the GPU path): activations in {compute_dtype:?}");
     }
+    let head_width = cfg.mla.as_ref().map_or(cfg.head_dim, |m| m.attention_width());
+    let attention_tiles = kernels == crate::ops::Kernels::Auto && crate::ops::attention::runs_on_tiles(matmul, head_width);
     if lead && matmul != compute_dtype {
         let unit = crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name);
-        eprintln!("frozen matmuls run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
+        let what = if attention_tiles { "frozen matmuls and attention's" } else { "frozen matmuls" };
+        eprintln!("{what} run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
     }
     // What ran, for summary.json (benchmarks label their rows with it, not with a guess).
     let kernels_used = match (&device, kernels) {
         (candle_core::Device::Cpu, crate::ops::Kernels::Auto) => {
             let f32_gemm = if crate::runlog::cpu_has("avx512f") { "AVX-512" } else { "AVX2+FMA" };
             let frozen = if matmul != compute_dtype { crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name) } else { "f32" };
-            format!("fused CPU ops; f32 GEMM: gemm crate ({f32_gemm}); frozen matmuls: {frozen}")
+            let attention = if attention_tiles { "AMX tiles (bf16 operands)" } else { "f32" };
+            format!("fused CPU ops; f32 GEMM: gemm crate ({f32_gemm}); frozen matmuls: {frozen}; attention GEMMs: {attention}")
         }
         (d, k) => format!("{k:?} ops on {d:?}, activations in {compute_dtype:?}"),
     };
@@ -1136,7 +1140,7 @@ pub fn forward_backward(
         // Read just in time, in chunks: under ZeRO-3 the head is gathered only while it is
         // used, and a quantized head is dequantised a chunk at a time.
         let (ce, g_rows) = crate::ops::loss::cross_entropy_sum_and_grad(model.kernels(), &rows, &model.lm_head_rows(), &tgt, scale).ctx("cross-entropy")?;
-        Ok((ce, (rows * g_rows.detach())?.sum_all()?))
+        Ok((ce, crate::ops::pullback(&rows, &g_rows.detach())?))
     };
     // Accumulated in f64: a sum of a few f32 gradients is then exact in practice, so it does
     // not depend on how a step's micro-batches are split over ranks (in f32 it would, through
@@ -1201,7 +1205,7 @@ pub fn forward_backward(
         let input = if i > 0 { Some(Var::from_tensor(&inputs[i])?) } else { None };
         let x_in = input.as_ref().map_or(&inputs[i], |v| v.as_tensor());
         let y = model.layer_forward(i, x_in, &ctx, adapters)?;
-        let store = (y * &g_out)?.sum_all()?.backward().ctx("backward (layer)")?;
+        let store = crate::ops::pullback(&y, &g_out)?.backward().ctx("backward (layer)")?;
         add(&store)?;
         if let Some(v) = &input {
             g_out = store.get(v).cloned().ok_or_else(|| Error::Train(format!("no gradient reached layer {i}'s input")))?;

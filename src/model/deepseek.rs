@@ -138,7 +138,7 @@ impl<'a> MlaAttention<'a> {
             *cache = Some((k.clone(), v.clone()));
         }
         let out = match &ctx.cache_mask {
-            None => ops::causal_attention(kern, &q, &k, &v, self.scale, &ctx.key_start, ctx.keep(self.layer))?, // [B, NH, S, W]
+            None => ops::causal_attention(kern, &q, &k, &v, self.scale, &ctx.key_start, ctx.keep(self.layer), ctx.matmul)?, // [B, NH, S, W]
             Some(mask) => ops::attention::cached_attention(&q, &k, &v, self.scale, mask)?, // [B, NH, S, W]
         };
         let out = if width == dv { out } else { out.narrow(3, 0, dv)? }; // [B, NH, S, Dv]

@@ -79,7 +79,7 @@ impl<'a> Attention<'a> {
         let scale = 1.0 / (d as f64).sqrt();
         let out = match &ctx.cache_mask {
             // Training and prefill: strips, never [S, S] scores (ops/attention.rs).
-            None => ops::causal_attention(kern, &q, &k, &v, scale, &ctx.key_start, ctx.keep(self.layer))?, // [B, NH, S, D]
+            None => ops::causal_attention(kern, &q, &k, &v, scale, &ctx.key_start, ctx.keep(self.layer), ctx.matmul)?, // [B, NH, S, D]
             // Generation over cached keys.
             Some(mask) => ops::attention::cached_attention(&q, &k, &v, scale, mask)?, // [B, NH, S, D]
         };

@@ -47,6 +47,10 @@ pub struct ForwardCtx {
     pub pass: Pass,
     /// What a checkpointed forward keeps for the recomputation, per layer.
     pub kept: Option<Arc<Kept>>,
+    /// The dtype the run's matmuls take their operands in (the source's matmul dtype): bf16
+    /// where the frozen projections run on a bf16 unit, and the fused attention's strip
+    /// GEMMs then do too where they can (`ops::causal_attention`).
+    pub matmul: DType,
 }
 
 impl ForwardCtx {
@@ -57,14 +61,15 @@ impl ForwardCtx {
 
     /// positions [B][S]; with `segments` [B][S] (packed rows: contiguous runs of one id per
     /// record, as `MicroBatch::collate` makes them), a token attends only to earlier tokens of
-    /// its own record; without, to all earlier tokens. RoPE tables in `dtype`, on `device`.
+    /// its own record; without, to all earlier tokens. RoPE tables in `dtype`, on `device`;
+    /// matmul operands in `matmul`.
     pub fn new(
         positions: &[Vec<u32>],
         segments: Option<&[Vec<u32>]>,
         (inv_freq, rope_factor): (&[f64], f64),
         dropout: Option<DropoutCtx>,
         kernels: Kernels,
-        (dtype, device): (DType, &Device),
+        (dtype, matmul, device): (DType, DType, &Device),
     ) -> Result<Self> {
         let b = positions.len();
         let s = positions.first().map_or(0, |p| p.len());
@@ -86,7 +91,7 @@ impl ForwardCtx {
             }
         }
         let key_start = KeyStarts::new(key_start, b, s, device)?;
-        Ok(ForwardCtx { cos, sin, key_start, cache_mask: None, dropout, kernels, pass: Pass::Plain, kept: None })
+        Ok(ForwardCtx { cos, sin, key_start, cache_mask: None, dropout, kernels, pass: Pass::Plain, kept: None, matmul })
     }
 }
 
@@ -222,7 +227,7 @@ impl Model {
     /// The per-forward context for rows at `positions` (packed when `segments` is given).
     pub fn forward_ctx(&self, positions: &[Vec<u32>], segments: Option<&[Vec<u32>]>, dropout: Option<DropoutCtx>) -> Result<ForwardCtx> {
         let rope = (&self.inv_freq[..], self.cfg.rope_attention_factor());
-        ForwardCtx::new(positions, segments, rope, dropout, self.kernels, (self.src.compute_dtype(), self.src.device()))
+        ForwardCtx::new(positions, segments, rope, dropout, self.kernels, (self.src.compute_dtype(), self.src.matmul_dtype(), self.src.device()))
     }
 
     pub fn source(&self) -> &dyn WeightSource {

@@ -461,6 +461,74 @@ pub fn linear(x: &[f32], m: usize, w: &candle_core::Tensor, input_grad: bool) ->
     })
 }
 
+/// Whether [`tile_gemm`] and the `pack_*_into` packings run here: AMX (this process's
+/// kernel) and the AVX-512 BW packing, which every CPU with AMX has.
+pub(crate) fn tiles_available() -> bool {
+    kernel() == Some(Kernel::Amx) && simd_pack::available()
+}
+
+/// `dst[i]` = the bf16 bits of `src[i]` (nearest-even; see `round_row` for subnormals).
+pub(crate) fn round_into(src: &[f32], dst: &mut [u16]) {
+    round_row(src, dst)
+}
+
+/// B = Wᵀ for W [N, K] (bf16 bits, row-major) packed into `dst` as [`tile_gemm`] reads it:
+/// strips of 16 columns (N padded to 32 with zeros), each ⌈K/32⌉ tiles of 512 u16, K padded
+/// with zeros. Returns the strip length in u16. One thread; `dst`'s memory is reused.
+pub(crate) fn pack_nk_into(w: &[u16], n: usize, k: usize, dst: &mut Vec<u16>) -> usize {
+    assert!(tiles_available() && w.len() >= n * k, "tile packing: W [{n}, {k}] in {} elements, or no AMX", w.len());
+    let strip = k.div_ceil(TK) * TM * TK;
+    let pairs = n.div_ceil(2 * TM);
+    fill_uninit(dst, pairs * 2 * strip, |d| {
+        for pair in 0..pairs {
+            // SAFETY: AVX-512 F + BW are present (tiles_available); `strips_nk` stores all
+            // 2 * strip u16 of the pair's strips, inside `d`, and reads rows of W [N, K] only.
+            unsafe { simd_pack::strips_nk(w, n, k, pair, d.add(2 * pair * strip)) };
+        }
+    });
+    strip
+}
+
+/// B = W for W [K, N] (bf16 bits, row-major) packed into `dst` as [`tile_gemm`] reads it
+/// (strips of 16 columns, N padded to 32, each ⌈K/32⌉ tiles). Returns the strip length in u16.
+pub(crate) fn pack_kn_into(w: &[u16], k: usize, n: usize, dst: &mut Vec<u16>) -> usize {
+    assert!(tiles_available() && w.len() >= n * k, "tile packing: W [{k}, {n}] in {} elements, or no AMX", w.len());
+    let strip = k.div_ceil(TK) * TM * TK;
+    let pairs = n.div_ceil(2 * TM);
+    // SAFETY: as in `pack_nk_into`, for `strips_kn` over all the pairs.
+    fill_uninit(dst, pairs * 2 * strip, |d| unsafe { simd_pack::strips_kn(w, k, n, 0, pairs, d) });
+    strip
+}
+
+/// `dst` as `len` elements, every one of which `fill` stores through the pointer it is handed.
+fn fill_uninit(dst: &mut Vec<u16>, len: usize, fill: impl FnOnce(*mut u16)) {
+    dst.clear();
+    dst.reserve(len);
+    fill(dst.spare_capacity_mut().as_mut_ptr().cast());
+    // SAFETY: `fill` stored all `len` elements (the packings' contract).
+    unsafe { dst.set_len(len) };
+}
+
+/// C [rows, cols] = A · B (or += with `accumulate`) on AMX, on this thread, for operands the
+/// caller packed itself (the attention strips): A [rows, 32 nk] bf16 bits row-major, `lda`
+/// u16 between rows; B as the `pack_*_into` functions lay it out, `strip` u16 from one
+/// 16-column strip to the next, `nk` tiles of K each; C f32 with `ldc` between rows. Rows and
+/// columns are multiples of 32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tile_gemm(a: &[u16], lda: usize, b: &[u16], strip: usize, nk: usize, (rows, cols): (usize, usize), c: &mut [f32], ldc: usize, accumulate: bool) {
+    assert!(tiles_available(), "tile gemm: AMX is not this process's kernel");
+    assert!(rows % (2 * TM) == 0 && cols % (2 * TM) == 0 && nk >= 1 && lda >= nk * TK && ldc >= cols && strip >= nk * TM * TK, "tile gemm: {rows} x {cols} over {nk} K tiles, lda {lda}, ldc {ldc}, strip {strip}");
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    assert!(a.len() >= (rows - 1) * lda + nk * TK, "tile gemm: A short");
+    assert!(b.len() >= (cols / TM - 1) * strip + nk * TM * TK, "tile gemm: B short");
+    assert!(c.len() >= (rows - 1) * ldc + cols, "tile gemm: C short");
+    // SAFETY: AMX is enabled; the asserts above keep every band's reads inside A and B and its
+    // writes inside C, which the caller holds mutably.
+    unsafe { amx::strided(a.as_ptr(), lda, b.as_ptr(), strip, nk, (rows, cols), c.as_mut_ptr(), ldc, accumulate) }
+}
+
 thread_local! {
     /// The A tiles of the task a thread runs last (AMX split by rows): kept, so the next
     /// task converts into memory that is already mapped and likely in cache.
@@ -910,6 +978,33 @@ mod amx {
         }
     }
 
+    /// [`super::tile_gemm`]: one band program per 32 rows of a row-major A.
+    ///
+    /// # Safety
+    /// AMX is enabled; A has `rows` rows of `32 nk` u16 `lda` apart, B `cols / 16` strips of
+    /// `nk` tiles `strip` u16 apart, C `rows` rows of `cols` f32 `ldc` apart that nobody else
+    /// touches; rows and cols are multiples of 32, nk >= 1.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn strided(a: *const u16, lda: usize, b: *const u16, strip: usize, nk: usize, (rows, cols): (usize, usize), c: *mut f32, ldc: usize, accumulate: bool) {
+        let cfg = config();
+        for band in 0..rows / (2 * TM) {
+            band_program(&Band {
+                cfg: &cfg,
+                a: a.add(band * 2 * TM * lda),
+                b,
+                c: c.add(band * 2 * TM * ldc),
+                nk,
+                pairs: cols / (2 * TM),
+                accumulate: accumulate as usize,
+                a_half: TM * lda * 2,
+                c_stride: ldc * 4,
+                strip: strip * 2,
+                a_stride: lda * 2,
+                a_step: TK * 2,
+            });
+        }
+    }
+
     /// What one tile program works on: a band of 32 rows of C across `pairs` column pairs.
     /// Fields are read by offset from the assembly (`repr(C)`, all 8 bytes wide).
     #[repr(C)]
@@ -1033,6 +1128,10 @@ mod amx {
         unreachable!("AMX is x86-64 only; available() is false here")
     }
     pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
+        unreachable!("AMX is x86-64 only; available() is false here")
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn strided(_: *const u16, _: usize, _: *const u16, _: usize, _: usize, _: (usize, usize), _: *mut f32, _: usize, _: bool) {
         unreachable!("AMX is x86-64 only; available() is false here")
     }
 }

@@ -38,6 +38,8 @@ use super::checkpoint::{Keep, Pass};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
+mod tiles;
+
 /// Query rows per strip of the fused op: a strip's scores are STRIP x S floats (512 KB at S = 2048).
 const STRIP: usize = 64;
 
@@ -82,7 +84,12 @@ impl KeyStarts {
 /// `keep` is activation checkpointing's (`ops::checkpoint`): on the fused CPU path a
 /// checkpointed forward leaves its output and log-sum-exp in the layer's slot, and the
 /// recomputation hands them back instead of running the kernel again (the same bits).
-pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, starts: &KeyStarts, keep: Keep) -> Result<Tensor> {
+///
+/// `operands` is the dtype the run's matmuls take their operands in (`ForwardCtx::matmul`):
+/// bf16 runs the fused op's strip GEMMs on AMX tiles where it can (`tiles`: bf16 operands,
+/// f32 sums, everything else f32), f32 keeps them f32.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, starts: &KeyStarts, keep: Keep, operands: DType) -> Result<Tensor> {
     let (b, nh, s, d) = q.dims4()?;
     let (_, kv, _, _) = k.dims4()?;
     if kv == 0 || nh % kv != 0 || k.dims() != v.dims() || k.dim(0)? != b || k.dim(2)? != s || k.dim(3)? != d {
@@ -96,13 +103,20 @@ pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale
     }
     match kern.pick(Op::Attention, q, &[]) {
         Path::Fused if [k.dtype(), v.dtype()].iter().all(|&t| t == DType::F32) => {
-            let op = CausalAttention { scale: scale as f32, key_start: starts.host.clone(), lse: Mutex::new(Vec::new()), keep };
+            let tiles = runs_on_tiles(operands, d);
+            let op = CausalAttention { scale: scale as f32, key_start: starts.host.clone(), lse: Mutex::new(Vec::new()), keep, tiles };
             q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
         }
         // Batched matmuls need one stride per batch dim: `cat` along the last dim (MLA's
         // nope | rope halves) leaves other layouts, so copy those.
         _ => portable_attention(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, scale, starts, portable_strip_rows(b, nh, s)),
     }
+}
+
+/// Whether the fused op runs its strip GEMMs on AMX tiles for matmul operands in `operands`
+/// and head dim `d` (what `causal_attention` checks, for the run's report).
+pub fn runs_on_tiles(operands: DType, d: usize) -> bool {
+    operands == DType::BF16 && tiles::usable(d)
 }
 
 /// Query rows per portable strip: as many as keep [B, NH, Q, S] f32 scores within
@@ -362,6 +376,8 @@ struct CausalAttention {
     lse: Mutex<Vec<f32>>,
     /// The checkpointing pass, and where a checkpointed forward leaves (out, lse).
     keep: Keep,
+    /// The strip GEMMs on AMX tiles with bf16 operands (`tiles`), else f32 (the gemm crate).
+    tiles: bool,
 }
 
 /// The keys a strip of queries q0..q0+m can see: kbeg..kend (kend = q0 + m).
@@ -381,6 +397,65 @@ fn parts_for(units: usize) -> usize {
 /// n − 1 − i see about n + 1 strips of keys together) and the pairs are dealt in turn.
 fn in_part(i: usize, n: usize, g: usize, parts: usize) -> bool {
     i.min(n - 1 - i) % parts == g
+}
+
+/// The strips of task group `part` of `parts` over S queries whose key starts are `starts`:
+/// (q0, m, kbeg, kend) each.
+fn task_strips(starts: &[u32], s: usize, part: usize, parts: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+    let n = s.div_ceil(STRIP);
+    (0..n).filter(move |&si| in_part(si, n, part, parts)).map(move |si| {
+        let (q0, m) = (si * STRIP, STRIP.min(s - si * STRIP));
+        let (kbeg, kend) = strip_keys(starts, q0, m);
+        (q0, m, kbeg, kend)
+    })
+}
+
+/// The keys row i of a strip at q0 sees, as columns of its scores over keys k0..: lo..hi.
+fn seen(starts: &[u32], q0: usize, k0: usize, i: usize) -> (usize, usize) {
+    (starts[q0 + i] as usize - k0, q0 + i - k0 + 1)
+}
+
+/// Each row i of `p` (scores of query q0 + i over keys k0.., rows `w` apart) becomes its
+/// causal softmax of scores x `scale` (0 at keys the query does not see); `lse[i]` its
+/// log-sum-exp.
+#[inline(always)]
+fn softmax_rows(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32], scale: f32, lse: &mut [f32]) {
+    for (i, row) in p.chunks_mut(w).enumerate() {
+        let (lo, hi) = seen(starts, q0, k0, i);
+        row[lo..hi].iter_mut().for_each(|x| *x *= scale);
+        let max = row[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+        row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x - max));
+        let sum = sum_f32(&row[lo..hi]);
+        let inv = 1.0 / sum;
+        row[lo..hi].iter_mut().for_each(|x| *x *= inv);
+        row[..lo].fill(0.0);
+        row[hi..].fill(0.0);
+        lse[i] = max + sum.ln();
+    }
+}
+
+/// The probabilities of `softmax_rows` again, from the scores and the kept log-sum-exp.
+#[inline(always)]
+fn probs_from_lse(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32], scale: f32, lse: &[f32]) {
+    for (i, row) in p.chunks_mut(w).enumerate() {
+        let (lo, hi) = seen(starts, q0, k0, i);
+        let li = lse[i];
+        row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x * scale - li));
+        row[..lo].fill(0.0);
+        row[hi..].fill(0.0);
+    }
+}
+
+/// ds = p ⊙ (dp − Σ_d g ⊙ out) · scale in place of dp ([m, w] each; 0 where p is), with the
+/// strip's rows of the upstream gradient g and the output (each [m, D]).
+#[inline(always)]
+fn score_grads(dp: &mut [f32], p: &[f32], w: usize, g: &[f32], o: &[f32], d: usize, scale: f32) {
+    for ((dr, pr), (gr, or)) in dp.chunks_mut(w).zip(p.chunks(w)).zip(g.chunks(d).zip(o.chunks(d))) {
+        let delta: f32 = gr.iter().zip(or).map(|(a, b)| a * b).sum();
+        for (x, &pv) in dr.iter_mut().zip(pr) {
+            *x = pv * (*x - delta) * scale;
+        }
+    }
 }
 
 /// Shapes of one call: (B, NH, KV, S, D).
@@ -424,7 +499,6 @@ impl candle_core::CustomOp3 for CausalAttention {
         let scale = self.scale;
         let units = b * nh;
         let parts = parts_for(units);
-        let n_strips = s.div_ceil(STRIP);
         let (out_at, lse_at) = (Shared::new(&mut out), Shared::new(&mut lse));
         // One task per (b, h) unit and strip group: its strips' out rows [m, D] and lse [m].
         (0..units * parts).into_par_iter().for_each(|task| {
@@ -434,29 +508,24 @@ impl candle_core::CustomOp3 for CausalAttention {
             let kvo = (bi * kv + h / r) * s * d;
             let (k, v) = (&k[kvo..][..s * d], &v[kvo..][..s * d]); // [S, D] each
             let starts = &self.key_start[bi * s..][..s];
+            // SAFETY: strip (q0, m) of this unit is in exactly one group, i.e. one task.
+            let rows = |q0: usize, m: usize| unsafe { (out_at.rows((unit * s + q0) * d, m * d), lse_at.rows(unit * s + q0, m)) };
+            if self.tiles {
+                tiles::with_unit(k, v, s, d, false, |t| {
+                    for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
+                        let (o, l) = rows(q0, m);
+                        t.forward_strip(&q[q0 * d..][..m * d], st, starts, scale, o, l);
+                    }
+                });
+                return;
+            }
             let mut p = vec![0f32; STRIP * s];
-            for (si, q0) in (0..s).step_by(STRIP).enumerate() {
-                if !in_part(si, n_strips, part, parts) {
-                    continue;
-                }
-                let m = STRIP.min(s - q0);
-                // SAFETY: strip si of this unit is in exactly one group, i.e. one task.
-                let (o, l) = unsafe { (out_at.rows((unit * s + q0) * d, m * d), lse_at.rows(unit * s + q0, m)) };
-                let (kbeg, kend) = strip_keys(starts, q0, m);
+            for (q0, m, kbeg, kend) in task_strips(starts, s, part, parts) {
+                let (o, l) = rows(q0, m);
                 let w = kend - kbeg;
                 let p = &mut p[..m * w]; // [m, w]: query q0 + i against key kbeg + j
                 strip_scores(p, &q[q0 * d..], &k[kbeg * d..], m, w, d, scale);
-                for (i, row) in p.chunks_mut(w).enumerate() {
-                    let (lo, hi) = (starts[q0 + i] as usize - kbeg, q0 + i - kbeg + 1); // keys seen: lo..hi
-                    let max = row[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
-                    row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x - max));
-                    let sum = sum_f32(&row[lo..hi]);
-                    let inv = 1.0 / sum;
-                    row[lo..hi].iter_mut().for_each(|x| *x *= inv);
-                    row[..lo].fill(0.0);
-                    row[hi..].fill(0.0);
-                    l[i] = max + sum.ln();
-                }
+                softmax_rows(p, w, q0, kbeg, starts, 1.0, l);
                 // out[q0..q0+m] [m, D] = p [m, w] · v[kbeg..kend] [w, D]
                 sgemm(m, d, w, o, d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0, 1);
             }
@@ -485,7 +554,6 @@ impl candle_core::CustomOp3 for CausalAttention {
         let mut dq = zeros_f32(b * nh * s * d);
         let units = b * nh;
         let parts = parts_for(units);
-        let n_strips = s.div_ceil(STRIP);
         // Per task (query head and strip group): its contribution to its kv head's dk and dv.
         let mut dk_h = zeros_f32(units * parts * s * d);
         let mut dv_h = zeros_f32(units * parts * s * d);
@@ -502,43 +570,34 @@ impl candle_core::CustomOp3 for CausalAttention {
                 let (k, v) = (&kh[kvo..][..s * d], &vh[kvo..][..s * d]);
                 let l = &lse[unit * s..][..s];
                 let starts = &self.key_start[bi * s..][..s];
+                // SAFETY: strip (q0, m) of this unit is in exactly one group, i.e. one task.
+                let dq_rows = |q0: usize, m: usize| unsafe { dq_at.rows((unit * s + q0) * d, m * d) };
+                if self.tiles {
+                    tiles::with_unit(k, v, s, d, true, |t| {
+                        for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
+                            let at = q0 * d..(q0 + m) * d;
+                            t.backward_strip((&q[at.clone()], &g[at.clone()], &o[at], &l[q0..q0 + m]), st, starts, scale, dq_rows(q0, m));
+                        }
+                        t.finish(dk, dv);
+                    });
+                    return;
+                }
                 let mut p = vec![0f32; STRIP * s];
                 let mut dp = vec![0f32; STRIP * s];
-                for (si, q0) in (0..s).step_by(STRIP).enumerate() {
-                    if !in_part(si, n_strips, part, parts) {
-                        continue;
-                    }
-                    let m = STRIP.min(s - q0);
-                    let (kbeg, kend) = strip_keys(starts, q0, m);
+                for (q0, m, kbeg, kend) in task_strips(starts, s, part, parts) {
                     let w = kend - kbeg;
                     let (p, dp) = (&mut p[..m * w], &mut dp[..m * w]); // [m, w] each
                     let (ks, vs) = (&k[kbeg * d..kend * d], &v[kbeg * d..kend * d]); // [w, D] each
                     strip_scores(p, &q[q0 * d..], ks, m, w, d, scale);
-                    for (i, row) in p.chunks_mut(w).enumerate() {
-                        let (lo, hi) = (starts[q0 + i] as usize - kbeg, q0 + i - kbeg + 1);
-                        let li = l[q0 + i];
-                        row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x - li));
-                        row[..lo].fill(0.0);
-                        row[hi..].fill(0.0);
-                    }
+                    probs_from_lse(p, w, q0, kbeg, starts, 1.0, &l[q0..q0 + m]);
                     let gs = &g[q0 * d..][..m * d]; // [m, D]
                     // dv[kbeg..kend] += p^T [w, m] · g_strip [m, D]
                     sgemm(w, d, m, &mut dv[kbeg * d..], d, true, p, 1, w, gs, d, 1, 1.0, 1);
                     // dp [m, w] = g_strip [m, D] · v[kbeg..kend]^T [D, w]
                     sgemm(m, w, d, dp, w, false, gs, d, 1, vs, 1, d, 1.0, 1);
-                    // ds = p ⊙ (dp − Σ_d g ⊙ out) · scale, in place of dp (0 where p is)
-                    for i in 0..m {
-                        let row = q0 + i;
-                        let delta: f32 = g[row * d..][..d].iter().zip(&o[row * d..][..d]).map(|(a, b)| a * b).sum();
-                        let (pr, dr) = (&p[i * w..][..w], &mut dp[i * w..][..w]);
-                        for (x, &pv) in dr.iter_mut().zip(pr) {
-                            *x = pv * (*x - delta) * scale;
-                        }
-                    }
-                    // SAFETY: strip si of this unit is in exactly one group, i.e. one task.
-                    let dq = unsafe { dq_at.rows((unit * s + q0) * d, m * d) };
+                    score_grads(dp, p, w, gs, &o[q0 * d..][..m * d], d, scale);
                     // dq_strip [m, D] = ds [m, w] · k[kbeg..kend] [w, D]
-                    sgemm(m, d, w, dq, d, false, dp, w, 1, ks, d, 1, 1.0, 1);
+                    sgemm(m, d, w, dq_rows(q0, m), d, false, dp, w, 1, ks, d, 1, 1.0, 1);
                     // dk[kbeg..kend] += ds^T [w, m] · q_strip [m, D]
                     sgemm(w, d, m, &mut dk[kbeg * d..], d, true, dp, 1, w, &q[q0 * d..], d, 1, 1.0, 1);
                 }
@@ -581,6 +640,61 @@ mod tests {
         Ok((q, k, v, g))
     }
 
+    /// The tile path's math in f64 on its own (plain loops over whole rows, no strips): q, k,
+    /// v, the upstream gradient g, p and ds rounded to bf16 where the tiles take them as
+    /// operands; scores, softmax and the sums exact. Returns out, dq, dk, dv, each flat.
+    fn emulated_bf16_attention((q, k, v, g): (&[f32], &[f32], &[f32], &[f32]), starts: &[u32], scale: f64, (nh, kv, s, d): (usize, usize, usize, usize)) -> [Vec<f64>; 4] {
+        use crate::ops::bf16_gemm::bf16_bits;
+        let bf = |x: f64| f32::from_bits((bf16_bits(x as f32) as u32) << 16) as f64;
+        let b = q.len() / (nh * s * d);
+        let r = nh / kv;
+        let (mut out, mut dq) = (vec![0f64; q.len()], vec![0f64; q.len()]);
+        let (mut dk, mut dv) = (vec![0f64; k.len()], vec![0f64; k.len()]);
+        for bi in 0..b {
+            for h in 0..nh {
+                let (qo, ko) = ((bi * nh + h) * s * d, (bi * kv + h / r) * s * d);
+                for i in 0..s {
+                    let keys = starts[bi * s + i] as usize..=i;
+                    let row = |x: &[f32], o: usize, j: usize| x[o + j * d..][..d].iter().map(|&e| bf(e as f64)).collect::<Vec<f64>>();
+                    let (qi, gi) = (row(q, qo, i), row(g, qo, i));
+                    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+                    let sc: Vec<f64> = keys.clone().map(|j| dot(&qi, &row(k, ko, j)) * scale).collect();
+                    let max = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = sc.iter().map(|x| (x - max).exp()).sum();
+                    let p: Vec<f64> = sc.iter().map(|x| (x - max).exp() / sum).collect();
+                    let mut o = vec![0f64; d];
+                    for (pj, j) in p.iter().zip(keys.clone()) {
+                        row(v, ko, j).iter().zip(&mut o).for_each(|(vj, oc)| *oc += bf(*pj) * vj);
+                    }
+                    out[qo + i * d..][..d].copy_from_slice(&o);
+                    // δ from the f32 output and gradient, as the kernel has them.
+                    let delta: f64 = g[qo + i * d..][..d].iter().zip(&o).map(|(&gc, oc)| gc as f64 * oc).sum();
+                    for (pj, j) in p.iter().zip(keys) {
+                        let (kj, vj) = (row(k, ko, j), row(v, ko, j));
+                        let ds = bf(pj * (dot(&gi, &vj) - delta) * scale);
+                        (0..d).for_each(|c| {
+                            dq[qo + i * d + c] += ds * kj[c];
+                            dk[ko + j * d + c] += ds * qi[c];
+                            dv[ko + j * d + c] += bf(*pj) * gi[c];
+                        });
+                    }
+                }
+            }
+        }
+        [out, dq, dk, dv]
+    }
+
+    /// As `inputs` in f32 with head dim `d`, values spread like a trained model's q and k
+    /// (pseudo-random in [-1, 1) times 2).
+    fn inputs_d(nh: usize, kv: usize, s: usize, d: usize) -> Result<(Var, Var, Var, Tensor)> {
+        let (dev, b) = (Device::Cpu, 2);
+        let t = |n: usize, seed: usize, shape: (usize, usize, usize, usize)| Tensor::from_vec(pseudo(n, seed).iter().map(|x| 2.0 * x).collect::<Vec<f32>>(), shape, &dev);
+        let q = Var::from_tensor(&t(b * nh * s * d, 1, (b, nh, s, d))?)?;
+        let k = Var::from_tensor(&t(b * kv * s * d, 2, (b, kv, s, d))?)?;
+        let v = Var::from_tensor(&t(b * kv * s * d, 3, (b, kv, s, d))?)?;
+        Ok((q, k, v, t(b * nh * s * d, 4, (b, nh, s, d))?))
+    }
+
     /// Row 0 plain causal; row 1 packed: records at 0..40, 40..41 (one token), 41..S.
     fn packed_starts(s: usize) -> Result<KeyStarts> {
         let mut starts = vec![0u32; 2 * s];
@@ -612,7 +726,7 @@ mod tests {
         let starts = packed_starts(150)?;
         let kept = Kept::new(&[KeepLayer { attention: true, ..KeepLayer::default() }]);
         let keep = |pass| Keep { pass, slot: kept.slot(0) };
-        let run = |pass, q: &Tensor, k: &Tensor, v: &Tensor| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, keep(pass));
+        let run = |pass, q: &Tensor, k: &Tensor, v: &Tensor| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, keep(pass), DType::F32);
         let (q, k, v, _) = inputs(6, 2, 150, 16, DType::F32)?;
         run(Pass::Checkpointed, &q, &k, &v)?;
         assert_eq!(kept.bytes(), 4 * 2 * 6 * 150 * 17, "out and lse kept");
@@ -622,7 +736,7 @@ mod tests {
             run(Pass::Checkpointed, q, k, v)?;
             run(Pass::Recompute, q, k, v)
         };
-        let diffs = compare(both, |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain()), 6, 2, DType::F32)?;
+        let diffs = compare(both, |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain(), DType::F32), 6, 2, DType::F32)?;
         assert!(diffs.iter().all(|(_, d)| *d == 0.0), "{diffs:?}");
         assert_eq!(kept.bytes(), 0, "the slot is emptied");
         Ok(())
@@ -639,11 +753,49 @@ mod tests {
         for (nh, kv) in [(6, 2), (9, 3)] {
             assert_eq!(parts_for(2 * nh), if nh == 6 { 2 } else { 1 }, "both task splits are covered");
             let reference = |q: &Tensor, k: &Tensor, v: &Tensor| reference_attention(q, k, v, scale, &starts.host);
-            let fused = compare(|q, k, v| causal_attention(Kernels::Auto, q, k, v, scale, &starts, Keep::plain()), reference, nh, kv, DType::F32)?;
+            let fused = compare(|q, k, v| causal_attention(Kernels::Auto, q, k, v, scale, &starts, Keep::plain(), DType::F32), reference, nh, kv, DType::F32)?;
             let portable = compare(|q, k, v| portable_attention(q, k, v, scale, &starts, 64), reference, nh, kv, DType::F32)?;
             println!("NH {nh} KV {kv}: fused vs reference {fused:?}; portable vs reference {portable:?}");
             for (name, d) in fused.iter().chain(&portable) {
                 assert!(*d < 1e-5, "{name} differs by {d}");
+            }
+        }
+        Ok(())
+    }
+
+    /// bf16 matmul operands on AMX: the strips' GEMMs on tiles (q, k, v, the upstream gradient,
+    /// p and ds rounded to bf16, f32 sums) track the f32 strips in the output and all three
+    /// gradients within what that rounding allows, on ragged strips (S = 150: 64 + 64 + 22),
+    /// packed records whose first keys are not tile aligned (40, 41), GQA (R = 3), both task
+    /// splits and two head dims. Relative to each result's largest element.
+    #[test]
+    #[cfg_attr(not(bf16_amx), ignore = "needs AMX-BF16 (and Linux's tile permission)")]
+    fn attention_on_tiles_tracks_the_f32_strips_within_bf16_rounding() -> Result<()> {
+        let starts = packed_starts(150)?;
+        for (nh, kv, d) in [(6, 2, 32), (9, 3, 64)] {
+            assert!(tiles::usable(d), "AMX was found at build time but the tiles cannot run here");
+            let (q, k, v, g) = inputs_d(nh, kv, 150, d)?;
+            let scale = 1.0 / (d as f64).sqrt();
+            let run = |operands| -> Result<Vec<Tensor>> {
+                let y = causal_attention(Kernels::Auto, &q, &k, &v, scale, &starts, Keep::plain(), operands)?;
+                let grads = (&y * &g)?.sum_all()?.backward()?;
+                Ok(vec![y, grads.get(&q).expect("dq").clone(), grads.get(&k).expect("dk").clone(), grads.get(&v).expect("dv").clone()])
+            };
+            let (tiles, f32s) = (run(DType::BF16)?, run(DType::F32)?);
+            let host = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+            let emulated = emulated_bf16_attention((&host(&q)?, &host(&k)?, &host(&v)?, &host(&g)?), &starts.host, scale, (nh, kv, 150, d));
+            for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+                let peak = f32s[i].abs()?.max_all()?.to_scalar::<f32>()?;
+                let vs_f32 = max_diff(&tiles[i], &f32s[i])? / peak;
+                let got = host(&tiles[i])?;
+                let vs_emulated = got.iter().zip(&emulated[i]).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max) / peak as f64;
+                println!("NH {nh} KV {kv} D {d}: {name} on tiles, max |diff| / max |f32 result|: vs the f32 strips {vs_f32:.2e}, vs bf16 operands emulated in f64 {vs_emulated:.2e}");
+                // Against f32: bf16 operands, 2^-9 relative each (measured: up to 5.6e-3). Against
+                // the emulation: f32 sums in another order, and the p or ds elements whose bf16
+                // rounding an f32 difference in the last bit flips (a flipped p of an early row,
+                // which sees few keys, moves its output by up to 2^-8 p |v|; measured: up to 2.5e-4).
+                assert!(vs_f32 < 6e-3, "{name}: {vs_f32}");
+                assert!(vs_emulated < 3e-4, "{name}: {vs_emulated}");
             }
         }
         Ok(())
@@ -654,8 +806,8 @@ mod tests {
     fn portable_kernels_run_the_portable_op_and_agree_with_the_fused_one() -> Result<()> {
         let starts = packed_starts(150)?;
         let d = compare(
-            |q, k, v| causal_attention(Kernels::Portable, q, k, v, 0.25, &starts, Keep::plain()),
-            |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain()),
+            |q, k, v| causal_attention(Kernels::Portable, q, k, v, 0.25, &starts, Keep::plain(), DType::F32),
+            |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain(), DType::F32),
             4,
             2,
             DType::F32,
@@ -693,10 +845,10 @@ mod tests {
         let k = Tensor::from_vec(pseudo(s * d, 6), (1, 1, s, d), &dev)?;
         let v = Tensor::from_vec(pseudo(s * d, 7), (1, 1, s, d), &dev)?;
         for kern in [Kernels::Auto, Kernels::Portable] {
-            let full = causal_attention(kern, &q, &k, &v, 0.5, &KeyStarts::causal(1, s, &dev)?, Keep::plain())?;
+            let full = causal_attention(kern, &q, &k, &v, 0.5, &KeyStarts::causal(1, s, &dev)?, Keep::plain(), DType::F32)?;
             // Position 100's output depends only on keys 0..=100: the prefix alone gives it too.
             let (qp, kp, vp) = (q.narrow(2, 0, 101)?, k.narrow(2, 0, 101)?, v.narrow(2, 0, 101)?);
-            let prefix = causal_attention(kern, &qp, &kp, &vp, 0.5, &KeyStarts::causal(1, 101, &dev)?, Keep::plain())?;
+            let prefix = causal_attention(kern, &qp, &kp, &vp, 0.5, &KeyStarts::causal(1, 101, &dev)?, Keep::plain(), DType::F32)?;
             let dmax = max_diff(&full.narrow(2, 100, 1)?, &prefix.narrow(2, 100, 1)?)?;
             assert!(dmax < 1e-6, "{kern:?}: position 100 saw the future: {dmax}");
         }
@@ -713,5 +865,50 @@ mod tests {
         assert_eq!(portable_strip_rows(8, 32, 2048), 64); // the floor: 64 MiB of scores per strip
         let rows = portable_strip_rows(2, 16, 1024);
         assert!(rows > 64 && rows * 2 * 16 * 1024 * 4 <= PORTABLE_STRIP_BYTES && rows % 64 == 0, "{rows}");
+    }
+}
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+    use crate::ops::testutil::pseudo;
+
+    /// `cargo test --release --lib attention_speed -- --ignored --nocapture`: milliseconds of
+    /// the fused op's forward and backward on the bench model's shape (SmolLM2-135M, 4 x 512),
+    /// f32 strips against tiles where AMX runs (a look, not a test; `make bench` has the numbers).
+    #[test]
+    #[ignore]
+    fn attention_speed() -> Result<()> {
+        let (b, nh, kv, s, d) = (4, 9, 3, 512, 64);
+        let dev = Device::Cpu;
+        let t = |n: usize, seed: usize, shape: (usize, usize, usize, usize)| Tensor::from_vec(pseudo(n, seed), shape, &dev);
+        let q = candle_core::Var::from_tensor(&t(b * nh * s * d, 1, (b, nh, s, d))?)?;
+        let k = candle_core::Var::from_tensor(&t(b * kv * s * d, 2, (b, kv, s, d))?)?;
+        let v = candle_core::Var::from_tensor(&t(b * kv * s * d, 3, (b, kv, s, d))?)?;
+        let g = t(b * nh * s * d, 4, (b, nh, s, d))?;
+        let starts = KeyStarts::causal(b, s, &dev)?;
+        let mut kinds = vec![DType::F32];
+        if tiles::usable(d) {
+            kinds.push(DType::BF16);
+        }
+        // ATTENTION_SPEED_ONLY=bf16 (or f32): one kind, for a profiler.
+        if let Ok(only) = std::env::var("ATTENTION_SPEED_ONLY") {
+            kinds.retain(|k| k.as_str() == only);
+        }
+        for _round in 0..2 {
+            for &operands in &kinds {
+                let (mut fwd, mut bwd) = (f64::MAX, f64::MAX);
+                for _ in 0..10 {
+                    let t0 = std::time::Instant::now();
+                    let y = causal_attention(Kernels::Auto, &q, &k, &v, 0.125, &starts, Keep::plain(), operands)?;
+                    let t1 = std::time::Instant::now();
+                    std::hint::black_box(crate::ops::pullback(&y, &g)?.backward()?);
+                    fwd = fwd.min((t1 - t0).as_secs_f64());
+                    bwd = bwd.min(t1.elapsed().as_secs_f64());
+                }
+                println!("attention {b}x{nh}x{s}x{d} operands {operands:?}: forward {:.1} ms, backward {:.1} ms (best of 10)", fwd * 1e3, bwd * 1e3);
+            }
+        }
+        Ok(())
     }
 }
