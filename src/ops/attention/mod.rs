@@ -767,12 +767,13 @@ mod tests {
     /// p and ds rounded to bf16, f32 sums) track the f32 strips in the output and all three
     /// gradients within what that rounding allows, on ragged strips (S = 150: 64 + 64 + 22),
     /// packed records whose first keys are not tile aligned (40, 41), GQA (R = 3), both task
-    /// splits and two head dims. Relative to each result's largest element.
+    /// splits and three head dims. Relative to each result's largest element.
     #[test]
     #[cfg_attr(not(bf16_amx), ignore = "needs AMX-BF16 (and Linux's tile permission)")]
     fn attention_on_tiles_tracks_the_f32_strips_within_bf16_rounding() -> Result<()> {
         let starts = packed_starts(150)?;
-        for (nh, kv, d) in [(6, 2, 32), (9, 3, 64)] {
+        // D = 192: MLA's padded width on DeepSeek-V2 (six K tiles), one kv head per query head.
+        for (nh, kv, d) in [(6, 2, 32), (9, 3, 64), (4, 4, 192)] {
             assert!(tiles::usable(d), "AMX was found at build time but the tiles cannot run here");
             let (q, k, v, g) = inputs_d(nh, kv, 150, d)?;
             let scale = 1.0 / (d as f64).sqrt();
@@ -793,9 +794,12 @@ mod tests {
                 // Against f32: bf16 operands, 2^-9 relative each (measured: up to 5.6e-3). Against
                 // the emulation: f32 sums in another order, and the p or ds elements whose bf16
                 // rounding an f32 difference in the last bit flips (a flipped p of an early row,
-                // which sees few keys, moves its output by up to 2^-8 p |v|; measured: up to 2.5e-4).
+                // which sees few keys, moves its output by up to 2^-8 p |v|), and in ds the
+                // cancellation dp − δ of rows that see few keys, where dp comes from bf16
+                // operands and δ from the f32 output (measured: up to 2.5e-4 at D <= 64, 5.1e-4
+                // for dq at D = 192).
                 assert!(vs_f32 < 6e-3, "{name}: {vs_f32}");
-                assert!(vs_emulated < 3e-4, "{name}: {vs_emulated}");
+                assert!(vs_emulated < 6e-4, "{name}: {vs_emulated}");
             }
         }
         Ok(())
