@@ -199,8 +199,10 @@ impl Unit {
 }
 
 /// The strips' element-wise passes compiled for AVX-512 (16 lanes; the crate's baseline is
-/// AVX2, and every CPU with AMX has AVX-512): the same code and the same bits as the f32
-/// strips' (`super::softmax_rows` ...), which were about half of the tile path's time at 8 lanes.
+/// AVX2, and every CPU with AMX has AVX-512): the same code as the f32 strips'
+/// (`super::softmax_rows` ...) and the same bits (element by element, sums in the same
+/// order). With the GEMMs on tiles, these passes and the bf16 rounding around them are most
+/// of the rest of the tile path's time.
 mod wide {
     macro_rules! avx512 {
         ($name:ident ( $($arg:ident : $ty:ty),* )) => {
