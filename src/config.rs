@@ -396,6 +396,11 @@ impl ModelConfig {
         }
     }
 
+    /// The head width attention runs at: `head_dim`, or MLA's (v padded to the q/k width).
+    pub fn attention_head_width(&self) -> usize {
+        self.mla.as_ref().map_or(self.head_dim, |m| m.attention_width())
+    }
+
     /// Whether layer `layer` is a mixture of experts (transformers' rule: every layer from
     /// `first_k_dense_replace` on).
     pub fn is_moe_layer(&self, layer: usize) -> bool {

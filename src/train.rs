@@ -306,8 +306,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     if lead && kernels == crate::ops::Kernels::Portable {
         eprintln!("portable kernels (the GPU path): activations in {compute_dtype:?}");
     }
-    let head_width = cfg.mla.as_ref().map_or(cfg.head_dim, |m| m.attention_width());
-    let attention_tiles = kernels == crate::ops::Kernels::Auto && crate::ops::attention::runs_on_tiles(matmul, head_width);
+    let attention_tiles = kernels == crate::ops::Kernels::Auto && crate::ops::attention::runs_on_tiles(matmul, cfg.attention_head_width());
     if lead && matmul != compute_dtype {
         let unit = crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name);
         let what = if attention_tiles { "frozen matmuls and attention's" } else { "frozen matmuls" };
@@ -1065,10 +1064,7 @@ pub fn micro_batch_shape(r: &crate::recipe::Recipe) -> (usize, usize) {
 pub fn kept_bytes_per_layer(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> KeepCosts {
     let tokens = tokens_per_micro_batch(r);
     let nh = cfg.num_attention_heads;
-    let width = match &cfg.mla {
-        Some(m) => m.attention_width(),
-        None => cfg.head_dim,
-    };
+    let width = cfg.attention_head_width();
     let (b, s) = micro_batch_shape(r);
     KeepCosts {
         attention: 4 * tokens * nh * (width + 1),

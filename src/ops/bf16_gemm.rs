@@ -408,9 +408,7 @@ pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec
     assert!(a.len() == m * k && w.len() >= n * k, "bf16 gemm: A [{m}, {k}] or W [{n}, {k}] short");
     // Aᵀ as B: A rounded to bf16 [M, K], packed as the forward packs a weight [N, K].
     let mut ab = vec![0u16; m * k];
-    for (row, dst) in a.chunks_exact(k).zip(ab.chunks_exact_mut(k)) {
-        round_row(row, dst);
-    }
+    round_row(a, &mut ab);
     let b = PackedB::from_nk(&ab, m, k);
     let np = b.nb * TM; // M padded to whole column pairs
     let bands = n / (2 * TM);
@@ -1024,6 +1022,31 @@ mod amx {
         a_step: usize,        // +88: bytes from one K tile of A to the next
     }
 
+    /// `prefetcht0` of the 16 lines of the tiles two K steps (2 KiB) ahead of each register
+    /// named, one line of every register before the next line of any.
+    macro_rules! prefetch_ahead {
+        ($($r:ident),*) => {
+            concat!(
+                $("prefetcht0 [{", stringify!($r), "} + 2048]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2112]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2176]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2240]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2304]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2368]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2432]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2496]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2560]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2624]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2688]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2752]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2816]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2880]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 2944]\n",)*
+                $("prefetcht0 [{", stringify!($r), "} + 3008]\n",)*
+            )
+        };
+    }
+
     /// The tile program of [`band_program`], with `prefetcht0` lines spliced into its k loop
     /// before the `tdpbf16ps`: the tiles two K steps ahead, 16 lines of 64 bytes each, of the
     /// B strips and (A in whole tiles) of A. Tile loads do not seem to train the L1 prefetchers:
@@ -1031,7 +1054,7 @@ mod amx {
     /// faster on a Xeon with AMX (2026-11-25, alternating runs of `bf16_gemm_speed`); B alone
     /// about half of that, one step ahead or four less.
     macro_rules! band_asm {
-        ($band:expr, $($prefetch:literal),* $(,)?) => {
+        ($band:expr, $prefetch:expr) => {
             asm!(
                 "mov {x}, [{p}]",
                 "ldtilecfg [{x}]",
@@ -1073,7 +1096,7 @@ mod amx {
                 "tileloadd tmm5, [{a1} + {s}*1]",
                 "tileloadd tmm6, [{b0} + {sb}*1]",
                 "tileloadd tmm7, [{b1} + {sb}*1]",
-                    $($prefetch,)*
+                $prefetch,
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 "tdpbf16ps tmm1, tmm4, tmm7",
                 "tdpbf16ps tmm2, tmm5, tmm6",
@@ -1132,109 +1155,9 @@ mod amx {
     unsafe fn band_program(band: &Band) {
         if band.a_step == TM * TK * 2 {
             // A in whole tiles (`ATiles`): its next tiles are contiguous too.
-            band_asm!(
-                band,
-                "prefetcht0 [{b0} + 2048]",
-                "prefetcht0 [{b1} + 2048]",
-                "prefetcht0 [{a0} + 2048]",
-                "prefetcht0 [{a1} + 2048]",
-                "prefetcht0 [{b0} + 2112]",
-                "prefetcht0 [{b1} + 2112]",
-                "prefetcht0 [{a0} + 2112]",
-                "prefetcht0 [{a1} + 2112]",
-                "prefetcht0 [{b0} + 2176]",
-                "prefetcht0 [{b1} + 2176]",
-                "prefetcht0 [{a0} + 2176]",
-                "prefetcht0 [{a1} + 2176]",
-                "prefetcht0 [{b0} + 2240]",
-                "prefetcht0 [{b1} + 2240]",
-                "prefetcht0 [{a0} + 2240]",
-                "prefetcht0 [{a1} + 2240]",
-                "prefetcht0 [{b0} + 2304]",
-                "prefetcht0 [{b1} + 2304]",
-                "prefetcht0 [{a0} + 2304]",
-                "prefetcht0 [{a1} + 2304]",
-                "prefetcht0 [{b0} + 2368]",
-                "prefetcht0 [{b1} + 2368]",
-                "prefetcht0 [{a0} + 2368]",
-                "prefetcht0 [{a1} + 2368]",
-                "prefetcht0 [{b0} + 2432]",
-                "prefetcht0 [{b1} + 2432]",
-                "prefetcht0 [{a0} + 2432]",
-                "prefetcht0 [{a1} + 2432]",
-                "prefetcht0 [{b0} + 2496]",
-                "prefetcht0 [{b1} + 2496]",
-                "prefetcht0 [{a0} + 2496]",
-                "prefetcht0 [{a1} + 2496]",
-                "prefetcht0 [{b0} + 2560]",
-                "prefetcht0 [{b1} + 2560]",
-                "prefetcht0 [{a0} + 2560]",
-                "prefetcht0 [{a1} + 2560]",
-                "prefetcht0 [{b0} + 2624]",
-                "prefetcht0 [{b1} + 2624]",
-                "prefetcht0 [{a0} + 2624]",
-                "prefetcht0 [{a1} + 2624]",
-                "prefetcht0 [{b0} + 2688]",
-                "prefetcht0 [{b1} + 2688]",
-                "prefetcht0 [{a0} + 2688]",
-                "prefetcht0 [{a1} + 2688]",
-                "prefetcht0 [{b0} + 2752]",
-                "prefetcht0 [{b1} + 2752]",
-                "prefetcht0 [{a0} + 2752]",
-                "prefetcht0 [{a1} + 2752]",
-                "prefetcht0 [{b0} + 2816]",
-                "prefetcht0 [{b1} + 2816]",
-                "prefetcht0 [{a0} + 2816]",
-                "prefetcht0 [{a1} + 2816]",
-                "prefetcht0 [{b0} + 2880]",
-                "prefetcht0 [{b1} + 2880]",
-                "prefetcht0 [{a0} + 2880]",
-                "prefetcht0 [{a1} + 2880]",
-                "prefetcht0 [{b0} + 2944]",
-                "prefetcht0 [{b1} + 2944]",
-                "prefetcht0 [{a0} + 2944]",
-                "prefetcht0 [{a1} + 2944]",
-                "prefetcht0 [{b0} + 3008]",
-                "prefetcht0 [{b1} + 3008]",
-                "prefetcht0 [{a0} + 3008]",
-                "prefetcht0 [{a1} + 3008]",
-            );
+            band_asm!(band, prefetch_ahead!(b0, b1, a0, a1));
         } else {
-            band_asm!(
-                band,
-                "prefetcht0 [{b0} + 2048]",
-                "prefetcht0 [{b1} + 2048]",
-                "prefetcht0 [{b0} + 2112]",
-                "prefetcht0 [{b1} + 2112]",
-                "prefetcht0 [{b0} + 2176]",
-                "prefetcht0 [{b1} + 2176]",
-                "prefetcht0 [{b0} + 2240]",
-                "prefetcht0 [{b1} + 2240]",
-                "prefetcht0 [{b0} + 2304]",
-                "prefetcht0 [{b1} + 2304]",
-                "prefetcht0 [{b0} + 2368]",
-                "prefetcht0 [{b1} + 2368]",
-                "prefetcht0 [{b0} + 2432]",
-                "prefetcht0 [{b1} + 2432]",
-                "prefetcht0 [{b0} + 2496]",
-                "prefetcht0 [{b1} + 2496]",
-                "prefetcht0 [{b0} + 2560]",
-                "prefetcht0 [{b1} + 2560]",
-                "prefetcht0 [{b0} + 2624]",
-                "prefetcht0 [{b1} + 2624]",
-                "prefetcht0 [{b0} + 2688]",
-                "prefetcht0 [{b1} + 2688]",
-                "prefetcht0 [{b0} + 2752]",
-                "prefetcht0 [{b1} + 2752]",
-                "prefetcht0 [{b0} + 2816]",
-                "prefetcht0 [{b1} + 2816]",
-                "prefetcht0 [{b0} + 2880]",
-                "prefetcht0 [{b1} + 2880]",
-                "prefetcht0 [{b0} + 2944]",
-                "prefetcht0 [{b1} + 2944]",
-                "prefetcht0 [{b0} + 3008]",
-                "prefetcht0 [{b1} + 3008]",
-            );
+            band_asm!(band, prefetch_ahead!(b0, b1));
         }
     }
 }

@@ -630,14 +630,14 @@ mod tests {
     use candle_core::{Device, Var};
 
     /// q, k, v as variables and an upstream gradient, for B = 2 rows of S with NH / KV heads.
-    fn inputs(nh: usize, kv: usize, s: usize, d: usize, dt: DType) -> Result<(Var, Var, Var, Tensor)> {
+    /// (pseudo-random in [-1, 1) times `spread`: 2 spreads them like a trained model's q and k.)
+    fn inputs(nh: usize, kv: usize, s: usize, d: usize, dt: DType, spread: f32) -> Result<(Var, Var, Var, Tensor)> {
         let (dev, b) = (Device::Cpu, 2);
-        let var = |n: usize, seed: usize, shape: (usize, usize, usize, usize)| Var::from_tensor(&Tensor::from_vec(pseudo(n, seed), shape, &dev)?.to_dtype(dt)?);
-        let q = var(b * nh * s * d, 1, (b, nh, s, d))?;
-        let k = var(b * kv * s * d, 2, (b, kv, s, d))?;
-        let v = var(b * kv * s * d, 3, (b, kv, s, d))?;
-        let g = Tensor::from_vec(pseudo(b * nh * s * d, 4), (b, nh, s, d), &dev)?.to_dtype(dt)?;
-        Ok((q, k, v, g))
+        let t = |n: usize, seed: usize, shape: (usize, usize, usize, usize)| Tensor::from_vec(pseudo(n, seed).iter().map(|x| spread * x).collect::<Vec<f32>>(), shape, &dev)?.to_dtype(dt);
+        let q = Var::from_tensor(&t(b * nh * s * d, 1, (b, nh, s, d))?)?;
+        let k = Var::from_tensor(&t(b * kv * s * d, 2, (b, kv, s, d))?)?;
+        let v = Var::from_tensor(&t(b * kv * s * d, 3, (b, kv, s, d))?)?;
+        Ok((q, k, v, t(b * nh * s * d, 4, (b, nh, s, d))?))
     }
 
     /// The tile path's math in f64 on its own (plain loops over whole rows, no strips): q, k,
@@ -684,17 +684,6 @@ mod tests {
         [out, dq, dk, dv]
     }
 
-    /// As `inputs` in f32 with head dim `d`, values spread like a trained model's q and k
-    /// (pseudo-random in [-1, 1) times 2).
-    fn inputs_d(nh: usize, kv: usize, s: usize, d: usize) -> Result<(Var, Var, Var, Tensor)> {
-        let (dev, b) = (Device::Cpu, 2);
-        let t = |n: usize, seed: usize, shape: (usize, usize, usize, usize)| Tensor::from_vec(pseudo(n, seed).iter().map(|x| 2.0 * x).collect::<Vec<f32>>(), shape, &dev);
-        let q = Var::from_tensor(&t(b * nh * s * d, 1, (b, nh, s, d))?)?;
-        let k = Var::from_tensor(&t(b * kv * s * d, 2, (b, kv, s, d))?)?;
-        let v = Var::from_tensor(&t(b * kv * s * d, 3, (b, kv, s, d))?)?;
-        Ok((q, k, v, t(b * nh * s * d, 4, (b, nh, s, d))?))
-    }
-
     /// Row 0 plain causal; row 1 packed: records at 0..40, 40..41 (one token), 41..S.
     fn packed_starts(s: usize) -> Result<KeyStarts> {
         let mut starts = vec![0u32; 2 * s];
@@ -706,7 +695,7 @@ mod tests {
 
     /// Max |diff| of the outputs and of the q, k, v gradients of two attentions.
     fn compare(a: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, b: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, nh: usize, kv: usize, dt: DType) -> Result<Vec<(&'static str, f32)>> {
-        let (q, k, v, g) = inputs(nh, kv, 150, 16, dt)?;
+        let (q, k, v, g) = inputs(nh, kv, 150, 16, dt, 1.0)?;
         let (ya, yb) = (a(&q, &k, &v)?, b(&q, &k, &v)?);
         let mut worst = vec![("out", max_diff(&ya, &yb)?)];
         let ga = (ya.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
@@ -727,7 +716,7 @@ mod tests {
         let kept = Kept::new(&[KeepLayer { attention: true, ..KeepLayer::default() }]);
         let keep = |pass| Keep { pass, slot: kept.slot(0) };
         let run = |pass, q: &Tensor, k: &Tensor, v: &Tensor| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, keep(pass), DType::F32);
-        let (q, k, v, _) = inputs(6, 2, 150, 16, DType::F32)?;
+        let (q, k, v, _) = inputs(6, 2, 150, 16, DType::F32, 1.0)?;
         run(Pass::Checkpointed, &q, &k, &v)?;
         assert_eq!(kept.bytes(), 4 * 2 * 6 * 150 * 17, "out and lse kept");
         // The recomputation takes the slot that a checkpointed forward of the same inputs
@@ -775,7 +764,7 @@ mod tests {
         // D = 192: MLA's padded width on DeepSeek-V2 (six K tiles), one kv head per query head.
         for (nh, kv, d) in [(6, 2, 32), (9, 3, 64), (4, 4, 192)] {
             assert!(tiles::usable(d), "AMX was found at build time but the tiles cannot run here");
-            let (q, k, v, g) = inputs_d(nh, kv, 150, d)?;
+            let (q, k, v, g) = inputs(nh, kv, 150, d, DType::F32, 2.0)?;
             let scale = 1.0 / (d as f64).sqrt();
             let run = |operands| -> Result<Vec<Tensor>> {
                 let y = causal_attention(Kernels::Auto, &q, &k, &v, scale, &starts, Keep::plain(), operands)?;
@@ -826,7 +815,7 @@ mod tests {
     #[test]
     fn portable_attention_in_bf16_tracks_f32_within_bf16_rounding() -> Result<()> {
         let starts = packed_starts(150)?;
-        let (q, k, v, _) = inputs(4, 2, 150, 16, DType::BF16)?;
+        let (q, k, v, _) = inputs(4, 2, 150, 16, DType::BF16, 1.0)?;
         let y = portable_attention(&q, &k, &v, 0.25, &starts, 64)?;
         assert_eq!(y.dtype(), DType::BF16);
         let f = |t: &Tensor| t.to_dtype(DType::F32);
