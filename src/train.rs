@@ -243,6 +243,7 @@ pub fn run_ranks(
                 (rank, h)
             })
             .collect();
+        serve_pool_until(|| handles.iter().all(|(_, h)| h.as_ref().map_or(true, |h| h.is_finished())));
         handles
             .into_iter()
             .map(|(rank, h)| {
@@ -279,6 +280,18 @@ pub fn run_ranks(
     memory.sort_by_key(|m| m.rank);
     s.memory = memory;
     Ok(s)
+}
+
+/// Wait until `done()`, running the rayon pool's pending jobs meanwhile. The binary makes
+/// the main thread one of the pool's workers (`main.rs`, `tune_thread_pools`): blocked in a
+/// join it would take a worker from the rank threads' parallel loops, and all of them when
+/// the pool has one thread. Outside the pool (tests, library callers) this only polls.
+fn serve_pool_until(done: impl Fn() -> bool) {
+    while !done() {
+        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
 }
 
 /// The training loop of one rank: setup, resume, train, cleanup. Every rank runs the same

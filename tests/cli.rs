@@ -152,6 +152,37 @@ fn missing_gpus_and_bad_dist_keys_are_named() {
     assert_clean_failure(d.path(), &["dist.zero_stage=3", "train.activation_checkpointing=false"], &["dist.zero_stage", "activation_checkpointing"]);
 }
 
+/// The binary makes its main thread worker 0 of rayon's pool; with one thread that is the
+/// whole pool, so the rank threads' parallel loops run only if the main thread serves the
+/// pool while it waits for them. A hang here is the failure: killed after two minutes.
+#[test]
+fn local_ranks_finish_when_the_main_thread_is_the_whole_thread_pool() {
+    let d = setup();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .arg("--recipe")
+        .arg(d.path().join("recipe.toml"))
+        .args(["--set", "dist.world_size=2", "--set", "train.grad_accum_steps=2"])
+        .env("RAYON_NUM_THREADS", "1")
+        .env("CANDLE_NUM_THREADS", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(120) {
+            child.kill().unwrap();
+            panic!("two ranks on a one-thread pool did not finish in 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    assert!(d.path().join("out/adapter/adapter_model.safetensors").is_file());
+}
+
 #[test]
 fn two_cpu_ranks_train_from_the_command_line_and_report_their_memory() {
     let d = setup();
