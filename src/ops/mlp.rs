@@ -4,7 +4,7 @@
 use super::linear::frozen_gemm;
 use super::norm::RmsNorm;
 use super::checkpoint::{Keep, Pass, SwiGluInputs};
-use super::{add_into, cpu_f32, exp_f32, f32_elems, zeros_f32, Kernels, Op, Path};
+use super::{add_into, cpu_f32, exp_f32, f32_elems, par_zeroed, Kernels, Op, Path};
 use candle_core::{Result, Tensor};
 use std::sync::Mutex;
 
@@ -24,31 +24,38 @@ struct SwiGlu;
 
 /// silu(g) ⊙ u, elementwise.
 pub(crate) fn swiglu_rows(g: &[f32], u: &[f32]) -> Vec<f32> {
-    use rayon::prelude::*;
-    let mut y = zeros_f32(g.len());
-    y.par_chunks_mut(4096).zip(g.par_chunks(4096)).zip(u.par_chunks(4096)).for_each(|((y, g), u)| {
+    par_zeroed(g.len(), 4096, |i, y: &mut [f32]| {
+        let (g, u) = (&g[i * 4096..][..y.len()], &u[i * 4096..][..y.len()]);
         y.iter_mut().zip(g).zip(u).for_each(|((o, &g), &u)| *o = g / (1.0 + exp_f32(-g)) * u);
-    });
-    y
+    })
 }
 
 /// (dg, du) of silu(g) ⊙ u for the upstream dy:
 /// silu(g) = g σ(g), silu'(g) = σ(g) (1 + g (1 − σ(g))).
 pub(crate) fn swiglu_rows_bwd(gv: &[f32], uv: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    use rayon::prelude::*;
-    let mut dg = zeros_f32(gv.len());
-    let mut du = zeros_f32(gv.len());
+    const CHUNK: usize = 4096;
+    let len = gv.len();
+    let mut du: Vec<f32> = Vec::with_capacity(len);
+    let du_out = super::Shared::uninit(&mut du.spare_capacity_mut()[..len]);
     // Zipped chunks, no indexing: the loop vectorises (exp_f32 included).
-    dg.par_chunks_mut(4096)
-        .zip(du.par_chunks_mut(4096))
-        .zip(gv.par_chunks(4096).zip(uv.par_chunks(4096)).zip(dy.par_chunks(4096)))
-        .for_each(|((dg, du), ((x, uu), d))| {
-            for ((((dg, du), &x), &uu), &d) in dg.iter_mut().zip(du.iter_mut()).zip(x).zip(uu).zip(d) {
-                let sig = 1.0 / (1.0 + exp_f32(-x));
-                *du = d * x * sig;
-                *dg = d * uu * sig * (1.0 + x * (1.0 - sig));
-            }
-        });
+    let dg = par_zeroed(len, CHUNK, |i, dg: &mut [f32]| {
+        let at = i * CHUNK;
+        // SAFETY: chunk i of du (the same range as dg's chunk i) is this task's alone and
+        // inside du's capacity of `len`; it is zeroed before the slice over it is made.
+        let du = unsafe {
+            let p = du_out.ptr_at(at, dg.len());
+            std::ptr::write_bytes(p, 0, dg.len());
+            std::slice::from_raw_parts_mut(p, dg.len())
+        };
+        let (x, uu, d) = (&gv[at..][..dg.len()], &uv[at..][..dg.len()], &dy[at..][..dg.len()]);
+        for ((((dg, du), &x), &uu), &d) in dg.iter_mut().zip(du.iter_mut()).zip(x).zip(uu).zip(d) {
+            let sig = 1.0 / (1.0 + exp_f32(-x));
+            *du = d * x * sig;
+            *dg = d * uu * sig * (1.0 + x * (1.0 - sig));
+        }
+    });
+    // SAFETY: the chunks of dg cover 0..len, and each task wrote the same range of du.
+    unsafe { du.set_len(len) };
     (dg, du)
 }
 

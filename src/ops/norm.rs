@@ -1,6 +1,6 @@
 //! RMSNorm (transformers' LlamaRMSNorm): the fused CPU op and the portable version.
 
-use super::{cpu_f32, f32_elems, zeros_f32, Kernels, Op, Path};
+use super::{cpu_f32, f32_elems, par_zeroed, Kernels, Op, Path};
 use candle_core::{DType, Result, Tensor, D};
 
 /// RMSNorm as transformers' LlamaRMSNorm: `x * rsqrt(mean(x^2) + eps) * weight`, in f32.
@@ -38,31 +38,27 @@ impl RmsNorm {
 
     /// x [rows, H] -> y = x · r · w per row, r = (mean(x²) + eps)^-1/2.
     pub(crate) fn forward_rows(&self, x: &[f32]) -> Vec<f32> {
-        use rayon::prelude::*;
         let h = self.w.len();
-        let mut y = zeros_f32(x.len());
-        y.par_chunks_mut(h).zip(x.par_chunks(h)).for_each(|(yr, xr)| {
+        par_zeroed(x.len(), h, |i, yr: &mut [f32]| {
+            let xr = &x[i * h..(i + 1) * h];
             let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
             let inv = 1.0 / (ms + self.eps).sqrt();
             yr.iter_mut().zip(xr).zip(&self.w).for_each(|((o, &v), &w)| *o = v * inv * w);
-        });
-        y
+        })
     }
 
     /// dx for x [rows, H] and dy [rows, H]:
     /// dx_j = r w_j g_j − x_j r³ / H · Σ_i w_i g_i x_i
     pub(crate) fn backward_rows(&self, x: &[f32], g: &[f32]) -> Vec<f32> {
-        use rayon::prelude::*;
         let h = self.w.len();
-        let mut dx = zeros_f32(x.len());
-        dx.par_chunks_mut(h).zip(x.par_chunks(h)).zip(g.par_chunks(h)).for_each(|((dr, xr), gr)| {
+        par_zeroed(x.len(), h, |i, dr: &mut [f32]| {
+            let (xr, gr) = (&x[i * h..(i + 1) * h], &g[i * h..(i + 1) * h]);
             let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
             let r = 1.0 / (ms + self.eps).sqrt();
             let dot: f32 = xr.iter().zip(gr).zip(&self.w).map(|((x, g), w)| w * g * x).sum();
             let c = r * r * r * dot / h as f32;
             dr.iter_mut().zip(xr).zip(gr).zip(&self.w).for_each(|(((o, &x), &g), &w)| *o = r * w * g - x * c);
-        });
-        dx
+        })
     }
 }
 

@@ -1,7 +1,7 @@
 //! RoPE (rotate-half, transformers' `apply_rotary_pos_emb`) and the head moves between the
 //! projection layout [N, NH*D] and the attention layout [B, NH, S, D].
 
-use super::{cpu_f32, f32_elems, host_f32, zeros_f32, Kernels, Op, Path};
+use super::{cpu_f32, f32_elems, host_f32, par_zeroed, Kernels, Op, Path};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// cos/sin tables for rotate-half RoPE: positions [B, S] (u32) -> cos, sin [B, 1, S, D].
@@ -100,29 +100,16 @@ impl Heads {
     /// cos/sin, src read in `src_heads_first` layout ([B, N, S, D] if true, else [B, S, N, D])
     /// and dst written in the other.
     fn map(&self, src: &[f32], src_heads_first: bool, f: impl Fn(&[f32], &mut [f32], usize) + Sync) -> Vec<f32> {
-        use rayon::prelude::*;
         let (_, s, n, d) = self.dims;
-        let mut dst = zeros_f32(src.len());
-        // One chunk per (b, s) row of [B, S, N, D] or per (b, n) of [B, N, S, D], whichever dst is.
-        let chunk = if src_heads_first { n * d } else { s * d };
-        dst.par_chunks_mut(chunk).enumerate().for_each(|(c, out)| {
-            if src_heads_first {
-                let (bi, si) = (c / s, c % s); // dst [B, S, N, D]: out = row (bi, si), all heads
-                let t = (bi * s + si) * d;
-                for ni in 0..n {
-                    let from = ((bi * n + ni) * s + si) * d;
-                    f(&src[from..from + d], &mut out[ni * d..(ni + 1) * d], t);
-                }
-            } else {
-                let (bi, ni) = (c / n, c % n); // dst [B, N, S, D]: out = head (bi, ni), all positions
-                for si in 0..s {
-                    let t = (bi * s + si) * d;
-                    let from = ((bi * s + si) * n + ni) * d;
-                    f(&src[from..from + d], &mut out[si * d..(si + 1) * d], t);
-                }
-            }
-        });
-        dst
+        // One row [D] per task: dst row c is (b, s, n) of [B, S, N, D] or (b, n, s) of
+        // [B, N, S, D], whichever dst is (a whole head per task left one of two threads idle
+        // for the three kv heads of a 1 x 512 micro-batch).
+        par_zeroed(src.len(), d, |c, out: &mut [f32]| {
+            let (bi, si, ni) = if src_heads_first { (c / (s * n), c / n % s, c % n) } else { (c / (n * s), c % s, c / s % n) };
+            let t = (bi * s + si) * d;
+            let from = if src_heads_first { ((bi * n + ni) * s + si) * d } else { ((bi * s + si) * n + ni) * d };
+            f(&src[from..from + d], out, t);
+        })
     }
 
     /// Move (and rotate forward if `rope`, or backward if `inverse`) from the `heads_first`
