@@ -1105,15 +1105,20 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> Strin
     }
 }
 
-/// The budget "auto" checkpointing keeps activations in when the recipe sets none: twice
-/// what checkpointing keeps anyway (each layer's input, L·N·H f32), four times with a 16-bit
-/// base, whose weights take half the memory of f32 ones. It grows with the tokens of a
-/// micro-batch as every other activation does. On SmolLM2 at 4 x 512: 270 MB with an f32 base
-/// (the attention outputs of every layer and the SwiGLU inputs of 5), 540 MB with bf16 (16).
-/// Why not more: at 1 x 512 an f32 SmolLM2 run then stays near a third of PEFT's leanest RSS.
+/// The budget "auto" checkpointing keeps activations in when the recipe sets none, in units
+/// of what checkpointing keeps anyway (each layer's input, L·N·H f32): four times with a
+/// 16-bit base, whose weights take half the memory of f32 ones; with an f32 base twice up to
+/// 1024 tokens a micro-batch, growing to four times at 2048 and beyond. Why it grows with the
+/// tokens faster than they do: at few tokens the step's memory is mostly the base, and at
+/// 1 x 512 an f32 SmolLM2 run with more kept passes a third of PEFT's leanest RSS; at 4 x 512
+/// the same third leaves ~0.7 GB beside our ~0.9 GB, and the SwiGLU inputs of 10 more layers
+/// (4 x 512 on a 2-core AVX2 EPYC, alternating runs: 2x 123, 4x 134 tokens/s median, 1.12
+/// -> 1.38 GB peak) are worth it. On SmolLM2: 67 MB at 1 x 512 and 540 MB at 4 x 512 with
+/// either base.
 fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> usize {
-    let inputs = cfg.num_hidden_layers * tokens_per_micro_batch(r) * cfg.hidden_size * 4;
-    if r.model.dtype == "f32" { 2 * inputs } else { 4 * inputs }
+    let tokens = tokens_per_micro_batch(r);
+    let inputs = cfg.num_hidden_layers * tokens * cfg.hidden_size * 4;
+    if r.model.dtype == "f32" { inputs * tokens.clamp(1024, 2048) / 512 } else { 4 * inputs }
 }
 
 /// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` (f64)
