@@ -1571,16 +1571,22 @@ mod speed {
                 line += &format!(" (AMX packing W each call {with_pack:.0}, reading W where it lies {r:.0})");
             }
             let wf: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.1).collect();
-            let r = gflops(m, n, k, &|| {
-                let mut c = vec![0f32; m * n];
-                // SAFETY: c [m, n], a [m, k], W [n, k] row-major read as Wᵀ; bounds as allocated.
-                unsafe {
-                    gemm::gemm(m, n, k, c.as_mut_ptr(), 1, n as isize, false, a.as_ptr(), 1, k as isize, wf.as_ptr(), k as isize, 1,
-                        0.0, 1.0, false, false, false, gemm::Parallelism::Rayon(rayon::current_num_threads()));
-                }
-                std::hint::black_box(c);
-            });
-            eprintln!("{line} | f32 gemm {r:.0} GFLOP/s");
+            // The f32 GEMM with W [n, k] read as Wᵀ (a forward), and with the same floats read
+            // as a row-major [k, n] B (the input gradient's layout); torch's MKL on the same
+            // shapes: `bench/reference/gemm_shapes.py`.
+            let f32_rate = |(rs, cs): (isize, isize)| {
+                gflops(m, n, k, &|| {
+                    let mut c = vec![0f32; m * n];
+                    // SAFETY: c [m, n], a [m, k], B [k, n] read through (rs, cs) inside wf's n·k floats.
+                    unsafe {
+                        gemm::gemm(m, n, k, c.as_mut_ptr(), 1, n as isize, false, a.as_ptr(), 1, k as isize, wf.as_ptr(), cs, rs,
+                            0.0, 1.0, false, false, false, gemm::Parallelism::Rayon(rayon::current_num_threads()));
+                    }
+                    std::hint::black_box(c);
+                })
+            };
+            let (wt, w) = (f32_rate((1, k as isize)), f32_rate((n as isize, 1)));
+            eprintln!("{line} | f32 gemm x·Wᵀ {wt:.0}, x·W {w:.0} GFLOP/s");
         }
     }
 
