@@ -1111,10 +1111,11 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> Strin
 /// 1024 tokens a micro-batch, growing to four times at 2048 and beyond. Why it grows with the
 /// tokens faster than they do: at few tokens the step's memory is mostly the base, and at
 /// 1 x 512 an f32 SmolLM2 run with more kept passes a third of PEFT's leanest RSS; at 4 x 512
-/// the same third leaves ~0.7 GB beside our ~0.9 GB, and the SwiGLU inputs of 10 more layers
-/// (4 x 512 on a 2-core AVX2 EPYC, alternating runs: 2x 123, 4x 134 tokens/s median, 1.12
-/// -> 1.38 GB peak) are worth it. On SmolLM2: 67 MB at 1 x 512 and 540 MB at 4 x 512 with
-/// either base.
+/// the same third leaves ~0.7 GB beside our ~0.9 GB, and keeping the SwiGLU inputs of about
+/// ten more layers is worth it (4 x 512 f32 on a 2-core AVX2 EPYC, alternating runs at 260
+/// and 520 MB: 123 and 134 tokens/s median, 1.12 and 1.38 GB peak). On SmolLM2: 540 MB at
+/// 4 x 512 with either base (the SwiGLU inputs of 16 layers), and at 1 x 512 67 MB with an
+/// f32 base, 135 MB with bf16.
 fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> usize {
     let tokens = tokens_per_micro_batch(r);
     let inputs = cfg.num_hidden_layers * tokens * cfg.hidden_size * 4;
