@@ -82,10 +82,13 @@ def peak_rss_of(cmd, env=None, timeout=None):
 
 
 def ensure_model(cache, seq):
-    model = os.path.join(cache, "smol", "model")
+    # Stored in bf16, as the hub's SmolLM2-135M is: PEFT's f32 rows and ours load the same
+    # values upcast, and the default recipe keeps them bf16 (model.dtype = "auto").
+    model = os.path.join(cache, "smol-bf16", "model")
     data = os.path.join(cache, f"data-{seq}")
     if not os.path.isfile(os.path.join(model, "model.safetensors")):
-        subprocess.run([BIN, "synth", "--out", os.path.join(cache, "smol"), "--shape", "smollm2-135m", "--rows", "8"], check=True)
+        subprocess.run([BIN, "synth", "--out", os.path.join(cache, "smol-bf16"), "--shape", "smollm2-135m", "--rows", "8",
+                        "--dtype", "bf16"], check=True)
     if not os.path.isdir(data):
         tmp = tempfile.mkdtemp(dir=cache)
         subprocess.run([BIN, "synth", "--out", tmp, "--shape", "tiny", "--rows", "16",
@@ -229,8 +232,9 @@ def flops_per_token(model, seq):
 
 
 def ensure_moe_model(cache, smol_model):
-    """A random DeepSeek-V2-Lite-shaped model cut to 3 layers (1 dense, 2 MoE), f32 (~6.7 GB)."""
-    model = os.path.join(cache, "ds-v2-lite-3l")
+    """A random DeepSeek-V2-Lite-shaped model cut to 3 layers (1 dense, 2 MoE), stored in bf16
+    as the hub's V2-Lite is (~3.3 GB)."""
+    model = os.path.join(cache, "ds-v2-lite-3l-bf16")
     if not os.path.isfile(os.path.join(model, "config.json")):
         tmp = model + ".tmp"
         subprocess.run([VENV_PY, os.path.join(ROOT, "bench", "make_deepseek_model.py"), "--out", tmp, "--layers", "3",
@@ -295,7 +299,8 @@ print(json.dumps(out))
 
 
 # model.dtype and train.activation_checkpointing left unset: "auto" both (bf16 on a CPU with a
-# bf16 unit, f32 elsewhere; checkpointing that keeps what its budget allows).
+# bf16 unit, and on other CPUs for a checkpoint stored in bf16 such as the bench's models, there
+# widened to f32 math; checkpointing that keeps what its budget allows).
 DEFAULT_ROW = "finetune default recipe (dtype and checkpointing auto)"
 
 

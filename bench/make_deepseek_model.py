@@ -3,8 +3,8 @@
 `make bench`'s MoE row: hidden 2048, 16 heads, MLA (q_proj, kv_lora_rank 512, nope 128, rope 64,
 v 128), YaRN as V2-Lite, the first layer dense (intermediate 10944), then MoE layers of 64 routed
 experts top-6 (softmax greedy) + 2 shared, moe_intermediate 1408, vocab 102400. Weights from
-transformers' own init (seeded), saved in f32 with experts stored one by one, as the hub's
-checkpoints are. A tokenizer folder given with --tokenizer is copied beside it (PEFT's benchmark
+transformers' own init (seeded, in f32), saved in bf16 with experts stored one by one, as the
+hub's V2-Lite checkpoint is. A tokenizer folder given with --tokenizer is copied beside it (PEFT's benchmark
 loads one; ids stay below its vocab).
 
 Usage: python bench/make_deepseek_model.py --out DIR [--layers 3] [--tokenizer DIR]
@@ -36,7 +36,7 @@ def main():
                            max_position_embeddings=163840, rope_parameters=rope, tie_word_embeddings=False,
                            use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     with torch.device("cpu"):
-        model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
+        model = DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(a.out, safe_serialization=True)
     if a.tokenizer:
         for f in os.listdir(a.tokenizer):

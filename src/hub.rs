@@ -161,6 +161,11 @@ impl Hub {
         repo.complete(Want::Config).map(|snap| snap.join("config.json"))
     }
 
+    /// The snapshot folder of model `id` when the cache holds its weights (no request).
+    pub fn cached_model(&self, id: &str, revision: Option<&str>) -> Option<PathBuf> {
+        CachedRepo::new(self, id, RepoType::Model, revision).ok()?.complete(Want::Model)
+    }
+
     /// The data files of dataset `id` (Parquet, Arrow or JSONL anywhere in the repo) of
     /// `split` (see [`choose_split`]).
     pub fn dataset(&self, id: &str, revision: Option<&str>, split: Option<&str>) -> Result<Vec<PathBuf>> {

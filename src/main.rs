@@ -147,6 +147,10 @@ enum Command {
         seq_max: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Storage dtype of the HF model's weights: f32, or bf16 (as the hub ships most
+        /// checkpoints).
+        #[arg(long, default_value = "f32")]
+        dtype: String,
         /// Write the model as a llama.cpp GGUF file (<out>/model.gguf) quantized to this
         /// type (q8_0, q4_0, q4_k, q5_k, q6_k, f32) instead of an HF folder: one tensor is
         /// generated at a time, so a 7B-shaped file needs only its quantized size in memory.
@@ -452,7 +456,7 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, tie: bool, len: (usize, usize), seed: u64, gguf: Option<&str>) -> anyhow::Result<()> {
+fn synth(out: &std::path::Path, (shape, arch, dtype): (&str, &str, &str), rows: usize, tie: bool, len: (usize, usize), seed: u64, gguf: Option<&str>) -> anyhow::Result<()> {
     use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, write_tokenizer, TinyShape};
     let mut s = match shape {
         "tiny" => TinyShape::default(),
@@ -466,6 +470,11 @@ fn synth(out: &std::path::Path, shape: &str, arch: &str, rows: usize, tie: bool,
         other => anyhow::bail!("--arch {other}: expected llama or qwen2"),
     };
     s.tie |= tie;
+    s.dtype = match dtype {
+        "f32" => candle_core::DType::F32,
+        "bf16" => candle_core::DType::BF16,
+        other => anyhow::bail!("--dtype {other}: expected f32 or bf16"),
+    };
     if len.0 < 2 || len.0 > len.1 {
         anyhow::bail!("--seq-min/--seq-max: need 2 <= min <= max");
     }
@@ -581,8 +590,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         (Some(Command::Plan { recipe, world_size, overrides }), _) => plan(&recipe, &world_size, &overrides)?,
         (Some(Command::Logits { model, adapter, tokens }), _) => logits(&model, adapter.as_deref(), &tokens)?,
         (Some(Command::Eval { model, adapter, data, max_new_tokens, chat }), _) => eval(&model, adapter.as_deref(), &data, max_new_tokens, chat)?,
-        (Some(Command::Synth { out, shape, arch, rows, tie, seq_min, seq_max, seed, gguf }), _) => {
-            synth(&out, &shape, &arch, rows, tie, (seq_min, seq_max), seed, gguf.as_deref())?
+        (Some(Command::Synth { out, shape, arch, rows, tie, seq_min, seq_max, seed, dtype, gguf }), _) => {
+            synth(&out, (&shape, &arch, &dtype), rows, tie, (seq_min, seq_max), seed, gguf.as_deref())?
         }
         (None, None) => anyhow::bail!("nothing to do: try `finetune --recipe recipes/tiny-lora.toml` or `finetune --help`"),
     }

@@ -273,7 +273,9 @@ pub struct ModelSection {
     pub revision: Option<String>,
     /// The frozen base's dtype. "auto" (the default) is resolved when the recipe loads: bf16
     /// on a CPU with a bf16 unit (AMX or AVX512-BF16, which run its matmuls about twice as
-    /// fast as f32, with f32 sums), f32 elsewhere (GPUs included: name bf16 there).
+    /// fast as f32, with f32 sums), bf16 on other CPUs when the checkpoint is stored in bf16
+    /// (kept as it is and widened to f32 math: half the memory, the same results), f32
+    /// elsewhere (GPUs included: name bf16 there).
     #[serde(default = "default_dtype")]
     pub dtype: String,
     #[serde(default = "default_device")]
@@ -519,13 +521,17 @@ fn default_dtype() -> String {
     "auto".into()
 }
 
-/// What `model.dtype = "auto"` means for this recipe on this machine: bf16 where every device
-/// is a CPU with a bf16 unit and the fused kernels run with bf16 matmuls (the defaults of
-/// `model.kernels` and `model.matmul`), f32 elsewhere.
-fn auto_dtype(r: &Recipe) -> &'static str {
+/// What `model.dtype = "auto"` means for this recipe on this machine (`dir`: the recipe's
+/// folder): with the fused CPU kernels and bf16 matmuls (the defaults of `model.kernels` and
+/// `model.matmul`) on every device, bf16 on a CPU with a bf16 unit, and bf16 elsewhere too
+/// when the checkpoint is stored in bf16 and read as it is, not quantised (kept bf16, widened
+/// to f32 math in the GEMM: half the memory, the same results); f32 otherwise, GPUs included.
+fn auto_dtype(r: &Recipe, dir: &Path) -> &'static str {
     let devices = r.dist.devices.clone().unwrap_or_else(|| vec![r.model.device.clone()]);
     let cpu = devices.iter().all(|d| d.trim() == "cpu");
-    if cpu && r.model.kernels == "auto" && r.model.matmul == "auto" && crate::ops::bf16_gemm::available() {
+    let fused_bf16 = cpu && r.model.kernels == "auto" && r.model.matmul == "auto";
+    let kept_bf16 = || r.model.quantize.is_none() && crate::weights::stored_all_bf16(&r.model.path, r.model.revision.as_deref(), dir);
+    if fused_bf16 && (crate::ops::bf16_gemm::available() || kept_bf16()) {
         "bf16"
     } else {
         "f32"
@@ -601,7 +607,7 @@ impl LoadedRecipe {
         let dtype_auto = recipe.model.dtype == "auto";
         let mut loaded = LoadedRecipe { recipe, file: file.to_path_buf(), dir: dir.to_path_buf(), dtype_auto };
         if dtype_auto {
-            loaded.recipe.model.dtype = auto_dtype(&loaded.recipe).into();
+            loaded.recipe.model.dtype = auto_dtype(&loaded.recipe, &loaded.dir).into();
         }
         loaded.check_values()?;
         Ok(loaded)
@@ -912,7 +918,7 @@ dir = "out"
     #[test]
     fn minimal_recipe_fills_defaults() {
         let r = load(MINIMAL, &[]).unwrap().recipe;
-        // "auto": bf16 on a CPU with a bf16 unit, f32 elsewhere.
+        // "auto": bf16 on a CPU with a bf16 unit, f32 elsewhere (no checkpoint at /recipes/m).
         assert_eq!(r.model.dtype, if crate::ops::bf16_gemm::available() { "bf16" } else { "f32" });
         assert_eq!(r.train.activation_checkpointing, Checkpointing::Auto);
         assert_eq!(load(MINIMAL, &["model.matmul=f32"]).unwrap().recipe.model.dtype, "f32", "f32 math asked for: an f32 base");
@@ -923,6 +929,30 @@ dir = "out"
         assert_eq!(r.lora.targets, None);
         assert_eq!(r.train.adam_betas, [0.9, 0.999]);
         assert_eq!(r.train.lr_scheduler, "constant");
+    }
+
+    /// `model.dtype = "auto"` keeps a checkpoint stored in bf16 bf16 on every CPU (widened
+    /// to f32 math where there is no bf16 unit, so nothing is rounded), and rounds an f32 one
+    /// to bf16 only where a bf16 unit will run it; a quantised base dequantises into f32
+    /// without a unit (bf16 would round its dequantised values).
+    #[test]
+    fn auto_dtype_keeps_a_bf16_checkpoint_bf16_on_every_cpu() {
+        let root = tempfile::tempdir().unwrap();
+        for (name, dtype) in [("m16", candle_core::DType::BF16), ("m32", candle_core::DType::F32)] {
+            let shape = crate::synth::TinyShape { dtype, ..Default::default() };
+            crate::synth::write_model(&root.path().join(name), &shape, 1, 1).unwrap();
+        }
+        let unit = crate::ops::bf16_gemm::available();
+        let auto = |path: &str, overrides: &[&str]| {
+            let text = MINIMAL.replace("path = \"m\"", &format!("path = \"{path}\""));
+            let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+            LoadedRecipe::from_str(&text, Path::new("r.toml"), root.path(), &o).unwrap().recipe.model.dtype
+        };
+        assert_eq!(auto("m16", &[]), "bf16");
+        assert_eq!(auto("m32", &[]), if unit { "bf16" } else { "f32" });
+        assert_eq!(auto("m16", &["model.quantize=q8_0"]), if unit { "bf16" } else { "f32" });
+        assert_eq!(auto("m16", &["model.kernels=portable"]), "f32");
+        assert_eq!(auto("m16", &["model.matmul=f32"]), "f32");
     }
 
     #[test]

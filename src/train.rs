@@ -320,7 +320,9 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         eprintln!("portable kernels (the GPU path): activations in {compute_dtype:?}");
     }
     let attention_tiles = kernels == crate::ops::Kernels::Auto && crate::ops::attention::runs_on_tiles(matmul, cfg.attention_head_width());
-    if lead && matmul != compute_dtype {
+    // bf16 matmul operands run on the CPU's bf16 unit where it has one, else widen to f32.
+    let bf16_unit = matmul != compute_dtype && crate::ops::bf16_gemm::available();
+    if lead && bf16_unit {
         let unit = crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name);
         let what = if attention_tiles { "frozen matmuls and attention's" } else { "frozen matmuls" };
         eprintln!("{what} run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
@@ -329,7 +331,11 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let kernels_used = match (&device, kernels) {
         (candle_core::Device::Cpu, crate::ops::Kernels::Auto) => {
             let f32_gemm = if crate::runlog::cpu_has("avx512f") { "AVX-512" } else { "AVX2+FMA" };
-            let frozen = if matmul != compute_dtype { crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name) } else { "f32" };
+            let frozen = match (bf16_unit, matmul != compute_dtype) {
+                (true, _) => crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name),
+                (false, true) => "bf16 weights widened to f32 (f32 math)",
+                (false, false) => "f32",
+            };
             let attention = if attention_tiles { "AMX tiles (bf16 operands)" } else { "f32" };
             format!("fused CPU ops; f32 GEMM: gemm crate ({f32_gemm}); frozen matmuls: {frozen}; attention GEMMs: {attention}")
         }
@@ -1030,7 +1036,7 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
 /// unbiased too. Whole layers (not checkpointed) only there too (a GPU's memory is the tight
 /// one: "auto" stays `true` on it), and only where `resident`: the frozen weights stay in
 /// memory as the matmuls read them. A layer's graph holds the weights it was handed,
-/// so with ZeRO-3 shards, a quantized base or a bf16 base converted for f32 matmuls a whole
+/// so with ZeRO-3 shards, a quantized base or a bf16 base converted for `model.matmul = "f32"` a whole
 /// layer would keep its gathered, dequantised or converted copy until backward.
 /// Without `train.activation_memory_mb`, a model whose layers all fit whole in a quarter of
 /// its base's bytes is not checkpointed at all (DeepSeek-V2-Lite's MoE cut at 1 x 512: 617 MB

@@ -435,7 +435,7 @@ pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec
 }
 
 /// `f(bits, out, in)` on the bits of a frozen bf16 weight W [out, in] on CPU.
-fn with_weight_bits<R>(w: &candle_core::Tensor, f: impl FnOnce(&[u16], usize, usize) -> R) -> candle_core::Result<R> {
+pub(crate) fn with_weight_bits<R>(w: &candle_core::Tensor, f: impl FnOnce(&[u16], usize, usize) -> R) -> candle_core::Result<R> {
     use half::slice::HalfFloatSliceExt;
     let (out, inp) = w.dims2()?;
     let w = w.contiguous()?;

@@ -8,13 +8,14 @@
 //! | Heads          | `rope::Heads` op (move + rotate in one copy)      | reshape / transpose / rotate-half ops          |
 //! | SwiGlu         | `mlp::SwiGlu` op                                  | `silu(g) * u`                                  |
 //! | FrozenMlp      | `mlp::FrozenMlp` op (whole MLP half, frozen)      | none: the separate ops run                     |
-//! | FrozenLinear   | `linear::FrozenMatmul`, gemm crate / bf16 unit    | `linear::FrozenMatmul`, backend matmul          |
+//! | FrozenLinear   | `linear::FrozenMatmul`, gemm crate / bf16 unit / widened bf16 | `linear::FrozenMatmul`, backend matmul          |
 //! | LoraLinear     | `linear::LoraMatmul` op                           | FrozenMatmul + adapter in f32 candle ops       |
 //! | Attention      | `attention::CausalAttention` strips (f32 slices)  | `attention::PortableAttention` strips (ops)    |
 //! | LossHead       | chunked, f32 or packed bf16 head                  | chunked, head in its own dtype, CE in f32      |
 //!
 //! The matmul families take the fused kernel only when the frozen weight is one it has a
-//! kernel for: f32, or bf16 on a CPU with a bf16 unit (AMX, AVX512-BF16).
+//! kernel for: f32, or bf16 (on the bf16 unit where the CPU has one (AMX, AVX512-BF16),
+//! else widened to f32 inside the f32 GEMM, `widen`).
 
 use candle_core::{DType, Device, Tensor};
 
@@ -106,13 +107,15 @@ impl Kernels {
         self == Kernels::Auto && device.is_cpu()
     }
 
-    /// The dtype frozen projection weights reach `frozen_linear` in. With `auto` kernels, a
-    /// bf16 base on a CPU with a bf16 unit (AMX or AVX512-BF16) keeps them bf16 so the matmul
-    /// runs on it (what PyTorch does with a bf16 model; activations are rounded to bf16, sums
-    /// stay f32); `model.matmul = "f32"` opts out. Everything else gets the compute dtype.
+    /// The dtype frozen projection weights reach `frozen_linear` in. With `auto` kernels on
+    /// CPU a bf16 base keeps them bf16: on a CPU with a bf16 unit (AMX or AVX512-BF16) the
+    /// matmul runs on it (what PyTorch does with a bf16 model; activations are rounded to
+    /// bf16, sums stay f32); elsewhere the f32 GEMM widens them block by block (`widen`:
+    /// f32 math on their exact values, half the memory of an f32 copy). `model.matmul =
+    /// "f32"` opts out (weights converted to f32 as a layer is loaded). Everything else gets
+    /// the compute dtype.
     pub fn matmul_dtype(self, policy: &str, storage: DType, compute: DType, device: &Device) -> DType {
-        let bf16_unit = self == Kernels::Auto && device.is_cpu() && super::bf16_gemm::available();
-        if policy == "auto" && bf16_unit && storage == DType::BF16 && compute == DType::F32 {
+        if policy == "auto" && self == Kernels::Auto && device.is_cpu() && storage == DType::BF16 && compute == DType::F32 {
             DType::BF16
         } else {
             compute
@@ -122,7 +125,7 @@ impl Kernels {
 
 /// Whether the fused CPU kernels have a GEMM for this weight (or adapter) tensor.
 fn cpu_kernel_for(w: &Tensor) -> bool {
-    w.device().is_cpu() && (w.dtype() == DType::F32 || (w.dtype() == DType::BF16 && super::bf16_gemm::available()))
+    w.device().is_cpu() && matches!(w.dtype(), DType::F32 | DType::BF16)
 }
 
 #[cfg(test)]
@@ -148,6 +151,9 @@ mod tests {
         assert_eq!(Kernels::Auto.compute_dtype(DType::BF16, &dev), DType::F32);
         assert_eq!(Kernels::Portable.matmul_dtype("auto", DType::BF16, DType::BF16, &dev), DType::BF16);
         assert_eq!(Kernels::Auto.matmul_dtype("f32", DType::BF16, DType::F32, &dev), DType::F32);
+        // A bf16 base keeps bf16 operands on every CPU (the bf16 unit, or widened f32 math).
+        assert_eq!(Kernels::Auto.matmul_dtype("auto", DType::BF16, DType::F32, &dev), DType::BF16);
+        assert_eq!(Kernels::Auto.pick(Op::FrozenLinear, &x, &[&w.to_dtype(DType::BF16)?]), Path::Fused);
         Ok(())
     }
 }

@@ -9,7 +9,8 @@ use candle_core::{DType, Result, Tensor};
 /// copy); a bf16 W on the bf16 kernel (`bf16_gemm::linear`), packed for it on every call
 /// except a forward on AMX over few rows, which reads W as it lies (a cache of packed weights
 /// kept across steps measured 20% slower at 4 x 512 on Zen 4: packing right before the GEMM
-/// leaves B in cache).
+/// leaves B in cache). A bf16 W on a CPU without a bf16 unit is widened to f32 block by block
+/// inside the f32 GEMM (`widen`): f32 math on its exact values.
 pub(crate) fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> Result<Vec<f32>> {
     let (out, inp) = w.dims2()?;
     let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
@@ -26,6 +27,9 @@ pub(crate) fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> 
             Ok(dst)
         }
         DType::BF16 if super::bf16_gemm::available() => super::bf16_gemm::linear(x, n, w, input_grad),
+        DType::BF16 => super::bf16_gemm::with_weight_bits(w, |bits, out, inp| {
+            super::widen::gemm(x, n, bits, (out, inp), input_grad, candle_core::utils::get_num_threads())
+        }),
         dt => candle_core::bail!("frozen-matmul: no CPU kernel for a {dt:?} weight"),
     }
 }

@@ -300,7 +300,7 @@ fn fold_rows(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize
 enum Head {
     /// Fused, f32 head: the f32 GEMM.
     F32(Tensor),
-    /// Fused, bf16 head on a CPU with a bf16 unit (the weight source hands one out only then):
+    /// Fused, bf16 head on a CPU with a bf16 unit:
     /// packed for x @ Wᵀ and for p @ W, so both run on it like the frozen projections.
     Bf16 { nk: PackedB, kn: PackedB },
     /// Portable: the head in its own dtype, chunks meeting it there.
@@ -310,7 +310,8 @@ enum Head {
 impl Head {
     fn new(path: Path, head: &Tensor) -> Result<Self> {
         Ok(match (path, head.dtype()) {
-            (Path::Fused, DType::BF16) => Head::Bf16 { nk: PackedB::from_weight(head, false)?, kn: PackedB::from_weight(head, true)? },
+            (Path::Fused, DType::BF16) if super::bf16_gemm::available() => Head::Bf16 { nk: PackedB::from_weight(head, false)?, kn: PackedB::from_weight(head, true)? },
+            // Without a bf16 unit a bf16 chunk is widened to f32 (exact) once per chunk.
             (Path::Fused, _) => Head::F32(head.to_dtype(DType::F32)?),
             (Path::Portable, _) => Head::Native(head.clone()),
         })
@@ -372,18 +373,19 @@ mod tests {
     }
 
     /// The bf16 head's two products (logits x Wᵀ, input gradient g W), built as the fused path
-    /// builds them, on every CPU (the unit where there is one, the portable loop of the same
-    /// math elsewhere): f32 sums of bf16-rounded operands.
+    /// builds them, on every CPU: with a bf16 unit, f32 sums of bf16-rounded operands; without
+    /// one, f32 math on the head's values, the rows and gradients not rounded (widened).
     #[test]
-    fn the_bf16_heads_products_are_f32_math_on_bf16_rounded_operands_on_every_cpu() -> Result<()> {
+    fn the_bf16_heads_products_round_operands_only_on_a_bf16_unit() -> Result<()> {
         let dev = Device::Cpu;
         let (m, h, v) = (45, 64, 300);
         let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
         let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05).collect(), (v, h), &dev)?.to_dtype(DType::BF16)?;
         let g = Tensor::from_vec((0..m * v).map(|i| ((i * 7 % 9) as f32 - 4.0) * 0.01).collect(), (m, v), &dev)?;
         let built = Head::new(Path::Fused, &head)?;
-        assert!(matches!(built, Head::Bf16 { .. }), "a bf16 head on the fused path is packed for the bf16 GEMM");
-        let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let unit = crate::ops::bf16_gemm::available();
+        assert_eq!(matches!(built, Head::Bf16 { .. }), unit, "a bf16 head is packed for the bf16 GEMM exactly where a bf16 unit runs it");
+        let round = |t: &Tensor| if unit { t.to_dtype(DType::BF16)?.to_dtype(DType::F32) } else { Ok(t.clone()) };
         let h32 = head.to_dtype(DType::F32)?;
         let d = (built.logits(&rows)? - round(&rows)?.matmul(&h32.t()?)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
         let dg = (built.input_grad(&g)? - round(&g)?.matmul(&h32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;

@@ -28,6 +28,7 @@ pub mod loss;
 pub mod mlp;
 pub mod norm;
 pub mod rope;
+mod widen;
 
 pub use attention::{causal_attention, causal_mask, KeyStarts};
 pub use dispatch::{Kernels, Op, Path};

@@ -251,6 +251,29 @@ impl ModelDir {
     }
 }
 
+/// Whether every tensor of the checkpoint `path` names is stored in bf16 (a bitsandbytes
+/// checkpoint's packed u8 weights are not), as
+/// far as the headers tell without a download: a local folder, or a hub model the cache
+/// already holds. `model.dtype = "auto"` keeps such a base bf16 on a CPU without a bf16 unit,
+/// where the frozen matmuls widen it to f32 (`ops::widen`) and nothing is rounded. Anything
+/// unknown (not yet downloaded, a GGUF file, an unreadable header) answers false: f32, which
+/// is exact for every stored dtype.
+pub fn stored_all_bf16(path: &str, revision: Option<&str>, recipe_dir: &Path) -> bool {
+    let local = recipe_dir.join(path);
+    let dir = if local.is_dir() {
+        Some(local)
+    } else if crate::hub::looks_like_repo(path) {
+        crate::hub::Hub::from_env().ok().and_then(|h| h.cached_model(path, revision))
+    } else {
+        None
+    };
+    let Some(dir) = dir else { return false };
+    let Ok(files) = (ModelDir { name: path.to_string(), dir, commit: None, gguf: None }).open_weights() else { return false };
+    let mut names = files.names().peekable();
+    names.peek().is_some()
+        && names.all(|n| files.raw_view(n).is_ok_and(|v| v.dtype() == safetensors::Dtype::BF16))
+}
+
 /// Parse a dtype name from the recipe.
 pub fn parse_dtype(s: &str) -> DType {
     match s {
