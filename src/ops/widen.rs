@@ -141,3 +141,57 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+    use crate::ops::gemm::sgemm;
+
+    /// Timing only (`--ignored --nocapture`): the widened bf16 GEMM against the f32 GEMM on
+    /// an f32 copy of the same weight, on the layer shapes of the bench's models.
+    #[test]
+    #[ignore = "timing; run by hand"]
+    fn widened_gemm_speed() {
+        let threads = candle_core::utils::get_num_threads();
+        for (n, out, inp) in [(48, 1408, 2048), (48, 2048, 1408), (512, 576, 576), (512, 1536, 576), (512, 576, 1536), (2048, 1536, 576)] {
+            let bits: Vec<u16> = crate::ops::testutil::pseudo(out * inp, 3).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            let w: Vec<f32> = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+            for input_grad in [false, true] {
+                let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
+                let x = crate::ops::testutil::pseudo(n * k, 5);
+                let (rs, cs) = if input_grad { (inp, 1) } else { (1, inp) };
+                let reps = (4e9 / (2.0 * (n * k * cols) as f64)).ceil() as usize;
+                let time = |f: &dyn Fn()| {
+                    f();
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        f();
+                    }
+                    2.0 * (n * k * cols * reps) as f64 / t.elapsed().as_secs_f64() / 1e9
+                };
+                let wide = time(&|| drop(std::hint::black_box(gemm(&x, n, &bits, (out, inp), input_grad, threads))));
+                let f32g = time(&|| {
+                    let mut d = crate::ops::zeros_f32(n * cols);
+                    sgemm(n, cols, k, &mut d, cols, false, &x, k, 1, &w, rs, cs, 1.0, threads);
+                    std::hint::black_box(d);
+                });
+                // The f32 weight split into the same column blocks, one single-threaded GEMM per
+                // block straight on W (no copy): is the gain the widening or the split?
+                let width = block_width(k, cols, threads);
+                let split = time(&|| {
+                    use rayon::prelude::*;
+                    let mut d = crate::ops::zeros_f32(n * cols);
+                    let c = Shared::new(&mut d);
+                    (0..cols.div_ceil(width)).into_par_iter().for_each(|b| {
+                        let (j0, wb) = (b * width, width.min(cols - b * width));
+                        let wj = if input_grad { &w[j0..] } else { &w[j0 * inp..] };
+                        // SAFETY: block b writes only its own columns of d.
+                        unsafe { sgemm_ptr(n, wb, k, c.ptr_at(j0, extent(n, cols, wb, 1)), cols, false, &x, k, 1, wj, rs, cs, 1.0, 1) };
+                    });
+                    std::hint::black_box(d);
+                });
+                println!("[{n}, {k}] x [{k}, {cols}] ({}): widened {wide:.0} GFLOP/s, f32 {f32g:.0}, f32 split like widened {split:.0}", if input_grad { "g·W" } else { "x·Wᵀ" });
+            }
+        }
+    }
+}
