@@ -89,7 +89,7 @@ mod tests {
     use crate::ops::gemm::sgemm;
 
     /// A bf16 value per element (the bits of pseudo-random f32s, truncated) and its f32.
-    fn weight(len: usize, seed: usize) -> (Vec<u16>, Vec<f32>) {
+    pub(super) fn weight(len: usize, seed: usize) -> (Vec<u16>, Vec<f32>) {
         let bits: Vec<u16> = crate::ops::testutil::pseudo(len, seed).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
         let vals = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
         (bits, vals)
@@ -154,8 +154,7 @@ mod speed {
     fn widened_gemm_speed() {
         let threads = candle_core::utils::get_num_threads();
         for (n, out, inp) in [(48, 1408, 2048), (48, 2048, 1408), (512, 576, 576), (512, 1536, 576), (512, 576, 1536), (2048, 1536, 576)] {
-            let bits: Vec<u16> = crate::ops::testutil::pseudo(out * inp, 3).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-            let w: Vec<f32> = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+            let (bits, w) = super::tests::weight(out * inp, 3);
             for input_grad in [false, true] {
                 let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
                 let x = crate::ops::testutil::pseudo(n * k, 5);
