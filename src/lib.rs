@@ -1,6 +1,7 @@
 //! finetune: LoRA fine-tuning of DeepSeek-style (Llama / Qwen2) checkpoints on candle.
 //! See ARCHITECTURE.md for the map.
 
+pub mod alloc;
 pub mod checkpoint;
 pub mod chat;
 pub mod config;

@@ -6,6 +6,10 @@ use finetune::recipe::LoadedRecipe;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// Large tensors get transparent huge pages (`finetune::alloc`).
+#[global_allocator]
+static ALLOC: finetune::alloc::HugePages = finetune::alloc::HugePages;
+
 #[derive(Parser)]
 #[command(
     name = "finetune",
@@ -615,20 +619,6 @@ fn install_signal_handlers() -> anyhow::Result<std::sync::Arc<std::sync::atomic:
     Ok(which)
 }
 
-/// A training step allocates and frees the same few hundred large tensors every step. glibc
-/// serves big allocations with fresh mmaps and trims freed heap back to the OS, so every step
-/// paid for zeroed pages again (page faults and clearing were ~10% of a step's samples). Serve
-/// tensors up to 32 MB (glibc's maximum) from the heap and keep freed memory for reuse; peak
-/// RSS does not grow, since the same sizes come back every step.
-fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; called before any thread starts.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-    }
-}
-
 /// The binary is compiled for x86-64-v3 (`.cargo/config.toml`): say so on a CPU without it
 /// instead of dying on an illegal instruction later. `is_x86_feature_detected!` cannot tell
 /// (it is constant `true` for features the build enables), so this reads CPUID itself. Best
@@ -737,7 +727,7 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     tune_thread_pools();
-    tune_allocator();
+    finetune::alloc::tune();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,

@@ -1055,7 +1055,7 @@ pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bo
             if fused && resident && r.train.activation_memory_mb.is_none() && l * costs.whole <= base / 4 {
                 return Some(vec![KeepLayer { whole: true, ..KeepLayer::default() }; l]);
             }
-            let budget = r.train.activation_memory_mb.map_or_else(|| default_keep_budget(r, cfg), |mb| mb << 20);
+            let budget = r.train.activation_memory_mb.map_or_else(|| default_keep_budget(r, cfg, costs), |mb| mb << 20);
             let targets = r.lora.targets.as_deref().unwrap_or_default(); // unset: attention only
             let mlp_adapted = ["gate_proj", "up_proj", "down_proj"].iter().any(|p| targets.iter().any(|t| t == p));
             let eligible = |i: usize| KeepLayer { attention: fused, swiglu: fused && !cfg.is_moe_layer(i) && !mlp_adapted && !cfg.mlp_bias, whole: fused && resident };
@@ -1111,21 +1111,31 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> Strin
     }
 }
 
-/// The budget "auto" checkpointing keeps activations in when the recipe sets none, in units
-/// of what checkpointing keeps anyway (each layer's input, L·N·H f32): four times with a
-/// 16-bit base, whose weights take half the memory of f32 ones; with an f32 base twice up to
-/// 1024 tokens a micro-batch, growing to four times at 2048 and beyond. Why it grows with the
-/// tokens faster than they do: at few tokens the step's memory is mostly the base, and at
-/// 1 x 512 an f32 SmolLM2 run with more kept passes a third of PEFT's leanest RSS; at 4 x 512
-/// the same third leaves ~0.7 GB beside our ~0.9 GB, and keeping the SwiGLU inputs of about
-/// ten more layers is worth it (4 x 512 f32 on a 2-core AVX2 EPYC, alternating runs at 260
-/// and 520 MB: 123 and 134 tokens/s median, 1.12 and 1.38 GB peak). On SmolLM2: 540 MB at
-/// 4 x 512 with either base (the SwiGLU inputs of 16 layers), and at 1 x 512 67 MB with an
-/// f32 base, 135 MB with bf16.
-fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> usize {
+/// The budget "auto" checkpointing keeps activations in when the recipe sets none.
+/// - A 16-bit base: enough to keep every layer's attention output and SwiGLU inputs at up to
+///   2048 tokens a micro-batch (their cost at 2048 tokens beyond that), and never less than
+///   four times what checkpointing keeps anyway (each layer's input, L·N·H f32). The weights
+///   take half the memory of f32 ones, which leaves that much room under a third of PEFT's
+///   leanest RSS (SmolLM2, 2-core AVX2 EPYC, bf16 base widened: 1 x 512 keeping 225-252 MB
+///   against 130 MB ran 136-145 against 126-130 tokens/s in 3 of 3 alternating rounds, at
+///   0.31x PEFT's RSS; 4 x 512 at 900 MB peaks at 0.31x). What is then left to recompute is
+///   the attention projections and norms, ~8% of a step. At 4096 tokens the floor (1 GB on
+///   SmolLM2) keeps the peak at 0.27x.
+/// - An f32 base: twice the layer inputs up to 1024 tokens a micro-batch, growing to four
+///   times at 2048 and beyond. Why it grows with the tokens faster than they do: at few tokens
+///   the step's memory is mostly the base, and at 1 x 512 an f32 SmolLM2 run with more kept
+///   passes a third of PEFT's leanest RSS; at 4 x 512 the same third leaves ~0.7 GB beside our
+///   ~0.9 GB, and keeping the SwiGLU inputs of about ten more layers is worth it (4 x 512 f32
+///   on a 2-core AVX2 EPYC, alternating runs at 260 and 520 MB: 123 and 134 tokens/s median,
+///   1.12 and 1.38 GB peak). On SmolLM2: 540 MB at 4 x 512, 67 MB at 1 x 512.
+fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig, costs: KeepCosts) -> usize {
     let tokens = tokens_per_micro_batch(r);
     let inputs = cfg.num_hidden_layers * tokens * cfg.hidden_size * 4;
-    if r.model.dtype == "f32" { inputs * tokens.clamp(1024, 2048) / 512 } else { 4 * inputs }
+    if r.model.dtype == "f32" {
+        return inputs * tokens.clamp(1024, 2048) / 512;
+    }
+    let every_layer = cfg.num_hidden_layers * (costs.attention + costs.swiglu) * tokens.min(2048) / tokens.max(1);
+    every_layer.max(4 * inputs)
 }
 
 /// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` (f64)
@@ -1234,4 +1244,42 @@ pub fn forward_backward(
         inputs.pop();
     }
     Ok(ce)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    /// SmolLM2-135M's shape (the bench's model).
+    fn smollm2() -> ModelConfig {
+        let json = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+            "intermediate_size": 1536, "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+            "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true, "vocab_size": 49152}"#;
+        ModelConfig::resolve(&serde_json::from_str(json).unwrap()).unwrap()
+    }
+
+    /// What `auto` keeps by default for SmolLM2 with LoRA on q/k/v/o, on the fused CPU ops.
+    fn kept(dtype: &str, batch: usize, seq: usize) -> Vec<KeepLayer> {
+        let text = format!(
+            "[model]\npath = \"m\"\ndtype = \"{dtype}\"\n[lora]\nrank = 16\nalpha = 32\ntargets = [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"]\n\
+             [data]\ntrain = \"d\"\nmax_seq_len = {seq}\n[train]\nmax_steps = 1\nlr = 1e-4\nmicro_batch_size = {batch}\nactivation_checkpointing = \"auto\"\n[output]\ndir = \"o\"\n"
+        );
+        let r = crate::recipe::LoadedRecipe::from_str(&text, Path::new("r.toml"), Path::new("."), &[]).unwrap().recipe;
+        checkpoint_layers(&r, &smollm2(), true, true).unwrap()
+    }
+
+    #[test]
+    fn a_bf16_base_keeps_every_layers_attention_output_and_swiglu_inputs_up_to_2048_tokens() {
+        let every = KeepLayer { attention: true, swiglu: true, whole: false };
+        for (b, s) in [(1, 512), (4, 512), (1, 2048)] {
+            assert_eq!(kept("bf16", b, s), vec![every; 30], "{b} x {s}");
+        }
+        // Beyond, the budget stays that of 2048 tokens (four times the layer inputs, as f32's).
+        let long = kept("bf16", 1, 4096);
+        assert_eq!(long, kept("f32", 1, 4096));
+        assert!(long.iter().all(|k| k.attention) && long.iter().filter(|k| k.swiglu).count() < 30);
+        // An f32 base's weights take twice the memory: at 1 x 512 it keeps less.
+        assert!(kept("f32", 1, 512).iter().filter(|k| k.swiglu).count() < 30);
+    }
 }
