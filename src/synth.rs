@@ -65,10 +65,8 @@ fn normal(rng: &mut Rng, n: usize, mean: f64, std: f64) -> Vec<f32> {
         .collect()
 }
 
-/// Write `config.json` and `model.safetensors` (or `shards` shards plus
-/// `model.safetensors.index.json` when `shards > 1`) with random weights.
-pub fn write_model(dir: &Path, shape: &TinyShape, seed: u64, shards: usize) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+/// The HF `config.json` of a model of `shape` (what [`write_model`] writes).
+pub fn config_json(shape: &TinyShape) -> serde_json::Value {
     let head_dim = shape.hidden / shape.heads;
     let qwen = shape.arch == "Qwen2ForCausalLM";
     let dtype_name = match shape.dtype {
@@ -76,7 +74,7 @@ pub fn write_model(dir: &Path, shape: &TinyShape, seed: u64, shards: usize) -> R
         DType::F16 => "float16",
         _ => "float32",
     };
-    let config = serde_json::json!({
+    serde_json::json!({
         "architectures": [shape.arch],
         "model_type": if qwen { "qwen2" } else { "llama" },
         "hidden_size": shape.hidden,
@@ -94,7 +92,16 @@ pub fn write_model(dir: &Path, shape: &TinyShape, seed: u64, shards: usize) -> R
         "bos_token_id": 1,
         "eos_token_id": 2,
         "torch_dtype": dtype_name,
-    });
+    })
+}
+
+/// Write `config.json` and `model.safetensors` (or `shards` shards plus
+/// `model.safetensors.index.json` when `shards > 1`) with random weights.
+pub fn write_model(dir: &Path, shape: &TinyShape, seed: u64, shards: usize) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let head_dim = shape.hidden / shape.heads;
+    let qwen = shape.arch == "Qwen2ForCausalLM";
+    let config = config_json(shape);
     let text = serde_json::to_string_pretty(&config).map_err(|e| Error::Train(e.to_string()))?;
     std::fs::write(dir.join("config.json"), text).map_err(|e| Error::io(dir.join("config.json"), e))?;
 

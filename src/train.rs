@@ -1116,11 +1116,12 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> Strin
 ///   2048 tokens a micro-batch (their cost at 2048 tokens beyond that), and never less than
 ///   four times what checkpointing keeps anyway (each layer's input, L·N·H f32). The weights
 ///   take half the memory of f32 ones, which leaves that much room under a third of PEFT's
-///   leanest RSS (SmolLM2, 2-core AVX2 EPYC, bf16 base widened: 1 x 512 keeping 225-252 MB
-///   against 130 MB ran 136-145 against 126-130 tokens/s in 3 of 3 alternating rounds, at
-///   0.31x PEFT's RSS; 4 x 512 at 900 MB peaks at 0.31x). What is then left to recompute is
-///   the attention projections and norms, ~8% of a step. At 4096 tokens the floor (1 GB on
-///   SmolLM2) keeps the peak at 0.27x.
+///   leanest RSS (SmolLM2, 2-core AVX2 EPYC, bf16 base widened, 1 x 512: keeping 252 MB
+///   against 130 MB ran 136-145 against 126-130 tokens/s in 3 of 3 alternating rounds, this
+///   default's 214 MB 149-210 against 142-197 in 5 of 5, at 0.30-0.31x PEFT's RSS; 4 x 512
+///   with this default's 857 MB peaked at 0.30x). What is then left to recompute is the
+///   attention projections and norms, ~8% of a step. At 4096 tokens the floor (1 GB on
+///   SmolLM2) is the larger, as before (0.27x PEFT's RSS on a Zen 4 VM).
 /// - An f32 base: twice the layer inputs up to 1024 tokens a micro-batch, growing to four
 ///   times at 2048 and beyond. Why it grows with the tokens faster than they do: at few tokens
 ///   the step's memory is mostly the base, and at 1 x 512 an f32 SmolLM2 run with more kept
@@ -1253,10 +1254,8 @@ mod tests {
 
     /// SmolLM2-135M's shape (the bench's model).
     fn smollm2() -> ModelConfig {
-        let json = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-            "intermediate_size": 1536, "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
-            "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true, "vocab_size": 49152}"#;
-        ModelConfig::resolve(&serde_json::from_str(json).unwrap()).unwrap()
+        let hf = serde_json::from_value(crate::synth::config_json(&crate::synth::TinyShape::smollm2_135m())).unwrap();
+        ModelConfig::resolve(&hf).unwrap()
     }
 
     /// What `auto` keeps by default for SmolLM2 with LoRA on q/k/v/o, on the fused CPU ops.
@@ -1275,7 +1274,8 @@ mod tests {
         for (b, s) in [(1, 512), (4, 512), (1, 2048)] {
             assert_eq!(kept("bf16", b, s), vec![every; 30], "{b} x {s}");
         }
-        // Beyond, the budget stays that of 2048 tokens (four times the layer inputs, as f32's).
+        // At 4096 tokens the floor, four times the layer inputs (as an f32 base's), is larger
+        // than every layer's cost at 2048 tokens.
         let long = kept("bf16", 1, 4096);
         assert_eq!(long, kept("f32", 1, 4096));
         assert!(long.iter().all(|k| k.attention) && long.iter().filter(|k| k.swiglu).count() < 30);
