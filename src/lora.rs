@@ -9,6 +9,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::ops::checkpoint::Keep;
 use crate::rng::{dropout_mask, stream, Rng};
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::{BTreeMap, HashMap};
@@ -279,8 +280,15 @@ pub struct LoraLinear<'a> {
 impl LoraLinear<'_> {
     /// x [N, in] -> [N, out]
     pub fn forward(&self, kern: crate::ops::Kernels, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
+        self.forward_kept(kern, x, drop, &Keep::plain())
+    }
+
+    /// As [`Self::forward`], for a linear whose output activation checkpointing may keep
+    /// (`keep`: its layer's, `ops::checkpoint`).
+    pub fn forward_kept(&self, kern: crate::ops::Kernels, x: &Tensor, drop: Option<DropoutCtx>, keep: &Keep) -> Result<Tensor> {
+        let keep = keep.linear(self.site.1);
         let y = match self.lora {
-            None => crate::ops::frozen_linear(kern, x, &self.weight)?,
+            None => crate::ops::frozen_linear_kept(kern, x, &self.weight, keep)?,
             Some(ad) => {
                 let mask = match drop {
                     Some(ctx) if self.dropout > 0.0 => {
@@ -289,7 +297,7 @@ impl LoraLinear<'_> {
                     }
                     _ => None,
                 };
-                crate::ops::lora_linear(kern, x, &self.weight, ad.a.as_tensor(), ad.b.as_tensor(), self.scale, mask)?
+                crate::ops::lora_linear(kern, x, &self.weight, (ad.a.as_tensor(), ad.b.as_tensor(), self.scale), mask, keep)?
             }
         };
         Ok(match &self.bias {

@@ -446,9 +446,10 @@ pub struct TrainSection {
     /// true: recompute every layer in backward, keeping only layer inputs (the leanest);
     /// false: keep every layer's activations (the fastest, ~L times the activation memory);
     /// "auto" (default): recompute, and keep the attention outputs, then the SwiGLU inputs,
-    /// of as many layers as `activation_memory_mb` allows, so their recomputation skips the
-    /// attention kernel and the MLP's GEMMs, and with what is left leave the last layers out
-    /// of checkpointing (`ops::checkpoint`; same gradients bit for bit).
+    /// then the attention projections' outputs, of as many layers as `activation_memory_mb`
+    /// allows, so their recomputation skips the attention kernel and the GEMMs, and with what
+    /// is left leave the last layers out of checkpointing (`ops::checkpoint`; same gradients
+    /// bit for bit).
     #[serde(default)]
     pub activation_checkpointing: Checkpointing,
     /// What "auto" checkpointing may keep per micro-batch, in MB (unset: twice the saved
@@ -478,8 +479,9 @@ pub enum Checkpointing {
     Off,
     /// Keep each layer's input; recompute the layer in backward.
     On,
-    /// As `On`, plus the attention outputs and SwiGLU inputs of the last layers that fit
-    /// `activation_memory_mb`, then the last layers whole (not checkpointed) while they fit.
+    /// As `On`, plus the attention outputs, SwiGLU inputs and projection outputs of the last
+    /// layers that fit `activation_memory_mb`, then the last layers whole (not checkpointed)
+    /// while they fit.
     #[default]
     Auto,
 }

@@ -1058,7 +1058,8 @@ pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bo
             let budget = r.train.activation_memory_mb.map_or_else(|| default_keep_budget(r, cfg, costs), |mb| mb << 20);
             let targets = r.lora.targets.as_deref().unwrap_or_default(); // unset: attention only
             let mlp_adapted = ["gate_proj", "up_proj", "down_proj"].iter().any(|p| targets.iter().any(|t| t == p));
-            let eligible = |i: usize| KeepLayer { attention: fused, swiglu: fused && !cfg.is_moe_layer(i) && !mlp_adapted && !cfg.mlp_bias, whole: fused && resident };
+            let swiglu = |i: usize| fused && !cfg.is_moe_layer(i) && !mlp_adapted && !cfg.mlp_bias;
+            let eligible = |i: usize| KeepLayer { attention: fused, swiglu: swiglu(i), linears: fused, whole: fused && resident };
             Some(crate::ops::checkpoint::layers_to_keep(l, costs, budget, eligible))
         }
     }
@@ -1077,9 +1078,9 @@ pub fn micro_batch_shape(r: &crate::recipe::Recipe) -> (usize, usize) {
     if r.data.batch_by == "tokens" { (1, r.data.max_tokens) } else { (r.train.micro_batch_size, r.data.max_seq_len) }
 }
 
-/// Bytes one layer keeps per micro-batch: attention output + log-sum-exp, SwiGLU inputs (all
-/// f32), and the whole layer's graph (the plan's estimate), for the most tokens a micro-batch
-/// holds.
+/// Bytes one layer keeps per micro-batch: attention output + log-sum-exp, SwiGLU inputs, the
+/// attention projections' outputs (all f32), and the whole layer's graph (the plan's
+/// estimate), for the most tokens a micro-batch holds.
 pub fn kept_bytes_per_layer(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> KeepCosts {
     let tokens = tokens_per_micro_batch(r);
     let nh = cfg.num_attention_heads;
@@ -1088,8 +1089,15 @@ pub fn kept_bytes_per_layer(r: &crate::recipe::Recipe, cfg: &ModelConfig) -> Kee
     KeepCosts {
         attention: 4 * tokens * nh * (width + 1),
         swiglu: 8 * tokens * cfg.intermediate_size,
+        linears: 4 * tokens * attention_projection_outputs(cfg),
         whole: crate::dist::plan::layer_activations(cfg, b, s, 4, false),
     }
+}
+
+/// Σ out_features over a layer's attention projections (q, k, v, o; MLA's).
+fn attention_projection_outputs(cfg: &ModelConfig) -> usize {
+    let attn = cfg.linear_sites(0).into_iter().filter(|p| p.starts_with("self_attn."));
+    attn.filter_map(|p| cfg.linear_shape(&p)).map(|(_, out, _)| out).sum()
 }
 
 /// One line on what checkpointing keeps, for the log and summary.json.
@@ -1097,15 +1105,16 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> Strin
     let Some(keep) = keep else { return "activation checkpointing off".into() };
     let a = keep.iter().filter(|k| k.attention).count();
     let m = keep.iter().filter(|k| k.swiglu).count();
+    let p = keep.iter().filter(|k| k.linears).count();
     let w = keep.iter().filter(|k| k.whole).count();
     let l = keep.len();
     let mb = keep.iter().map(|k| k.bytes(costs)).sum::<usize>() as f64 / (1u64 << 20) as f64;
-    match (a + m, w) {
+    match (a + m + p, w) {
         (0, 0) => "activation checkpointing: every layer recomputed from its input".into(),
         (_, w) if w == l => format!("activation checkpointing: none needed, every layer's activations fit the budget (~{mb:.0} MB per micro-batch)"),
         (0, w) => format!("activation checkpointing: the last {w} of {l} layers not checkpointed, the others recomputed from their inputs (~{mb:.0} MB per micro-batch)"),
         _ => format!(
-            "activation checkpointing: layers recomputed from their inputs, reusing the attention outputs of {a} and the SwiGLU inputs of {m} of {l} layers{} (~{mb:.0} MB per micro-batch)",
+            "activation checkpointing: layers recomputed from their inputs, reusing the attention outputs of {a}, the SwiGLU inputs of {m} and the projection outputs of {p} of {l} layers{} (~{mb:.0} MB per micro-batch)",
             if w > 0 { format!("; the last {w} not checkpointed") } else { String::new() }
         ),
     }
@@ -1122,6 +1131,12 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> Strin
 ///   with this default's 857 MB peaked at 0.30x). What is then left to recompute is the
 ///   attention projections and norms, ~8% of a step. At 4096 tokens the floor (1 GB on
 ///   SmolLM2) is the larger, as before (0.27x PEFT's RSS on a Zen 4 VM).
+///   The attention projections' outputs come after these in `layers_to_keep`, so only a
+///   `train.activation_memory_mb` above this default keeps them: at 1 x 512 on SmolLM2 they
+///   cost 90 MB more (304 MB) for ~5% (2-core AVX2 EPYC, four alternating rounds: median
+///   129-143 against 120-134 tokens/s, faster in 3 of 4, peak 795 against 699 MB), which is
+///   0.34x PEFT's leanest RSS there but would be ~0.39x on the AMX VM, where PEFT's leanest row (bf16
+///   base) took 2045 MB: over the third this default stays under.
 /// - An f32 base: twice the layer inputs up to 1024 tokens a micro-batch, growing to four
 ///   times at 2048 and beyond. Why it grows with the tokens faster than they do: at few tokens
 ///   the step's memory is mostly the base, and at 1 x 512 an f32 SmolLM2 run with more kept
@@ -1208,7 +1223,7 @@ pub fn forward_backward(
     let n_layers = model.cfg.num_hidden_layers;
     let whole_from = keep.iter().rposition(|k| !k.whole).map_or(0, |i| i + 1);
     ctx.pass = Pass::Checkpointed;
-    ctx.kept = keep.iter().any(|k| k.attention || k.swiglu).then(|| Kept::new(keep));
+    ctx.kept = keep.iter().any(|k| k.in_slot()).then(|| Kept::new(keep));
     let mut inputs = Vec::with_capacity(whole_from + 1);
     inputs.push(x0);
     for i in 0..whole_from {
@@ -1270,7 +1285,8 @@ mod tests {
 
     #[test]
     fn a_bf16_base_keeps_every_layers_attention_output_and_swiglu_inputs_up_to_2048_tokens() {
-        let every = KeepLayer { attention: true, swiglu: true, whole: false };
+        // The projection outputs only with a larger budget set in the recipe.
+        let every = KeepLayer { attention: true, swiglu: true, ..KeepLayer::default() };
         for (b, s) in [(1, 512), (4, 512), (1, 2048)] {
             assert_eq!(kept("bf16", b, s), vec![every; 30], "{b} x {s}");
         }

@@ -548,3 +548,42 @@ fn an_fp8_base_shards_under_zero3_and_trains_as_on_one_rank() {
     let d = ta.iter().map(|(k, t)| max_abs_diff(t, &tb[k])).fold(0.0, f32::max);
     assert!(d < 1e-6, "adapters differ by {d}");
 }
+
+/// Activation checkpointing on MLA that keeps the projections' outputs (q_a / q_b,
+/// kv_a_proj_with_mqa, kv_b_proj, o_proj) and the attention output for the recomputation
+/// gives the bits of recomputing everything, and the gradients of no checkpointing.
+#[test]
+fn mla_checkpointing_that_keeps_projection_outputs_gives_the_bits_of_recomputing_everything() {
+    use finetune::data::{Example, MicroBatch};
+    use finetune::ops::checkpoint::KeepLayer;
+    let dir = fixture("parity-deepseek-v3").join("model");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"].map(String::from).to_vec();
+    let spec = finetune::lora::LoraSpec { rank: 4, alpha: 8.0, dropout: 0.0, targets, routed_experts: false };
+    let adapters = Adapters::init(&cfg, spec, 1, &Device::Cpu).unwrap();
+    // Non-zero B, so that every adapter changes its output and every gradient is non-trivial.
+    for (_, v) in adapters.params() {
+        v.set(&(v.as_tensor().ones_like().unwrap() * 0.01).unwrap()).unwrap();
+    }
+    let (model, _) = load_model(&dir, Some(&adapters));
+    let vars: Vec<candle_core::Var> = adapters.params().into_iter().map(|(_, v)| v.clone()).collect();
+    let records: Vec<Example> = finetune::synth::counting_rows(2, 200, 9, 7, 13).into_iter().map(|(i, l)| Example::new(i.iter().map(|&x| x as u32).collect(), l)).collect();
+    let mb = MicroBatch::collate(&records);
+    let run = |ckpt: Option<&[KeepLayer]>| {
+        let mut grads = vec![None; vars.len()];
+        let loss = finetune::train::forward_backward(&model, &adapters, &vars, &mb, 1.0, None, ckpt, &mut grads).unwrap();
+        (loss, grads.into_iter().map(|g| g.expect("every adapter gets a gradient")).collect::<Vec<_>>())
+    };
+    let layers = cfg.num_hidden_layers;
+    let (plain, recompute) = (run(None), run(Some(&vec![KeepLayer::default(); layers])));
+    for keep in [KeepLayer { linears: true, ..KeepLayer::default() }, KeepLayer { linears: true, attention: true, ..KeepLayer::default() }] {
+        let kept = run(Some(&vec![keep; layers]));
+        assert_eq!(kept.0, recompute.0, "{keep:?}");
+        // The summed gradients are f64.
+        let diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+        for ((k, r), p) in kept.1.iter().zip(&recompute.1).zip(&plain.1) {
+            assert_eq!(diff(k, r), 0.0, "{keep:?}");
+            assert!(diff(k, p) < 1e-6, "{keep:?}: {} from no checkpointing", diff(k, p));
+        }
+    }
+}

@@ -161,8 +161,8 @@ fn activation_checkpointing_changes_nothing_even_with_dropout() {
     }
 }
 
-/// "auto" checkpointing keeps the attention outputs and SwiGLU inputs of layers for their
-/// recomputation and skips the down projection there, and leaves the last layers out of
+/// "auto" checkpointing keeps the attention outputs, SwiGLU inputs and projection outputs of
+/// layers for their recomputation and skips the down projection there, and leaves the last layers out of
 /// checkpointing when the budget holds them whole: the same arithmetic on the same values,
 /// so the same bits, whatever the budget.
 #[test]
@@ -172,7 +172,9 @@ fn auto_checkpointing_trains_the_same_bits_as_recomputing_everything() {
     let a = train(ws.path(), &[&base[..], &["train.activation_checkpointing=true"]].concat());
     let adapter_a = load_tensors(&ws.path().join("out/adapter/adapter_model.safetensors"));
     // 2 layers of ~21 MB each when whole (mostly attention scratch at seq 2048).
-    for budget in ["0", "12", "30", "64"] {
+    // Per layer at 2 x 2048 tokens: attention output 1.06 MB, SwiGLU inputs 4 MB, projection
+    // outputs 3 MB (k_proj's by the frozen matmul, the others' by the LoRA op).
+    for budget in ["0", "12", "20", "30", "64"] {
         let mb = format!("train.activation_memory_mb={budget}");
         let b = train(ws.path(), &[&base[..], &["train.activation_checkpointing=auto", &mb]].concat());
         let adapter_b = load_tensors(&ws.path().join("out/adapter/adapter_model.safetensors"));
@@ -182,8 +184,9 @@ fn auto_checkpointing_trains_the_same_bits_as_recomputing_everything() {
         let said = summary["kernels"].as_str().unwrap().to_string();
         let layers = TinyShape::default().layers;
         let want = match budget {
-            "12" => format!("attention outputs of {layers} and the SwiGLU inputs of {layers} of {layers} layers (~"),
-            "30" => format!("attention outputs of {l} and the SwiGLU inputs of {l} of {layers} layers; the last 1 not checkpointed", l = layers - 1),
+            "12" => format!("attention outputs of {layers}, the SwiGLU inputs of {layers} and the projection outputs of 0 of {layers} layers (~"),
+            "20" => format!("attention outputs of {layers}, the SwiGLU inputs of {layers} and the projection outputs of {layers} of {layers} layers (~"),
+            "30" => format!("attention outputs of {l}, the SwiGLU inputs of {l} and the projection outputs of {l} of {layers} layers; the last 1 not checkpointed", l = layers - 1),
             "64" => "none needed".to_string(),
             _ => "every layer recomputed".to_string(),
         };
@@ -196,7 +199,7 @@ fn auto_checkpointing_trains_the_same_bits_as_recomputing_everything() {
 
 /// A layer's graph holds the weights it was handed: with ZeRO-3 shards (or a quantized base) a
 /// layer left whole would keep its gathered (dequantised) copy until backward, so "auto" then
-/// keeps only attention outputs and SwiGLU inputs, whatever the budget.
+/// keeps only attention outputs, SwiGLU inputs and projection outputs, whatever the budget.
 #[test]
 fn auto_checkpointing_leaves_layers_whole_only_where_the_base_stays_resident() {
     let ws = workspace(&TinyShape::default(), 1);
@@ -209,7 +212,7 @@ fn auto_checkpointing_leaves_layers_whole_only_where_the_base_stays_resident() {
     };
     assert!(said(&[]).contains("none needed"));
     let sharded = said(&["dist.zero_stage=3"]);
-    assert!(sharded.contains(&format!("attention outputs of {layers} and the SwiGLU inputs of {layers} of {layers} layers (~")), "{sharded}");
+    assert!(sharded.contains(&format!("attention outputs of {layers}, the SwiGLU inputs of {layers} and the projection outputs of {layers} of {layers} layers (~")), "{sharded}");
 }
 
 /// With no `train.activation_memory_mb`, "auto" does not checkpoint a model whose layers all
@@ -328,7 +331,7 @@ fn packed_records_give_the_same_loss_and_gradients_as_unpacked() {
     assert_eq!(unpacked.num_targets(), packed.num_targets());
     let layers = model.cfg.num_hidden_layers;
     use finetune::ops::checkpoint::KeepLayer;
-    let (recompute, keep) = (vec![KeepLayer::default(); layers], vec![KeepLayer { attention: true, swiglu: true, whole: false }; layers]);
+    let (recompute, keep) = (vec![KeepLayer::default(); layers], vec![KeepLayer { attention: true, swiglu: true, linears: true, whole: false }; layers]);
     // The last layer not checkpointed, the others recomputed.
     let mut mixed = recompute.clone();
     mixed[layers - 1].whole = true;

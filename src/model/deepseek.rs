@@ -98,22 +98,23 @@ impl<'a> MlaAttention<'a> {
         let (nh, kern, drop) = (self.num_heads, ctx.kernels, ctx.dropout);
         let Mla { kv_lora_rank: c, qk_nope_head_dim: dn, qk_rope_head_dim: dr, v_head_dim: dv, .. } = self.mla;
         let dk = dn + dr;
+        let keep = ctx.keep(self.layer);
         let q = match &self.q {
-            QPath::Plain(p) => p.forward(kern, x, drop)?, // [N, NH*Dk]
+            QPath::Plain(p) => p.forward_kept(kern, x, drop, &keep)?, // [N, NH*Dk]
             QPath::LowRank { q_a_proj, q_a_layernorm, q_b_proj } => {
-                let qa = q_a_proj.forward(kern, x, drop)?; // [N, Q]
-                q_b_proj.forward(kern, &ops::rms_norm(kern, &qa, q_a_layernorm, MLA_NORM_EPS)?, drop)? // [N, NH*Dk]
+                let qa = q_a_proj.forward_kept(kern, x, drop, &keep)?; // [N, Q]
+                q_b_proj.forward_kept(kern, &ops::rms_norm(kern, &qa, q_a_layernorm, MLA_NORM_EPS)?, drop, &keep)? // [N, NH*Dk]
             }
         };
         let q = ops::split_heads(kern, &q, b, s, nh)?; // [B, NH, S, Dk]
         let q_rope = self.rope(&q.narrow(3, dn, dr)?, ctx)?; // [B, NH, S, Dr]
         let q = Tensor::cat(&[&q.narrow(3, 0, dn)?, &q_rope], 3)?; // [B, NH, S, Dk]
 
-        let ckv = self.kv_a_proj_with_mqa.forward(kern, x, drop)?; // [N, C + Dr]
+        let ckv = self.kv_a_proj_with_mqa.forward_kept(kern, x, drop, &keep)?; // [N, C + Dr]
         let latent = ckv.narrow(1, 0, c)?.contiguous()?; // [N, C]
         let k_rope = ckv.narrow(1, c, dr)?.reshape((b, 1, s, dr))?; // [B, 1, S, Dr]: one rope key for all heads
         let k_rope = self.rope(&k_rope, ctx)?.broadcast_as((b, nh, s, dr))?; // [B, NH, S, Dr]
-        let kv = self.kv_b_proj.forward(kern, &ops::rms_norm(kern, &latent, &self.kv_a_layernorm, MLA_NORM_EPS)?, drop)?; // [N, NH*(Dn+Dv)]
+        let kv = self.kv_b_proj.forward_kept(kern, &ops::rms_norm(kern, &latent, &self.kv_a_layernorm, MLA_NORM_EPS)?, drop, &keep)?; // [N, NH*(Dn+Dv)]
         let kv = ops::split_heads(kern, &kv, b, s, nh)?; // [B, NH, S, Dn+Dv]
         let mut k = Tensor::cat(&[&kv.narrow(3, 0, dn)?, &k_rope], 3)?; // [B, NH, S, Dk]
         let v = kv.narrow(3, dn, dv)?; // [B, NH, S, Dv]
@@ -138,12 +139,12 @@ impl<'a> MlaAttention<'a> {
             *cache = Some((k.clone(), v.clone()));
         }
         let out = match &ctx.cache_mask {
-            None => ops::causal_attention(kern, &q, &k, &v, self.scale, &ctx.key_start, ctx.keep(self.layer), ctx.matmul)?, // [B, NH, S, W]
+            None => ops::causal_attention(kern, &q, &k, &v, self.scale, &ctx.key_start, keep.clone(), ctx.matmul)?, // [B, NH, S, W]
             Some(mask) => ops::attention::cached_attention(&q, &k, &v, self.scale, mask)?, // [B, NH, S, W]
         };
         let out = if width == dv { out } else { out.narrow(3, 0, dv)? }; // [B, NH, S, Dv]
         let out = ops::merge_heads(kern, &out)?; // [N, NH*Dv]
-        Ok(self.o_proj.forward(kern, &out, drop)?) // [N, H]
+        Ok(self.o_proj.forward_kept(kern, &out, drop, &keep)?) // [N, H]
     }
 }
 

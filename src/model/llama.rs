@@ -62,9 +62,10 @@ impl<'a> Attention<'a> {
         let (b, _, s, _) = ctx.cos.dims4()?;
         let (nh, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let kern = ctx.kernels;
-        let q = self.q_proj.forward(kern, x, ctx.dropout)?; // [N, NH*D]
-        let k = self.k_proj.forward(kern, x, ctx.dropout)?; // [N, KV*D]
-        let v = self.v_proj.forward(kern, x, ctx.dropout)?; // [N, KV*D]
+        let keep = ctx.keep(self.layer);
+        let q = self.q_proj.forward_kept(kern, x, ctx.dropout, &keep)?; // [N, NH*D]
+        let k = self.k_proj.forward_kept(kern, x, ctx.dropout, &keep)?; // [N, KV*D]
+        let v = self.v_proj.forward_kept(kern, x, ctx.dropout, &keep)?; // [N, KV*D]
         // Rotated and transposed to heads-first in one pass.
         let q = ops::rope_heads(kern, &q, nh, &ctx.cos, &ctx.sin)?; // [B, NH, S, D]
         let mut k = ops::rope_heads(kern, &k, kv, &ctx.cos, &ctx.sin)?; // [B, KV, S, D]
@@ -79,12 +80,12 @@ impl<'a> Attention<'a> {
         let scale = 1.0 / (d as f64).sqrt();
         let out = match &ctx.cache_mask {
             // Training and prefill: strips, never [S, S] scores (ops/attention.rs).
-            None => ops::causal_attention(kern, &q, &k, &v, scale, &ctx.key_start, ctx.keep(self.layer), ctx.matmul)?, // [B, NH, S, D]
+            None => ops::causal_attention(kern, &q, &k, &v, scale, &ctx.key_start, keep.clone(), ctx.matmul)?, // [B, NH, S, D]
             // Generation over cached keys.
             Some(mask) => ops::attention::cached_attention(&q, &k, &v, scale, mask)?, // [B, NH, S, D]
         };
         let out = ops::merge_heads(kern, &out)?; // [N, NH*D]
-        self.o_proj.forward(kern, &out, ctx.dropout) // [N, H]
+        self.o_proj.forward_kept(kern, &out, ctx.dropout, &keep) // [N, H]
     }
 }
 

@@ -11,6 +11,10 @@
 //!   bytes per layer: the best time saved per byte, so kept first);
 //! - likewise the SwiGLU inputs g and u [N, I], and the recomputation skips the gate and up
 //!   GEMMs (8·N·I bytes per layer);
+//! - likewise the outputs of the attention projections (q, k, v, o; MLA's), and the
+//!   recomputation skips their frozen GEMMs (4·N·Σ out bytes per layer). A kept output saves
+//!   as much per byte as a SwiGLU input (the inner dimension of its GEMM), but the SwiGLU
+//!   inputs also spare the norm before them, so they are kept first;
 //! - the last layers may not be checkpointed at all ([`KeepLayer::whole`]), when the budget
 //!   holds their whole graph (the plan's estimate of a layer's activations).
 //!
@@ -25,6 +29,8 @@ use std::sync::{Arc, Mutex};
 pub type SwiGluInputs = (Vec<f32>, Vec<f32>);
 /// One layer's attention output [B, NH, S, D] and log-sum-exp [B, NH, S], in f32.
 pub type AttentionOutput = (Vec<f32>, Vec<f32>);
+/// One linear's output [N, out] in f32, before its bias.
+pub type LinearOutput = Vec<f32>;
 
 /// Which pass a layer's forward belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +49,8 @@ pub enum Pass {
 pub struct KeepLayer {
     pub attention: bool,
     pub swiglu: bool,
+    /// The outputs of the attention projections.
+    pub linears: bool,
     /// Not checkpointed at all: the layer's graph is kept from the forward and backward runs
     /// through it with no recomputation. Always a run of the last layers (`train` runs them
     /// as one ordinary forward and backward after the checkpointed ones).
@@ -55,7 +63,12 @@ impl KeepLayer {
         if self.whole {
             return costs.whole;
         }
-        self.attention as usize * costs.attention + self.swiglu as usize * costs.swiglu
+        self.attention as usize * costs.attention + self.swiglu as usize * costs.swiglu + self.linears as usize * costs.linears
+    }
+
+    /// Whether the layer keeps anything in a [`Kept`] slot.
+    pub fn in_slot(&self) -> bool {
+        self.attention || self.swiglu || self.linears
     }
 }
 
@@ -66,6 +79,8 @@ pub struct KeepCosts {
     pub attention: usize,
     /// SwiGLU inputs g, u.
     pub swiglu: usize,
+    /// The attention projections' outputs.
+    pub linears: usize,
     /// The whole layer's graph (an estimate: `dist::plan::layer_activations`).
     pub whole: usize,
 }
@@ -74,6 +89,8 @@ pub struct KeepCosts {
 struct Held {
     attention: Option<AttentionOutput>,
     swiglu: Option<SwiGluInputs>,
+    /// By the linear's index among its layer's sites (`Adapters::site`).
+    linears: Vec<(usize, LinearOutput)>,
 }
 
 /// Per-layer slots for what a checkpointed forward keeps for its recomputation.
@@ -89,13 +106,14 @@ impl Kept {
 
     /// Layer `layer`'s slot, when it keeps anything.
     pub fn slot(self: &Arc<Self>, layer: usize) -> Option<Slot> {
-        self.keep.get(layer).filter(|k| k.attention || k.swiglu).map(|_| Slot { kept: self.clone(), layer })
+        self.keep.get(layer).filter(|k| k.in_slot()).map(|_| Slot { kept: self.clone(), layer })
     }
 
     /// Bytes held now.
     pub fn bytes(&self) -> usize {
         let pair = |p: &Option<(Vec<f32>, Vec<f32>)>| p.as_ref().map_or(0, |(a, b)| 4 * (a.len() + b.len()));
-        self.held.iter().map(|m| m.lock().unwrap_or_else(|e| e.into_inner())).map(|h| pair(&h.attention) + pair(&h.swiglu)).sum()
+        let linears = |h: &Held| h.linears.iter().map(|(_, y)| 4 * y.len()).sum::<usize>();
+        self.held.iter().map(|m| m.lock().unwrap_or_else(|e| e.into_inner())).map(|h| pair(&h.attention) + pair(&h.swiglu) + linears(&h)).sum()
     }
 }
 
@@ -137,6 +155,24 @@ impl Slot {
     pub fn take_attention(&self) -> Option<AttentionOutput> {
         self.held().attention.take()
     }
+
+    /// Whether this layer keeps its attention projections' outputs.
+    pub fn keeps_linears(&self) -> bool {
+        self.kept.keep[self.layer].linears
+    }
+
+    /// Kept only if this layer keeps its projections' outputs; otherwise dropped.
+    pub fn put_linear(&self, site: usize, y: LinearOutput) {
+        if self.keeps_linears() {
+            self.held().linears.push((site, y));
+        }
+    }
+
+    pub fn take_linear(&self, site: usize) -> Option<LinearOutput> {
+        let mut held = self.held();
+        let at = held.linears.iter().position(|(s, _)| *s == site)?;
+        Some(held.linears.swap_remove(at).1)
+    }
 }
 
 /// What an op is told about checkpointing: the pass, and the layer's slot if it keeps anything.
@@ -151,12 +187,51 @@ impl Keep {
     pub fn plain() -> Self {
         Keep { pass: Pass::Plain, slot: None }
     }
+
+    /// What the linear at index `site` of the layer's sites is told.
+    pub fn linear(&self, site: usize) -> LinearKeep {
+        let slot = self.slot.clone().filter(|s| s.keeps_linears());
+        LinearKeep { pass: self.pass, slot, site }
+    }
+}
+
+/// What one linear op is told about checkpointing: a checkpointed forward leaves a copy of
+/// its output in the layer's slot, and the recomputation returns that copy instead of running
+/// its GEMMs (its backward needs only its input, its weights and the upstream gradient).
+#[derive(Clone)]
+pub struct LinearKeep {
+    pass: Pass,
+    slot: Option<Slot>,
+    site: usize,
+}
+
+impl LinearKeep {
+    /// Nothing kept, nothing reused.
+    pub fn none() -> Self {
+        LinearKeep { pass: Pass::Plain, slot: None, site: 0 }
+    }
+
+    /// In the recomputation: the output of `len` elements the checkpointed forward kept.
+    pub fn reused(&self, len: usize) -> Option<LinearOutput> {
+        match (self.pass, &self.slot) {
+            (Pass::Recompute, Some(slot)) => slot.take_linear(self.site).filter(|y| y.len() == len),
+            _ => None,
+        }
+    }
+
+    /// In a checkpointed forward: keep a copy of the output `y`.
+    pub fn hold(&self, y: &[f32]) {
+        if let (Pass::Checkpointed, Some(slot)) = (self.pass, &self.slot) {
+            slot.put_linear(self.site, y.to_vec());
+        }
+    }
 }
 
 /// What each of `n_layers` layers keeps within `budget` bytes: first the attention output of
 /// every layer that can (`costs.attention` bytes each, from the last layer down: their
 /// backward runs first, so their memory is freed first), then the SwiGLU inputs
-/// (`costs.swiglu` each), then, with what is left, whole layers from the last one down
+/// (`costs.swiglu` each), then the attention projections' outputs (`costs.linears` each),
+/// then, with what is left, whole layers from the last one down
 /// (`costs.whole` each, less what the layer kept already): where the base dwarfs the
 /// activations (a MoE model at short sequences) "auto" then checkpoints little or nothing.
 /// `eligible(i)` says what layer i can keep (the fused CPU ops; whole layers anywhere).
@@ -176,12 +251,15 @@ pub fn layers_to_keep(n_layers: usize, costs: KeepCosts, budget: usize, eligible
     for i in (0..n_layers).rev() {
         keep[i].swiglu = eligible(i).swiglu && take(costs.swiglu, 0);
     }
+    for i in (0..n_layers).rev() {
+        keep[i].linears = eligible(i).linears && take(costs.linears, 0);
+    }
     // Then whole layers, from the last down while they fit, each giving back what it kept.
     for i in (0..n_layers).rev() {
         if !(eligible(i).whole && take(costs.whole, keep[i].bytes(costs))) {
             break;
         }
-        keep[i] = KeepLayer { attention: false, swiglu: false, whole: true };
+        keep[i] = KeepLayer { whole: true, ..KeepLayer::default() };
     }
     keep
 }
@@ -191,15 +269,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_budget_keeps_attention_outputs_first_then_swiglu_inputs_then_whole_layers_from_the_last() {
-        let both = KeepLayer { attention: true, swiglu: true, whole: false };
+    fn the_budget_keeps_attention_outputs_first_then_swiglu_inputs_then_projection_outputs_then_whole_layers_from_the_last() {
+        let both = KeepLayer { attention: true, swiglu: true, ..KeepLayer::default() };
         let att = KeepLayer { attention: true, ..KeepLayer::default() };
         let whole = KeepLayer { whole: true, ..KeepLayer::default() };
         let none = KeepLayer::default();
-        let all = KeepLayer { attention: true, swiglu: true, whole: true };
+        let all = KeepLayer { attention: true, swiglu: true, whole: true, linears: false };
         // Layer 2 has no fused MLP (MoE, say): it can keep only its attention output.
         let elig = |i: usize| if i == 2 { KeepLayer { swiglu: false, ..all } } else { all };
-        let costs = KeepCosts { attention: 1, swiglu: 10, whole: 30 };
+        let costs = KeepCosts { attention: 1, swiglu: 10, linears: 0, whole: 30 };
         assert_eq!(layers_to_keep(4, costs, 15, elig), vec![att, att, att, both]);
         assert_eq!(layers_to_keep(4, costs, 24, elig), vec![att, both, att, both]);
         assert_eq!(layers_to_keep(4, costs, 2, elig), vec![none, none, att, att]);
@@ -211,6 +289,35 @@ mod tests {
         // Whole layers stay a run of the last ones: a layer that cannot be whole ends it.
         let elig = |i: usize| if i == 2 { both } else { all };
         assert_eq!(layers_to_keep(4, costs, 1000, elig), vec![both, both, both, whole]);
+        // The projections' outputs come after the SwiGLU inputs: 4 + 20 leaves 6, for layer 3's.
+        let all = KeepLayer { linears: true, ..all };
+        let elig = |i: usize| if i == 2 { KeepLayer { swiglu: false, ..all } } else { all };
+        let costs = KeepCosts { linears: 5, ..costs };
+        let three = KeepLayer { linears: true, ..both };
+        assert_eq!(layers_to_keep(4, costs, 30, elig), vec![att, both, att, three]);
+        // 4 + 30 leaves 10: layers 3 and 2 keep theirs, layer 2 having no SwiGLU inputs to keep.
+        assert_eq!(layers_to_keep(4, costs, 44, elig), vec![both, both, KeepLayer { linears: true, ..att }, three]);
+    }
+
+    #[test]
+    fn a_linear_gets_back_its_own_output_only_in_the_recomputation_and_only_where_its_layer_keeps_them() {
+        let lin = KeepLayer { linears: true, ..KeepLayer::default() };
+        let kept = Kept::new(&[KeepLayer { attention: true, ..KeepLayer::default() }, lin]);
+        let keep = |pass, layer| Keep { pass, slot: kept.slot(layer) };
+        // Layer 0 keeps its attention output only: its linears keep nothing.
+        keep(Pass::Checkpointed, 0).linear(1).hold(&[1.0; 4]);
+        assert_eq!(kept.bytes(), 0);
+        assert_eq!(keep(Pass::Recompute, 0).linear(1).reused(4), None);
+        // Layer 1: sites 2 and 5 held in the checkpointed forward, nothing in a plain one.
+        keep(Pass::Plain, 1).linear(2).hold(&[9.0; 3]);
+        keep(Pass::Checkpointed, 1).linear(2).hold(&[2.0; 3]);
+        keep(Pass::Checkpointed, 1).linear(5).hold(&[5.0; 6]);
+        assert_eq!(kept.bytes(), 36);
+        assert_eq!(keep(Pass::Checkpointed, 1).linear(5).reused(6), None, "reused only in the recomputation");
+        assert_eq!(keep(Pass::Recompute, 1).linear(5).reused(6), Some(vec![5.0; 6]));
+        assert_eq!(keep(Pass::Recompute, 1).linear(5).reused(6), None, "handed back once");
+        assert_eq!(keep(Pass::Recompute, 1).linear(2).reused(4), None, "an output of another size is not this op's");
+        assert_eq!(kept.bytes(), 0);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Frozen linears: the plain frozen matmul (no weight gradient on any device) and the LoRA
 //! linear built on it.
 
+use super::checkpoint::LinearKeep;
 use super::{cpu_f32, f32_elems, sgemm, zeros_f32, Kernels, Op, Path};
 use candle_core::{DType, Result, Tensor};
 
@@ -50,6 +51,8 @@ struct FrozenMatmul {
     /// false: x @ W^T -> [N, out]; true: g @ W -> [N, in] (the fused input gradient).
     input_grad: bool,
     path: Path,
+    /// Activation checkpointing's hold on the output (fused forward only).
+    keep: LinearKeep,
 }
 
 impl FrozenMatmul {
@@ -77,10 +80,16 @@ impl candle_core::CustomOp1 for FrozenMatmul {
             return self.backend_fwd(storage, layout, w, wl);
         }
         let (n, _) = layout.shape().dims2()?;
-        let x = cpu_f32("frozen-matmul", storage, layout)?;
-        let y = frozen_gemm(x, n, &self.w, self.input_grad)?;
         let (out, inp) = self.w.dims2()?;
         let cols = if self.input_grad { inp } else { out };
+        let y = match self.keep.reused(n * cols) {
+            Some(y) => y,
+            None => {
+                let y = frozen_gemm(cpu_f32("frozen-matmul", storage, layout)?, n, &self.w, self.input_grad)?;
+                self.keep.hold(&y);
+                y
+            }
+        };
         Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((n, cols))))
     }
 
@@ -96,7 +105,7 @@ impl candle_core::CustomOp1 for FrozenMatmul {
         }
         match self.path {
             Path::Fused => {
-                let op = FrozenMatmul { w: self.w.clone(), input_grad: true, path: Path::Fused };
+                let op = FrozenMatmul { w: self.w.clone(), input_grad: true, path: Path::Fused, keep: LinearKeep::none() };
                 Ok(Some(grad_res.contiguous()?.apply_op1(op)?))
             }
             // g [N, out] @ W [out, in]: plain tensors (neither tracks a gradient), no graph.
@@ -108,12 +117,18 @@ impl candle_core::CustomOp1 for FrozenMatmul {
 /// x [N, in] @ W^T for a frozen W [out, in] -> [N, out], with no weight gradient, by
 /// [`FrozenMatmul`] on either path. On the portable path W meets x in x's dtype.
 pub fn frozen_linear(k: Kernels, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    frozen_linear_kept(k, x, w, LinearKeep::none())
+}
+
+/// [`frozen_linear`], whose output activation checkpointing may keep (`ops::checkpoint`; on
+/// the fused path: the portable one always recomputes).
+pub fn frozen_linear_kept(k: Kernels, x: &Tensor, w: &Tensor, keep: LinearKeep) -> Result<Tensor> {
     let path = k.pick(Op::FrozenLinear, x, &[w]);
     let w = match path {
         Path::Fused => w.contiguous()?,
         Path::Portable => w.to_dtype(x.dtype())?.contiguous()?,
     };
-    x.contiguous()?.apply_op1(FrozenMatmul { w, input_grad: false, path })
+    x.contiguous()?.apply_op1(FrozenMatmul { w, input_grad: false, path, keep })
 }
 
 /// A LoRA linear without its bias, y = x Wᵀ + s · (m ⊙ x) Aᵀ Bᵀ, as one op on CPU: x [N, in],
@@ -123,7 +138,10 @@ pub fn frozen_linear(k: Kernels, x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// zeroes and adds full [N, out] or [N, in] buffers; here the backward is
 ///   u = g B [N, R],  dx = g W + s · m ⊙ (u A),  dA = s · uᵀ (m ⊙ x),  dB = s · gᵀ (m ⊙ x) Aᵀ
 /// with (m ⊙ x) Aᵀ recomputed (N·in·R, small) rather than kept.
-pub fn lora_linear(k: Kernels, x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor, scale: f64, mask: Option<Vec<f32>>) -> Result<Tensor> {
+/// `adapter`: (A, B, s). `keep`: activation checkpointing's hold on the output (the fused
+/// path; the portable one always recomputes).
+pub fn lora_linear(k: Kernels, x: &Tensor, w: &Tensor, adapter: (&Tensor, &Tensor, f64), mask: Option<Vec<f32>>, keep: LinearKeep) -> Result<Tensor> {
+    let (a, b, scale) = adapter;
     if k.pick(Op::LoraLinear, x, &[w, a, b]) == Path::Portable {
         // The same math from candle ops (any device), as PEFT computes it with a half-precision
         // base: the adapter's input is cast to A's dtype (f32), the adapter runs in f32, and
@@ -138,7 +156,7 @@ pub fn lora_linear(k: Kernels, x: &Tensor, w: &Tensor, a: &Tensor, b: &Tensor, s
         let l = xd.matmul(&a.t()?)?.matmul(&(b * scale)?.t()?)?.to_dtype(x.dtype())?; // [N, out]
         return frozen_linear(k, x, w)? + l;
     }
-    let op = LoraMatmul { w: w.contiguous()?, scale: scale as f32, mask, xa: std::sync::Mutex::new(None) };
+    let op = LoraMatmul { w: w.contiguous()?, scale: scale as f32, mask, xa: std::sync::Mutex::new(None), keep };
     x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, op)
 }
 
@@ -151,6 +169,9 @@ struct LoraMatmul {
     /// xa = (m ⊙ x) Aᵀ [N, R] from the forward, for dB in the backward (N·R floats, where
     /// recomputing it re-read all of x).
     xa: std::sync::Mutex<Option<Vec<f32>>>,
+    /// Activation checkpointing's hold on the output: a recomputation that gets it back runs
+    /// no GEMM (xa is then recomputed in the backward).
+    keep: LinearKeep,
 }
 
 /// xa [N, R] = xd [N, in] · Aᵀ for A [R, in].
@@ -190,6 +211,9 @@ impl candle_core::CustomOp3 for LoraMatmul {
         if inp != inp2 || r != r2 || self.w.dims() != [out, inp] || self.mask.as_ref().is_some_and(|m| m.len() != n * inp) {
             candle_core::bail!("lora-matmul: x {:?}, A {:?}, B {:?}, W {:?} do not fit", xl.shape(), al.shape(), bl.shape(), self.w.shape());
         }
+        if let Some(y) = self.keep.reused(n * out) {
+            return Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((n, out))));
+        }
         let (x, a, b) = (cpu_f32("lora-matmul", xs, xl)?, cpu_f32("lora-matmul", as_, al)?, cpu_f32("lora-matmul", bs, bl)?);
         let threads = candle_core::utils::get_num_threads();
         let mut y = frozen_gemm(x, n, &self.w, false)?; // [N, out]
@@ -197,6 +221,7 @@ impl candle_core::CustomOp3 for LoraMatmul {
         let xa = down(&self.dropped(x), n, inp, a, r);
         sgemm(n, out, r, &mut y, out, true, &xa, r, 1, b, 1, r, self.scale, threads);
         *self.xa.lock().unwrap_or_else(|e| e.into_inner()) = Some(xa);
+        self.keep.hold(&y);
         Ok((candle_core::CpuStorage::F32(y), candle_core::Shape::from((n, out))))
     }
 
@@ -326,7 +351,7 @@ mod tests {
                 let a = Var::from_vec(vals(r * i, 3, 7), (r, i), &dev)?;
                 let b = Var::from_vec(vals(o * r, 11, 5), (o, r), &dev)?;
                 let m = masked.then(|| mask.clone());
-                let got = lora_linear(Kernels::Auto, x.as_tensor(), w, a.as_tensor(), b.as_tensor(), 2.0, m.clone())?;
+                let got = lora_linear(Kernels::Auto, x.as_tensor(), w, (a.as_tensor(), b.as_tensor(), 2.0), m.clone(), LinearKeep::none())?;
                 // Reference: candle ops, with the frozen matmul's bf16 rounding of its input
                 // (x forward, g backward) applied explicitly for a bf16 W.
                 let round = |t: &Tensor| -> Result<Tensor> {
@@ -420,7 +445,7 @@ mod tests {
             let x = Var::from_vec(pseudo(n * i, 3), (n, i), &dev)?;
             let a = Var::from_vec(pseudo(r * i, 4), (r, i), &dev)?;
             let b = Var::from_vec(pseudo(o * r, 5), (o, r), &dev)?;
-            let y = lora_linear(k, x.as_tensor(), &w, a.as_tensor(), b.as_tensor(), 2.0, Some(mask.clone()))?;
+            let y = lora_linear(k, x.as_tensor(), &w, (a.as_tensor(), b.as_tensor(), 2.0), Some(mask.clone()), LinearKeep::none())?;
             let gs = (&y * &g)?.sum_all()?.backward()?;
             got.push([y, gs.get(&x).expect("dx").clone(), gs.get(&a).expect("dA").clone(), gs.get(&b).expect("dB").clone()]);
         }
@@ -448,7 +473,7 @@ mod tests {
             let x = Var::from_tensor(&x0.to_dtype(dt)?)?;
             let a = Var::from_vec(pseudo(r * i, 4), (r, i), &dev)?;
             let b = Var::from_vec(pseudo(o * r, 5), (o, r), &dev)?;
-            let y = lora_linear(Kernels::Portable, x.as_tensor(), &w.to_dtype(dt)?, a.as_tensor(), b.as_tensor(), 2.0, None)?;
+            let y = lora_linear(Kernels::Portable, x.as_tensor(), &w.to_dtype(dt)?, (a.as_tensor(), b.as_tensor(), 2.0), None, LinearKeep::none())?;
             assert_eq!(y.dtype(), dt);
             let gs = (y.to_dtype(DType::F32)? * &g)?.sum_all()?.backward()?;
             let (da, db) = (gs.get(&a).expect("dA").clone(), gs.get(&b).expect("dB").clone());

@@ -33,7 +33,7 @@ mod widen;
 pub use attention::{causal_attention, causal_mask, KeyStarts};
 pub use dispatch::{Kernels, Op, Path};
 pub(crate) use gemm::sgemm;
-pub use linear::{frozen_linear, lora_linear};
+pub use linear::{frozen_linear, frozen_linear_kept, lora_linear};
 pub use mlp::{frozen_mlp_residual, swiglu};
 pub use norm::rms_norm;
 pub use rope::{merge_heads, rope_heads, rope_tables, split_heads};
