@@ -12,7 +12,9 @@ model (3 layers) with transformers and needs about 13 GB of free RAM (PEFT's row
 loader; batch 4 x 512 and 1 x 512, each in f32 and with a bf16 base; sequence lengths
 256..2048 at a fixed 2048 tokens per step. MFU is model FLOPs per second over the measured
 GEMM peak of the row's base dtype (torch: MKL f32, oneDNN bf16, on the model's shapes). Peak RSS is each process's own ru_maxrss (a
-fresh child per measurement).
+fresh child per measurement). After each table the default recipe and PEFT's fastest row run
+again alternately (`--pairs`, 2 by default), and the goal lines printed last read the median of
+those paired ratios: on a shared VM the table's rows, minutes apart, can differ by the drift.
 """
 import argparse
 import json
@@ -340,6 +342,14 @@ def main():
     # median of 3 timed steps shrugs off one slow step, which 2 could not (their median is the
     # mean). More steps cost a longer run (each row is ~10-40 s per step here).
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row (median taken), after 1 warm-up")
+    # A shared VM's speed drifts by 10-50% within minutes (the 2-core AVX2 EPYC: one
+    # configuration ran anywhere from 110 to 210 tokens/s within the hour), and the table runs
+    # each row once, minutes apart from the others: a ratio from two rows can be the drift.
+    # Alternating the two rows a ratio reads, back to back, pairs them within a minute or two.
+    # Each pair costs two more runs (~2-3 min at 4 x 512 here); 0 reads ratios from the table.
+    ap.add_argument("--pairs", type=int, default=2,
+                    help="after each table, rerun the default recipe and PEFT's fastest row alternately this many times; "
+                         "the goal lines then read the median of the paired ratios")
     ap.add_argument("--data-only", action="store_true", help="only the data-loader benchmark")
     ap.add_argument("--data-rows", type=int, default=1_000_000)
     ap.add_argument("--sections", default="data,main,batch1,scaling,qlora,moe",
@@ -350,6 +360,8 @@ def main():
     a = ap.parse_args()
     if a.steps < 1:
         sys.exit("bench: --steps must be at least 1")
+    if a.pairs < 0:
+        sys.exit("bench: --pairs must be 0 or more")
     steps, warmup = (1, 1) if a.quick else (a.steps, 1)
     sections = set(a.sections.split(","))
     cache = os.path.join(ROOT, ".cache", "bench")
@@ -388,6 +400,29 @@ def main():
             rows.append((name, r, seq))
         return rows
 
+    def paired(configs, d, shape):
+        """The default recipe and PEFT's fastest row of a table (`d` as `table` returns it),
+        rerun alternately `--pairs` times: `d` with its speed ratio replaced by the median of
+        the pairs' ratios, and a line saying each."""
+        if not d or a.pairs == 0:
+            return d
+        fns = {n: fn for n, _, fn in configs}
+        ratios = []
+        for i in range(a.pairs):
+            print(f"running: pair {i + 1} of {a.pairs}, {shape}: default recipe, then {d[2]} ...", file=sys.stderr, flush=True)
+            try:
+                o, p = fns[DEFAULT_ROW](), fns[d[2]]()
+            except Skipped as e:
+                print(f"{shape}: pair {i + 1} skipped: {e}")
+                continue
+            ratios.append(o["tokens_per_s"] / p["tokens_per_s"])
+        if not ratios:
+            return d
+        med = statistics.median(ratios)
+        print(f"{shape}: default recipe against {d[2]} in {len(ratios)} alternating pairs after the table: "
+              f"{', '.join(f'{r:.2f}x' for r in ratios)} (median {med:.2f}x; the table's rows gave {d[0]:.2f}x)")
+        return (med, d[1], f"{d[2]}; median of {len(ratios)} alternating pairs, {d[0]:.2f}x in the table")
+
     def cfgs(batch, seq, with_bf16):
         _, data = ensure_model(cache, seq)
         c = [
@@ -408,11 +443,13 @@ def main():
 
     defaults = []
     if "main" in sections:
-        d = table("batch 4 x seq 512 (ratios against PEFT's f32 and bf16 rows together)", run_rows(cfgs(4, 512, True)), peak, fpt)
-        defaults.append(("4 x 512", d))
+        c = cfgs(4, 512, True)
+        d = table("batch 4 x seq 512 (ratios against PEFT's f32 and bf16 rows together)", run_rows(c), peak, fpt)
+        defaults.append(("4 x 512", paired(c, d, "4 x 512")))
     if "batch1" in sections:
-        d = table("batch 1 x seq 512 (ratios against PEFT's f32 and bf16 rows together)", run_rows(cfgs(1, 512, True)), peak, fpt)
-        defaults.append(("1 x 512", d))
+        c = cfgs(1, 512, True)
+        d = table("batch 1 x seq 512 (ratios against PEFT's f32 and bf16 rows together)", run_rows(c), peak, fpt)
+        defaults.append(("1 x 512", paired(c, d, "1 x 512")))
     if "scaling" in sections:
         # The default recipe against PEFT's fastest dtype without checkpointing and PEFT's f32
         # with gradient checkpointing (its leanest f32), one small table per shape: 2048 tokens
@@ -420,13 +457,13 @@ def main():
         fast = "bf16" if bf16_unit else "f32"
         for batch, seq in [(8, 256), (2, 1024), (1, 2048), (1, 4096), (8, 512)]:
             _, data = ensure_model(cache, seq)
-            rows = run_rows([
+            c = [
                 (DEFAULT_ROW, seq, lambda: ours(model, data, batch, seq, steps, warmup, None, None)),
                 (f"PEFT {fast}{' base' if fast == 'bf16' else ''}, no ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, False, fast)),
                 ("PEFT f32, grad ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, True)),
-            ])
-            d = table(f"batch {batch} x seq {seq}", rows, peak, fpt)
-            defaults.append((f"{batch} x {seq}", d))
+            ]
+            d = table(f"batch {batch} x seq {seq}", run_rows(c), peak, fpt)
+            defaults.append((f"{batch} x {seq}", paired(c, d, f"{batch} x {seq}")))
     if "qlora" in sections:
         # The same random SmolLM2-shaped weights (same synth seed) written as a Q4_1 GGUF: the
         # base a QLoRA user holds. Both rows dequantise/convert into bf16 (model.dtype).
@@ -475,6 +512,7 @@ def main():
                    lambda e=e: peft(moe, 1, 512, steps, warmup, False, "bf16", targets=MLA_TARGETS, extra=["--experts", e, "--load-in-dtype"]))
                   for e in ("eager", "grouped_mm")]
         d = table("DeepSeek-V2-Lite MoE cut, batch 1 x seq 512 (ratios against PEFT's fastest and leanest rows)", run_rows(c), peak, mfpt)
+        d = paired(c, d, "MoE 1 x 512")
         if d:
             goal = "1.5x speed with the bf16 base" if bf16_unit else "1.2x speed in f32"
             print(f"MoE default recipe: {d[0]:.2f}x the speed of PEFT's fastest ({d[2]}), {d[1]:.2f}x the RSS of its leanest "
