@@ -13,7 +13,7 @@ loader; batch 4 x 512 and 1 x 512, each in f32 and with a bf16 base; sequence le
 256..2048 at a fixed 2048 tokens per step. MFU is model FLOPs per second over the measured
 GEMM peak of the row's base dtype (torch: MKL f32, oneDNN bf16, on the model's shapes). Peak RSS is each process's own ru_maxrss (a
 fresh child per measurement). After each table the default recipe and PEFT's fastest row run
-again alternately (`--pairs`, 2 by default), and the goal lines printed last read the median of
+again alternately (`--pairs`, 3 by default), and the goal lines printed last read the median of
 those paired ratios: on a shared VM the table's rows, minutes apart, can differ by the drift.
 """
 import argparse
@@ -346,8 +346,9 @@ def main():
     # configuration ran anywhere from 110 to 210 tokens/s within the hour), and the table runs
     # each row once, minutes apart from the others: a ratio from two rows can be the drift.
     # Alternating the two rows a ratio reads, back to back, pairs them within a minute or two.
-    # Each pair costs two more runs (~2-3 min at 4 x 512 here); 0 reads ratios from the table.
-    ap.add_argument("--pairs", type=int, default=2,
+    # Each pair costs two more runs (~2-3 min at 4 x 512 here); three make a median that one
+    # odd pair cannot move; 0 reads ratios from the table.
+    ap.add_argument("--pairs", type=int, default=3,
                     help="after each table, rerun the default recipe and PEFT's fastest row alternately this many times; "
                          "the goal lines then read the median of the paired ratios")
     ap.add_argument("--data-only", action="store_true", help="only the data-loader benchmark")
@@ -415,12 +416,12 @@ def main():
             except Skipped as e:
                 print(f"{shape}: pair {i + 1} skipped: {e}")
                 continue
-            ratios.append(o["tokens_per_s"] / p["tokens_per_s"])
+            ratios.append((o["tokens_per_s"] / p["tokens_per_s"], o["tokens_per_s"], p["tokens_per_s"]))
         if not ratios:
             return d
-        med = statistics.median(ratios)
+        med = statistics.median(r for r, _, _ in ratios)
         print(f"{shape}: default recipe against {d[2]} in {len(ratios)} alternating pairs after the table: "
-              f"{', '.join(f'{r:.2f}x' for r in ratios)} (median {med:.2f}x; the table's rows gave {d[0]:.2f}x)")
+              f"{', '.join(f'{r:.2f}x ({o:.0f} / {p:.0f} tokens/s)' for r, o, p in ratios)} (median {med:.2f}x; the table's rows gave {d[0]:.2f}x)")
         return (med, d[1], f"{d[2]}; median of {len(ratios)} alternating pairs, {d[0]:.2f}x in the table")
 
     def cfgs(batch, seq, with_bf16):

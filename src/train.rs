@@ -1128,15 +1128,19 @@ fn describe_checkpointing(keep: Option<&[KeepLayer]>, costs: KeepCosts) -> Strin
 ///   leanest RSS (SmolLM2, 2-core AVX2 EPYC, bf16 base widened, 1 x 512: keeping 252 MB
 ///   against 130 MB ran 136-145 against 126-130 tokens/s in 3 of 3 alternating rounds, this
 ///   default's 214 MB 149-210 against 142-197 in 5 of 5, at 0.30-0.31x PEFT's RSS; 4 x 512
-///   with this default's 857 MB peaked at 0.30x). What is then left to recompute is the
+///   with 857 MB peaked at 0.30x). What is then left to recompute is the
 ///   attention projections and norms, ~8% of a step. At 4096 tokens the floor (1 GB on
 ///   SmolLM2) is the larger, as before (0.27x PEFT's RSS on a Zen 4 VM).
-///   The attention projections' outputs come after these in `layers_to_keep`, so only a
-///   `train.activation_memory_mb` above this default keeps them: at 1 x 512 on SmolLM2 they
-///   cost 90 MB more (304 MB) for ~5% (2-core AVX2 EPYC, four alternating rounds: median
-///   129-143 against 120-134 tokens/s, faster in 3 of 4, peak 795 against 699 MB), which is
-///   0.34x PEFT's leanest RSS there but would be ~0.39x on the AMX VM, where PEFT's leanest row (bf16
-///   base) took 2045 MB: over the third this default stays under.
+///   Beyond 1024 tokens the budget also holds the attention projections' outputs of a share
+///   of the layers, growing to two fifths at 2048 (SmolLM2 at 4 x 512: 1001 MB, the last 12
+///   layers'). PEFT's leanest RSS grows with the tokens (~2.3 GB at 1 x 512, ~5.1 GB at
+///   4 x 512) where ours is mostly the base, so the room under its third grows faster than
+///   the tokens do: at 4 x 512 keeping the projection outputs of 15 layers (1040 MB) ran 139-151
+///   against 128-141 tokens/s median in 4 of 4 alternating rounds (2-core AVX2 EPYC), 1.70
+///   against 1.49 GB peak, 0.34x PEFT's leanest. At 1 x 512 they would cost 90 MB more
+///   (304 MB) for ~5% (median 129-143 against 120-134 tokens/s, faster in 3 of 4 rounds, peak
+///   795 against 699 MB): 0.34x PEFT's leanest RSS on that EPYC, but ~0.39x on the AMX VM,
+///   where PEFT's leanest row (bf16 base) took 2045 MB, so none are kept there by default.
 /// - An f32 base: twice the layer inputs up to 1024 tokens a micro-batch, growing to four
 ///   times at 2048 and beyond. Why it grows with the tokens faster than they do: at few tokens
 ///   the step's memory is mostly the base, and at 1 x 512 an f32 SmolLM2 run with more kept
@@ -1150,8 +1154,12 @@ fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig, costs: Keep
     if r.model.dtype == "f32" {
         return inputs * tokens.clamp(1024, 2048) / 512;
     }
-    let every_layer = cfg.num_hidden_layers * (costs.attention + costs.swiglu) * tokens.min(2048) / tokens.max(1);
-    every_layer.max(4 * inputs)
+    let (l, capped) = (cfg.num_hidden_layers, tokens.min(2048));
+    let every_layer = l * (costs.attention + costs.swiglu) * capped / tokens.max(1);
+    // From 1024 tokens on, the projection outputs of a share of the layers that grows to two
+    // fifths at 2048.
+    let projections = l * costs.linears * capped / tokens.max(1) * 2 * capped.saturating_sub(1024) / (5 * 1024);
+    (every_layer + projections).max(4 * inputs)
 }
 
 /// Forward and backward of one micro-batch. Adds d(scale * CE_sum)/dparam into `grads` (f64)
@@ -1284,11 +1292,17 @@ mod tests {
     }
 
     #[test]
-    fn a_bf16_base_keeps_every_layers_attention_output_and_swiglu_inputs_up_to_2048_tokens() {
-        // The projection outputs only with a larger budget set in the recipe.
+    fn a_bf16_base_keeps_every_layers_attention_output_and_swiglu_inputs_up_to_2048_tokens_and_some_projection_outputs_beyond_1024() {
+        // Up to 1024 tokens no projection outputs; at 2048 those of the last two fifths of
+        // the layers.
         let every = KeepLayer { attention: true, swiglu: true, ..KeepLayer::default() };
-        for (b, s) in [(1, 512), (4, 512), (1, 2048)] {
+        for (b, s) in [(1, 512), (2, 512), (1, 1024)] {
             assert_eq!(kept("bf16", b, s), vec![every; 30], "{b} x {s}");
+        }
+        let mut with_projections = vec![every; 30];
+        with_projections[18..].iter_mut().for_each(|k| k.linears = true);
+        for (b, s) in [(4, 512), (1, 2048)] {
+            assert_eq!(kept("bf16", b, s), with_projections, "{b} x {s}");
         }
         // At 4096 tokens the floor, four times the layer inputs (as an f32 base's), is larger
         // than every layer's cost at 2048 tokens.
