@@ -403,16 +403,21 @@ def main():
 
     def paired(configs, d, shape):
         """The default recipe and PEFT's fastest row of a table (`d` as `table` returns it),
-        rerun alternately `--pairs` times: `d` with its speed ratio replaced by the median of
-        the pairs' ratios, and a line saying each."""
-        if not d or a.pairs == 0:
+        rerun back to back `--pairs` times (in turn each first): `d` with its speed ratio
+        replaced by the median of the pairs' ratios, and a line saying each."""
+        if not d or a.pairs == 0 or a.quick:
             return d
         fns = {n: fn for n, _, fn in configs}
         ratios = []
         for i in range(a.pairs):
-            print(f"running: pair {i + 1} of {a.pairs}, {shape}: default recipe, then {d[2]} ...", file=sys.stderr, flush=True)
+            # Every other pair runs PEFT first, so that a steady drift does not favour one side.
+            first = "default recipe" if i % 2 == 0 else d[2]
+            print(f"running: pair {i + 1} of {a.pairs}, {shape}: {first} first ...", file=sys.stderr, flush=True)
             try:
-                o, p = fns[DEFAULT_ROW](), fns[d[2]]()
+                if i % 2 == 0:
+                    o, p = fns[DEFAULT_ROW](), fns[d[2]]()
+                else:
+                    p, o = fns[d[2]](), fns[DEFAULT_ROW]()
             except Skipped as e:
                 print(f"{shape}: pair {i + 1} skipped: {e}")
                 continue

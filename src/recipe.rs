@@ -452,9 +452,11 @@ pub struct TrainSection {
     /// bit for bit).
     #[serde(default)]
     pub activation_checkpointing: Checkpointing,
-    /// What "auto" checkpointing may keep per micro-batch, in MB (unset: twice the saved
-    /// layer inputs, four times with a 16-bit base, and no checkpointing at all when every
-    /// layer fits whole in a quarter of the base's bytes: `train::checkpoint_layers`).
+    /// What "auto" checkpointing may keep per micro-batch, in MB (unset: with a 16-bit base
+    /// every layer's attention output and SwiGLU inputs up to 2048 tokens and, beyond 1024,
+    /// the projection outputs of up to two fifths of the layers; with an f32 base two to four
+    /// times the saved layer inputs; and no checkpointing at all when every layer fits whole
+    /// in a quarter of the base's bytes: `train::checkpoint_layers`, `default_keep_budget`).
     #[serde(default)]
     pub activation_memory_mb: Option<usize>,
     /// Evaluate every N steps (0: only at the end when eval data is set).

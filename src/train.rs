@@ -1030,7 +1030,8 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
 
 /// What each layer of a checkpointed step keeps for its recomputation (`ops::checkpoint`);
 /// `None` when checkpointing is off. "auto" spends `train.activation_memory_mb` (or the
-/// default budget) on attention outputs first, then SwiGLU inputs, from the last layer down,
+/// default budget) on attention outputs first, then SwiGLU inputs, then the attention
+/// projections' outputs, from the last layer down,
 /// where the fused CPU ops run (elsewhere nothing would be kept, so nothing is reserved):
 /// attention on a CPU with `model.kernels = "auto"`, the MLP where it is dense, unadapted and
 /// unbiased too. Whole layers (not checkpointed) only there too (a GPU's memory is the tight
@@ -1156,7 +1157,7 @@ fn default_keep_budget(r: &crate::recipe::Recipe, cfg: &ModelConfig, costs: Keep
     }
     let (l, capped) = (cfg.num_hidden_layers, tokens.min(2048));
     let every_layer = l * (costs.attention + costs.swiglu) * capped / tokens.max(1);
-    // From 1024 tokens on, the projection outputs of a share of the layers that grows to two
+    // Beyond 1024 tokens, the projection outputs of a share of the layers that grows to two
     // fifths at 2048.
     let projections = l * costs.linears * capped / tokens.max(1) * 2 * capped.saturating_sub(1024) / (5 * 1024);
     (every_layer + projections).max(4 * inputs)

@@ -2,7 +2,7 @@
 //!
 //! A checkpointed step runs every layer twice: once forward (graph dropped, only the layer's
 //! input kept) and once more in backward, to rebuild the graph the gradient flows through.
-//! The recomputation is a third of the step on a CPU. Four things make it cheaper without
+//! The recomputation is a third of the step on a CPU. Five things make it cheaper without
 //! changing a bit of the gradients:
 //! - in the recomputation the layer's output value is never read (only its backward runs), so
 //!   the fused MLP skips its down projection and residual add there ([`Pass::Recompute`]);
@@ -13,7 +13,8 @@
 //!   GEMMs (8·N·I bytes per layer);
 //! - likewise the outputs of the attention projections (q, k, v, o; MLA's), and the
 //!   recomputation skips their frozen GEMMs (4·N·Σ out bytes per layer). A kept output saves
-//!   as much per byte as a SwiGLU input (the inner dimension of its GEMM), but the SwiGLU
+//!   the inner dimension of its GEMM in multiply-adds per float, H for q/k/v/o as for a
+//!   SwiGLU input (less for MLA's kv_b_proj, whose input is the latent), and the SwiGLU
 //!   inputs also spare the norm before them, so they are kept first;
 //! - the last layers may not be checkpointed at all ([`KeepLayer::whole`]), when the budget
 //!   holds their whole graph (the plan's estimate of a layer's activations).

@@ -488,4 +488,50 @@ mod tests {
         }
         Ok(())
     }
+
+    /// A checkpointed forward of the frozen and the LoRA linear leaves its output in the
+    /// layer's slot; the recomputation hands it back without running the GEMMs (fed other
+    /// inputs, it still returns the kept value) and, fed the same inputs, gives the value and
+    /// gradients of a plain forward bit for bit, emptying the slot.
+    #[test]
+    fn the_recomputation_of_a_linear_returns_its_kept_output_with_the_same_gradients() -> Result<()> {
+        use crate::ops::checkpoint::{Keep, KeepLayer, Kept, Pass};
+        let dev = Device::Cpu;
+        let (n, i, o, r) = (37, 70, 50, 4);
+        let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect::<Vec<_>>();
+        let w = Tensor::from_vec(vals(o * i, 5, 11), (o, i), &dev)?;
+        let x = Var::from_vec(vals(n * i, 17, 13), (n, i), &dev)?;
+        let a = Var::from_vec(vals(r * i, 3, 7), (r, i), &dev)?;
+        let b = Var::from_vec(vals(o * r, 11, 5), (o, r), &dev)?;
+        let mask: Vec<f32> = (0..n * i).map(|v| if v % 7 == 3 { 0.0 } else { 1.25 }).collect();
+        let kept = Kept::new(&[KeepLayer { linears: true, ..KeepLayer::default() }]);
+        let keep = |pass| Keep { pass, slot: kept.slot(0) }.linear(3);
+        let lora = |x: &Tensor, keep: LinearKeep| lora_linear(Kernels::Auto, x, &w, (a.as_tensor(), b.as_tensor(), 2.0), Some(mask.clone()), keep);
+        let frozen = |x: &Tensor, keep: LinearKeep| frozen_linear_kept(Kernels::Auto, x, &w, keep);
+        let ops: [(&str, &dyn Fn(&Tensor, LinearKeep) -> Result<Tensor>); 2] = [("lora", &lora), ("frozen", &frozen)];
+        for (name, op) in ops {
+            let plain = op(x.as_tensor(), LinearKeep::none())?;
+            op(x.as_tensor(), keep(Pass::Checkpointed))?;
+            assert_eq!(kept.bytes(), 4 * n * o, "{name}: the output kept");
+            let other = (x.as_tensor() * 2.0)?;
+            let y = op(&other, keep(Pass::Recompute))?;
+            assert_eq!(max_abs(&(y - &plain)?)?, 0.0, "{name}: the kept value, not a GEMM of the new input");
+            assert_eq!(kept.bytes(), 0, "{name}: the slot is emptied");
+            op(x.as_tensor(), keep(Pass::Checkpointed))?;
+            let y = op(x.as_tensor(), keep(Pass::Recompute))?;
+            let g = Tensor::from_vec(vals(n * o, 7, 9), (n, o), &dev)?;
+            let (gp, gr) = ((&plain * &g)?.sum_all()?.backward()?, (&y * &g)?.sum_all()?.backward()?);
+            for v in [&x, &a, &b] {
+                match (gp.get(v), gr.get(v)) {
+                    (Some(p), Some(q)) => assert_eq!(max_abs(&(p - q)?)?, 0.0, "{name}: a gradient differs"),
+                    (p, q) => assert_eq!(p.is_some(), q.is_some(), "{name}: a gradient is missing"),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn max_abs(t: &Tensor) -> Result<f32> {
+        t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
 }
