@@ -496,6 +496,7 @@ mod tests {
     #[test]
     fn the_recomputation_of_a_linear_returns_its_kept_output_with_the_same_gradients() -> Result<()> {
         use crate::ops::checkpoint::{Keep, KeepLayer, Kept, Pass};
+        use crate::ops::testutil::max_diff;
         let dev = Device::Cpu;
         let (n, i, o, r) = (37, 70, 50, 4);
         let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect::<Vec<_>>();
@@ -515,7 +516,7 @@ mod tests {
             assert_eq!(kept.bytes(), 4 * n * o, "{name}: the output kept");
             let other = (x.as_tensor() * 2.0)?;
             let y = op(&other, keep(Pass::Recompute))?;
-            assert_eq!(max_abs(&(y - &plain)?)?, 0.0, "{name}: the kept value, not a GEMM of the new input");
+            assert_eq!(max_diff(&y, &plain)?, 0.0, "{name}: the kept value, not a GEMM of the new input");
             assert_eq!(kept.bytes(), 0, "{name}: the slot is emptied");
             op(x.as_tensor(), keep(Pass::Checkpointed))?;
             let y = op(x.as_tensor(), keep(Pass::Recompute))?;
@@ -523,15 +524,11 @@ mod tests {
             let (gp, gr) = ((&plain * &g)?.sum_all()?.backward()?, (&y * &g)?.sum_all()?.backward()?);
             for v in [&x, &a, &b] {
                 match (gp.get(v), gr.get(v)) {
-                    (Some(p), Some(q)) => assert_eq!(max_abs(&(p - q)?)?, 0.0, "{name}: a gradient differs"),
+                    (Some(p), Some(q)) => assert_eq!(max_diff(p, q)?, 0.0, "{name}: a gradient differs"),
                     (p, q) => assert_eq!(p.is_some(), q.is_some(), "{name}: a gradient is missing"),
                 }
             }
         }
         Ok(())
-    }
-
-    fn max_abs(t: &Tensor) -> Result<f32> {
-        t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     }
 }
