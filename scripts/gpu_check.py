@@ -11,6 +11,9 @@ What it checks, each case on `model.device = "cuda"`:
     tolerances of tests/parity.rs (losses, lr, grad_norm 1e-5 relative; adapter 1e-5 absolute);
   * a bf16 base (llama and DeepSeek-V3): its losses within bf16 reach of the f32 run;
   * ZeRO-3 (zero_stage = 3, optimizer state on the host) on one rank: the same numbers as without;
+  * DeepSeek-V3 with adapters on every routed expert (lora.routed_experts), plain and ZeRO-3: the
+    CPU's fused kernels' numbers (themselves held to an f64 reference by tests/deepseek.rs) at the
+    parity tolerances;
   * resume: a run resumed from its step-2 checkpoint equals the uninterrupted run bit for bit;
   * export --merge of a GPU run (the export itself runs on the CPU and verifies the logits).
 It prints one line per case and writes OUTDIR/gpu-check.json; the exit status is 1 if any case
@@ -61,11 +64,16 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def train(binary, fixture, work, name, sets, log, env):
-    """Copy fixture to work/name and train it with --set overrides; the run folder."""
+def train(binary, fixture, work, name, sets, log, env, drop=()):
+    """Copy fixture to work/name and train it with --set overrides, its recipe's `drop` keys
+    removed; the run folder."""
     d = os.path.join(work, name)
     shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(fixture, d, ignore=shutil.ignore_patterns("out", "expected", "*.py"))
+    if drop:
+        r = os.path.join(d, "recipe.toml")
+        lines = open(r).read().splitlines(keepends=True)
+        open(r, "w").write("".join(l for l in lines if l.split("=")[0].strip() not in drop))
     args = ["--recipe", os.path.join(d, "recipe.toml")]
     for s in ["model.device=cuda", *sets]:
         args += ["--set", s]
@@ -118,6 +126,8 @@ def main():
             ok, detail = False, f"{type(e).__name__}: {e}"
         results[name] = {"ok": ok, "detail": detail, "seconds": round(time.time() - t, 1)}
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail} ({time.time() - t:.1f}s)", flush=True)
+        # Written after every case, so a run stopped by a time limit still leaves what it found.
+        json.dump(results, open(os.path.join(a.out, "gpu-check.json"), "w"), indent=1)
 
     parity = sorted(os.path.basename(p) for p in glob.glob(fx("parity-*")))
     for n in parity:
@@ -140,6 +150,27 @@ def main():
 
     for n in ["parity-llama-gqa", "parity-deepseek-v2"]:
         case(f"{n} ZeRO-3 one rank (cuda) = plain", lambda n=n: zero3(n))
+
+    def cuda_vs_cpu(n, sets):
+        # The same recipe on the CPU's fused kernels: those are held to PEFT or to an independent
+        # f64 reference by the tests, so the CUDA run must match them at the parity tolerances.
+        # init_from names the fixture's MLA-only PEFT adapter: these runs start from fresh adapters.
+        gpu = train(binary, fx(n), work, n + "-cuda", sets, log, env, drop=("init_from",))
+        cpu = train(binary, fx(n), work, n + "-cpu", sets + ["model.device=cpu"], log, env, drop=("init_from",))
+        g, c = metrics(gpu), metrics(cpu)
+        assert len(g) == len(c), f"{len(g)} steps on cuda, {len(c)} on cpu"
+        d = {k: max(rel(x[k], y[k]) for x, y in zip(g, c)) for k in ("loss", "grad_norm")}
+        ga = load_file(os.path.join(gpu, "adapter/adapter_model.safetensors"))
+        ca = load_file(os.path.join(cpu, "adapter/adapter_model.safetensors"))
+        assert sorted(ga) == sorted(ca), "adapter keys differ"
+        d["adapter"] = max(float(np.abs(ga[k].astype(np.float64) - ca[k]).max()) for k in ca)
+        d["adapted tensors"] = len(ca)
+        return d["loss"] < REL_TOL and d["grad_norm"] < REL_TOL and d["adapter"] < ABS_TOL, d
+
+    experts = ['lora.targets=["q_a_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj"]', "lora.routed_experts=true"]
+    case("parity-deepseek-v3 routed-expert adapters (cuda) = cpu", lambda: cuda_vs_cpu("parity-deepseek-v3", experts))
+    case("parity-deepseek-v3 routed-expert adapters, ZeRO-3 one rank (cuda) = cpu",
+         lambda: cuda_vs_cpu("parity-deepseek-v3", experts + ["dist.zero_stage=3", "dist.offload_optimizer=cpu"]))
 
     def resume(n):
         every = ["checkpoint.every_steps=1"]
@@ -170,7 +201,6 @@ def main():
 
     case("export --merge of a cuda run (logits verified)", lambda: merge("parity-llama-gqa"))
 
-    json.dump(results, open(os.path.join(a.out, "gpu-check.json"), "w"), indent=1)
     bad = [n for n, r in results.items() if not r["ok"]]
     print(f"{len(results) - len(bad)} of {len(results)} cases passed" + (f"; failed: {bad}" if bad else ""))
     sys.exit(1 if bad else 0)
