@@ -81,6 +81,14 @@ def train(binary, fixture, work, name, sets, log, env, drop=()):
     return os.path.join(d, "out")
 
 
+def adapter_diff(got_dir, ref_dir):
+    """Largest absolute difference between two runs' adapter tensors (the keys must agree)."""
+    got = load_file(os.path.join(got_dir, "adapter_model.safetensors"))
+    ref = load_file(os.path.join(ref_dir, "adapter_model.safetensors"))
+    assert sorted(got) == sorted(ref), "adapter keys differ"
+    return max(float(np.abs(got[k].astype(np.float64) - ref[k]).max()) for k in ref)
+
+
 def compare_to_peft(fixture, out):
     exp = json.load(open(os.path.join(fixture, "expected/metrics.json")))["steps"]
     got = metrics(out)
@@ -90,10 +98,7 @@ def compare_to_peft(fixture, out):
         assert g["tokens"] == e["tokens"], f"step {e['step']}: {g['tokens']} target tokens, PEFT {e['tokens']}"
         for k in d:
             d[k] = max(d[k], rel(g[k], e[k]))
-    ea = load_file(os.path.join(fixture, "expected/adapter/adapter_model.safetensors"))
-    oa = load_file(os.path.join(out, "adapter/adapter_model.safetensors"))
-    assert sorted(ea) == sorted(oa), "adapter keys differ"
-    d["adapter"] = max(float(np.abs(oa[k].astype(np.float64) - ea[k]).max()) for k in ea)
+    d["adapter"] = adapter_diff(os.path.join(out, "adapter"), os.path.join(fixture, "expected/adapter"))
     ok = d["loss"] < REL_TOL and d["lr"] < REL_TOL and d["grad_norm"] < REL_TOL and d["adapter"] < ABS_TOL
     return ok, d
 
@@ -160,11 +165,8 @@ def main():
         g, c = metrics(gpu), metrics(cpu)
         assert len(g) == len(c), f"{len(g)} steps on cuda, {len(c)} on cpu"
         d = {k: max(rel(x[k], y[k]) for x, y in zip(g, c)) for k in ("loss", "grad_norm")}
-        ga = load_file(os.path.join(gpu, "adapter/adapter_model.safetensors"))
-        ca = load_file(os.path.join(cpu, "adapter/adapter_model.safetensors"))
-        assert sorted(ga) == sorted(ca), "adapter keys differ"
-        d["adapter"] = max(float(np.abs(ga[k].astype(np.float64) - ca[k]).max()) for k in ca)
-        d["adapted tensors"] = len(ca)
+        d["adapter"] = adapter_diff(os.path.join(gpu, "adapter"), os.path.join(cpu, "adapter"))
+        d["adapted tensors"] = len(load_file(os.path.join(cpu, "adapter/adapter_model.safetensors")))
         return d["loss"] < REL_TOL and d["grad_norm"] < REL_TOL and d["adapter"] < ABS_TOL, d
 
     experts = ['lora.targets=["q_a_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj"]', "lora.routed_experts=true"]
