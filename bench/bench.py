@@ -351,6 +351,8 @@ def main():
     ap.add_argument("--pairs", type=int, default=3,
                     help="after each table, rerun the default recipe and PEFT's fastest row alternately this many times; "
                          "the goal lines then read the median of the paired ratios")
+    ap.add_argument("--shapes", default="8x256,2x1024,1x2048,1x4096,8x512",
+                    help="the scaling section's shapes, batch x seq (a subset reruns only those)")
     ap.add_argument("--data-only", action="store_true", help="only the data-loader benchmark")
     ap.add_argument("--data-rows", type=int, default=1_000_000)
     ap.add_argument("--sections", default="data,main,batch1,scaling,qlora,moe",
@@ -363,6 +365,11 @@ def main():
         sys.exit("bench: --steps must be at least 1")
     if a.pairs < 0:
         sys.exit("bench: --pairs must be 0 or more")
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+        assert all(len(s) == 2 and min(s) > 0 for s in shapes)
+    except (ValueError, AssertionError):
+        sys.exit(f"bench: --shapes wants batch x seq pairs such as 8x512,1x4096, not {a.shapes!r}")
     steps, warmup = (1, 1) if a.quick else (a.steps, 1)
     sections = set(a.sections.split(","))
     cache = os.path.join(ROOT, ".cache", "bench")
@@ -461,7 +468,7 @@ def main():
         # with gradient checkpointing (its leanest f32), one small table per shape: 2048 tokens
         # per step at four sequence lengths, then 4096 tokens (1 x 4096 and 8 x 512).
         fast = "bf16" if bf16_unit else "f32"
-        for batch, seq in [(8, 256), (2, 1024), (1, 2048), (1, 4096), (8, 512)]:
+        for batch, seq in shapes:
             _, data = ensure_model(cache, seq)
             c = [
                 (DEFAULT_ROW, seq, lambda: ours(model, data, batch, seq, steps, warmup, None, None)),

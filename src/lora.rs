@@ -71,6 +71,10 @@ pub struct Adapters {
 pub struct DropoutCtx {
     pub seed: u64,
     pub micro_batch: u64,
+    /// Tokens of the micro-batch before this pass's first row (a micro-batch whose rows run
+    /// in several passes, `train::pass_rows`): masks are drawn per element of the whole
+    /// micro-batch, so the passes draw what one pass over all rows would.
+    pub first_token: u64,
 }
 
 impl Adapters {
@@ -293,7 +297,8 @@ impl LoraLinear<'_> {
                 let mask = match drop {
                     Some(ctx) if self.dropout > 0.0 => {
                         let id = stream(&[ctx.seed, ctx.micro_batch, self.site.0 as u64, self.site.1 as u64]);
-                        Some(dropout_mask(id, x.elem_count(), self.dropout))
+                        let width = x.dims().last().copied().unwrap_or(1) as u64; // x [N, in]
+                        Some(dropout_mask(id, ctx.first_token * width, x.elem_count(), self.dropout))
                     }
                     _ => None,
                 };

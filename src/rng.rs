@@ -44,11 +44,12 @@ pub fn stream(parts: &[u64]) -> u64 {
     parts.iter().fold(0x5151_5151_u64, |h, &p| mix(h ^ mix(p.wrapping_add(0x9E37_79B9))))
 }
 
-/// Inverted-dropout mask of `n` elements: 0 with probability `p`, else 1/(1-p).
-pub fn dropout_mask(stream_id: u64, n: usize, p: f64) -> Vec<f32> {
+/// Inverted-dropout mask of elements `first..first + n` of a stream: 0 with probability `p`,
+/// else 1/(1-p).
+pub fn dropout_mask(stream_id: u64, first: u64, n: usize, p: f64) -> Vec<f32> {
     let keep = 1.0 / (1.0 - p);
     let threshold = (p * (u64::MAX as f64)) as u64;
-    (0..n as u64)
+    (first..first + n as u64)
         .map(|i| if mix(stream_id ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15)) < threshold { 0.0 } else { keep as f32 })
         .collect()
 }
@@ -59,12 +60,14 @@ mod tests {
 
     #[test]
     fn dropout_mask_is_deterministic_and_has_the_right_rate() {
-        let a = dropout_mask(stream(&[1, 2, 3]), 100_000, 0.1);
-        let b = dropout_mask(stream(&[1, 2, 3]), 100_000, 0.1);
+        let a = dropout_mask(stream(&[1, 2, 3]), 0, 100_000, 0.1);
+        let b = dropout_mask(stream(&[1, 2, 3]), 0, 100_000, 0.1);
         assert_eq!(a, b);
+        // A part of the stream (a pass of a micro-batch's rows) is that part of the whole.
+        assert_eq!(dropout_mask(stream(&[1, 2, 3]), 40_000, 20_000, 0.1), a[40_000..60_000]);
         let dropped = a.iter().filter(|&&v| v == 0.0).count() as f64 / a.len() as f64;
         assert!((dropped - 0.1).abs() < 0.01, "dropped {dropped}");
-        let c = dropout_mask(stream(&[1, 2, 4]), 1000, 0.1);
+        let c = dropout_mask(stream(&[1, 2, 4]), 0, 1000, 0.1);
         assert_ne!(a[..1000], c[..]);
     }
 }

@@ -446,8 +446,8 @@ pub struct MicroBatch {
     /// [B][S] record index per token; padding gets its own segment. `None` when every row is
     /// a single record (plain causal attention).
     pub segments: Option<Vec<Vec<u32>>>,
-    /// Non-padding input tokens.
-    pub real_tokens: usize,
+    /// Each row's non-padding input tokens.
+    pub lens: Vec<usize>,
 }
 
 impl MicroBatch {
@@ -482,7 +482,27 @@ impl MicroBatch {
             targets,
             positions,
             segments: packed.then_some(segments),
-            real_tokens: examples.iter().map(|e| e.input_ids.len()).sum(),
+            lens: examples.iter().map(|e| e.input_ids.len()).collect(),
+        }
+    }
+
+    /// Non-padding input tokens.
+    pub fn real_tokens(&self) -> usize {
+        self.lens.iter().sum()
+    }
+
+    /// Rows `lo..hi` as a micro-batch of their own, padded to the same length (a pass of a
+    /// micro-batch that runs in several: `train::pass_rows`).
+    pub fn rows_range(&self, lo: usize, hi: usize) -> MicroBatch {
+        let span = lo * self.seq..hi * self.seq;
+        MicroBatch {
+            rows: hi - lo,
+            seq: self.seq,
+            input_ids: self.input_ids[span.clone()].to_vec(),
+            targets: self.targets[span].to_vec(),
+            positions: self.positions[lo..hi].to_vec(),
+            segments: self.segments.as_ref().map(|s| s[lo..hi].to_vec()),
+            lens: self.lens[lo..hi].to_vec(),
         }
     }
 
@@ -504,7 +524,10 @@ mod tests {
         assert_eq!(mb.input_ids, vec![5, 6, 7, 8, 9, 0]);
         assert_eq!(mb.targets, vec![6, 7, IGNORE, 9, IGNORE, IGNORE]);
         assert_eq!(mb.num_targets(), 3);
-        assert_eq!(mb.real_tokens, 5);
+        assert_eq!(mb.real_tokens(), 5);
+        let second = mb.rows_range(1, 2);
+        assert_eq!((second.rows, second.seq, second.real_tokens()), (1, 3, 2));
+        assert_eq!((second.input_ids, second.targets), (vec![8, 9, 0], vec![9, IGNORE, IGNORE]));
         assert!(mb.segments.is_none());
     }
 

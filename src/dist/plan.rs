@@ -100,11 +100,14 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
     let lora: usize = crate::train::trainable_parameters(cfg, &r.lora.spec(cfg)).0 as usize;
     // Rank 0's share, the largest (the last rank's may be shorter).
     let optimizer = 2 * super::Partition::new(lora, 0, world).len() * 4;
-    let (ckpt, full) = activations(cfg, r, if on_gpu { es } else { 4 }, on_gpu);
-    // What "auto" checkpointing keeps for the recomputation (`ops::checkpoint`).
-    let costs = crate::train::kept_bytes_per_layer(r, cfg);
+    // What "auto" checkpointing keeps for the recomputation (`ops::checkpoint`), for the
+    // largest pass of a micro-batch's rows (`train::pass_rows`).
     let resident = !stage3 && quant.is_none() && matmul == storage;
-    let keep = crate::train::checkpoint_layers(r, cfg, !on_gpu && r.model.kernels().fused_on(&Device::Cpu), resident).unwrap_or_default();
+    let fused = !on_gpu && r.model.kernels().fused_on(&Device::Cpu);
+    let shape = crate::train::pass_shape(r, fused, resident);
+    let (ckpt, full) = activations(cfg, shape, if on_gpu { es } else { 4 }, on_gpu);
+    let costs = crate::train::kept_bytes_per_layer(cfg, shape);
+    let keep = crate::train::checkpoint_layers(r, cfg, fused, resident).unwrap_or_default();
     let kept: usize = keep.iter().map(|k| k.bytes(costs)).sum();
     // Every layer whole: no checkpointing at all, whatever the recipe says.
     let ckpt = if !keep.is_empty() && keep.iter().all(|k| k.whole) { full } else { ckpt + kept };
@@ -158,8 +161,7 @@ fn replay_peak(cfg: &ModelConfig, prefetch: usize, unit_bytes: &HashMap<Unit, us
 /// and MLP intermediates, plus the f32 log-sum-exp of each query head (attention runs in
 /// strips and never keeps scores); one strip's f32 scores are transient on top. `gpu` is the
 /// portable path (activations in the storage dtype, tall strips), else the fused CPU ops.
-fn activations(cfg: &ModelConfig, r: &Recipe, a: usize, gpu: bool) -> (usize, usize) {
-    let (b, s) = crate::train::micro_batch_shape(r);
+fn activations(cfg: &ModelConfig, (b, s): (usize, usize), a: usize, gpu: bool) -> (usize, usize) {
     let (h, l) = (cfg.hidden_size, cfg.num_hidden_layers);
     let layer = layer_activations(cfg, b, s, a, gpu);
     // The loss head: one [chunk, V] block of f32 logits and its gradient.

@@ -872,7 +872,9 @@ mod speed {
     #[test]
     #[ignore]
     fn attention_speed() -> Result<()> {
-        let (b, nh, kv, s, d) = (4, 9, 3, 512, 64);
+        // ATTENTION_SPEED_SHAPE=b,nh,kv,s,d: another shape (1,9,3,4096,64: the scaling rows).
+        let shape: Vec<usize> = std::env::var("ATTENTION_SPEED_SHAPE").map_or_else(|_| vec![4, 9, 3, 512, 64], |v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect());
+        let [b, nh, kv, s, d] = shape[..] else { panic!("ATTENTION_SPEED_SHAPE wants b,nh,kv,s,d") };
         let dev = Device::Cpu;
         let t = |n: usize, seed: usize, shape: (usize, usize, usize, usize)| Tensor::from_vec(pseudo(n, seed), shape, &dev);
         let q = candle_core::Var::from_tensor(&t(b * nh * s * d, 1, (b, nh, s, d))?)?;
@@ -899,7 +901,12 @@ mod speed {
                     fwd = fwd.min((t1 - t0).as_secs_f64());
                     bwd = bwd.min(t1.elapsed().as_secs_f64());
                 }
-                println!("attention {b}x{nh}x{s}x{d} operands {operands:?}: forward {:.1} ms, backward {:.1} ms (best of 10)", fwd * 1e3, bwd * 1e3);
+                // Causal: half the S x S products; forward 2 GEMMs, backward 5 (scores again, dv, dp, dq, dk).
+                let gemm = (b * nh * s * s * d) as f64; // 2 x S²/2 x D per GEMM and head
+                println!(
+                    "attention {b}x{nh}x{s}x{d} operands {operands:?}: forward {:.1} ms ({:.0} GFLOP/s), backward {:.1} ms ({:.0} GFLOP/s) (best of 10)",
+                    fwd * 1e3, 2.0 * gemm / fwd / 1e9, bwd * 1e3, 5.0 * gemm / bwd / 1e9
+                );
             }
         }
         Ok(())
