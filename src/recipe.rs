@@ -457,6 +457,8 @@ pub struct TrainSection {
     /// the projection outputs of up to two fifths of the layers; with an f32 base two to four
     /// times the saved layer inputs; and no checkpointing at all when every layer fits whole
     /// in a quarter of the base's bytes: `train::checkpoint_layers`, `default_keep_budget`).
+    /// Unset, micro-batches of rows over 2048 tokens also run in passes of at most 2048, each
+    /// with that default (`train::pass_tokens`); set, the budget is for the whole micro-batch.
     #[serde(default)]
     pub activation_memory_mb: Option<usize>,
     /// Evaluate every N steps (0: only at the end when eval data is set).

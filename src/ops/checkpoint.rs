@@ -73,7 +73,8 @@ impl KeepLayer {
     }
 }
 
-/// Bytes per micro-batch one layer keeps of each kind (`train::kept_bytes_per_layer`).
+/// Bytes per micro-batch (per pass where its rows run in passes, `train::pass_tokens`) one
+/// layer keeps of each kind (`train::kept_bytes_per_layer`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KeepCosts {
     /// Attention output + log-sum-exp.
