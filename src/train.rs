@@ -521,7 +521,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         for (j, mb) in batches.iter().enumerate().skip(rank * accum).take(accum) {
             // A micro-batch's rows in passes of at most `pass_cap` tokens (`pass_tokens`): the
             // same sums, in less memory.
-            let pass = pass_cap.map_or(mb.rows, |cap| (cap / mb.seq.max(1)).clamp(1, mb.rows.max(1)));
+            let pass = rows_per_pass(pass_cap, mb.rows, mb.seq);
             for lo in (0..mb.rows).step_by(pass) {
                 let part = mb.rows_range(lo, (lo + pass).min(mb.rows));
                 let first_token = (lo * mb.seq) as u64;
@@ -1116,7 +1116,13 @@ const PASS_TOKENS: usize = 2048;
 /// [`pass_tokens`] lets a pass of max_seq_len rows hold.
 pub fn pass_shape(r: &crate::recipe::Recipe, fused: bool, resident: bool) -> (usize, usize) {
     let (b, s) = micro_batch_shape(r);
-    (pass_tokens(r, fused, resident).map_or(b, |cap| (cap / s.max(1)).clamp(1, b)), s)
+    (rows_per_pass(pass_tokens(r, fused, resident), b, s), s)
+}
+
+/// Rows of a micro-batch of `rows` x `seq` tokens that one pass runs under [`pass_tokens`]' cap
+/// (all of them without one, at least one with).
+fn rows_per_pass(cap: Option<usize>, rows: usize, seq: usize) -> usize {
+    cap.map_or(rows, |cap| (cap / seq.max(1)).clamp(1, rows.max(1)))
 }
 
 /// Bytes one layer keeps per pass of `(b, s)` rows and tokens: attention output +
