@@ -82,11 +82,12 @@ def train(binary, fixture, work, name, sets, log, env, drop=()):
 
 
 def adapter_diff(got_dir, ref_dir):
-    """Largest absolute difference between two runs' adapter tensors (the keys must agree)."""
+    """Largest absolute difference between two runs' adapter tensors (the keys must agree), and
+    how many tensors they hold."""
     got = load_file(os.path.join(got_dir, "adapter_model.safetensors"))
     ref = load_file(os.path.join(ref_dir, "adapter_model.safetensors"))
     assert sorted(got) == sorted(ref), "adapter keys differ"
-    return max(float(np.abs(got[k].astype(np.float64) - ref[k]).max()) for k in ref)
+    return max(float(np.abs(got[k].astype(np.float64) - ref[k]).max()) for k in ref), len(ref)
 
 
 def compare_to_peft(fixture, out):
@@ -98,7 +99,7 @@ def compare_to_peft(fixture, out):
         assert g["tokens"] == e["tokens"], f"step {e['step']}: {g['tokens']} target tokens, PEFT {e['tokens']}"
         for k in d:
             d[k] = max(d[k], rel(g[k], e[k]))
-    d["adapter"] = adapter_diff(os.path.join(out, "adapter"), os.path.join(fixture, "expected/adapter"))
+    d["adapter"], _ = adapter_diff(os.path.join(out, "adapter"), os.path.join(fixture, "expected/adapter"))
     ok = d["loss"] < REL_TOL and d["lr"] < REL_TOL and d["grad_norm"] < REL_TOL and d["adapter"] < ABS_TOL
     return ok, d
 
@@ -165,8 +166,7 @@ def main():
         g, c = metrics(gpu), metrics(cpu)
         assert len(g) == len(c), f"{len(g)} steps on cuda, {len(c)} on cpu"
         d = {k: max(rel(x[k], y[k]) for x, y in zip(g, c)) for k in ("loss", "grad_norm")}
-        d["adapter"] = adapter_diff(os.path.join(gpu, "adapter"), os.path.join(cpu, "adapter"))
-        d["adapted tensors"] = len(load_file(os.path.join(cpu, "adapter/adapter_model.safetensors")))
+        d["adapter"], d["adapted tensors"] = adapter_diff(os.path.join(gpu, "adapter"), os.path.join(cpu, "adapter"))
         return d["loss"] < REL_TOL and d["grad_norm"] < REL_TOL and d["adapter"] < ABS_TOL, d
 
     experts = ['lora.targets=["q_a_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj"]', "lora.routed_experts=true"]

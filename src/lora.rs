@@ -72,7 +72,7 @@ pub struct DropoutCtx {
     pub seed: u64,
     pub micro_batch: u64,
     /// Tokens of the micro-batch before this pass's first row (a micro-batch whose rows run
-    /// in several passes, `train::pass_rows`): masks are drawn per element of the whole
+    /// in several passes, `train::pass_tokens`): masks are drawn per element of the whole
     /// micro-batch, so the passes draw what one pass over all rows would.
     pub first_token: u64,
 }

@@ -520,13 +520,14 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         let mut ce_sum = 0.0;
         for (j, mb) in batches.iter().enumerate().skip(rank * accum).take(accum) {
             // A micro-batch's rows in passes of at most `pass_cap` tokens (`pass_tokens`): the
-            // same sums, in less memory.
+            // same sums, in less memory. One pass is the micro-batch itself (no copy).
             let pass = rows_per_pass(pass_cap, mb.rows, mb.seq);
-            for lo in (0..mb.rows).step_by(pass) {
-                let part = mb.rows_range(lo, (lo + pass).min(mb.rows));
+            for lo in (0..mb.rows.max(1)).step_by(pass) {
+                let owned;
+                let part = if pass >= mb.rows { mb } else { owned = mb.rows_range(lo, (lo + pass).min(mb.rows)); &owned };
                 let first_token = (lo * mb.seq) as u64;
                 let drop = (r.lora.dropout > 0.0).then_some(DropoutCtx { seed: t.seed, micro_batch: micro_index + j as u64, first_token });
-                ce_sum += forward_backward(&model, &adapters, &vars, &part, 1.0 / count as f64, drop, checkpointing.as_deref(), &mut grads)?;
+                ce_sum += forward_backward(&model, &adapters, &vars, part, 1.0 / count as f64, drop, checkpointing.as_deref(), &mut grads)?;
             }
         }
         micro_index += (accum * world) as u64;

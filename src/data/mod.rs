@@ -492,7 +492,7 @@ impl MicroBatch {
     }
 
     /// Rows `lo..hi` as a micro-batch of their own, padded to the same length (a pass of a
-    /// micro-batch that runs in several: `train::pass_rows`).
+    /// micro-batch that runs in several: `train::pass_tokens`).
     pub fn rows_range(&self, lo: usize, hi: usize) -> MicroBatch {
         let span = lo * self.seq..hi * self.seq;
         MicroBatch {

@@ -101,7 +101,7 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
     // Rank 0's share, the largest (the last rank's may be shorter).
     let optimizer = 2 * super::Partition::new(lora, 0, world).len() * 4;
     // What "auto" checkpointing keeps for the recomputation (`ops::checkpoint`), for the
-    // largest pass of a micro-batch's rows (`train::pass_rows`).
+    // largest pass of a micro-batch's rows (`train::pass_tokens`).
     let resident = !stage3 && quant.is_none() && matmul == storage;
     let fused = !on_gpu && r.model.kernels().fused_on(&Device::Cpu);
     let shape = crate::train::pass_shape(r, fused, resident);
