@@ -7,11 +7,12 @@ use candle_core::{DType, Result, Tensor};
 
 /// For a frozen W [out, in] on CPU: x [n, in] · Wᵀ -> [n, out] (`input_grad` false), or
 /// g [n, out] · W -> [n, in] (true). An f32 W by the f32 GEMM (Wᵀ read through strides, no
-/// copy); a bf16 W on the bf16 kernel (`bf16_gemm::linear`), packed for it on every call
+/// copy), or on few rows (an expert's tokens) by `few_rows`'s kernels; a bf16 W on the bf16 kernel (`bf16_gemm::linear`), packed for it on every call
 /// except a forward on AMX over few rows, which reads W as it lies (a cache of packed weights
 /// kept across steps measured 20% slower at 4 x 512 on Zen 4: packing right before the GEMM
 /// leaves B in cache). A bf16 W on a CPU without a bf16 unit is widened to f32 block by block
-/// inside the f32 GEMM (`widen`): f32 math on its exact values.
+/// inside the f32 GEMM, or read by `few_rows` on few rows (`widen`): f32 math on its exact
+/// values.
 pub(crate) fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> Result<Vec<f32>> {
     let (out, inp) = w.dims2()?;
     let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
@@ -21,10 +22,14 @@ pub(crate) fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> 
     match w.dtype() {
         DType::F32 => {
             let w = f32_elems(w)?;
+            let threads = candle_core::utils::get_num_threads();
+            if let Some(c) = super::few_rows::gemm(x, n, &w, (out, inp), input_grad, threads) {
+                return Ok(c);
+            }
             let mut dst = zeros_f32(n * cols);
             // B = Wᵀ: B[kk, j] = W[j, kk]; B = W: B[kk, j] = W[kk, j].
             let (rs, cs) = if input_grad { (inp, 1) } else { (1, inp) };
-            sgemm(n, cols, k, &mut dst, cols, false, x, k, 1, &w, rs, cs, 1.0, candle_core::utils::get_num_threads());
+            sgemm(n, cols, k, &mut dst, cols, false, x, k, 1, &w, rs, cs, 1.0, threads);
             Ok(dst)
         }
         DType::BF16 if super::bf16_gemm::available() => super::bf16_gemm::linear(x, n, w, input_grad),

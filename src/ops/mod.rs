@@ -28,6 +28,7 @@ pub mod loss;
 pub mod mlp;
 pub mod norm;
 pub mod rope;
+mod few_rows;
 mod widen;
 
 pub use attention::{causal_attention, causal_mask, KeyStarts};
