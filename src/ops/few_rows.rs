@@ -321,14 +321,7 @@ unsafe fn tile_add(_: usize, _: *const f32, _: *const f32, _: *mut f32, _: usize
 mod tests {
     use super::*;
     use crate::ops::gemm::sgemm;
-    use crate::ops::testutil::pseudo;
-
-    /// A bf16 value per element (the bits of pseudo-random f32s, truncated) and its f32.
-    fn weight(len: usize, seed: usize) -> (Vec<u16>, Vec<f32>) {
-        let bits: Vec<u16> = pseudo(len, seed).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-        let vals = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
-        (bits, vals)
-    }
+    use crate::ops::testutil::{assert_f32_math, bf16_weight as weight, pseudo};
 
     /// The claim of the module: f32 math on the weight's exact values, both ways, from bf16
     /// bits and from f32 alike (the same bits: both read the same values through the same
@@ -354,20 +347,10 @@ mod tests {
                 assert_eq!(from_bits.is_some(), runs, "[{n}, {k}] input_grad {input_grad}");
                 let (Some(got), Some(got_f32)) = (from_bits, from_f32) else { continue };
                 assert!(got == got_f32, "[{n}, {k}] input_grad {input_grad}: bf16 bits and their f32 values differ");
-                let mut f32_gemm = vec![0f32; n * cols];
                 let (rs, cs) = if input_grad { (inp, 1) } else { (1, inp) };
-                sgemm(n, cols, k, &mut f32_gemm, cols, false, &x, k, 1, &w, rs, cs, 1.0, threads);
-                let exact = |i: usize, j: usize| (0..k).map(|kk| x[i * k + kk] as f64 * w[kk * rs + j * cs] as f64).sum::<f64>();
-                let (mut e_got, mut e_f32) = (0f64, 0f64);
-                for i in 0..n {
-                    for j in 0..cols {
-                        let e = exact(i, j);
-                        e_got = e_got.max((got[i * cols + j] as f64 - e).abs());
-                        e_f32 = e_f32.max((f32_gemm[i * cols + j] as f64 - e).abs());
-                    }
-                }
-                println!("[{n}, {k}] x W [{out}, {inp}] input_grad {input_grad}: few rows {e_got:e}, f32 gemm {e_f32:e}");
-                assert!(e_got <= 1.25 * e_f32 + 1e-6, "[{n}, {k}] x W [{out}, {inp}], input_grad {input_grad}: {e_got:e} from the f64 product, the f32 gemm {e_f32:e}");
+                let what = format!("[{n}, {k}] x W [{out}, {inp}] input_grad {input_grad}");
+                let (e_got, e_f32) = assert_f32_math(&got, &x, &w, (n, k, cols), (rs, cs), &what);
+                println!("{what}: few rows {e_got:e}, f32 gemm {e_f32:e}");
             }
         }
     }

@@ -283,6 +283,33 @@ pub(crate) mod testutil {
         let f = |t: &Tensor| t.to_dtype(candle_core::DType::F32);
         (f(a)? - f(b)?)?.abs()?.max_all()?.to_scalar::<f32>()
     }
+
+    /// A bf16 value per element (the bits of pseudo-random f32s, truncated) and its f32.
+    pub fn bf16_weight(len: usize, seed: usize) -> (Vec<u16>, Vec<f32>) {
+        let bits: Vec<u16> = pseudo(len, seed).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let vals = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+        (bits, vals)
+    }
+
+    /// A frozen matmul's result `got` [n, cols] = x [n, k] · B, B[kk, j] = w[kk·rs + j·cs], held
+    /// to the f64 product: no further from it than the gemm crate's f32 GEMM of the same
+    /// operands, to within a quarter (rounding a single operand to bf16 would be hundreds of
+    /// times further). Returns both errors.
+    pub fn assert_f32_math(got: &[f32], x: &[f32], w: &[f32], (n, k, cols): (usize, usize, usize), (rs, cs): (usize, usize), what: &str) -> (f64, f64) {
+        let mut f32_gemm = vec![0f32; n * cols];
+        super::sgemm(n, cols, k, &mut f32_gemm, cols, false, x, k, 1, w, rs, cs, 1.0, 2);
+        let exact = |i: usize, j: usize| (0..k).map(|kk| x[i * k + kk] as f64 * w[kk * rs + j * cs] as f64).sum::<f64>();
+        let (mut e_got, mut e_f32) = (0f64, 0f64);
+        for i in 0..n {
+            for j in 0..cols {
+                let e = exact(i, j);
+                e_got = e_got.max((got[i * cols + j] as f64 - e).abs());
+                e_f32 = e_f32.max((f32_gemm[i * cols + j] as f64 - e).abs());
+            }
+        }
+        assert!(e_got <= 1.25 * e_f32 + 1e-6, "{what}: {e_got:e} from the f64 product, the f32 gemm {e_f32:e}");
+        (e_got, e_f32)
+    }
 }
 
 #[cfg(test)]

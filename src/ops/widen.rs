@@ -92,14 +92,7 @@ fn block_width(k: usize, cols: usize, threads: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gemm::sgemm;
-
-    /// A bf16 value per element (the bits of pseudo-random f32s, truncated) and its f32.
-    pub(super) fn weight(len: usize, seed: usize) -> (Vec<u16>, Vec<f32>) {
-        let bits: Vec<u16> = crate::ops::testutil::pseudo(len, seed).iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-        let vals = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
-        (bits, vals)
-    }
+    use crate::ops::testutil::{assert_f32_math, bf16_weight};
 
     /// The claim of the module: f32 math on the weight's exact values, in both directions,
     /// on shapes of one block, several blocks, and a ragged last block. Bits can differ from
@@ -113,25 +106,15 @@ mod tests {
         // rows to `few_rows`, which has its own test): one block, several blocks, a ragged last
         // block, 1 row.
         for (n, out, inp, threads) in [(45, 300, 70, 2), (7, 1408, 2048, 2), (33, 100, 1500, 3), (1, 40, 9, 1), (64, 576, 576, 2), (200, 64, 300, 2)] {
-            let (bits, w) = weight(out * inp, out + inp);
+            let (bits, w) = bf16_weight(out * inp, out + inp);
             for input_grad in [false, true] {
                 let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
                 let x = crate::ops::testutil::pseudo(n * k, n + k);
                 let got = blocked(&x, n, &bits, (out, inp), input_grad, threads);
-                let mut f32_gemm = vec![0f32; n * cols];
                 let (rs, cs) = if input_grad { (inp, 1) } else { (1, inp) };
-                sgemm(n, cols, k, &mut f32_gemm, cols, false, &x, k, 1, &w, rs, cs, 1.0, threads);
-                let exact = |i: usize, j: usize| (0..k).map(|kk| x[i * k + kk] as f64 * w[kk * rs + j * cs] as f64).sum::<f64>();
-                let (mut e_got, mut e_f32) = (0f64, 0f64);
-                for i in 0..n {
-                    for j in 0..cols {
-                        let e = exact(i, j);
-                        e_got = e_got.max((got[i * cols + j] as f64 - e).abs());
-                        e_f32 = e_f32.max((f32_gemm[i * cols + j] as f64 - e).abs());
-                    }
-                }
-                println!("[{n}, {k}] x W [{out}, {inp}] input_grad {input_grad}: widened {e_got:e}, f32 gemm {e_f32:e}");
-                assert!(e_got <= 1.25 * e_f32 + 1e-6, "[{n}, {k}] x W [{out}, {inp}], input_grad {input_grad}: {e_got:e} from the f64 product, the f32 gemm {e_f32:e}");
+                let what = format!("[{n}, {k}] x W [{out}, {inp}] input_grad {input_grad}");
+                let (e_got, e_f32) = assert_f32_math(&got, &x, &w, (n, k, cols), (rs, cs), &what);
+                println!("{what}: widened {e_got:e}, f32 gemm {e_f32:e}");
             }
         }
     }
@@ -163,7 +146,7 @@ mod speed {
     fn widened_gemm_speed() {
         let threads = candle_core::utils::get_num_threads();
         for (n, out, inp) in [(48, 1408, 2048), (48, 2048, 1408), (512, 576, 576), (512, 1536, 576), (512, 576, 1536), (2048, 1536, 576)] {
-            let (bits, w) = super::tests::weight(out * inp, 3);
+            let (bits, w) = crate::ops::testutil::bf16_weight(out * inp, 3);
             for input_grad in [false, true] {
                 let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
                 let x = crate::ops::testutil::pseudo(n * k, 5);
