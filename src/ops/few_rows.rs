@@ -6,7 +6,7 @@
 //! columns, and its blocking is built for many rows. On two threads of an AVX2 EPYC it ran a
 //! DeepSeek-V2-Lite expert's gate/up forward (48 x 2048 x 1408) at 55-62 GFLOP/s (MKL 79) and
 //! the input gradients at 62-86; these kernels ran 101-113 and 110-113 (`few_rows_speed`).
-//! Every product and sum is an f32 one on the weight's exact values, as in the gemm crate;
+//! The arithmetic is the f32 FMA on the weight's exact values, as in the gemm crate;
 //! k is summed in runs of [`K_RUN`] added into the tile, an order of rounding error like the
 //! gemm crate's (it blocks k too), so results differ from it in the last bits only.
 //!
@@ -48,7 +48,7 @@ thread_local! {
 
 /// A frozen weight's element as these kernels read it.
 pub(crate) trait Element: Copy + Sync {
-    /// src as f32 (exact).
+    /// src as f32 (exact), into a dst of the same length.
     fn to_f32s(src: &[Self], dst: &mut [f32]);
 
     /// dst [rows][16] f32 = the 16 elements at src + r · ld for each r < rows.
@@ -61,6 +61,7 @@ pub(crate) trait Element: Copy + Sync {
 /// bf16, as its bits: the top half of the f32's.
 impl Element for u16 {
     fn to_f32s(src: &[u16], dst: &mut [f32]) {
+        debug_assert_eq!(src.len(), dst.len());
         for (d, &b) in dst.iter_mut().zip(src) {
             *d = f32::from_bits((b as u32) << 16);
         }
@@ -88,7 +89,7 @@ impl Element for u16 {
 
 impl Element for f32 {
     fn to_f32s(src: &[f32], dst: &mut [f32]) {
-        dst[..src.len()].copy_from_slice(src);
+        dst.copy_from_slice(src);
     }
 
     unsafe fn strip16(src: *const f32, ld: usize, rows: usize, dst: *mut f32) {
@@ -161,7 +162,8 @@ fn forward<E: Element>(x: &[f32], n: usize, w: &[E], (out, inp): (usize, usize),
             rows_f32.resize(MR * k, 0.0);
             for p in t * per..((t + 1) * per).min(panels_w) {
                 let rows = MR.min(out - p * MR);
-                // Rows past `rows` keep earlier (finite) values; their outputs are not stored.
+                // Rows past `rows` keep stale values: each row's accumulators are its own, and
+                // those rows' outputs are not stored.
                 E::to_f32s(&w[p * MR * k..][..rows * k], &mut rows_f32[..rows * k]);
                 for q in 0..panels_x {
                     let toks = NR.min(n - q * NR);
@@ -329,14 +331,15 @@ mod tests {
     /// within a quarter (rounding a single operand to bf16 would be hundreds of times
     /// further). Shapes: rows and outputs past whole tiles (45 x 300, 33 x 100); a last strip
     /// of 6 and of 12 columns (70 and 1500 inputs); k of 300, 576 and 1500 (several k runs);
-    /// 200 rows (input gradients only: forwards there are `None`); 7 and 1 rows (neither).
+    /// 200 rows (input gradients only: forwards there are `None`); 7 and 1 rows (neither);
+    /// 16 rows of a 5 x 9 W (both: one partial panel of W, one partial strip, k of 9 and 5).
     #[test]
     fn few_row_kernels_give_f32_math_on_the_weights_exact_values() {
         if !available() {
             eprintln!("no AVX2 + FMA: nothing to test");
             return;
         }
-        for (n, out, inp, threads) in [(45, 300, 70, 2), (7, 1408, 2048, 2), (33, 100, 1500, 3), (1, 40, 9, 1), (64, 576, 576, 2), (200, 64, 300, 2)] {
+        for (n, out, inp, threads) in [(45, 300, 70, 2), (7, 1408, 2048, 2), (33, 100, 1500, 3), (1, 40, 9, 1), (64, 576, 576, 2), (200, 64, 300, 2), (16, 5, 9, 1)] {
             let (bits, w) = weight(out * inp, out + inp);
             for input_grad in [false, true] {
                 let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };

@@ -45,7 +45,8 @@ pub(crate) fn frozen_gemm(x: &[f32], n: usize, w: &Tensor, input_grad: bool) -> 
 /// candle's matmul backward always computes the weight gradient too (a full [out, in] GEMM
 /// per linear, a third of all training FLOPs) even when W is a constant. This op runs the
 /// forward and `grad @ W` for the backward, nothing else, on either path:
-/// - fused (CPU f32 activations): [`frozen_gemm`] both ways (the gemm crate or the bf16 unit);
+/// - fused (CPU f32 activations): [`frozen_gemm`] both ways (the gemm crate, the bf16 unit,
+///   the widening path or the few-row kernels);
 /// - portable (CUDA, `kernels = "portable"`): the forward is the backend's own matmul
 ///   (`BackendStorage::matmul`, cuBLAS on CUDA) on W read transposed through its layout, and
 ///   the backward is the tensor op `g @ W`, so no device needs a kernel of ours.

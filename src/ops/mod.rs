@@ -148,7 +148,8 @@ impl<'a> Shared<'a> {
     ///
     /// # Safety
     /// `at..at + len` is inside the buffer (checked in debug builds) and no other task
-    /// touches it while the pointer is used.
+    /// touches the elements written through the pointer while it is used (a strided block's
+    /// span may hold other tasks' columns between its rows).
     pub(crate) unsafe fn ptr_at(&self, at: usize, len: usize) -> *mut f32 {
         debug_assert!(self.in_bounds(at, len), "Shared: elements {at}..{} of a buffer of {}", at.saturating_add(len), self.len);
         // SAFETY: `at <= self.len` (the caller's contract), so the offset stays inside (or

@@ -139,8 +139,9 @@ mod speed {
     use super::*;
     use crate::ops::gemm::sgemm;
 
-    /// Timing only (`--ignored --nocapture`): the widened bf16 GEMM against the f32 GEMM on
-    /// an f32 copy of the same weight, on the layer shapes of the bench's models.
+    /// Timing only (`--ignored --nocapture`): the bf16 GEMM as training calls it (`gemm`:
+    /// `few_rows` on an expert's 48 rows, the blocked widening on the rest) against the f32
+    /// GEMM on an f32 copy of the same weight, on the layer shapes of the bench's models.
     #[test]
     #[ignore = "timing; run by hand"]
     fn widened_gemm_speed() {
@@ -181,7 +182,7 @@ mod speed {
                     });
                     std::hint::black_box(d);
                 });
-                println!("[{n}, {k}] x [{k}, {cols}] ({}): widened {wide:.0} GFLOP/s, f32 {f32g:.0}, f32 split like widened {split:.0}", if input_grad { "g·W" } else { "x·Wᵀ" });
+                println!("[{n}, {k}] x [{k}, {cols}] ({}): bf16 gemm {wide:.0} GFLOP/s, f32 {f32g:.0}, f32 split like widened {split:.0}", if input_grad { "g·W" } else { "x·Wᵀ" });
             }
         }
     }
