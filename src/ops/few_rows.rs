@@ -375,15 +375,7 @@ mod tests {
             for input_grad in [false, true] {
                 let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
                 let x = pseudo(n * k, 5);
-                let reps = (4e9 / (2.0 * (n * k * cols) as f64)).ceil() as usize;
-                let time = |f: &dyn Fn()| {
-                    f();
-                    let t = std::time::Instant::now();
-                    for _ in 0..reps {
-                        f();
-                    }
-                    2.0 * (n * k * cols * reps) as f64 / t.elapsed().as_secs_f64() / 1e9
-                };
+                let time = |f: &dyn Fn()| crate::ops::testutil::gemm_gflops((n, k, cols), f);
                 let run = |f: &dyn Fn() -> Vec<f32>| time(&|| drop(std::hint::black_box(f())));
                 let kernels = |e: &dyn Fn() -> Vec<f32>| if input_grad || FORWARD_ROWS.contains(&n) { format!("{:.0}", run(e)) } else { "-".into() };
                 let bf16 = kernels(&|| if input_grad { input_grad_rows(&x, n, &bits, (out, inp), threads) } else { forward(&x, n, &bits, (out, inp), threads) });

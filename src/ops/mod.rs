@@ -285,6 +285,19 @@ pub(crate) mod testutil {
         (f(a)? - f(b)?)?.abs()?.max_all()?.to_scalar::<f32>()
     }
 
+    /// GFLOP/s of a GEMM of m x k x n run by `f`: one warm-up call, then as many calls as make
+    /// about 4 GFLOP, timed together (speed tests run by hand).
+    pub fn gemm_gflops((m, k, n): (usize, usize, usize), f: &dyn Fn()) -> f64 {
+        let flop = 2.0 * (m * k * n) as f64;
+        let reps = (4e9 / flop).ceil() as usize;
+        f();
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        flop * reps as f64 / t.elapsed().as_secs_f64() / 1e9
+    }
+
     /// A bf16 value per element (the bits of pseudo-random f32s, truncated) and its f32.
     pub fn bf16_weight(len: usize, seed: usize) -> (Vec<u16>, Vec<f32>) {
         let bits: Vec<u16> = pseudo(len, seed).iter().map(|v| (v.to_bits() >> 16) as u16).collect();

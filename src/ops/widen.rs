@@ -34,8 +34,7 @@ thread_local! {
 /// x [n, k] · B for a frozen bf16 W [out, in] given as its `bits`: x · Wᵀ -> [n, out]
 /// (`input_grad` false) or g · W -> [n, in] (true), on `threads` threads.
 pub(crate) fn gemm(x: &[f32], n: usize, bits: &[u16], (out, inp): (usize, usize), input_grad: bool, threads: usize) -> Vec<f32> {
-    let k = if input_grad { out } else { inp };
-    assert!(x.len() == n * k && bits.len() == out * inp, "widened gemm: x {} for [{n}, {k}], W {} for [{out}, {inp}]", x.len(), bits.len());
+    // `few_rows::gemm` checks the shapes (and `blocked` again, for its direct callers).
     if let Some(c) = super::few_rows::gemm(x, n, bits, (out, inp), input_grad, threads) {
         return c;
     }
@@ -46,7 +45,7 @@ pub(crate) fn gemm(x: &[f32], n: usize, bits: &[u16], (out, inp): (usize, usize)
 pub(super) fn blocked(x: &[f32], n: usize, bits: &[u16], (out, inp): (usize, usize), input_grad: bool, threads: usize) -> Vec<f32> {
     use rayon::prelude::*;
     let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
-    debug_assert!(x.len() == n * k);
+    assert!(x.len() == n * k && bits.len() == out * inp, "widened gemm: x {} for [{n}, {k}], W {} for [{out}, {inp}]", x.len(), bits.len());
     let mut dst = super::zeros_f32(n * cols);
     if n == 0 || cols == 0 || k == 0 {
         return dst;
@@ -152,15 +151,7 @@ mod speed {
                 let (k, cols) = if input_grad { (out, inp) } else { (inp, out) };
                 let x = crate::ops::testutil::pseudo(n * k, 5);
                 let (rs, cs) = if input_grad { (inp, 1) } else { (1, inp) };
-                let reps = (4e9 / (2.0 * (n * k * cols) as f64)).ceil() as usize;
-                let time = |f: &dyn Fn()| {
-                    f();
-                    let t = std::time::Instant::now();
-                    for _ in 0..reps {
-                        f();
-                    }
-                    2.0 * (n * k * cols * reps) as f64 / t.elapsed().as_secs_f64() / 1e9
-                };
+                let time = |f: &dyn Fn()| crate::ops::testutil::gemm_gflops((n, k, cols), f);
                 let wide = time(&|| drop(std::hint::black_box(gemm(&x, n, &bits, (out, inp), input_grad, threads))));
                 let f32g = time(&|| {
                     let mut d = crate::ops::zeros_f32(n * cols);
