@@ -25,12 +25,15 @@
 //! Backward (FlashAttention-2's recurrences, strip by strip, recomputing p from lse):
 //!   dv += p^T · dout,  dp = dout · v^T,  ds = p ⊙ (dp − rowsum(dout ⊙ out)) · scale,
 //!   dq = ds · k,  dk += ds^T · q
-//! GQA: query head h reads kv head h / R (transformers' `repeat_kv` order). Each query head
-//! (with few heads, each of two groups of its strips: `parts_for`) accumulates its own dk/dv,
-//! summed over the R heads of a group afterwards in a fixed order, so heads run in parallel
-//! and results do not depend on the thread count.
-//! Reference: Dao, "FlashAttention-2" (2023), Algorithm 2; we keep whole strips of keys
-//! instead of tiling them because one strip row fits in cache at the lengths we train.
+//! That is the math; two layouts run it. The f32 strips (`group`) take the R query heads of
+//! a kv head as the rows of one set of GEMMs and walk a strip's keys in blocks (the forward
+//! with FlashAttention-2's online softmax); the AMX tiles (`tiles`) take one query head and
+//! all of a strip's keys at a time.
+//! GQA: query head h reads kv head h / R (transformers' `repeat_kv` order). Each task (a row's
+//! kv head, or on tiles its query head; with few of those, each of several groups of its
+//! strips: `parts_for`) accumulates its own dk/dv, summed per kv head afterwards in a fixed
+//! order, so tasks run in parallel and results do not depend on the thread count.
+//! Reference: Dao, "FlashAttention-2" (2023), Algorithms 1 and 2.
 
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, D};
 use super::{exp_f32, sgemm, sum_f32, zeros_f32, Kernels, Op, Path, Shared};
@@ -38,6 +41,7 @@ use super::checkpoint::{Keep, Pass};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
+mod group;
 mod tiles;
 
 /// Query rows per strip of the fused op: a strip's scores are STRIP x S floats (512 KB at S = 2048).
@@ -386,11 +390,15 @@ fn strip_keys(starts: &[u32], q0: usize, m: usize) -> (usize, usize) {
     (kbeg, q0 + m)
 }
 
-/// Strip groups per (b, head) unit. With few units (batch 1: 9 heads, which 2 threads run as
-/// 5 + 4) each unit's strips are dealt into 2 groups of equal work, twice as many tasks. A
-/// function of the shapes only, so results do not depend on the thread count.
-fn parts_for(units: usize) -> usize {
-    if units < 16 { 2 } else { 1 }
+/// Most tasks a call is split into where its units are fewer: with few units (batch 1: 3 kv
+/// heads, or 9 query heads on tiles) each unit's strips are dealt into groups of equal work.
+const MIN_TASKS: usize = 16;
+
+/// Strip groups per unit (a row's kv head, or on tiles its query head) for `units` units of
+/// S queries: enough for `MIN_TASKS` tasks, each group at least a pair of strips. A function
+/// of the shapes only, so results do not depend on the thread count.
+fn parts_for(units: usize, s: usize) -> usize {
+    MIN_TASKS.div_ceil(units.max(1)).clamp(1, (s.div_ceil(STRIP) / 2).max(1))
 }
 
 /// Whether strip `i` of `n` is in group `g` of `parts`: strips pair up from both ends (i and
@@ -434,11 +442,13 @@ fn softmax_rows(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32], s
     }
 }
 
-/// The probabilities of `softmax_rows` again, from the scores and the kept log-sum-exp.
+/// The probabilities of `softmax_rows` again, from the scores and the kept log-sum-exp, for
+/// `p` holding row i's scores of query q0 + i against keys kb..ke (a block of them: a row
+/// may see none).
 #[inline(always)]
-fn probs_from_lse(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32], scale: f32, lse: &[f32]) {
+fn probs_from_lse(p: &mut [f32], w: usize, q0: usize, (kb, ke): (usize, usize), starts: &[u32], scale: f32, lse: &[f32]) {
     for (i, row) in p.chunks_mut(w).enumerate() {
-        let (lo, hi) = seen(starts, q0, k0, i);
+        let (lo, hi) = group::seen_in_block(starts, q0, (kb, ke), i);
         let li = lse[i];
         row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x * scale - li));
         row[..lo].fill(0.0);
@@ -451,10 +461,21 @@ fn probs_from_lse(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32],
 #[inline(always)]
 fn score_grads(dp: &mut [f32], p: &[f32], w: usize, g: &[f32], o: &[f32], d: usize, scale: f32) {
     for ((dr, pr), (gr, or)) in dp.chunks_mut(w).zip(p.chunks(w)).zip(g.chunks(d).zip(o.chunks(d))) {
-        let delta: f32 = gr.iter().zip(or).map(|(a, b)| a * b).sum();
-        for (x, &pv) in dr.iter_mut().zip(pr) {
-            *x = pv * (*x - delta) * scale;
-        }
+        score_grad_row(dr, pr, row_delta(gr, or), scale);
+    }
+}
+
+/// δ = Σ_d g ⊙ out of one query row.
+#[inline(always)]
+fn row_delta(g: &[f32], o: &[f32]) -> f32 {
+    g.iter().zip(o).map(|(a, b)| a * b).sum()
+}
+
+/// One row of `score_grads`: ds = p ⊙ (dp − δ) · scale in place of dp.
+#[inline(always)]
+fn score_grad_row(dp: &mut [f32], p: &[f32], delta: f32, scale: f32) {
+    for (x, &pv) in dp.iter_mut().zip(p) {
+        *x = pv * (*x - delta) * scale;
     }
 }
 
@@ -479,6 +500,140 @@ fn strip_scores(sc: &mut [f32], q: &[f32], k: &[f32], m: usize, kend: usize, d: 
     sgemm(m, kend, d, sc, kend, false, q, d, 1, k, 1, d, scale, 1);
 }
 
+/// (B, NH, KV, S, D) of one call.
+type Dims = (usize, usize, usize, usize, usize);
+/// The backward's inputs, whole: q, k, v, the output and its upstream gradient.
+type Inputs<'a> = (&'a [f32], &'a [f32], &'a [f32], &'a [f32], &'a [f32]);
+
+impl CausalAttention {
+    /// The f32 forward (`group`): one task per (row, kv head) and strip group, the R query
+    /// heads of the kv head together. Returns out [B, NH, S, D] and lse [B, NH, S].
+    fn forward_groups(&self, q: &[f32], k: &[f32], v: &[f32], (b, nh, kv, s, d): Dims) -> (Vec<f32>, Vec<f32>) {
+        let r = nh / kv;
+        let units = b * kv;
+        let parts = parts_for(units, s);
+        forward_tasks((b * nh * s * d, b * nh * s), units * parts, |task, out_at, lse_at| {
+            let (unit, part) = (task / parts, task % parts);
+            // The group's first query head as a (row, head) index: (b·NH + g·R).
+            let (kvo, h0) = (unit * s * d, unit / kv * nh + unit % kv * r);
+            let starts = &self.key_start[unit / kv * s..][..s];
+            let mut grp = group::Group::new(&k[kvo..][..s * d], &v[kvo..][..s * d], r, s, d, starts, self.scale);
+            let q = &q[h0 * s * d..][..r * s * d]; // [R, S, D]
+            for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
+                // SAFETY: strip (q0, m) of this unit's heads is in exactly one group, i.e. one task.
+                grp.forward_strip(q, st, |j| unsafe { (out_at.rows(((h0 + j) * s + q0) * d, m * d), lse_at.rows((h0 + j) * s + q0, m)) });
+            }
+        })
+    }
+
+    /// The forward on AMX tiles (`tiles`): one task per (row, query head) and strip group.
+    fn forward_tiles(&self, q: &[f32], k: &[f32], v: &[f32], (b, nh, kv, s, d): Dims) -> (Vec<f32>, Vec<f32>) {
+        let r = nh / kv;
+        let units = b * nh;
+        let parts = parts_for(units, s);
+        forward_tasks((b * nh * s * d, b * nh * s), units * parts, |task, out_at, lse_at| {
+            let (unit, part) = (task / parts, task % parts);
+            let (bi, h) = (unit / nh, unit % nh);
+            let q = &q[unit * s * d..][..s * d]; // [S, D]
+            let kvo = (bi * kv + h / r) * s * d;
+            let (k, v) = (&k[kvo..][..s * d], &v[kvo..][..s * d]); // [S, D] each
+            let starts = &self.key_start[bi * s..][..s];
+            tiles::with_unit(k, v, s, d, false, |t| {
+                for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
+                    // SAFETY: strip (q0, m) of this unit is in exactly one group, i.e. one task.
+                    let (o, l) = unsafe { (out_at.rows((unit * s + q0) * d, m * d), lse_at.rows(unit * s + q0, m)) };
+                    t.forward_strip(&q[q0 * d..][..m * d], st, starts, self.scale, o, l);
+                }
+            });
+        })
+    }
+
+    /// The f32 backward (`group`), tasks as in `forward_groups`: (dq, dk, dv) from q, k, v,
+    /// the output and the upstream gradient (`x`) and the forward's lse. Each task
+    /// accumulates its own dk and dv; the strip groups of a kv head are summed in a fixed order.
+    fn backward_groups(&self, (q, k, v, o, g): Inputs, lse: &[f32], (b, nh, kv, s, d): Dims) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let r = nh / kv;
+        let units = b * kv;
+        let parts = parts_for(units, s);
+        let (dq, dk_t, dv_t) = backward_tasks(b * nh * s * d, units * parts, s * d, |task, dq_at, dk, dv| {
+            let (unit, part) = (task / parts, task % parts);
+            let (kvo, h0) = (unit * s * d, unit / kv * nh + unit % kv * r);
+            let starts = &self.key_start[unit / kv * s..][..s];
+            let mut grp = group::Group::new(&k[kvo..][..s * d], &v[kvo..][..s * d], r, s, d, starts, self.scale);
+            let span = h0 * s * d..(h0 + r) * s * d; // the group's heads [R, S, D]
+            let rows = (&q[span.clone()], &g[span.clone()], &o[span], &lse[h0 * s..][..r * s]);
+            for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
+                // SAFETY: strip (q0, m) of this unit's heads is in exactly one group, i.e. one task.
+                grp.backward_strip(rows, st, dk, dv, |j| unsafe { dq_at.rows(((h0 + j) * s + q0) * d, m * d) });
+            }
+        });
+        (dq, fold_parts(&dk_t, units, 1, parts, s * d), fold_parts(&dv_t, units, 1, parts, s * d))
+    }
+
+    /// The backward on AMX tiles, tasks as in `forward_tiles`; the R query heads of a kv head
+    /// and their strip groups summed in a fixed order.
+    fn backward_tiles(&self, (q, k, v, o, g): Inputs, lse: &[f32], (b, nh, kv, s, d): Dims) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let r = nh / kv;
+        let units = b * nh;
+        let parts = parts_for(units, s);
+        let (dq, dk_t, dv_t) = backward_tasks(b * nh * s * d, units * parts, s * d, |task, dq_at, dk, dv| {
+            let (unit, part) = (task / parts, task % parts);
+            let (bi, h) = (unit / nh, unit % nh);
+            let at = unit * s * d;
+            let (q, o, g) = (&q[at..][..s * d], &o[at..][..s * d], &g[at..][..s * d]); // [S, D] each
+            let kvo = (bi * kv + h / r) * s * d;
+            let (k, v) = (&k[kvo..][..s * d], &v[kvo..][..s * d]);
+            let l = &lse[unit * s..][..s];
+            let starts = &self.key_start[bi * s..][..s];
+            tiles::with_unit(k, v, s, d, true, |t| {
+                for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
+                    let at = q0 * d..(q0 + m) * d;
+                    // SAFETY: strip (q0, m) of this unit is in exactly one group, i.e. one task.
+                    let dq = unsafe { dq_at.rows((unit * s + q0) * d, m * d) };
+                    t.backward_strip((&q[at.clone()], &g[at.clone()], &o[at], &l[q0..q0 + m]), st, starts, self.scale, dq);
+                }
+                t.finish(dk, dv);
+            });
+        });
+        // Query head h of row b is unit b·NH + h: the R heads of kv head (b, g) are consecutive units.
+        (dq, fold_parts(&dk_t, b * kv, r, parts, s * d), fold_parts(&dv_t, b * kv, r, parts, s * d))
+    }
+}
+
+/// out and lse of `lens` floats from `f(task, out, lse)` run for each of `tasks` tasks in
+/// parallel, each writing only its own rows of the two.
+fn forward_tasks(lens: (usize, usize), tasks: usize, f: impl Fn(usize, Shared, Shared) + Sync) -> (Vec<f32>, Vec<f32>) {
+    let mut out = zeros_f32(lens.0);
+    let mut lse = vec![0f32; lens.1];
+    let (out_at, lse_at) = (Shared::new(&mut out), Shared::new(&mut lse));
+    (0..tasks).into_par_iter().for_each(|task| f(task, out_at, lse_at));
+    (out, lse)
+}
+
+/// dq of `dq_len` floats and each of `tasks` tasks' own dk and dv parts (`len` floats each,
+/// task by task) from `f(task, dq, dk, dv)` run for each task in parallel, writing only its
+/// own rows of dq.
+fn backward_tasks(dq_len: usize, tasks: usize, len: usize, f: impl Fn(usize, Shared, &mut [f32], &mut [f32]) + Sync) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut dq = zeros_f32(dq_len);
+    let mut dk_t = zeros_f32(tasks * len);
+    let mut dv_t = zeros_f32(tasks * len);
+    let dq_at = Shared::new(&mut dq);
+    dk_t.par_chunks_mut(len).zip(dv_t.par_chunks_mut(len)).enumerate().for_each(|(task, (dk, dv))| f(task, dq_at, dk, dv));
+    (dq, dk_t, dv_t)
+}
+
+/// [B, KV, S, D] from per-task parts: `per_task` holds, for each of `outs` outputs of
+/// `len` floats, `heads` x `parts` consecutive tasks' parts, summed in that order.
+fn fold_parts(per_task: &[f32], outs: usize, heads: usize, parts: usize, len: usize) -> Vec<f32> {
+    let mut acc = zeros_f32(outs * len);
+    acc.par_chunks_mut(len).enumerate().for_each(|(unit, a)| {
+        for t in unit * heads * parts..(unit + 1) * heads * parts {
+            a.iter_mut().zip(&per_task[t * len..][..len]).for_each(|(x, y)| *x += y);
+        }
+    });
+    acc
+}
+
 impl candle_core::CustomOp3 for CausalAttention {
     fn name(&self) -> &'static str {
         "causal-attention"
@@ -493,43 +648,7 @@ impl candle_core::CustomOp3 for CausalAttention {
                 return Ok((CpuStorage::F32(out), ql.shape().clone()));
             }
         }
-        let r = nh / kv;
-        let mut out = zeros_f32(b * nh * s * d);
-        let mut lse = vec![0f32; b * nh * s];
-        let scale = self.scale;
-        let units = b * nh;
-        let parts = parts_for(units);
-        let (out_at, lse_at) = (Shared::new(&mut out), Shared::new(&mut lse));
-        // One task per (b, h) unit and strip group: its strips' out rows [m, D] and lse [m].
-        (0..units * parts).into_par_iter().for_each(|task| {
-            let (unit, part) = (task / parts, task % parts);
-            let (bi, h) = (unit / nh, unit % nh);
-            let q = &q[unit * s * d..][..s * d]; // [S, D]
-            let kvo = (bi * kv + h / r) * s * d;
-            let (k, v) = (&k[kvo..][..s * d], &v[kvo..][..s * d]); // [S, D] each
-            let starts = &self.key_start[bi * s..][..s];
-            // SAFETY: strip (q0, m) of this unit is in exactly one group, i.e. one task.
-            let rows = |q0: usize, m: usize| unsafe { (out_at.rows((unit * s + q0) * d, m * d), lse_at.rows(unit * s + q0, m)) };
-            if self.tiles {
-                tiles::with_unit(k, v, s, d, false, |t| {
-                    for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
-                        let (o, l) = rows(q0, m);
-                        t.forward_strip(&q[q0 * d..][..m * d], st, starts, scale, o, l);
-                    }
-                });
-                return;
-            }
-            let mut p = vec![0f32; STRIP * s];
-            for (q0, m, kbeg, kend) in task_strips(starts, s, part, parts) {
-                let (o, l) = rows(q0, m);
-                let w = kend - kbeg;
-                let p = &mut p[..m * w]; // [m, w]: query q0 + i against key kbeg + j
-                strip_scores(p, &q[q0 * d..], &k[kbeg * d..], m, w, d, scale);
-                softmax_rows(p, w, q0, kbeg, starts, 1.0, l);
-                // out[q0..q0+m] [m, D] = p [m, w] · v[kbeg..kend] [w, D]
-                sgemm(m, d, w, o, d, false, p, w, 1, &v[kbeg * d..], d, 1, 1.0, 1);
-            }
-        });
+        let (out, lse) = if self.tiles { self.forward_tiles(q, k, v, (b, nh, kv, s, d)) } else { self.forward_groups(q, k, v, (b, nh, kv, s, d)) };
         if let (Pass::Checkpointed, Some(slot)) = (self.keep.pass, &self.keep.slot) {
             if slot.keeps_attention() {
                 slot.put_attention((out.clone(), lse.clone()));
@@ -542,83 +661,19 @@ impl candle_core::CustomOp3 for CausalAttention {
     fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (b, nh, s, d) = q.dims4()?;
         let kv = k.dim(1)?;
-        let r = nh / kv;
         let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if lse.len() != b * nh * s {
             candle_core::bail!("causal-attention: backward without a forward");
         }
         let e = crate::ops::f32_elems;
         let (qe, ke, ve, oe, ge) = (e(q)?, e(k)?, e(v)?, e(out)?, e(g)?);
-        let (qh, kh, vh, oh, gh): (&[f32], &[f32], &[f32], &[f32], &[f32]) = (&qe, &ke, &ve, &oe, &ge);
-        let scale = self.scale;
-        let mut dq = zeros_f32(b * nh * s * d);
-        let units = b * nh;
-        let parts = parts_for(units);
-        // Per task (query head and strip group): its contribution to its kv head's dk and dv.
-        let mut dk_h = zeros_f32(units * parts * s * d);
-        let mut dv_h = zeros_f32(units * parts * s * d);
-        let dq_at = Shared::new(&mut dq);
-        dk_h.par_chunks_mut(s * d)
-            .zip(dv_h.par_chunks_mut(s * d))
-            .enumerate()
-            .for_each(|(task, (dk, dv))| {
-                let (unit, part) = (task / parts, task % parts);
-                let (bi, h) = (unit / nh, unit % nh);
-                let at = unit * s * d;
-                let (q, o, g) = (&qh[at..][..s * d], &oh[at..][..s * d], &gh[at..][..s * d]); // [S, D] each
-                let kvo = (bi * kv + h / r) * s * d;
-                let (k, v) = (&kh[kvo..][..s * d], &vh[kvo..][..s * d]);
-                let l = &lse[unit * s..][..s];
-                let starts = &self.key_start[bi * s..][..s];
-                // SAFETY: strip (q0, m) of this unit is in exactly one group, i.e. one task.
-                let dq_rows = |q0: usize, m: usize| unsafe { dq_at.rows((unit * s + q0) * d, m * d) };
-                if self.tiles {
-                    tiles::with_unit(k, v, s, d, true, |t| {
-                        for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
-                            let at = q0 * d..(q0 + m) * d;
-                            t.backward_strip((&q[at.clone()], &g[at.clone()], &o[at], &l[q0..q0 + m]), st, starts, scale, dq_rows(q0, m));
-                        }
-                        t.finish(dk, dv);
-                    });
-                    return;
-                }
-                let mut p = vec![0f32; STRIP * s];
-                let mut dp = vec![0f32; STRIP * s];
-                for (q0, m, kbeg, kend) in task_strips(starts, s, part, parts) {
-                    let w = kend - kbeg;
-                    let (p, dp) = (&mut p[..m * w], &mut dp[..m * w]); // [m, w] each
-                    let (ks, vs) = (&k[kbeg * d..kend * d], &v[kbeg * d..kend * d]); // [w, D] each
-                    strip_scores(p, &q[q0 * d..], ks, m, w, d, scale);
-                    probs_from_lse(p, w, q0, kbeg, starts, 1.0, &l[q0..q0 + m]);
-                    let gs = &g[q0 * d..][..m * d]; // [m, D]
-                    // dv[kbeg..kend] += p^T [w, m] · g_strip [m, D]
-                    sgemm(w, d, m, &mut dv[kbeg * d..], d, true, p, 1, w, gs, d, 1, 1.0, 1);
-                    // dp [m, w] = g_strip [m, D] · v[kbeg..kend]^T [D, w]
-                    sgemm(m, w, d, dp, w, false, gs, d, 1, vs, 1, d, 1.0, 1);
-                    score_grads(dp, p, w, gs, &o[q0 * d..][..m * d], d, scale);
-                    // dq_strip [m, D] = ds [m, w] · k[kbeg..kend] [w, D]
-                    sgemm(m, d, w, dq_rows(q0, m), d, false, dp, w, 1, ks, d, 1, 1.0, 1);
-                    // dk[kbeg..kend] += ds^T [w, m] · q_strip [m, D]
-                    sgemm(w, d, m, &mut dk[kbeg * d..], d, true, dp, 1, w, &q[q0 * d..], d, 1, 1.0, 1);
-                }
-            });
-        // dk, dv [B, KV, S, D]: the R query heads of each kv head (and their strip groups),
-        // summed in a fixed order.
-        let fold = |per_task: &[f32]| -> Vec<f32> {
-            let mut acc = zeros_f32(b * kv * s * d);
-            acc.par_chunks_mut(s * d).enumerate().for_each(|(unit, a)| {
-                let (bi, gi) = (unit / kv, unit % kv);
-                for j in 0..r * parts {
-                    let t = (bi * nh + gi * r) * parts + j;
-                    a.iter_mut().zip(&per_task[t * s * d..][..s * d]).for_each(|(x, y)| *x += y);
-                }
-            });
-            acc
-        };
+        let inputs: Inputs = (&qe, &ke, &ve, &oe, &ge);
+        let shape = (b, nh, kv, s, d);
+        let (dq, dk, dv) = if self.tiles { self.backward_tiles(inputs, &lse, shape) } else { self.backward_groups(inputs, &lse, shape) };
         let dev = q.device();
         let dq = Tensor::from_vec(dq, q.shape(), dev)?;
-        let dk = Tensor::from_vec(fold(&dk_h), k.shape(), dev)?;
-        let dv = Tensor::from_vec(fold(&dv_h), v.shape(), dev)?;
+        let dk = Tensor::from_vec(dk, k.shape(), dev)?;
+        let dv = Tensor::from_vec(dv, v.shape(), dev)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -684,18 +739,25 @@ mod tests {
         [out, dq, dk, dv]
     }
 
-    /// Row 0 plain causal; row 1 packed: records at 0..40, 40..41 (one token), 41..S.
+    /// Row 0 plain causal; row 1 packed: records at 0..40, 40..41 (one token), 41..S, and from
+    /// 300 on (where S > 300) a fourth record, whose queries share a strip (256..320) with
+    /// the third's and see none of the keys of that strip's first block (41..297).
     fn packed_starts(s: usize) -> Result<KeyStarts> {
         let mut starts = vec![0u32; 2 * s];
         for i in 0..s {
-            starts[s + i] = if i < 40 { 0 } else if i < 41 { 40 } else { 41 };
+            starts[s + i] = match i {
+                0..40 => 0,
+                40 => 40,
+                41..300 => 41,
+                _ => 300,
+            };
         }
         KeyStarts::new(starts, 2, s, &Device::Cpu)
     }
 
     /// Max |diff| of the outputs and of the q, k, v gradients of two attentions.
-    fn compare(a: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, b: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, nh: usize, kv: usize, dt: DType) -> Result<Vec<(&'static str, f32)>> {
-        let (q, k, v, g) = inputs(nh, kv, 150, 16, dt, 1.0)?;
+    fn compare(a: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, b: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>, (nh, kv, s): (usize, usize, usize), dt: DType) -> Result<Vec<(&'static str, f32)>> {
+        let (q, k, v, g) = inputs(nh, kv, s, 16, dt, 1.0)?;
         let (ya, yb) = (a(&q, &k, &v)?, b(&q, &k, &v)?);
         let mut worst = vec![("out", max_diff(&ya, &yb)?)];
         let ga = (ya.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?.backward()?;
@@ -725,26 +787,27 @@ mod tests {
             run(Pass::Checkpointed, q, k, v)?;
             run(Pass::Recompute, q, k, v)
         };
-        let diffs = compare(both, |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain(), DType::F32), 6, 2, DType::F32)?;
+        let diffs = compare(both, |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain(), DType::F32), (6, 2, 150), DType::F32)?;
         assert!(diffs.iter().all(|(_, d)| *d == 0.0), "{diffs:?}");
         assert_eq!(kept.bytes(), 0, "the slot is emptied");
         Ok(())
     }
 
-    /// The fused op and the portable one (several strips of 64, a short last strip: S = 150
-    /// = 2 x 64 + 22) each equal the whole-matrix reference in value and in all three
-    /// gradients, with GQA (R = 3) and packed records; the fused op with few heads (strips
-    /// split into two groups per head) and with enough heads (one task per head).
+    /// The fused op and the portable one each equal the whole-matrix reference in value and in
+    /// all three gradients, with packed records, GQA (R = 3 and 2) and without (R = 1): at
+    /// S = 150 (strips of 64, 64 and 22; the keys in one block) with one task per kv head,
+    /// and at S = 600 (ten strips, keys in blocks of 256, 256 and 88, a record starting past a
+    /// strip's first block) with each kv head's strips dealt to several tasks.
     #[test]
     fn fused_and_portable_attention_match_the_reference() -> Result<()> {
-        let starts = packed_starts(150)?;
         let scale = 0.25;
-        for (nh, kv) in [(6, 2), (9, 3)] {
-            assert_eq!(parts_for(2 * nh), if nh == 6 { 2 } else { 1 }, "both task splits are covered");
+        for (nh, kv, s, parts) in [(6, 2, 150, 1), (9, 3, 150, 1), (6, 2, 600, 4), (4, 4, 600, 2)] {
+            let starts = packed_starts(s)?;
+            assert_eq!(parts_for(2 * kv, s), parts, "strip groups per kv head");
             let reference = |q: &Tensor, k: &Tensor, v: &Tensor| reference_attention(q, k, v, scale, &starts.host);
-            let fused = compare(|q, k, v| causal_attention(Kernels::Auto, q, k, v, scale, &starts, Keep::plain(), DType::F32), reference, nh, kv, DType::F32)?;
-            let portable = compare(|q, k, v| portable_attention(q, k, v, scale, &starts, 64), reference, nh, kv, DType::F32)?;
-            println!("NH {nh} KV {kv}: fused vs reference {fused:?}; portable vs reference {portable:?}");
+            let fused = compare(|q, k, v| causal_attention(Kernels::Auto, q, k, v, scale, &starts, Keep::plain(), DType::F32), reference, (nh, kv, s), DType::F32)?;
+            let portable = compare(|q, k, v| portable_attention(q, k, v, scale, &starts, 64), reference, (nh, kv, s), DType::F32)?;
+            println!("NH {nh} KV {kv} S {s}: fused vs reference {fused:?}; portable vs reference {portable:?}");
             for (name, d) in fused.iter().chain(&portable) {
                 assert!(*d < 1e-5, "{name} differs by {d}");
             }
@@ -801,8 +864,7 @@ mod tests {
         let d = compare(
             |q, k, v| causal_attention(Kernels::Portable, q, k, v, 0.25, &starts, Keep::plain(), DType::F32),
             |q, k, v| causal_attention(Kernels::Auto, q, k, v, 0.25, &starts, Keep::plain(), DType::F32),
-            4,
-            2,
+            (4, 2, 150),
             DType::F32,
         )?;
         println!("portable vs fused: {d:?}");

@@ -164,7 +164,7 @@ impl Unit {
         let geo = Self::geometry(m, kbeg, kend);
         let (mp, k0, wp) = geo;
         self.scores(q, m, geo);
-        wide::probs_from_lse(&mut self.p[..m * wp], wp, q0, k0, starts, scale, lse);
+        wide::probs_from_lse(&mut self.p[..m * wp], wp, q0, (k0, k0 + wp), starts, scale, lse);
         self.p[m * wp..].fill(0.0);
         // dp [Mp, Wp] = dout · vᵀ, then ds in its place.
         round_rows(g, m, d, mp, &mut self.ga);
@@ -218,6 +218,6 @@ mod wide {
         };
     }
     avx512!(softmax_rows(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32], scale: f32, lse: &mut [f32]));
-    avx512!(probs_from_lse(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32], scale: f32, lse: &[f32]));
+    avx512!(probs_from_lse(p: &mut [f32], w: usize, q0: usize, keys: (usize, usize), starts: &[u32], scale: f32, lse: &[f32]));
     avx512!(score_grads(dp: &mut [f32], p: &[f32], w: usize, g: &[f32], o: &[f32], d: usize, scale: f32));
 }
