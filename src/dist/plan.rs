@@ -192,7 +192,7 @@ pub fn layer_activations(cfg: &ModelConfig, b: usize, s: usize, a: usize, gpu: b
         (None, _) => (nh * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size),
     };
     let per_token = (8 * h + 3 * q + 3 * kv + 4 * i) * a + nh * 4;
-    b * s * per_token + crate::ops::attention::strip_scratch_bytes(gpu, b, cfg.num_attention_heads, s)
+    b * s * per_token + crate::ops::attention::strip_scratch_bytes(gpu, b, (cfg.num_attention_heads, cfg.num_key_value_heads), s)
 }
 
 fn gb(b: usize) -> String {

@@ -29,7 +29,7 @@ use super::{exp_f32, probs_from_lse, sgemm, strip_scores, sum_f32, STRIP};
 
 /// Keys per block: a block's scores and their gradients, R·64 x 256 f32 each (192 KB at
 /// R = 3), stay in a core's L2 beside the block's keys and values.
-const KEY_BLOCK: usize = 256;
+pub(super) const KEY_BLOCK: usize = 256;
 
 /// One task's view: its kv head's keys and values [S, D], R, the row's key starts and the
 /// scale; and the scratch its strips reuse.

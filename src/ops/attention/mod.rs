@@ -132,12 +132,13 @@ fn portable_strip_rows(b: usize, nh: usize, s: usize) -> usize {
 
 /// Transient f32 bytes one attention strip holds in flight (scores, their exponentials and
 /// the probabilities): the portable op's tall strips over all heads at once, or the fused
-/// op's 64-row strip per task (one task per thread, counted for two).
-pub fn strip_scratch_bytes(portable: bool, b: usize, nh: usize, s: usize) -> usize {
+/// op's per task, the larger of a query head's 64 x S on tiles and a kv head's R·64 x 256 in
+/// f32 (`group`) (one task per thread, counted for two).
+pub fn strip_scratch_bytes(portable: bool, b: usize, (nh, kv): (usize, usize), s: usize) -> usize {
     if portable {
         3 * portable_strip_rows(b, nh, s).min(s) * b * nh * s * 4
     } else {
-        2 * STRIP * s * 4
+        2 * STRIP * s.max(nh / kv.max(1) * group::KEY_BLOCK.min(s)) * 4
     }
 }
 
