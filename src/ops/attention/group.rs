@@ -65,19 +65,21 @@ pub(super) fn seen_in_block(starts: &[u32], q0: usize, (kb, ke): (usize, usize),
 }
 
 impl<'a> Group<'a> {
-    pub fn new(k: &'a [f32], v: &'a [f32], r: usize, s: usize, d: usize, starts: &'a [u32], scale: f32) -> Self {
+    /// A task's group, with scratch for the forward or (`backward`) the backward.
+    pub fn new((k, v): (&'a [f32], &'a [f32]), (r, s, d): (usize, usize, usize), starts: &'a [u32], scale: f32, backward: bool) -> Self {
         let (n, w) = (r * STRIP, KEY_BLOCK.min(s));
+        let (fwd, bwd) = (usize::from(!backward), usize::from(backward));
         Group {
             k, v, r, s, d, starts, scale,
             qa: vec![0.0; n * d],
-            ga: vec![0.0; n * d],
+            ga: vec![0.0; bwd * n * d],
             acc: vec![0.0; n * d],
             p: vec![0.0; n * w],
-            dp: vec![0.0; n * w],
-            mx: vec![0.0; n],
-            sum: vec![0.0; n],
-            lse: vec![0.0; n],
-            delta: vec![0.0; n],
+            dp: vec![0.0; bwd * n * w],
+            mx: vec![0.0; fwd * n],
+            sum: vec![0.0; fwd * n],
+            lse: vec![0.0; bwd * n],
+            delta: vec![0.0; bwd * n],
         }
     }
 

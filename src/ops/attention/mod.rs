@@ -44,7 +44,8 @@ use std::sync::Mutex;
 mod group;
 mod tiles;
 
-/// Query rows per strip of the fused op: a strip's scores are STRIP x S floats (512 KB at S = 2048).
+/// Query rows per strip of the fused op (per query head: the f32 path's rows are R·STRIP; on
+/// tiles a strip's scores are STRIP x S floats, 512 KB at S = 2048).
 const STRIP: usize = 64;
 
 /// Most bytes of f32 scores one strip of the portable op holds ([B, NH, Q, W]): strips are
@@ -391,15 +392,22 @@ fn strip_keys(starts: &[u32], q0: usize, m: usize) -> (usize, usize) {
     (kbeg, q0 + m)
 }
 
-/// Most tasks a call is split into where its units are fewer: with few units (batch 1: 3 kv
-/// heads, or 9 query heads on tiles) each unit's strips are dealt into groups of equal work.
+/// The fewest tasks the f32 path splits a call into where its units (a row's kv heads: 3 at
+/// batch 1 on SmolLM2) are fewer: each unit's strips are then dealt into groups of equal work.
 const MIN_TASKS: usize = 16;
 
-/// Strip groups per unit (a row's kv head, or on tiles its query head) for `units` units of
-/// S queries: enough for `MIN_TASKS` tasks, each group at least a pair of strips. A function
-/// of the shapes only, so results do not depend on the thread count.
+/// Strip groups per unit (a row's kv head) on the f32 path for `units` units of S queries:
+/// at least `MIN_TASKS` tasks in all where the strips allow, each group at least a pair of
+/// strips. A function of the shapes only, so results do not depend on the thread count.
 fn parts_for(units: usize, s: usize) -> usize {
     MIN_TASKS.div_ceil(units.max(1)).clamp(1, (s.div_ceil(STRIP) / 2).max(1))
+}
+
+/// Strip groups per unit (a row's query head) on tiles: with fewer than 16 units (batch 1: 9
+/// heads, which 2 threads run as 5 + 4) each unit's strips are dealt into 2 groups of equal
+/// work. A function of the shapes only, so results do not depend on the thread count.
+fn tile_parts(units: usize) -> usize {
+    if units < 16 { 2 } else { 1 }
 }
 
 /// Whether strip `i` of `n` is in group `g` of `parts`: strips pair up from both ends (i and
@@ -518,7 +526,7 @@ impl CausalAttention {
             // The group's first query head as a (row, head) index: (b·NH + g·R).
             let (kvo, h0) = (unit * s * d, unit / kv * nh + unit % kv * r);
             let starts = &self.key_start[unit / kv * s..][..s];
-            let mut grp = group::Group::new(&k[kvo..][..s * d], &v[kvo..][..s * d], r, s, d, starts, self.scale);
+            let mut grp = group::Group::new((&k[kvo..][..s * d], &v[kvo..][..s * d]), (r, s, d), starts, self.scale, false);
             let q = &q[h0 * s * d..][..r * s * d]; // [R, S, D]
             for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
                 // SAFETY: strip (q0, m) of this unit's heads is in exactly one group, i.e. one task.
@@ -531,7 +539,7 @@ impl CausalAttention {
     fn forward_tiles(&self, q: &[f32], k: &[f32], v: &[f32], (b, nh, kv, s, d): Dims) -> (Vec<f32>, Vec<f32>) {
         let r = nh / kv;
         let units = b * nh;
-        let parts = parts_for(units, s);
+        let parts = tile_parts(units);
         forward_tasks((b * nh * s * d, b * nh * s), units * parts, |task, out_at, lse_at| {
             let (unit, part) = (task / parts, task % parts);
             let (bi, h) = (unit / nh, unit % nh);
@@ -560,7 +568,7 @@ impl CausalAttention {
             let (unit, part) = (task / parts, task % parts);
             let (kvo, h0) = (unit * s * d, unit / kv * nh + unit % kv * r);
             let starts = &self.key_start[unit / kv * s..][..s];
-            let mut grp = group::Group::new(&k[kvo..][..s * d], &v[kvo..][..s * d], r, s, d, starts, self.scale);
+            let mut grp = group::Group::new((&k[kvo..][..s * d], &v[kvo..][..s * d]), (r, s, d), starts, self.scale, true);
             let span = h0 * s * d..(h0 + r) * s * d; // the group's heads [R, S, D]
             let rows = (&q[span.clone()], &g[span.clone()], &o[span], &lse[h0 * s..][..r * s]);
             for st @ (q0, m, _, _) in task_strips(starts, s, part, parts) {
@@ -576,7 +584,7 @@ impl CausalAttention {
     fn backward_tiles(&self, (q, k, v, o, g): Inputs, lse: &[f32], (b, nh, kv, s, d): Dims) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let r = nh / kv;
         let units = b * nh;
-        let parts = parts_for(units, s);
+        let parts = tile_parts(units);
         let (dq, dk_t, dv_t) = backward_tasks(b * nh * s * d, units * parts, s * d, |task, dq_at, dk, dv| {
             let (unit, part) = (task / parts, task % parts);
             let (bi, h) = (unit / nh, unit % nh);
@@ -740,8 +748,8 @@ mod tests {
         [out, dq, dk, dv]
     }
 
-    /// Row 0 plain causal; row 1 packed: records at 0..40, 40..41 (one token), 41..S, and from
-    /// 300 on (where S > 300) a fourth record, whose queries share a strip (256..320) with
+    /// Row 0 plain causal; row 1 packed: records at 0..40, 40..41 (one token), 41..S (41..300
+    /// where S > 300), and from 300 on a fourth record, whose queries share a strip (256..320) with
     /// the third's and see none of the keys of that strip's first block (41..297).
     fn packed_starts(s: usize) -> Result<KeyStarts> {
         let mut starts = vec![0u32; 2 * s];
