@@ -25,7 +25,7 @@
 //!             dq_rows += ds · k[kb..ke], dk[kb..ke] += dsᵀ · q_rows
 //! Reference: Dao, "FlashAttention-2" (2023), Algorithms 1 and 2.
 
-use super::{exp_f32, probs_from_lse, sgemm, strip_scores, sum_f32, STRIP};
+use super::{exp_f32, probs_from_lse, seen, sgemm, strip_scores, sum_f32, STRIP};
 
 /// Keys per block: a block's scores and their gradients, R·64 x 256 f32 each (192 KB at
 /// R = 3), stay in a core's L2 beside the block's keys and values.
@@ -54,14 +54,6 @@ pub(super) struct Group<'a> {
     sum: Vec<f32>,
     lse: Vec<f32>,
     delta: Vec<f32>,
-}
-
-/// The keys query q0 + i sees among keys kb..ke, as columns of a block of its scores: lo..hi
-/// (empty where it sees none of them).
-#[inline(always)]
-pub(super) fn seen_in_block(starts: &[u32], q0: usize, (kb, ke): (usize, usize), i: usize) -> (usize, usize) {
-    let lo = (starts[q0 + i] as usize).clamp(kb, ke) - kb;
-    (lo, ((q0 + i + 1).clamp(kb, ke) - kb).max(lo))
 }
 
 impl<'a> Group<'a> {
@@ -111,7 +103,7 @@ impl<'a> Group<'a> {
             let p = &mut self.p[..n * w]; // [N, w]
             strip_scores(p, qa_rows, &self.k[kb * d..], n, w, d, self.scale);
             for (row, pr) in p.chunks_exact_mut(w).enumerate() {
-                let (lo, hi) = seen_in_block(self.starts, q0, (kb, ke), row % m);
+                let (lo, hi) = seen(self.starts, q0, (kb, ke), row % m);
                 let alpha = online_softmax_row(pr, lo, hi, &mut self.mx[row], &mut self.sum[row]);
                 if alpha != 1.0 {
                     self.acc[row * d..][..d].iter_mut().for_each(|x| *x *= alpha);

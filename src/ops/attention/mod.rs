@@ -427,9 +427,12 @@ fn task_strips(starts: &[u32], s: usize, part: usize, parts: usize) -> impl Iter
     })
 }
 
-/// The keys row i of a strip at q0 sees, as columns of its scores over keys k0..: lo..hi.
-fn seen(starts: &[u32], q0: usize, k0: usize, i: usize) -> (usize, usize) {
-    (starts[q0 + i] as usize - k0, q0 + i - k0 + 1)
+/// The keys query q0 + i sees among keys kb..ke, as columns of its scores over them: lo..hi
+/// (empty where it sees none of them: a block of a strip's keys, on the f32 path).
+#[inline(always)]
+fn seen(starts: &[u32], q0: usize, (kb, ke): (usize, usize), i: usize) -> (usize, usize) {
+    let lo = (starts[q0 + i] as usize).clamp(kb, ke) - kb;
+    (lo, ((q0 + i + 1).clamp(kb, ke) - kb).max(lo))
 }
 
 /// Each row i of `p` (scores of query q0 + i over keys k0.., rows `w` apart) becomes its
@@ -438,7 +441,7 @@ fn seen(starts: &[u32], q0: usize, k0: usize, i: usize) -> (usize, usize) {
 #[inline(always)]
 fn softmax_rows(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32], scale: f32, lse: &mut [f32]) {
     for (i, row) in p.chunks_mut(w).enumerate() {
-        let (lo, hi) = seen(starts, q0, k0, i);
+        let (lo, hi) = seen(starts, q0, (k0, k0 + w), i);
         row[lo..hi].iter_mut().for_each(|x| *x *= scale);
         let max = row[lo..hi].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
         row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x - max));
@@ -457,7 +460,7 @@ fn softmax_rows(p: &mut [f32], w: usize, q0: usize, k0: usize, starts: &[u32], s
 #[inline(always)]
 fn probs_from_lse(p: &mut [f32], w: usize, q0: usize, (kb, ke): (usize, usize), starts: &[u32], scale: f32, lse: &[f32]) {
     for (i, row) in p.chunks_mut(w).enumerate() {
-        let (lo, hi) = group::seen_in_block(starts, q0, (kb, ke), i);
+        let (lo, hi) = seen(starts, q0, (kb, ke), i);
         let li = lse[i];
         row[lo..hi].iter_mut().for_each(|x| *x = exp_f32(*x * scale - li));
         row[..lo].fill(0.0);
