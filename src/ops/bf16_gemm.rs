@@ -24,7 +24,9 @@
 //! band), and A is converted into whole 1 KiB tiles too (`ATiles`), by each task for its own
 //! rows where work is split by rows.
 //! AVX512-BF16 kernel: an 8 x 32 block of C in sixteen zmm accumulators; per k pair, two B
-//! rows and eight broadcast A pairs: sixteen `vdpbf16ps` per ten loads.
+//! rows and eight broadcast A pairs: sixteen `vdpbf16ps` per ten loads. The same kernel with
+//! one to three B strips (8 x 16 S, up to 24 accumulators) runs the swapped forward on few
+//! rows ([`gemm_wt`]), where W's rows are the broadcast operand.
 
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -340,14 +342,7 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     let (ab, at) = match kern {
         Kernel::Amx if by_rows => (Vec::new(), None),
         Kernel::Amx => (Vec::new(), Some(ATiles::convert(a, m, k, (0, mp / TM), (0, b.kb), true, Vec::new()))),
-        Kernel::Avx512Bf16 => {
-            let ab = crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
-                if r < m {
-                    round_row(&a[r * k..][..k], &mut dst[..k]);
-                }
-            });
-            (ab, None)
-        }
+        Kernel::Avx512Bf16 => (rows_bf16(a, m, k, mp, kp), None),
     };
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
     let mut cbuf_vec: Vec<f32> = Vec::with_capacity(mp * np);
@@ -394,15 +389,42 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
 /// Rows of A up to which [`gemm_wt`] reads W where it lies rather than packing it.
 const WT_MAX_ROWS: usize = 128;
 
-/// C [M, N] = A [M, K] · Wᵀ for a bf16 W [N, K] (row-major), on AMX with W read where it
-/// lies as the tiles' first operand: Cᵀ = W · Aᵀ, so only A is packed (as Aᵀ, M columns).
-/// For the few rows of an expert, packing its weight on every call took as long as the GEMM
-/// (a quarter of a DeepSeek-V2-Lite MoE step on AMX). The same products and sums as
-/// [`gemm`] on a packed Wᵀ, the two operands' roles swapped. None where it does not apply:
-/// not on AMX, over `WT_MAX_ROWS` rows (packing W then pays for itself), N or K not a
+/// A [M, K] f32 as bf16 rows [MP, KP], zero padded so that the dot kernel's loads need no
+/// masking.
+fn rows_bf16(a: &[f32], m: usize, k: usize, mp: usize, kp: usize) -> Vec<u16> {
+    crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
+        if r < m {
+            round_row(&a[r * k..][..k], &mut dst[..k]);
+        }
+    })
+}
+
+/// C [M, N] = A [M, K] · Wᵀ for a bf16 W [N, K] (row-major), with W read where it lies as
+/// the kernel's first operand: Cᵀ = W · Aᵀ, so only A is packed (as Aᵀ, M columns). For the
+/// few rows of an expert, packing its weight on every call took as long as the GEMM on AMX
+/// (a quarter of a DeepSeek-V2-Lite MoE step there) and a fifth to a third of it on
+/// AVX512-BF16 (Zen 5, 2026-11-26, `bf16_gemm_speed` with the weight in cache: 48 x 1408 x
+/// 2048 at 637-694 GFLOP/s packing W each call against 780-899 reading it here; in a MoE
+/// step, where the weights come from memory, the forward's packing fell from 6% of the
+/// samples to 2% and the step gained 2-3%). The same products and sums as [`gemm`] on a
+/// packed Wᵀ, the two operands' roles swapped (the dot kernel's M runs as whole 16-column
+/// strips, three at a time, so 48 rows cost 48, not 64). None where it does not apply: no
+/// bf16 unit, over `WT_MAX_ROWS` rows (packing W then pays for itself), N or K not a
 /// multiple of 32.
+///
+/// The input gradient keeps its packing: W read in place by rows 2p, 2p + 1 interleaved in
+/// registers ran 2.3x slower where W's rows are 4 KB apart (a column strip of W shares cache
+/// sets and does not stay in cache across row blocks), and a few column pairs packed per
+/// task into a buffer that stays in L2 measured no faster in the step (that packing's time
+/// is W's strided read from memory).
 pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec<f32>> {
-    if kernel() != Some(Kernel::Amx) || m == 0 || m > WT_MAX_ROWS || n == 0 || n % (2 * TM) != 0 || k == 0 || k % TK != 0 {
+    gemm_wt_with(kernel()?, a, m, w, n, k)
+}
+
+/// [`gemm_wt`] on a given kernel, which must be [`Kernel::supported`] here.
+fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec<f32>> {
+    assert!(kern.supported(), "bf16 gemm: {kern:?} is not supported on this CPU");
+    if m == 0 || m > WT_MAX_ROWS || n == 0 || n % (2 * TM) != 0 || k == 0 || k % TK != 0 {
         return None;
     }
     assert!(a.len() == m * k && w.len() >= n * k, "bf16 gemm: A [{m}, {k}] or W [{n}, {k}] short");
@@ -410,22 +432,36 @@ pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec
     let mut ab = vec![0u16; m * k];
     round_row(a, &mut ab);
     let b = PackedB::from_nk(&ab, m, k);
-    let np = b.nb * TM; // M padded to whole column pairs
-    let bands = n / (2 * TM);
+    // Cᵀ's row length: M padded to AMX's column pairs, or to the dot kernel's strips.
+    let np = match kern {
+        Kernel::Amx => b.nb * TM,
+        Kernel::Avx512Bf16 => round_up(m, TM),
+    };
+    // Units of W's rows: AMX's bands of 32, the dot kernel's blocks of 8 (whole K each).
+    let (units, kc) = match kern {
+        Kernel::Amx => (n / (2 * TM), k_panels(b.kb, Kernel::Amx.k_panel())),
+        Kernel::Avx512Bf16 => (n / dot::MR, b.kb),
+    };
     let mut ct: Vec<f32> = Vec::with_capacity(n * np); // Cᵀ [N, NP]
     let cs = crate::ops::Shared::uninit(&mut ct.spare_capacity_mut()[..n * np]);
-    let per = bands.div_ceil(2 * rayon::current_num_threads().max(1)).max(1);
-    let kc = k_panels(b.kb, Kernel::Amx.k_panel());
+    let per = units.div_ceil(2 * rayon::current_num_threads().max(1)).max(1);
     for k0 in (0..b.kb).step_by(kc) {
         let k1 = (k0 + kc).min(b.kb);
-        (0..bands.div_ceil(per)).into_par_iter().for_each(|t| {
+        (0..units.div_ceil(per)).into_par_iter().for_each(|t| {
             let cp = cs;
-            // SAFETY: AMX is this process's kernel; tasks write disjoint bands of Cᵀ [N, NP];
-            // W holds N rows of K (asserted), K and N are multiples of 32 (checked above).
-            unsafe { amx::run_w(w, k, &b, (t * per, ((t + 1) * per).min(bands)), (k0, k1), np, cp) };
+            let us = (t * per, ((t + 1) * per).min(units));
+            // SAFETY: `kern` is this process's kernel; tasks write disjoint rows of Cᵀ [N, NP];
+            // W holds N rows of K (asserted), K and N are multiples of 32 (checked above), so
+            // K is whole tiles and the units cover N.
+            unsafe {
+                match kern {
+                    Kernel::Amx => amx::run_w(w, k, &b, us, (k0, k1), np, cp),
+                    Kernel::Avx512Bf16 => dot::run_w(w, k, &b, us, np, cp),
+                }
+            }
         });
     }
-    // SAFETY: the first K panel stored every band across every column pair: all of Cᵀ.
+    // SAFETY: the first K panel stored every unit's rows across every column of NP: all of Cᵀ.
     unsafe { ct.set_len(n * np) };
     Some(crate::ops::par_zeroed(m * n, n, |i, row: &mut [f32]| {
         for (j, v) in row.iter_mut().enumerate() {
@@ -1216,47 +1252,80 @@ mod dot {
                         let b1 = b0.add(b.kb * tile);
                         // The 8 x 32 block of C at rows r0.., columns 16 bn.. (stride np).
                         let cb = c.ptr_at(r0 * np + bn * TM, (MR - 1) * np + 2 * TM);
-                        micro(a, kp, b0, b1, ks, cb, np);
+                        micro::<2>(a, kp, [b0, b1], ks, cb, np);
                     }
                 }
             }
         }
     }
 
-    /// C [8, 32] (row stride `np`) = or += A [8, K tiles ks] · B [K tiles ks, 32], B given as
-    /// its two 16-column tile strips `b0`, `b1`.
+    /// Cᵀ [N, ns] = W [N, K] · Aᵀ for the W row blocks `blocks` (of MR rows), W read where it
+    /// lies as the left operand (a W row's k pair is one 32-bit broadcast, as an A row's is in
+    /// `run_blocks`), Aᵀ packed as B with `ns / 16` strips (M columns, the last strip padded
+    /// with zeros). Strips go three at a time (24 accumulators), so M = 48 runs as 48.
     ///
     /// # Safety
-    /// As `run_blocks`; `a` points at 8 rows of stride `kp`, `c` at 8 rows of 32 (stride `np`).
+    /// AVX512-BF16 is present; `w` holds the rows of the blocks, `k` is `b.kb * TK` (W's K a
+    /// multiple of 32); `b` has at least `ns / 16` strips; `c` is an [N, ns] f32 buffer whose
+    /// rows of these blocks nobody else touches.
+    pub unsafe fn run_w(w: &[u16], k: usize, b: &PackedB, blocks: (usize, usize), ns: usize, c: Shared) {
+        let strip = b.kb * TM * TK;
+        let strips = ns / TM;
+        debug_assert!(k == b.kb * TK && strips <= b.nb && w.len() >= blocks.1 * MR * k, "avx512-bf16: W or Aᵀ short");
+        for blk in blocks.0..blocks.1 {
+            let a = w.as_ptr().add(blk * MR * k);
+            for s0 in (0..strips).step_by(3) {
+                let bs = |s: usize| b.tiles.as_ptr().add((s0 + s).min(strips - 1) * strip);
+                let cb = c.ptr_at(blk * MR * ns + s0 * TM, (MR - 1) * ns + (strips - s0).min(3) * TM);
+                match strips - s0 {
+                    1 => micro::<1>(a, k, [bs(0)], (0, b.kb), cb, ns),
+                    2 => micro::<2>(a, k, [bs(0), bs(1)], (0, b.kb), cb, ns),
+                    _ => micro::<3>(a, k, [bs(0), bs(1), bs(2)], (0, b.kb), cb, ns),
+                }
+            }
+        }
+    }
+
+    /// C [8, 16 S] (row stride `ldc`) = or += A [8, K tiles ks] · B [K tiles ks, 16 S], B given
+    /// as its S 16-column tile strips `b`. A's k pairs are 32-bit broadcasts from rows of
+    /// stride `lda`.
+    ///
+    /// # Safety
+    /// As `run_blocks` / `run_w`; `a` points at 8 rows of stride `lda`, `c` at 8 rows of 16 S
+    /// (stride `ldc`).
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn micro(a: *const u16, kp: usize, b0: *const u16, b1: *const u16, ks: (usize, usize), c: *mut f32, np: usize) {
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    unsafe fn micro<const S: usize>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize) {
+        let mut acc = [[_mm512_setzero_ps(); S]; MR];
         if ks.0 > 0 {
             for (r, row) in acc.iter_mut().enumerate() {
-                row[0] = _mm512_loadu_ps(c.add(r * np));
-                row[1] = _mm512_loadu_ps(c.add(r * np + TM));
+                for (s, v) in row.iter_mut().enumerate() {
+                    *v = _mm512_loadu_ps(c.add(r * ldc + s * TM));
+                }
             }
         }
         let tile = TM * TK;
+        let mut w: [__m512bh; S] = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); S];
         for kb in ks.0..ks.1 {
-            let (t0, t1) = (b0.add(kb * tile), b1.add(kb * tile));
             for p in 0..TM {
                 // One k pair for 16 columns of each strip: 64 bytes, the VNNI row.
-                let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(t0.add(p * TK) as *const _));
-                let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(t1.add(p * TK) as *const _));
+                for (s, ws) in w.iter_mut().enumerate() {
+                    *ws = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b[s].add(kb * tile + p * TK) as *const _));
+                }
                 let kk = kb * TK + 2 * p;
                 for (r, row) in acc.iter_mut().enumerate() {
                     // A[r, kk] and A[r, kk + 1] are adjacent bf16: one 32-bit broadcast.
-                    let pair = (a.add(r * kp + kk) as *const i32).read_unaligned();
+                    let pair = (a.add(r * lda + kk) as *const i32).read_unaligned();
                     let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
-                    row[0] = _mm512_dpbf16_ps(row[0], x, w0);
-                    row[1] = _mm512_dpbf16_ps(row[1], x, w1);
+                    for (v, &ws) in row.iter_mut().zip(&w) {
+                        *v = _mm512_dpbf16_ps(*v, x, ws);
+                    }
                 }
             }
         }
         for (r, row) in acc.iter().enumerate() {
-            _mm512_storeu_ps(c.add(r * np), row[0]);
-            _mm512_storeu_ps(c.add(r * np + TM), row[1]);
+            for (s, v) in row.iter().enumerate() {
+                _mm512_storeu_ps(c.add(r * ldc + s * TM), *v);
+            }
         }
     }
 }
@@ -1268,6 +1337,9 @@ mod dot {
     pub const MR: usize = 8;
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_blocks(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
+        unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
+    }
+    pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
 }
@@ -1428,25 +1500,33 @@ mod tests {
         }
     }
 
-    #[test]
-    #[cfg_attr(not(bf16_amx), ignore = "needs AMX (build.rs found none on this machine)")]
-    fn reading_w_where_it_lies_gives_the_bits_of_the_packed_gemm() {
-        let _ = here(Kernel::Amx);
-        // (M, N, K): one row, ragged M, K past one panel (2048), the most rows it takes.
-        for &(m, n, k) in &[(1, 32, 32), (17, 64, 96), (48, 96, 2080), (128, 64, 64)] {
-            let a = data(m * k, 11);
-            let w: Vec<u16> = data(n * k, 12).iter().map(|&x| bf16_bits(x)).collect();
-            let got = gemm_wt(&a, m, &w, n, k).expect("applies");
-            let want = gemm_with(Kernel::Amx, &a, m, &PackedB::from_nk(&w, n, k));
-            assert_eq!(got.len(), want.len());
-            for (i, (g, r)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g.to_bits(), r.to_bits(), "{m}x{n}x{k}: C[{i}] = {g}, packed {r}");
-            }
+    /// C from `got` bit for bit equal to `want`'s.
+    fn same_bits(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        for (i, (g, r)) in got.iter().zip(want).enumerate() {
+            assert_eq!(g.to_bits(), r.to_bits(), "{what}: C[{i}] = {g}, packed {r}");
         }
-        let (a, w) = (data(129 * 64, 1), vec![0u16; 64 * 64]);
-        assert!(gemm_wt(&a, 129, &w, 64, 64).is_none(), "too many rows: W is packed");
-        assert!(gemm_wt(&a[..48 * 64], 48, &w[..48 * 64], 48, 64).is_none(), "N not a multiple of 32");
-        assert!(gemm_wt(&a[..40], 1, &w[..64 * 40], 64, 40).is_none(), "K not a multiple of 32");
+    }
+
+    #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs a bf16 unit (build.rs found none on this machine)")]
+    fn reading_w_where_it_lies_gives_the_bits_of_the_packed_gemm() {
+        // Forward (M, N, K): one row, ragged M, K past one AMX panel (2048), the most rows it
+        // takes; for the dot kernel's strips of 16 (three at a time): 1, 2, 3 and 7 strips,
+        // the last one partial.
+        let fwd = [(1, 32, 32), (17, 64, 96), (48, 96, 2080), (128, 64, 64), (16, 32, 64), (20, 64, 32), (40, 96, 64), (100, 32, 96)];
+        for kern in [Kernel::Amx, Kernel::Avx512Bf16].into_iter().filter(|k| k.supported()) {
+            for &(m, n, k) in &fwd {
+                let a = data(m * k, 11);
+                let w: Vec<u16> = data(n * k, 12).iter().map(|&x| bf16_bits(x)).collect();
+                let got = gemm_wt_with(kern, &a, m, &w, n, k).expect("applies");
+                same_bits(&format!("{kern:?} x·Wᵀ {m}x{n}x{k}"), &got, &gemm_with(kern, &a, m, &PackedB::from_nk(&w, n, k)));
+            }
+            let (a, w) = (data(129 * 64, 1), vec![0u16; 64 * 64]);
+            assert!(gemm_wt_with(kern, &a, 129, &w, 64, 64).is_none(), "too many rows: W is packed");
+            assert!(gemm_wt_with(kern, &a[..48 * 64], 48, &w[..48 * 64], 48, 64).is_none(), "N not a multiple of 32");
+            assert!(gemm_wt_with(kern, &a[..40], 1, &w[..64 * 40], 64, 40).is_none(), "K not a multiple of 32");
+        }
     }
 
     #[test]
@@ -1546,7 +1626,7 @@ mod speed {
             2.0 * (m * n * k) as f64 / best / 1e9
         };
         // The 135M model's layers and head, then a DeepSeek-V2-Lite expert's 48 rows (both ways).
-        let shapes = [(2048, 576, 576), (2048, 192, 576), (2048, 1536, 576), (2048, 576, 1536), (170, 49152, 576), (170, 576, 49152), (48, 1408, 2048), (48, 2048, 1408)];
+        let shapes = [(2048, 576, 576), (2048, 192, 576), (2048, 1536, 576), (2048, 576, 1536), (170, 49152, 576), (170, 576, 49152), (48, 1408, 2048), (48, 2048, 1408), (128, 1536, 576), (16, 1408, 2048)];
         for &(m, n, k) in &shapes {
             let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
             let w: Vec<u16> = (0..n * k).map(|i| bf16_bits((i % 5) as f32 * 0.1)).collect();
@@ -1564,11 +1644,11 @@ mod speed {
                     line += &format!(" {kern:?} {r:.0}");
                 }
             }
-            if Kernel::Amx.supported() && gemm_wt(&a, m, &w, n, k).is_some() {
+            if let (Some(kern), Some(_)) = (kernel(), gemm_wt(&a, m, &w, n, k)) {
                 // W read where it lies: no packing to add.
                 let r = gflops(m, n, k, &|| drop(std::hint::black_box(gemm_wt(&a, m, &w, n, k))));
-                let with_pack = gflops(m, n, k, &|| drop(std::hint::black_box(gemm_with(Kernel::Amx, &a, m, &PackedB::from_nk(&w, n, k)))));
-                line += &format!(" (AMX packing W each call {with_pack:.0}, reading W where it lies {r:.0})");
+                let with_pack = gflops(m, n, k, &|| drop(std::hint::black_box(gemm_with(kern, &a, m, &PackedB::from_nk(&w, n, k)))));
+                line += &format!(" ({kern:?} packing W each call {with_pack:.0}, reading W where it lies {r:.0})");
             }
             let wf: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.1).collect();
             // The f32 GEMM with W [n, k] read as Wᵀ (a forward), and with the same floats read

@@ -8,7 +8,7 @@ use candle_core::{DType, Result, Tensor};
 /// For a frozen W [out, in] on CPU: x [n, in] · Wᵀ -> [n, out] (`input_grad` false), or
 /// g [n, out] · W -> [n, in] (true). An f32 W by the f32 GEMM (Wᵀ read through strides, no
 /// copy), or on few rows (an expert's tokens) by `few_rows`'s kernels; a bf16 W on the bf16 kernel (`bf16_gemm::linear`), packed for it on every call
-/// except a forward on AMX over few rows, which reads W as it lies (a cache of packed weights
+/// except a forward over few rows, which reads W as it lies (a cache of packed weights
 /// kept across steps measured 20% slower at 4 x 512 on Zen 4: packing right before the GEMM
 /// leaves B in cache). A bf16 W on a CPU without a bf16 unit is widened to f32 block by block
 /// inside the f32 GEMM, or read by `few_rows` on few rows (`widen`): f32 math on its exact
