@@ -336,7 +336,10 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
                 (false, true) => "bf16 weights widened to f32 (f32 math)",
                 (false, false) => "f32",
             };
-            let attention = if attention_tiles { "AMX tiles (bf16 operands)" } else { "f32" };
+            let attention = match (attention_tiles, crate::ops::bf16_gemm::kernel()) {
+                (true, Some(k)) => format!("{} (bf16 operands)", k.name()),
+                _ => "f32".to_string(),
+            };
             format!("fused CPU ops; f32 GEMM: gemm crate ({f32_gemm}); frozen matmuls: {frozen}; attention GEMMs: {attention}")
         }
         (d, k) => format!("{k:?} ops on {d:?}, activations in {compute_dtype:?}"),

@@ -495,10 +495,20 @@ pub fn linear(x: &[f32], m: usize, w: &candle_core::Tensor, input_grad: bool) ->
     })
 }
 
-/// Whether [`tile_gemm`] and the `pack_*_into` packings run here: AMX (this process's
-/// kernel) and the AVX-512 BW packing, which every CPU with AMX has.
+/// Whether [`tile_gemm`] and the `pack_*_into` packings run here: a bf16 unit (AMX, or
+/// AVX512-BF16) and AVX-512 F, BW, DQ and VL (the packing and the attention strips'
+/// element-wise code), which every CPU with either unit has.
 pub(crate) fn tiles_available() -> bool {
-    kernel() == Some(Kernel::Amx) && simd_pack::available()
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| kernel().is_some() && simd_pack::available() && wide_simd())
+}
+
+/// AVX-512 DQ and VL, beside F and BW (`simd_pack::available`).
+fn wide_simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avx512dq") && is_x86_feature_detected!("avx512vl");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// `dst[i]` = the bf16 bits of `src[i]` (nearest-even; see `round_row` for subnormals).
@@ -510,7 +520,7 @@ pub(crate) fn round_into(src: &[f32], dst: &mut [u16]) {
 /// strips of 16 columns (N padded to 32 with zeros), each ⌈K/32⌉ tiles of 512 u16, K padded
 /// with zeros. Returns the strip length in u16. One thread; `dst`'s memory is reused.
 pub(crate) fn pack_nk_into(w: &[u16], n: usize, k: usize, dst: &mut Vec<u16>) -> usize {
-    assert!(tiles_available() && w.len() >= n * k, "tile packing: W [{n}, {k}] in {} elements, or no AMX", w.len());
+    assert!(tiles_available() && w.len() >= n * k, "tile packing: W [{n}, {k}] in {} elements, or no bf16 unit", w.len());
     let strip = k.div_ceil(TK) * TM * TK;
     let pairs = n.div_ceil(2 * TM);
     fill_uninit(dst, pairs * 2 * strip, |d| {
@@ -526,7 +536,7 @@ pub(crate) fn pack_nk_into(w: &[u16], n: usize, k: usize, dst: &mut Vec<u16>) ->
 /// B = W for W [K, N] (bf16 bits, row-major) packed into `dst` as [`tile_gemm`] reads it
 /// (strips of 16 columns, N padded to 32, each ⌈K/32⌉ tiles). Returns the strip length in u16.
 pub(crate) fn pack_kn_into(w: &[u16], k: usize, n: usize, dst: &mut Vec<u16>) -> usize {
-    assert!(tiles_available() && w.len() >= n * k, "tile packing: W [{k}, {n}] in {} elements, or no AMX", w.len());
+    assert!(tiles_available() && w.len() >= n * k, "tile packing: W [{k}, {n}] in {} elements, or no bf16 unit", w.len());
     let strip = k.div_ceil(TK) * TM * TK;
     let pairs = n.div_ceil(2 * TM);
     // SAFETY: as in `pack_nk_into`, for `strips_kn` over all the pairs.
@@ -543,14 +553,14 @@ fn fill_uninit(dst: &mut Vec<u16>, len: usize, fill: impl FnOnce(*mut u16)) {
     unsafe { dst.set_len(len) };
 }
 
-/// C [rows, cols] = A · B (or += with `accumulate`) on AMX, on this thread, for operands the
-/// caller packed itself (the attention strips): A [rows, 32 nk] bf16 bits row-major, `lda`
-/// u16 between rows; B as the `pack_*_into` functions lay it out, `strip` u16 from one
-/// 16-column strip to the next, `nk` tiles of K each; C f32 with `ldc` between rows. Rows and
-/// columns are multiples of 32.
+/// C [rows, cols] = A · B (or += with `accumulate`) on this process's bf16 unit (AMX tiles, or
+/// the AVX512-BF16 kernel), on this thread, for operands the caller packed itself (the
+/// attention strips): A [rows, 32 nk] bf16 bits row-major, `lda` u16 between rows; B as the
+/// `pack_*_into` functions lay it out, `strip` u16 from one 16-column strip to the next, `nk`
+/// tiles of K each; C f32 with `ldc` between rows. Rows and columns are multiples of 32.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tile_gemm(a: &[u16], lda: usize, b: &[u16], strip: usize, nk: usize, (rows, cols): (usize, usize), c: &mut [f32], ldc: usize, accumulate: bool) {
-    assert!(tiles_available(), "tile gemm: AMX is not this process's kernel");
+    assert!(tiles_available(), "tile gemm: no bf16 unit (or no AVX-512 BW packing) here");
     assert!(rows % (2 * TM) == 0 && cols % (2 * TM) == 0 && nk >= 1 && lda >= nk * TK && ldc >= cols && strip >= nk * TM * TK, "tile gemm: {rows} x {cols} over {nk} K tiles, lda {lda}, ldc {ldc}, strip {strip}");
     if rows == 0 || cols == 0 {
         return;
@@ -558,9 +568,14 @@ pub(crate) fn tile_gemm(a: &[u16], lda: usize, b: &[u16], strip: usize, nk: usiz
     assert!(a.len() >= (rows - 1) * lda + nk * TK, "tile gemm: A short");
     assert!(b.len() >= (cols / TM - 1) * strip + nk * TM * TK, "tile gemm: B short");
     assert!(c.len() >= (rows - 1) * ldc + cols, "tile gemm: C short");
-    // SAFETY: AMX is enabled; the asserts above keep every band's reads inside A and B and its
-    // writes inside C, which the caller holds mutably.
-    unsafe { amx::strided(a.as_ptr(), lda, b.as_ptr(), strip, nk, (rows, cols), c.as_mut_ptr(), ldc, accumulate) }
+    // SAFETY: the kernel is this process's (enabled, supported); the asserts above keep every
+    // block's reads inside A and B and its writes inside C, which the caller holds mutably.
+    unsafe {
+        match kernel() {
+            Some(Kernel::Amx) => amx::strided(a.as_ptr(), lda, b.as_ptr(), strip, nk, (rows, cols), c.as_mut_ptr(), ldc, accumulate),
+            _ => dot::strided(a.as_ptr(), lda, b.as_ptr(), strip, nk, (rows, cols), c.as_mut_ptr(), ldc, accumulate),
+        }
+    }
 }
 
 thread_local! {
@@ -1252,7 +1267,7 @@ mod dot {
                         let b1 = b0.add(b.kb * tile);
                         // The 8 x 32 block of C at rows r0.., columns 16 bn.. (stride np).
                         let cb = c.ptr_at(r0 * np + bn * TM, (MR - 1) * np + 2 * TM);
-                        micro::<2>(a, kp, [b0, b1], ks, cb, np);
+                        micro::<2>(a, kp, [b0, b1], ks, cb, np, ks.0 > 0);
                     }
                 }
             }
@@ -1278,25 +1293,43 @@ mod dot {
                 let bs = |s: usize| b.tiles.as_ptr().add((s0 + s).min(strips - 1) * strip);
                 let cb = c.ptr_at(blk * MR * ns + s0 * TM, (MR - 1) * ns + (strips - s0).min(3) * TM);
                 match strips - s0 {
-                    1 => micro::<1>(a, k, [bs(0)], (0, b.kb), cb, ns),
-                    2 => micro::<2>(a, k, [bs(0), bs(1)], (0, b.kb), cb, ns),
-                    _ => micro::<3>(a, k, [bs(0), bs(1), bs(2)], (0, b.kb), cb, ns),
+                    1 => micro::<1>(a, k, [bs(0)], (0, b.kb), cb, ns, false),
+                    2 => micro::<2>(a, k, [bs(0), bs(1)], (0, b.kb), cb, ns, false),
+                    _ => micro::<3>(a, k, [bs(0), bs(1), bs(2)], (0, b.kb), cb, ns, false),
                 }
             }
         }
     }
 
-    /// C [8, 16 S] (row stride `ldc`) = or += A [8, K tiles ks] · B [K tiles ks, 16 S], B given
-    /// as its S 16-column tile strips `b`. A's k pairs are 32-bit broadcasts from rows of
-    /// stride `lda`.
+    /// C [rows, cols] = (or += with `accumulate`) A · B for operands a caller packed itself,
+    /// as `amx::strided` takes them (see `tile_gemm`): 8-row blocks of A across B's column
+    /// pairs.
+    ///
+    /// # Safety
+    /// AVX512-BF16 is present; A holds `rows` rows of `nk` K tiles (stride `lda`), B
+    /// `cols / 16` strips of `nk` tiles (`strip` apart), C `rows` rows of `cols` (stride
+    /// `ldc`); rows and cols are multiples of 32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn strided(a: *const u16, lda: usize, b: *const u16, strip: usize, nk: usize, (rows, cols): (usize, usize), c: *mut f32, ldc: usize, accumulate: bool) {
+        for r0 in (0..rows).step_by(MR) {
+            for pair in 0..cols / (2 * TM) {
+                let b0 = b.add(2 * pair * strip);
+                micro::<2>(a.add(r0 * lda), lda, [b0, b0.add(strip)], (0, nk), c.add(r0 * ldc + pair * 2 * TM), ldc, accumulate);
+            }
+        }
+    }
+
+    /// C [8, 16 S] (row stride `ldc`) = (or += with `load`) A [8, K tiles ks] · B [K tiles ks,
+    /// 16 S], B given as its S 16-column tile strips `b`. A's k pairs are 32-bit broadcasts
+    /// from rows of stride `lda`.
     ///
     /// # Safety
     /// As `run_blocks` / `run_w`; `a` points at 8 rows of stride `lda`, `c` at 8 rows of 16 S
     /// (stride `ldc`).
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn micro<const S: usize>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize) {
+    unsafe fn micro<const S: usize>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
         let mut acc = [[_mm512_setzero_ps(); S]; MR];
-        if ks.0 > 0 {
+        if load {
             for (r, row) in acc.iter_mut().enumerate() {
                 for (s, v) in row.iter_mut().enumerate() {
                     *v = _mm512_loadu_ps(c.add(r * ldc + s * TM));
@@ -1340,6 +1373,10 @@ mod dot {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
     pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: usize, _: Shared) {
+        unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn strided(_: *const u16, _: usize, _: *const u16, _: usize, _: usize, _: (usize, usize), _: *mut f32, _: usize, _: bool) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
 }

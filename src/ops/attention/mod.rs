@@ -27,7 +27,7 @@
 //!   dq = ds · k,  dk += ds^T · q
 //! That is the math; two layouts run it. The f32 strips (`group`) take the R query heads of
 //! a kv head as the rows of one set of GEMMs and walk a strip's keys in blocks (the forward
-//! with FlashAttention-2's online softmax); the AMX tiles (`tiles`) take one query head and
+//! with FlashAttention-2's online softmax); the bf16 unit's tiles (`tiles`: AMX, or AVX512-BF16 on the same packing) take one query head and
 //! all of a strip's keys at a time.
 //! GQA: query head h reads kv head h / R (transformers' `repeat_kv` order). Each task (a row's
 //! kv head, or on tiles its query head; with few of those, each of several groups of its
@@ -91,7 +91,7 @@ impl KeyStarts {
 /// recomputation hands them back instead of running the kernel again (the same bits).
 ///
 /// `operands` is the dtype the run's matmuls take their operands in (`ForwardCtx::matmul`):
-/// bf16 runs the fused op's strip GEMMs on AMX tiles where it can (`tiles`: bf16 operands,
+/// bf16 runs the fused op's strip GEMMs on the bf16 unit where it can (`tiles`: bf16 operands,
 /// f32 sums, everything else f32), f32 keeps them f32.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, starts: &KeyStarts, keep: Keep, operands: DType) -> Result<Tensor> {
@@ -118,7 +118,7 @@ pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale
     }
 }
 
-/// Whether the fused op runs its strip GEMMs on AMX tiles for matmul operands in `operands`
+/// Whether the fused op runs its strip GEMMs on the bf16 unit (AMX tiles or AVX512-BF16) for matmul operands in `operands`
 /// and head dim `d` (what `causal_attention` checks, for the run's report).
 pub fn runs_on_tiles(operands: DType, d: usize) -> bool {
     operands == DType::BF16 && tiles::usable(d)
@@ -382,7 +382,7 @@ struct CausalAttention {
     lse: Mutex<Vec<f32>>,
     /// The checkpointing pass, and where a checkpointed forward leaves (out, lse).
     keep: Keep,
-    /// The strip GEMMs on AMX tiles with bf16 operands (`tiles`), else f32 (the gemm crate).
+    /// The strip GEMMs on the bf16 unit with bf16 operands (`tiles`), else f32 (the gemm crate).
     tiles: bool,
 }
 
@@ -538,7 +538,7 @@ impl CausalAttention {
         })
     }
 
-    /// The forward on AMX tiles (`tiles`): one task per (row, query head) and strip group.
+    /// The forward on the bf16 unit (`tiles`): one task per (row, query head) and strip group.
     fn forward_tiles(&self, q: &[f32], k: &[f32], v: &[f32], (b, nh, kv, s, d): Dims) -> (Vec<f32>, Vec<f32>) {
         let r = nh / kv;
         let units = b * nh;
@@ -582,7 +582,7 @@ impl CausalAttention {
         (dq, fold_parts(&dk_t, units, 1, parts, s * d), fold_parts(&dv_t, units, 1, parts, s * d))
     }
 
-    /// The backward on AMX tiles, tasks as in `forward_tiles`; the R query heads of a kv head
+    /// The backward on the bf16 unit, tasks as in `forward_tiles`; the R query heads of a kv head
     /// and their strip groups summed in a fixed order.
     fn backward_tiles(&self, (q, k, v, o, g): Inputs, lse: &[f32], (b, nh, kv, s, d): Dims) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let r = nh / kv;
@@ -827,18 +827,18 @@ mod tests {
         Ok(())
     }
 
-    /// bf16 matmul operands on AMX: the strips' GEMMs on tiles (q, k, v, the upstream gradient,
+    /// bf16 matmul operands on a bf16 unit: the strips' GEMMs on tiles (q, k, v, the upstream gradient,
     /// p and ds rounded to bf16, f32 sums) track the f32 strips in the output and all three
     /// gradients within what that rounding allows, on ragged strips (S = 150: 64 + 64 + 22),
     /// packed records whose first keys are not tile aligned (40, 41), GQA (R = 3), both task
     /// splits and three head dims. Relative to each result's largest element.
     #[test]
-    #[cfg_attr(not(bf16_amx), ignore = "needs AMX-BF16 (and Linux's tile permission)")]
+    #[cfg_attr(not(bf16_unit), ignore = "needs a bf16 unit (AMX or AVX512-BF16)")]
     fn attention_on_tiles_tracks_the_f32_strips_within_bf16_rounding() -> Result<()> {
         let starts = packed_starts(150)?;
         // D = 192: MLA's padded width on DeepSeek-V2 (six K tiles), one kv head per query head.
         for (nh, kv, d) in [(6, 2, 32), (9, 3, 64), (4, 4, 192)] {
-            assert!(tiles::usable(d), "AMX was found at build time but the tiles cannot run here");
+            assert!(tiles::usable(d), "a bf16 unit was found at build time but the tiles cannot run here");
             let (q, k, v, g) = inputs(nh, kv, 150, d, DType::F32, 2.0)?;
             let scale = 1.0 / (d as f64).sqrt();
             let run = |operands| -> Result<Vec<Tensor>> {
@@ -942,7 +942,7 @@ mod speed {
 
     /// `cargo test --release --lib attention_speed -- --ignored --nocapture`: milliseconds of
     /// the fused op's forward and backward on the bench model's shape (SmolLM2-135M, 4 x 512),
-    /// f32 strips against tiles where AMX runs (a look, not a test; `make bench` has the numbers).
+    /// f32 strips against tiles where a bf16 unit runs (a look, not a test; `make bench` has the numbers).
     #[test]
     #[ignore]
     fn attention_speed() -> Result<()> {
