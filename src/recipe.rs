@@ -280,8 +280,8 @@ pub struct ModelSection {
     pub dtype: String,
     #[serde(default = "default_device")]
     pub device: String,
-    /// "auto": a bf16 base on a CPU with AMX or AVX512-BF16 runs its frozen matmuls in bf16
-    /// (f32 sums);
+    /// "auto": a bf16 base on a CPU with AMX or AVX512-BF16 runs its frozen matmuls and the
+    /// attention's GEMMs in bf16 (f32 sums);
     /// "f32": f32 math everywhere on CPU.
     #[serde(default = "default_matmul")]
     pub matmul: String,

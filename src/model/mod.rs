@@ -251,7 +251,8 @@ impl Model {
 
     /// The output projection [V, H]: `lm_head.weight`, or the embedding when tied (some tied
     /// checkpoints still store lm_head.weight; a tied config always reads the embedding).
-    /// A matmul operand only, so in the source's matmul dtype (bf16 on AMX, see `loss::Head`).
+    /// A matmul operand only, so in the source's matmul dtype (bf16 on a bf16 unit, see
+    /// `loss::Head`).
     pub fn lm_head(&self) -> Result<Tensor> {
         let c = &self.cfg;
         Frozen::new(&*self.src).get_matmul(&[c.vocab_size, c.hidden_size], self.lm_head_name())

@@ -438,9 +438,11 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
         Kernel::Avx512Bf16 => round_up(m, TM),
     };
     // Units of W's rows: AMX's bands of 32, the dot kernel's blocks of 8 (whole K each).
+    // K in panels as `gemm_with` cuts it: at 128 rows and a long K, Aᵀ would not stay in L2
+    // while a block of W's rows passes.
     let (units, kc) = match kern {
         Kernel::Amx => (n / (2 * TM), k_panels(b.kb, Kernel::Amx.k_panel())),
-        Kernel::Avx512Bf16 => (n / dot::MR, b.kb),
+        Kernel::Avx512Bf16 => (n / dot::MR, k_panels(b.kb, Kernel::Avx512Bf16.k_panel())),
     };
     let mut ct: Vec<f32> = Vec::with_capacity(n * np); // Cᵀ [N, NP]
     let cs = crate::ops::Shared::uninit(&mut ct.spare_capacity_mut()[..n * np]);
@@ -450,13 +452,13 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
         (0..units.div_ceil(per)).into_par_iter().for_each(|t| {
             let cp = cs;
             let us = (t * per, ((t + 1) * per).min(units));
-            // SAFETY: `kern` is this process's kernel; tasks write disjoint rows of Cᵀ [N, NP];
+            // SAFETY: `kern` is supported here (asserted); tasks write disjoint rows of Cᵀ [N, NP];
             // W holds N rows of K (asserted), K and N are multiples of 32 (checked above), so
             // K is whole tiles and the units cover N.
             unsafe {
                 match kern {
                     Kernel::Amx => amx::run_w(w, k, &b, us, (k0, k1), np, cp),
-                    Kernel::Avx512Bf16 => dot::run_w(w, k, &b, us, np, cp),
+                    Kernel::Avx512Bf16 => dot::run_w(w, k, &b, us, (k0, k1), np, cp),
                 }
             }
         });
@@ -504,10 +506,13 @@ pub(crate) fn tiles_available() -> bool {
 }
 
 /// AVX-512 DQ and VL, beside F and BW (`simd_pack::available`).
+#[cfg(target_arch = "x86_64")]
 fn wide_simd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return is_x86_feature_detected!("avx512dq") && is_x86_feature_detected!("avx512vl");
-    #[cfg(not(target_arch = "x86_64"))]
+    is_x86_feature_detected!("avx512dq") && is_x86_feature_detected!("avx512vl")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn wide_simd() -> bool {
     false
 }
 
@@ -560,7 +565,7 @@ fn fill_uninit(dst: &mut Vec<u16>, len: usize, fill: impl FnOnce(*mut u16)) {
 /// tiles of K each; C f32 with `ldc` between rows. Rows and columns are multiples of 32.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tile_gemm(a: &[u16], lda: usize, b: &[u16], strip: usize, nk: usize, (rows, cols): (usize, usize), c: &mut [f32], ldc: usize, accumulate: bool) {
-    assert!(tiles_available(), "tile gemm: no bf16 unit (or no AVX-512 BW packing) here");
+    assert!(tiles_available(), "tile gemm: no bf16 unit (or no AVX-512 F, BW, DQ and VL) here");
     assert!(rows % (2 * TM) == 0 && cols % (2 * TM) == 0 && nk >= 1 && lda >= nk * TK && ldc >= cols && strip >= nk * TM * TK, "tile gemm: {rows} x {cols} over {nk} K tiles, lda {lda}, ldc {ldc}, strip {strip}");
     if rows == 0 || cols == 0 {
         return;
@@ -1229,7 +1234,8 @@ mod amx {
     }
 }
 
-/// The AVX512-BF16 kernel: C blocks of 8 rows x 32 columns in zmm accumulators.
+/// The AVX512-BF16 kernel: C blocks of 8 rows x 16 S columns (S = 1 to 3 strips) in zmm
+/// accumulators.
 #[cfg(target_arch = "x86_64")]
 mod dot {
     use super::{PackedB, TK, TM};
@@ -1274,8 +1280,8 @@ mod dot {
         }
     }
 
-    /// Cᵀ [N, ns] = W [N, K] · Aᵀ for the W row blocks `blocks` (of MR rows), W read where it
-    /// lies as the left operand (a W row's k pair is one 32-bit broadcast, as an A row's is in
+    /// Cᵀ [N, ns] = (over the K tiles `ks`; += past the first) W [N, K] · Aᵀ for the W row
+    /// blocks `blocks` (of MR rows), W read where it lies as the left operand (a W row's k pair is one 32-bit broadcast, as an A row's is in
     /// `run_blocks`), Aᵀ packed as B with `ns / 16` strips (M columns, the last strip padded
     /// with zeros). Strips go three at a time (24 accumulators), so M = 48 runs as 48.
     ///
@@ -1283,19 +1289,19 @@ mod dot {
     /// AVX512-BF16 is present; `w` holds the rows of the blocks, `k` is `b.kb * TK` (W's K a
     /// multiple of 32); `b` has at least `ns / 16` strips; `c` is an [N, ns] f32 buffer whose
     /// rows of these blocks nobody else touches.
-    pub unsafe fn run_w(w: &[u16], k: usize, b: &PackedB, blocks: (usize, usize), ns: usize, c: Shared) {
+    pub unsafe fn run_w(w: &[u16], k: usize, b: &PackedB, blocks: (usize, usize), ks: (usize, usize), ns: usize, c: Shared) {
         let strip = b.kb * TM * TK;
         let strips = ns / TM;
         debug_assert!(k == b.kb * TK && strips <= b.nb && w.len() >= blocks.1 * MR * k, "avx512-bf16: W or Aᵀ short");
         for blk in blocks.0..blocks.1 {
             let a = w.as_ptr().add(blk * MR * k);
             for s0 in (0..strips).step_by(3) {
-                let bs = |s: usize| b.tiles.as_ptr().add((s0 + s).min(strips - 1) * strip);
+                let bs = |s: usize| b.tiles.as_ptr().add((s0 + s) * strip);
                 let cb = c.ptr_at(blk * MR * ns + s0 * TM, (MR - 1) * ns + (strips - s0).min(3) * TM);
                 match strips - s0 {
-                    1 => micro::<1>(a, k, [bs(0)], (0, b.kb), cb, ns, false),
-                    2 => micro::<2>(a, k, [bs(0), bs(1)], (0, b.kb), cb, ns, false),
-                    _ => micro::<3>(a, k, [bs(0), bs(1), bs(2)], (0, b.kb), cb, ns, false),
+                    1 => micro::<1>(a, k, [bs(0)], ks, cb, ns, ks.0 > 0),
+                    2 => micro::<2>(a, k, [bs(0), bs(1)], ks, cb, ns, ks.0 > 0),
+                    _ => micro::<3>(a, k, [bs(0), bs(1), bs(2)], ks, cb, ns, ks.0 > 0),
                 }
             }
         }
@@ -1324,7 +1330,7 @@ mod dot {
     /// from rows of stride `lda`.
     ///
     /// # Safety
-    /// As `run_blocks` / `run_w`; `a` points at 8 rows of stride `lda`, `c` at 8 rows of 16 S
+    /// As `run_blocks` / `run_w` / `strided`; `a` points at 8 rows of stride `lda`, `c` at 8 rows of 16 S
     /// (stride `ldc`).
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn micro<const S: usize>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
@@ -1372,7 +1378,7 @@ mod dot {
     pub unsafe fn run_blocks(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
-    pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: usize, _: Shared) {
+    pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
     #[allow(clippy::too_many_arguments)]
@@ -1537,6 +1543,61 @@ mod tests {
         }
     }
 
+    /// `tile_gemm` (the attention strips' GEMM, on this process's kernel) on operands laid out
+    /// with room to spare (A rows `lda` > K apart, C rows `ldc` > N apart, B from a pair past
+    /// the first): within the f64 reference's tolerance, the padding of A and C untouched; on
+    /// the dot kernel bit for bit `gemm_with`'s; and K run as two calls, the second
+    /// accumulating, gives the one call's bits (C stored and reloaded exactly).
+    #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs a bf16 unit (build.rs found none on this machine)")]
+    fn tile_gemm_matches_the_packed_gemm_and_accumulates_exactly() {
+        let kern = here(kernel().expect("build.rs found a bf16 unit but this process has none"));
+        let (m, n, k, nk1) = (64, 64, 160, 2); // 5 K tiles: 2 + 3
+        let (lda, ldc) = (k + 32, n + 32);
+        let a: Vec<f32> = data(m * k, 21).iter().map(|&x| bf(x)).collect(); // exact in bf16
+        let w: Vec<u16> = data((n + 32) * k, 22).iter().map(|&x| bf16_bits(x)).collect(); // W [N + 32, K]
+        let mut ab = vec![0u16; m * lda];
+        for r in 0..m {
+            for c in 0..k {
+                ab[r * lda + c] = bf16_bits(a[r * k + c]);
+            }
+        }
+        let mut packed = Vec::new();
+        let strip = pack_nk_into(&w, n + 32, k, &mut packed);
+        let b = &packed[2 * strip..]; // the second pair on: W's rows 32..
+        let want_w = &w[32 * k..];
+        let sentinel = 7.0f32;
+        let run = |split: bool| {
+            let mut c = vec![sentinel; m * ldc];
+            if split {
+                tile_gemm(&ab, lda, b, strip, nk1, (m, n), &mut c, ldc, false);
+                tile_gemm(&ab[nk1 * TK..], lda, &b[nk1 * TM * TK..], strip, k / TK - nk1, (m, n), &mut c, ldc, true);
+            } else {
+                tile_gemm(&ab, lda, b, strip, k / TK, (m, n), &mut c, ldc, false);
+            }
+            c
+        };
+        let (whole, split) = (run(false), run(true));
+        let wf: Vec<f32> = want_w.iter().map(|&x| f32::from_bits((x as u32) << 16)).collect();
+        let reference = reference(&a, &wf[..n * k], m, n, k);
+        let packed_gemm = gemm_with(kern, &a, m, &PackedB::from_nk(want_w, n, k));
+        for r in 0..m {
+            for j in 0..ldc {
+                let (g, g2) = (whole[r * ldc + j], split[r * ldc + j]);
+                if j >= n {
+                    assert!(g == sentinel && g2 == sentinel, "C[{r}, {j}] past N was written");
+                    continue;
+                }
+                let want = reference[r * n + j];
+                assert!((g - want).abs() <= 1e-5 * k as f32, "{kern:?} C[{r}, {j}] = {g}, reference {want}");
+                assert_eq!(g.to_bits(), g2.to_bits(), "{kern:?} C[{r}, {j}]: K in two calls {g2}, one call {g}");
+                if kern == Kernel::Avx512Bf16 {
+                    assert_eq!(g.to_bits(), packed_gemm[r * n + j].to_bits(), "C[{r}, {j}] = {g}, gemm_with {}", packed_gemm[r * n + j]);
+                }
+            }
+        }
+    }
+
     /// C from `got` bit for bit equal to `want`'s.
     fn same_bits(what: &str, got: &[f32], want: &[f32]) {
         assert_eq!(got.len(), want.len(), "{what}: lengths");
@@ -1548,9 +1609,11 @@ mod tests {
     #[test]
     #[cfg_attr(not(bf16_unit), ignore = "needs a bf16 unit (build.rs found none on this machine)")]
     fn reading_w_where_it_lies_gives_the_bits_of_the_packed_gemm() {
-        // Forward (M, N, K): one row, ragged M, K past one AMX panel (2048), the most rows it
-        // takes; for the dot kernel's strips of 16 (three at a time): 1, 2, 3 and 7 strips,
-        // the last one partial.
+        let _ = here(kernel().expect("build.rs found a bf16 unit but this process has none"));
+        // Forward (M, N, K): one row, ragged M, K past one panel of either kernel (2048 for
+        // AMX, 1024 for AVX512-BF16: Cᵀ reloaded between panels), the most rows it takes; for
+        // the dot kernel's strips of 16 (three at a time): 1, 2, 3, 7 and 8 strips, the last
+        // one partial.
         let fwd = [(1, 32, 32), (17, 64, 96), (48, 96, 2080), (128, 64, 64), (16, 32, 64), (20, 64, 32), (40, 96, 64), (100, 32, 96)];
         for kern in [Kernel::Amx, Kernel::Avx512Bf16].into_iter().filter(|k| k.supported()) {
             for &(m, n, k) in &fwd {
@@ -1662,7 +1725,8 @@ mod speed {
                 .fold(f64::MAX, f64::min);
             2.0 * (m * n * k) as f64 / best / 1e9
         };
-        // The 135M model's layers and head, then a DeepSeek-V2-Lite expert's 48 rows (both ways).
+        // The 135M model's layers and head, a DeepSeek-V2-Lite expert's 48 rows (both ways), then
+        // the most rows `gemm_wt` takes and an expert with few tokens (one strip of 16).
         let shapes = [(2048, 576, 576), (2048, 192, 576), (2048, 1536, 576), (2048, 576, 1536), (170, 49152, 576), (170, 576, 49152), (48, 1408, 2048), (48, 2048, 1408), (128, 1536, 576), (16, 1408, 2048)];
         for &(m, n, k) in &shapes {
             let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();

@@ -27,8 +27,8 @@
 //!   dq = ds · k,  dk += ds^T · q
 //! That is the math; two layouts run it. The f32 strips (`group`) take the R query heads of
 //! a kv head as the rows of one set of GEMMs and walk a strip's keys in blocks (the forward
-//! with FlashAttention-2's online softmax); the bf16 unit's tiles (`tiles`: AMX, or AVX512-BF16 on the same packing) take one query head and
-//! all of a strip's keys at a time.
+//! with FlashAttention-2's online softmax); the bf16 unit's tiles (`tiles`: AMX, or
+//! AVX512-BF16 on the same packing) take one query head and all of a strip's keys at a time.
 //! GQA: query head h reads kv head h / R (transformers' `repeat_kv` order). Each task (a row's
 //! kv head, or on tiles its query head; with few of those, each of several groups of its
 //! strips: `parts_for`) accumulates its own dk/dv, summed per kv head afterwards in a fixed
@@ -118,8 +118,9 @@ pub fn causal_attention(kern: Kernels, q: &Tensor, k: &Tensor, v: &Tensor, scale
     }
 }
 
-/// Whether the fused op runs its strip GEMMs on the bf16 unit (AMX tiles or AVX512-BF16) for matmul operands in `operands`
-/// and head dim `d` (what `causal_attention` checks, for the run's report).
+/// Whether the fused op runs its strip GEMMs on the bf16 unit (AMX tiles or AVX512-BF16) for
+/// matmul operands in `operands` and head dim `d` (what `causal_attention` checks, for the
+/// run's report).
 pub fn runs_on_tiles(operands: DType, d: usize) -> bool {
     operands == DType::BF16 && tiles::usable(d)
 }
@@ -827,8 +828,8 @@ mod tests {
         Ok(())
     }
 
-    /// bf16 matmul operands on a bf16 unit: the strips' GEMMs on tiles (q, k, v, the upstream gradient,
-    /// p and ds rounded to bf16, f32 sums) track the f32 strips in the output and all three
+    /// bf16 matmul operands on a bf16 unit: the strips' GEMMs on tiles (q, k, v, the upstream
+    /// gradient, p and ds rounded to bf16, f32 sums) track the f32 strips in the output and all three
     /// gradients within what that rounding allows, on ragged strips (S = 150: 64 + 64 + 22),
     /// packed records whose first keys are not tile aligned (40, 41), GQA (R = 3), both task
     /// splits and three head dims. Relative to each result's largest element.
