@@ -342,7 +342,14 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     let (ab, at) = match kern {
         Kernel::Amx if by_rows => (Vec::new(), None),
         Kernel::Amx => (Vec::new(), Some(ATiles::convert(a, m, k, (0, mp / TM), (0, b.kb), true, Vec::new()))),
-        Kernel::Avx512Bf16 => (rows_bf16(a, m, k, mp, kp), None),
+        Kernel::Avx512Bf16 => {
+            let ab = crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
+                if r < m {
+                    round_row(&a[r * k..][..k], &mut dst[..k]);
+                }
+            });
+            (ab, None)
+        }
     };
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
     let mut cbuf_vec: Vec<f32> = Vec::with_capacity(mp * np);
@@ -389,16 +396,6 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
 /// Rows of A up to which [`gemm_wt`] reads W where it lies rather than packing it.
 const WT_MAX_ROWS: usize = 128;
 
-/// A [M, K] f32 as bf16 rows [MP, KP], zero padded so that the dot kernel's loads need no
-/// masking.
-fn rows_bf16(a: &[f32], m: usize, k: usize, mp: usize, kp: usize) -> Vec<u16> {
-    crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
-        if r < m {
-            round_row(&a[r * k..][..k], &mut dst[..k]);
-        }
-    })
-}
-
 /// C [M, N] = A [M, K] · Wᵀ for a bf16 W [N, K] (row-major), with W read where it lies as
 /// the kernel's first operand: Cᵀ = W · Aᵀ, so only A is packed (as Aᵀ, M columns). For the
 /// few rows of an expert, packing its weight on every call took as long as the GEMM on AMX
@@ -432,18 +429,15 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
     let mut ab = vec![0u16; m * k];
     round_row(a, &mut ab);
     let b = PackedB::from_nk(&ab, m, k);
-    // Cᵀ's row length: M padded to AMX's column pairs, or to the dot kernel's strips.
-    let np = match kern {
-        Kernel::Amx => b.nb * TM,
-        Kernel::Avx512Bf16 => round_up(m, TM),
+    // Cᵀ's row length (M padded to AMX's column pairs, or to the dot kernel's strips) and the
+    // units of W's rows the tasks share (AMX's bands of 32, the dot kernel's blocks of 8). K
+    // in panels as `gemm_with` cuts it: at 128 rows and a long K, Aᵀ would not stay in L2
+    // while a unit of W's rows passes.
+    let (np, units) = match kern {
+        Kernel::Amx => (b.nb * TM, n / (2 * TM)),
+        Kernel::Avx512Bf16 => (round_up(m, TM), n / dot::MR),
     };
-    // Units of W's rows: AMX's bands of 32, the dot kernel's blocks of 8 (whole K each).
-    // K in panels as `gemm_with` cuts it: at 128 rows and a long K, Aᵀ would not stay in L2
-    // while a block of W's rows passes.
-    let (units, kc) = match kern {
-        Kernel::Amx => (n / (2 * TM), k_panels(b.kb, Kernel::Amx.k_panel())),
-        Kernel::Avx512Bf16 => (n / dot::MR, k_panels(b.kb, Kernel::Avx512Bf16.k_panel())),
-    };
+    let kc = k_panels(b.kb, kern.k_panel());
     let mut ct: Vec<f32> = Vec::with_capacity(n * np); // Cᵀ [N, NP]
     let cs = crate::ops::Shared::uninit(&mut ct.spare_capacity_mut()[..n * np]);
     let per = units.div_ceil(2 * rayon::current_num_threads().max(1)).max(1);
@@ -1281,9 +1275,10 @@ mod dot {
     }
 
     /// Cᵀ [N, ns] = (over the K tiles `ks`; += past the first) W [N, K] · Aᵀ for the W row
-    /// blocks `blocks` (of MR rows), W read where it lies as the left operand (a W row's k pair is one 32-bit broadcast, as an A row's is in
-    /// `run_blocks`), Aᵀ packed as B with `ns / 16` strips (M columns, the last strip padded
-    /// with zeros). Strips go three at a time (24 accumulators), so M = 48 runs as 48.
+    /// blocks `blocks` (of MR rows), W read where it lies as the left operand (a W row's k
+    /// pair is one 32-bit broadcast, as an A row's is in `run_blocks`), Aᵀ packed as B with
+    /// `ns / 16` strips (M columns, the last strip padded with zeros). Strips go three at a
+    /// time (24 accumulators), so M = 48 runs as 48.
     ///
     /// # Safety
     /// AVX512-BF16 is present; `w` holds the rows of the blocks, `k` is `b.kb * TK` (W's K a
@@ -1330,8 +1325,8 @@ mod dot {
     /// from rows of stride `lda`.
     ///
     /// # Safety
-    /// As `run_blocks` / `run_w` / `strided`; `a` points at 8 rows of stride `lda`, `c` at 8 rows of 16 S
-    /// (stride `ldc`).
+    /// As `run_blocks` / `run_w` / `strided`; `a` points at 8 rows of stride `lda`, `c` at 8
+    /// rows of 16 S (stride `ldc`).
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn micro<const S: usize>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
         let mut acc = [[_mm512_setzero_ps(); S]; MR];

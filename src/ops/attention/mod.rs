@@ -829,8 +829,8 @@ mod tests {
     }
 
     /// bf16 matmul operands on a bf16 unit: the strips' GEMMs on tiles (q, k, v, the upstream
-    /// gradient, p and ds rounded to bf16, f32 sums) track the f32 strips in the output and all three
-    /// gradients within what that rounding allows, on ragged strips (S = 150: 64 + 64 + 22),
+    /// gradient, p and ds rounded to bf16, f32 sums) track the f32 strips in the output and all
+    /// three gradients within what that rounding allows, on ragged strips (S = 150: 64 + 64 + 22),
     /// packed records whose first keys are not tile aligned (40, 41), GQA (R = 3), both task
     /// splits and three head dims. Relative to each result's largest element.
     #[test]
@@ -943,7 +943,8 @@ mod speed {
 
     /// `cargo test --release --lib attention_speed -- --ignored --nocapture`: milliseconds of
     /// the fused op's forward and backward on the bench model's shape (SmolLM2-135M, 4 x 512),
-    /// f32 strips against tiles where a bf16 unit runs (a look, not a test; `make bench` has the numbers).
+    /// f32 strips against tiles where a bf16 unit runs (a look, not a test; `make bench` has the
+    /// numbers).
     #[test]
     #[ignore]
     fn attention_speed() -> Result<()> {

@@ -204,10 +204,11 @@ impl Unit {
 }
 
 /// The strips' element-wise passes compiled for AVX-512 (16 lanes; the crate's baseline is
-/// AVX2, and every CPU with a bf16 unit has AVX-512): the code of `super::softmax_rows` and its
-/// neighbours (`probs_from_lse` and `score_grads` are the f32 path's too) and the same bits
-/// as that code compiled for AVX2 (element by element, sums in the same order). With the GEMMs on tiles, these passes and the bf16 rounding around them are most
-/// of the rest of the tile path's time.
+/// AVX2, and every CPU with a bf16 unit has AVX-512): the code of `super::softmax_rows` and
+/// its neighbours (`probs_from_lse` and `score_grads` are the f32 path's too) and the same
+/// bits as that code compiled for AVX2 (element by element, sums in the same order). With the
+/// GEMMs on tiles, these passes and the bf16 rounding around them are most of the rest of the
+/// tile path's time.
 mod wide {
     macro_rules! avx512 {
         ($name:ident ( $($arg:ident : $ty:ty),* )) => {
