@@ -36,13 +36,15 @@ REL_TOL, ABS_TOL = 1e-5, 1e-5
 
 
 def lib_path():
-    """Folders holding libcublas / libcurand / libnccl (PyTorch's nvidia wheels)."""
-    dirs = set()
-    for pat in ["libcublas.so*", "libcurand.so*", "libnccl.so*", "libcublasLt.so*"]:
-        for root in ["/opt", "/usr/local", "/usr/lib"]:
-            for f in glob.glob(os.path.join(root, "**", pat), recursive=True):
-                dirs.add(os.path.dirname(f))
-    return sorted(dirs)
+    """Folders holding libcublas / libcurand / libnccl: PyTorch's nvidia wheels in this python's
+    site-packages, else wherever under /opt, /usr/local and /usr/lib (a slow walk)."""
+    import site
+    pats = ["libcublas.so*", "libcurand.so*", "libnccl.so*", "libcublasLt.so*"]
+    for roots in [[os.path.join(p, "nvidia") for p in site.getsitepackages() + [site.getusersitepackages()]], ["/opt", "/usr/local", "/usr/lib"]]:
+        found = {pat: {os.path.dirname(f) for r in roots for f in glob.glob(os.path.join(r, "**", pat), recursive=True)} for pat in pats}
+        if all(found.values()):
+            return sorted(set().union(*found.values()))
+    return sorted(set().union(*found.values()))
 
 
 def run(binary, args, log, env):
@@ -64,9 +66,9 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def train(binary, fixture, work, name, sets, log, env, drop=()):
-    """Copy fixture to work/name and train it with --set overrides, its recipe's `drop` keys
-    removed; the run folder."""
+def prepare(fixture, work, name, sets, drop=()):
+    """Copy fixture to work/name, its recipe's `drop` keys removed; the command line that trains
+    it on cuda with the --set overrides, and the run folder it will write."""
     d = os.path.join(work, name)
     shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(fixture, d, ignore=shutil.ignore_patterns("out", "expected", "*.py"))
@@ -77,8 +79,14 @@ def train(binary, fixture, work, name, sets, log, env, drop=()):
     args = ["--recipe", os.path.join(d, "recipe.toml")]
     for s in ["model.device=cuda", *sets]:
         args += ["--set", s]
+    return args, os.path.join(d, "out")
+
+
+def train(binary, fixture, work, name, sets, log, env, drop=()):
+    """Train a copy of fixture (see prepare) in one process; the run folder."""
+    args, out = prepare(fixture, work, name, sets, drop)
     run(binary, args, log, env)
-    return os.path.join(d, "out")
+    return out
 
 
 def adapter_diff(got_dir, ref_dir):
@@ -104,36 +112,58 @@ def compare_to_peft(fixture, out):
     return ok, d
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--bin", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--only", nargs="*")
-    a = ap.parse_args()
-    binary = os.path.abspath(a.bin)
-    os.makedirs(a.out, exist_ok=True)
-    log = os.path.join(a.out, "gpu-check.log")
-    work = "/tmp/gpu-check"
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = ":".join(lib_path() + [env.get("LD_LIBRARY_PATH", "")])
-    env["FINETUNE_CACHE"] = os.path.join(work, "cache")
-    fx = lambda n: os.path.join(ROOT, "tests/fixtures", n)
-    results = {}
+class Cases:
+    """The command line (--bin, --out, --only), a fresh work folder, the environment the binary
+    runs in, and the named checks: each prints a line, and every result so far is kept in
+    OUT/<name>.json."""
 
-    def case(name, fn):
-        if a.only and not any(o in name for o in a.only):
+    def __init__(self, name, doc):
+        ap = argparse.ArgumentParser(description=doc)
+        ap.add_argument("--bin", required=True)
+        ap.add_argument("--out", required=True)
+        ap.add_argument("--only", nargs="*")
+        a = ap.parse_args()
+        self.binary, self.only, self.name, self.out = os.path.abspath(a.bin), a.only, name, a.out
+        os.makedirs(a.out, exist_ok=True)
+        self.log = os.path.join(a.out, f"{name}.log")
+        self.work = f"/tmp/{name}"
+        shutil.rmtree(self.work, ignore_errors=True)
+        os.makedirs(self.work)
+        self.env = dict(os.environ)
+        self.env["LD_LIBRARY_PATH"] = ":".join(lib_path() + [self.env.get("LD_LIBRARY_PATH", "")])
+        self.env["FINETUNE_CACHE"] = os.path.join(self.work, "cache")
+        self.results = {}
+        self.skip = None  # set to a reason, the cases after it are skipped
+
+    def __call__(self, name, fn):
+        if self.only and not any(o in name for o in self.only):
             return
         t = time.time()
-        try:
-            ok, detail = fn()
-        except Exception as e:  # noqa: BLE001 - every failure is reported, the rest still run
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        results[name] = {"ok": ok, "detail": detail, "seconds": round(time.time() - t, 1)}
+        if self.skip:
+            ok, detail = False, f"skipped: {self.skip}"
+        else:
+            try:
+                ok, detail = fn()
+            except Exception as e:  # noqa: BLE001 - every failure is reported, the rest still run
+                ok, detail = False, f"{type(e).__name__}: {e}"
+        self.results[name] = {"ok": ok, "detail": detail, "seconds": round(time.time() - t, 1)}
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail} ({time.time() - t:.1f}s)", flush=True)
         # Written after every case, so a run stopped by a time limit still leaves what it found.
-        json.dump(results, open(os.path.join(a.out, "gpu-check.json"), "w"), indent=1)
+        json.dump(self.results, open(os.path.join(self.out, f"{self.name}.json"), "w"), indent=1)
+
+    def finish(self):
+        bad = [n for n, r in self.results.items() if not r["ok"]]
+        print(f"{len(self.results) - len(bad)} of {len(self.results)} cases passed" + (f"; failed: {bad}" if bad else ""))
+        sys.exit(1 if bad else 0)
+
+
+def fixture(n):
+    return os.path.join(ROOT, "tests/fixtures", n)
+
+
+def main():
+    case = Cases("gpu-check", __doc__)
+    binary, work, log, env, fx = case.binary, case.work, case.log, case.env, fixture
 
     parity = sorted(os.path.basename(p) for p in glob.glob(fx("parity-*")))
     for n in parity:
@@ -203,9 +233,7 @@ def main():
 
     case("export --merge of a cuda run (logits verified)", lambda: merge("parity-llama-gqa"))
 
-    bad = [n for n, r in results.items() if not r["ok"]]
-    print(f"{len(results) - len(bad)} of {len(results)} cases passed" + (f"; failed: {bad}" if bad else ""))
-    sys.exit(1 if bad else 0)
+    case.finish()
 
 
 if __name__ == "__main__":

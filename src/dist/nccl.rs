@@ -4,7 +4,8 @@
 //!
 //! Each collective is a candle custom op whose CUDA forward calls NCCL on the device's own
 //! stream, so it is ordered with the kernels around it (candle's multi-GPU llama example does
-//! all-reduce the same way). Compiled without a GPU by `make check-cuda`; not run here.
+//! all-reduce the same way). Compiled without a GPU by `make check-cuda`; run on a GPU machine
+//! by `scripts/gpu_dist_check.py` (2 and 4 processes on one GPU, each its own NCCL "host").
 //!
 //! Not done: a watchdog that aborts the communicators when a peer dies mid-collective (NCCL
 //! then blocks; set NCCL's own timeouts). The rendezvous has a timeout.
