@@ -21,6 +21,8 @@ tolerances (losses and grad_norm 1e-5 relative, adapters 1e-5 absolute), the glo
   * DeepSeek-V3 (q low-rank path, sigmoid group-limited routing) with routed-expert adapters;
   * Llama with a bf16 base (bf16 gathers) and with zero_stage 0 (every rank holds the base);
   * a run saved on 2 processes at step 2 and resumed on 4 equals the uninterrupted one-rank run;
+  * a process killed mid-run: the other stops within dist.timeout_s with the watchdog's error
+    (NCCL alone would wait forever);
   * make bench's MoE model (DeepSeek-V2-Lite layer shapes, 3 layers, bf16 base: 3.2 GB) on 1, 2 and
     4 processes: each process's peak GPU memory (nvidia-smi) drops by at least 80% of what
     `finetune plan` says sharding saves, and the losses are the same (needs transformers).
@@ -42,14 +44,11 @@ PORT = [29600]
 CASES = []  # the running checks: after a launch that hung, the later cases are skipped, not each waited out
 
 
-def launch(binary, args, world, env, log):
-    """Run `finetune args` as `world` processes (one rank each, all on cuda:0) and wait for all;
-    world 1 is a plain one-process run (no NCCL)."""
-    if world == 1:
-        return g.run(binary, args, log, env)
+def spawn(binary, args, world, env):
+    """Start `finetune args` as `world` processes, one rank each, all on cuda:0; (process, stdout
+    file, stderr file) of each."""
     PORT[0] += 1
     procs = []
-    t = time.time()
     for r in range(world):
         e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(PORT[0]),
                  # One "host" per process: NCCL's duplicate-GPU check compares host hashes.
@@ -61,27 +60,43 @@ def launch(binary, args, world, env, log):
         # Files, not pipes: a rank blocked on a full pipe while we wait on another would hang.
         so, se = (open(f"/tmp/gpu-dist-check/rank{r}.{k}", "w+") for k in ("out", "err"))
         procs.append((subprocess.Popen([binary, *args], stdout=so, stderr=se, text=True, env=e), so, se))
-    outs, failed = [], []
+    return procs
+
+
+def collect(procs, args, log, t, timeout=None):
+    """Wait for the processes of `spawn` (killing all at `timeout` seconds after t, TIMEOUT_S by
+    default); [(stdout, stderr, exit status)] of each, written to the log."""
+    timeout = TIMEOUT_S if timeout is None else timeout
+    outs = []
     for r, (p, so, se) in enumerate(procs):
         note = ""
         try:
-            p.wait(timeout=max(1, TIMEOUT_S - (time.time() - t)))
+            p.wait(timeout=max(1, timeout - (time.time() - t)))
         except subprocess.TimeoutExpired:
             for q, _, _ in procs:
                 q.kill()
             p.wait()
-            note = f"\n(killed after {TIMEOUT_S} s)"
+            note = f"\n(killed after {timeout} s)"
             for c in CASES:
                 c.skip = f"an earlier run hung: finetune {' '.join(args[:2])}"
         so.seek(0)
         se.seek(0)
         outs.append((so.read(), se.read() + note, p.returncode))
-        if p.returncode != 0:
-            failed.append(r)
     with open(log, "a") as f:
         for r, (so, se, rc) in enumerate(outs):
-            f.write(f"$ RANK={r} WORLD_SIZE={world} finetune {' '.join(args)}\n{so}\n{se}\nexit {rc}\n\n")
-        f.write(f"({world} processes, {time.time() - t:.1f}s)\n\n")
+            f.write(f"$ RANK={r} WORLD_SIZE={len(procs)} finetune {' '.join(args)}\n{so}\n{se}\nexit {rc}\n\n")
+        f.write(f"({len(procs)} processes, {time.time() - t:.1f}s)\n\n")
+    return outs
+
+
+def launch(binary, args, world, env, log):
+    """Run `finetune args` as `world` processes and wait for all; world 1 is a plain one-process
+    run (no NCCL). Rank 0's stdout."""
+    if world == 1:
+        return g.run(binary, args, log, env)
+    t = time.time()
+    outs = collect(spawn(binary, args, world, env), args, log, t)
+    failed = [r for r, o in enumerate(outs) if o[2] != 0]
     if failed:
         r = failed[0]
         raise RuntimeError(f"rank {r} of {world} exited {outs[r][2]}: {outs[r][1].strip()[-800:]}")
@@ -214,6 +229,31 @@ def main():
         return within(d), d
 
     case("parity-deepseek-v2 saved on 2 processes at step 2, resumed on 4 = uninterrupted one rank", lambda: resume("parity-deepseek-v2"))
+
+    def killed_peer(n, timeout_s=15):
+        # A long run on 2 processes; once rank 0 has finished 3 steps, rank 1 is killed (as an
+        # OOM kill or a lost node would). Rank 0 is then waiting in a collective that can never
+        # complete: its watchdog must stop it with an error naming the collective, a timeout_s
+        # after the collective was issued, not leave it waiting forever.
+        sets = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "train.max_steps=100000", f"dist.timeout_s={timeout_s}",
+                "dist.zero_stage=3", "dist.offload_optimizer=cpu"]
+        args, _ = g.prepare(fx(n), work, f"{n}-killed", sets)
+        t = time.time()
+        procs = spawn(binary, args, 2, env)
+        while "step 3/" not in open("/tmp/gpu-dist-check/rank0.err").read():  # progress goes to stderr
+            if time.time() - t > 60 or any(p.poll() is not None for p, _, _ in procs):
+                collect(procs, args, log, t, timeout=1)
+                raise RuntimeError("rank 0 did not reach step 3 (or a rank exited first)")
+            time.sleep(0.2)
+        procs[1][0].kill()
+        killed = time.time()
+        outs = collect(procs, args, log, t, timeout=killed - t + timeout_s + 30)
+        took = time.time() - killed
+        err = outs[0][1]
+        d = {"rank 0 exit": outs[0][2], "seconds after the kill": round(took, 1), "rank 0 said": err.strip().splitlines()[-2:]}
+        return outs[0][2] not in (0, None, -9) and "has not completed" in err and took < timeout_s + 10, d
+
+    case("a process killed mid-run: the other stops with the watchdog's error within dist.timeout_s", lambda: killed_peer("parity-deepseek-v2"))
 
     def memory():
         # make bench's MoE model (DeepSeek-V2-Lite layer shapes, 3 layers, bf16: 3.2 GB) on 1, 2

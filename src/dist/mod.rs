@@ -5,6 +5,7 @@
 //!   barrier) and the in-process backend (one rank per thread; CPU runs and tests).
 //! - `nccl` (feature `nccl`): the same interface over NCCL communicators.
 //! - [`rendezvous`]: processes meet over TCP (MASTER_ADDR/MASTER_PORT) to share the NCCL id.
+//! - [`watchdog`]: stops a process whose collective waited past `dist.timeout_s` (NCCL ranks).
 //! - [`zero`]: the sharded frozen-weight source and the memory account.
 //! - [`plan`]: memory per device and host from config.json alone (`finetune plan`).
 //!
@@ -16,6 +17,7 @@ pub mod collective;
 pub mod nccl;
 pub mod plan;
 pub mod rendezvous;
+pub mod watchdog;
 pub mod zero;
 
 use crate::device::DeviceSpec;

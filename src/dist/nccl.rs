@@ -7,8 +7,10 @@
 //! all-reduce the same way). Compiled without a GPU by `make check-cuda`; run on a GPU machine
 //! by `scripts/gpu_dist_check.py` (2 and 4 processes on one GPU, each its own NCCL "host").
 //!
-//! Not done: a watchdog that aborts the communicators when a peer dies mid-collective (NCCL
-//! then blocks; set NCCL's own timeouts). The rendezvous has a timeout.
+//! A peer that dies or stops mid-run would leave NCCL waiting forever (its kernels spin on the
+//! peer): each collective records a CUDA event behind it for the [`Watchdog`], which stops this
+//! process with an error naming the rank and the collective once one has waited
+//! `dist.timeout_s`. The rendezvous has its own timeout.
 
 use super::collective::Collective;
 use super::Layout;
@@ -17,6 +19,8 @@ use crate::recipe::LoadedRecipe;
 use crate::train::{RunOptions, RunSummary};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout as TLayout, Shape, Tensor};
+use super::watchdog::{Completion, Overdue, Watchdog};
+use cudarc::driver::CudaEvent;
 use cudarc::nccl::safe::{group_end, group_start, Comm, Id, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +31,7 @@ pub struct NcclComm {
     rank: usize,
     world: usize,
     device: candle_core::Device,
+    watch: Arc<Watchdog<Behind>>,
 }
 
 // SAFETY: a communicator is only ever used by the one rank thread that owns it (NCCL allows a
@@ -34,6 +39,17 @@ pub struct NcclComm {
 // object, not to share it between threads.
 unsafe impl Send for NcclComm {}
 unsafe impl Sync for NcclComm {}
+
+/// The event recorded behind a collective on its rank's stream.
+struct Behind(CudaEvent);
+
+impl Completion for Behind {
+    fn is_complete(&self) -> bool {
+        // The query needs the event's context current on the asking thread: without it
+        // cuEventQuery fails, which would read as complete.
+        self.0.context().bind_to_thread().is_ok() && !matches!(self.0.try_is_complete(), Ok(false))
+    }
+}
 
 #[derive(Clone, Copy)]
 enum Op {
@@ -47,6 +63,19 @@ struct NcclOp<'a> {
     comm: &'a Comm,
     op: Op,
     world: usize,
+    rank: usize,
+    watch: &'a Watchdog<Behind>,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllReduce => "all_reduce",
+            Op::Broadcast(_) => "broadcast",
+        }
+    }
 }
 
 impl CustomOp1 for NcclOp<'_> {
@@ -71,13 +100,24 @@ impl CustomOp1 for NcclOp<'_> {
             ($t:ty) => {{
                 let src = s.as_cuda_slice::<$t>()?.slice(lo..hi);
                 let mut dst = dev.alloc_zeros::<$t>(out_len)?;
+                self.watch.issuing(self.rank, self.op.name());
                 let r = match self.op {
                     Op::AllGather => self.comm.all_gather(&src, &mut dst),
                     Op::ReduceScatter => self.comm.reduce_scatter(&src, &mut dst, &ReduceOp::Sum),
                     Op::AllReduce => self.comm.all_reduce(&src, &mut dst, &ReduceOp::Sum),
                     Op::Broadcast(root) => self.comm.broadcast(Some(&src), &mut dst, root as i32),
                 };
-                r.map_err(|e| candle_core::Error::msg(format!("nccl: {e:?}")))?;
+                let behind = match r {
+                    Ok(_) => dev.cuda_stream().record_event(None).map_err(|e| candle_core::Error::msg(format!("CUDA event: {e:?}"))),
+                    Err(e) => Err(candle_core::Error::msg(format!("nccl: {e:?}"))),
+                };
+                match behind {
+                    Ok(event) => self.watch.issued(self.rank, Some(Behind(event))),
+                    Err(e) => {
+                        self.watch.issued(self.rank, None);
+                        return Err(e);
+                    }
+                }
                 CudaStorage::wrap_cuda_slice(dst, dev)
             }};
         }
@@ -96,7 +136,7 @@ impl CustomOp1 for NcclOp<'_> {
 impl NcclComm {
     fn apply(&self, x: &Tensor, op: Op) -> Result<Tensor> {
         let x = x.flatten_all()?.contiguous()?;
-        x.apply_op1_no_bwd(&NcclOp { comm: &self.comm, op, world: self.world })
+        x.apply_op1_no_bwd(&NcclOp { comm: &self.comm, op, world: self.world, rank: self.rank, watch: &self.watch })
             .map_err(|e| Error::Dist { rank: self.rank, msg: crate::error::candle_msg(&e) })
     }
 }
@@ -168,10 +208,27 @@ pub fn run(loaded: &LoadedRecipe, run_opts: &RunOptions, layout: &Layout) -> Res
         comms.push(Comm::from_rank(stream, *rank, layout.world, id));
     }
     group_end().map_err(nccl_err)?;
+    let timeout_s = r.dist.timeout_s;
+    let watch = Watchdog::start(Duration::from_secs(timeout_s), move |o: Overdue| {
+        eprintln!(
+            "error: rank {}: NCCL {} has not completed after {:.0} s: a peer process died or stopped (NCCL would wait \
+             forever); stopping this process",
+            o.rank,
+            o.op,
+            o.waited.as_secs_f64()
+        );
+        eprintln!("hint: dist.timeout_s sets how long a collective may wait for the other ranks (now {timeout_s} s)");
+        // _exit, not exit: atexit handlers (the CUDA runtime's teardown) could block behind the
+        // hung collective as the completion query did. Checkpoints are written by rename, so
+        // none is left half written.
+        unsafe { libc::_exit(1) }
+    });
     let mut ranks: Vec<(Arc<dyn Collective>, candle_core::Device)> = Vec::new();
     for (c, (rank, dev)) in comms.into_iter().zip(devices) {
-        let comm = NcclComm { comm: c.map_err(nccl_err)?, rank, world: layout.world, device: dev.clone() };
+        let comm = NcclComm { comm: c.map_err(nccl_err)?, rank, world: layout.world, device: dev.clone(), watch: watch.clone() };
         ranks.push((Arc::new(comm), dev));
     }
-    crate::train::run_ranks(loaded, run_opts, ranks, &|_, _| {}, &|| None)
+    let summary = crate::train::run_ranks(loaded, run_opts, ranks, &|_, _| {}, &|| None);
+    watch.stop();
+    summary
 }

@@ -1,0 +1,231 @@
+//! The collective watchdog: a peer process that dies or stops mid-run leaves NCCL waiting
+//! forever (its kernels spin on the peer, and NCCL has no timeout of its own). The watchdog
+//! notices a collective that has not completed `dist.timeout_s` after it was issued and calls
+//! `on_overdue` once, which for NCCL ranks prints the error and ends the process (as PyTorch's
+//! NCCL watchdog does). Semantics are the in-process backend's `dist.timeout_s`: a collective
+//! may wait that long for the others, e.g. while rank 0 writes a checkpoint.
+//!
+//! Two threads, because asking whether a collective completed can itself block: on an H200
+//! with a killed peer, `cuEventQuery` from a third thread stalled on a driver lock held by the
+//! rank's thread, which was stuck behind the hung collective (found by
+//! `scripts/gpu_dist_check.py`; PyTorch added its heartbeat monitor for the same reason). The
+//! *pruner* queries completion and drops what completed, never holding the lock while it
+//! queries; the *monitor* only reads issue times under the lock and makes no device calls, so
+//! a blocked query leaves the oldest entry in place and the monitor still fires.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Work recorded behind a collective on its stream (a CUDA event).
+pub trait Completion: Send + Sync + 'static {
+    /// Whether the work is complete. May block. An error counts as complete: the rank reports
+    /// device errors itself at its next synchronisation.
+    fn is_complete(&self) -> bool;
+}
+
+/// The collective that waited too long.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Overdue {
+    pub rank: usize,
+    pub op: &'static str,
+    pub waited: Duration,
+}
+
+struct Entry<E> {
+    op: &'static str,
+    since: Instant,
+    /// None while the host is still inside the collective's call (which can block too).
+    behind: Option<Arc<E>>,
+}
+
+type Queues<E> = HashMap<usize, VecDeque<Entry<E>>>;
+
+pub struct Watchdog<E> {
+    /// Per rank, oldest first (a stream's work completes in order).
+    pending: Mutex<Queues<E>>,
+    timeout: Duration,
+    stop: AtomicBool,
+}
+
+impl<E: Completion> Watchdog<E> {
+    /// Start the pruner and the monitor; the monitor checks every quarter of the timeout (100
+    /// ms to 1 s) and calls `on_overdue` at most once.
+    pub fn start(timeout: Duration, on_overdue: impl FnOnce(Overdue) + Send + 'static) -> Arc<Self> {
+        let w = Arc::new(Watchdog { pending: Mutex::new(HashMap::new()), timeout, stop: AtomicBool::new(false) });
+        let pruner = w.clone();
+        std::thread::Builder::new().name("nccl-watchdog-pruner".into()).spawn(move || pruner.prune()).expect("spawn the watchdog's pruner");
+        let monitor = w.clone();
+        let poll = (timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+        std::thread::Builder::new()
+            .name("nccl-watchdog".into())
+            .spawn(move || {
+                while !monitor.stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(poll);
+                    if let Some(o) = monitor.overdue() {
+                        on_overdue(o);
+                        return;
+                    }
+                }
+            })
+            .expect("spawn the watchdog");
+        w
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Queues<E>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The host is about to enter the call that issues `op` for `rank`.
+    pub fn issuing(&self, rank: usize, op: &'static str) {
+        self.lock().entry(rank).or_default().push_back(Entry { op, since: Instant::now(), behind: None });
+    }
+
+    /// The call returned: `Some(work recorded behind it)`, or None if it failed (the rank
+    /// reports that; nothing is pending).
+    pub fn issued(&self, rank: usize, behind: Option<E>) {
+        let mut pending = self.lock();
+        let q = pending.entry(rank).or_default();
+        match behind {
+            Some(b) => {
+                if let Some(last) = q.back_mut() {
+                    last.behind = Some(Arc::new(b));
+                }
+            }
+            None => {
+                q.pop_back();
+            }
+        }
+    }
+
+    /// Stop both threads (the run is over).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// The pruner: drop each rank's oldest entry once its work completed, querying outside the
+    /// lock; the last reference to a completed entry's work is dropped here too, outside it.
+    fn prune(&self) {
+        while !self.stop.load(Ordering::Relaxed) {
+            let fronts: Vec<(usize, Arc<E>)> =
+                self.lock().iter().filter_map(|(r, q)| q.front().and_then(|e| e.behind.clone()).map(|b| (*r, b))).collect();
+            let mut progressed = false;
+            for (rank, b) in fronts {
+                if b.is_complete() {
+                    let mut pending = self.lock();
+                    let q = pending.get_mut(&rank).expect("a rank's queue is never removed");
+                    if q.front().and_then(|e| e.behind.as_ref()).is_some_and(|f| Arc::ptr_eq(f, &b)) {
+                        q.pop_front();
+                        progressed = true;
+                    }
+                }
+            }
+            if !progressed {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// The first rank whose oldest collective has waited past the timeout (no device calls).
+    fn overdue(&self) -> Option<Overdue> {
+        let pending = self.lock();
+        pending.iter().find_map(|(rank, q)| {
+            let e = q.front()?;
+            let waited = e.since.elapsed();
+            (waited > self.timeout).then_some(Overdue { rank: *rank, op: e.op, waited })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    /// A stand-in for a CUDA event: complete when the flag is set; a query can be made to block.
+    struct Flag {
+        done: Arc<AtomicBool>,
+        block: Arc<Mutex<()>>,
+    }
+
+    impl Completion for Flag {
+        fn is_complete(&self) -> bool {
+            let _held = self.block.lock().unwrap();
+            self.done.load(Ordering::Relaxed)
+        }
+    }
+
+    fn flag(done: bool, block: &Arc<Mutex<()>>) -> (Flag, Arc<AtomicBool>) {
+        let d = Arc::new(AtomicBool::new(done));
+        (Flag { done: d.clone(), block: block.clone() }, d)
+    }
+
+    fn watchdog(timeout_ms: u64) -> (Arc<Watchdog<Flag>>, mpsc::Receiver<Overdue>) {
+        let (tx, rx) = mpsc::channel();
+        let w = Watchdog::start(Duration::from_millis(timeout_ms), move |o| tx.send(o).unwrap());
+        (w, rx)
+    }
+
+    #[test]
+    fn watchdog_stays_quiet_while_collectives_complete() {
+        // A timeout well above the pruner's lag on a loaded machine: the claim is that completed
+        // collectives are dropped, not how fast.
+        let (w, rx) = watchdog(1000);
+        let block = Arc::new(Mutex::new(()));
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(2500) {
+            for rank in 0..2 {
+                w.issuing(rank, "all_gather");
+                w.issued(rank, Some(flag(true, &block).0));
+            }
+            // A failed call leaves nothing pending.
+            w.issuing(0, "broadcast");
+            w.issued(0, None);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(rx.recv_timeout(Duration::from_millis(1500)).is_err(), "fired although every collective completed");
+        assert!(w.lock().values().all(|q| q.is_empty()), "completed collectives were not dropped");
+        w.stop();
+    }
+
+    #[test]
+    fn watchdog_names_the_rank_and_collective_that_never_completes() {
+        let (w, rx) = watchdog(300);
+        let block = Arc::new(Mutex::new(()));
+        w.issuing(1, "all_gather");
+        w.issued(1, Some(flag(true, &block).0));
+        w.issuing(1, "reduce_scatter");
+        let (hung, _) = flag(false, &block);
+        w.issued(1, Some(hung));
+        w.issuing(0, "reduce_scatter");
+        w.issued(0, Some(flag(true, &block).0));
+        let o = rx.recv_timeout(Duration::from_secs(10)).expect("a collective pending past the timeout was not reported");
+        assert_eq!((o.rank, o.op), (1, "reduce_scatter"));
+        assert!(o.waited >= Duration::from_millis(300), "fired early: {o:?}");
+        w.stop();
+    }
+
+    #[test]
+    fn watchdog_fires_when_the_completion_query_itself_blocks() {
+        // The query blocks forever (as cuEventQuery did behind a driver lock on the H200): the
+        // monitor must not depend on it.
+        let (w, rx) = watchdog(300);
+        let block = Arc::new(Mutex::new(()));
+        let _held = block.lock().unwrap();
+        w.issuing(0, "all_gather");
+        w.issued(0, Some(flag(true, &block).0));
+        let o = rx.recv_timeout(Duration::from_secs(10)).expect("a blocked completion query kept the watchdog from firing");
+        assert_eq!((o.rank, o.op), (0, "all_gather"));
+        w.stop();
+    }
+
+    #[test]
+    fn watchdog_fires_when_the_host_never_returns_from_the_call() {
+        let (w, rx) = watchdog(300);
+        w.issuing(0, "broadcast");
+        let o = rx.recv_timeout(Duration::from_secs(10)).expect("a call that never returned was not reported");
+        assert_eq!((o.rank, o.op), (0, "broadcast"));
+        w.stop();
+    }
+}
