@@ -40,11 +40,14 @@ def lib_path():
     site-packages, else wherever under /opt, /usr/local and /usr/lib (a slow walk)."""
     import site
     pats = ["libcublas.so*", "libcurand.so*", "libnccl.so*", "libcublasLt.so*"]
+    dirs, missing = [], pats
     for roots in [[os.path.join(p, "nvidia") for p in site.getsitepackages() + [site.getusersitepackages()]], ["/opt", "/usr/local", "/usr/lib"]]:
-        found = {pat: {os.path.dirname(f) for r in roots for f in glob.glob(os.path.join(r, "**", pat), recursive=True)} for pat in pats}
-        if all(found.values()):
-            return sorted(set().union(*found.values()))
-    return sorted(set().union(*found.values()))
+        found = {pat: sorted({os.path.dirname(f) for r in roots for f in glob.glob(os.path.join(r, "**", pat), recursive=True)}) for pat in missing}
+        dirs += [d for ds in found.values() for d in ds if d not in dirs]
+        missing = [pat for pat in missing if not found[pat]]
+        if not missing:
+            break
+    return dirs
 
 
 def run(binary, args, log, env):

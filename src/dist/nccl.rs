@@ -45,9 +45,16 @@ struct Behind(CudaEvent);
 
 impl Completion for Behind {
     fn is_complete(&self) -> bool {
-        // The query needs the event's context current on the asking thread: without it
-        // cuEventQuery fails, which would read as complete.
-        self.0.context().bind_to_thread().is_ok() && !matches!(self.0.try_is_complete(), Ok(false))
+        // The query needs the event's context current on the asking thread (without it
+        // cuEventQuery fails, which would read as complete). Made current directly: cudarc's
+        // bind_to_thread would also take, and clear, an error the context holds for the rank.
+        let ctx = self.0.context().cu_ctx();
+        let current = matches!(cudarc::driver::result::ctx::get_current(), Ok(Some(c)) if c == ctx);
+        // SAFETY: the context outlives the event, which holds a reference to it.
+        if !current && unsafe { cudarc::driver::result::ctx::set_current(ctx) }.is_err() {
+            return false;
+        }
+        !matches!(self.0.try_is_complete(), Ok(false))
     }
 }
 
@@ -197,17 +204,6 @@ pub fn run(loaded: &LoadedRecipe, run_opts: &RunOptions, layout: &Layout) -> Res
     for &(rank, spec) in &layout.local {
         devices.push((rank, crate::train::open_device(loaded, spec)?));
     }
-    // All local communicators in one group: initialising them one by one would block on the
-    // first until the others join.
-    group_start().map_err(nccl_err)?;
-    let mut comms = Vec::new();
-    for (rank, dev) in &devices {
-        let stream = dev.as_cuda_device()?.cuda_stream();
-        // ncclCommInitRank uses the calling thread's current device: make it this rank's GPU.
-        stream.context().bind_to_thread().map_err(|e| Error::Dist { rank: *rank, msg: format!("CUDA: {e:?}") })?;
-        comms.push(Comm::from_rank(stream, *rank, layout.world, id));
-    }
-    group_end().map_err(nccl_err)?;
     let timeout_s = r.dist.timeout_s;
     let watch = Watchdog::start(Duration::from_secs(timeout_s), move |o: Overdue| {
         eprintln!(
@@ -223,12 +219,47 @@ pub fn run(loaded: &LoadedRecipe, run_opts: &RunOptions, layout: &Layout) -> Res
         // none is left half written.
         unsafe { libc::_exit(1) }
     });
+    // Stopped however the run ends: an early error must not leave the watchdog to report the
+    // communicator initialisation it interrupted.
+    let summary = run_watched(loaded, run_opts, layout, devices, id, &watch);
+    watch.stop();
+    summary
+}
+
+/// Initialise this process's communicators (all in one group) and train its ranks.
+fn run_watched(
+    loaded: &LoadedRecipe,
+    run_opts: &RunOptions,
+    layout: &Layout,
+    devices: Vec<(usize, candle_core::Device)>,
+    id: Id,
+    watch: &Arc<Watchdog<Behind>>,
+) -> Result<RunSummary> {
+    let first = layout.local.first().map_or(0, |l| l.0);
+    let nccl_err = |e: cudarc::nccl::result::NcclError| Error::Dist { rank: first, msg: format!("NCCL: {e:?}") };
+    // All local communicators in one group: initialising them one by one would block on the
+    // first until the others join.
+    group_start().map_err(nccl_err)?;
+    let mut comms = Vec::new();
+    for (rank, dev) in &devices {
+        let stream = dev.as_cuda_device()?.cuda_stream();
+        // ncclCommInitRank uses the calling thread's current device: make it this rank's GPU.
+        stream.context().bind_to_thread().map_err(|e| Error::Dist { rank: *rank, msg: format!("CUDA: {e:?}") })?;
+        comms.push(Comm::from_rank(stream, *rank, layout.world, id));
+    }
+    // Watched too: a peer that dies between the rendezvous and here would leave it waiting.
+    for (rank, _) in &devices {
+        watch.issuing(*rank, "communicator initialisation");
+    }
+    let ended = group_end();
+    for (rank, _) in &devices {
+        watch.issued(*rank, None);
+    }
+    ended.map_err(nccl_err)?;
     let mut ranks: Vec<(Arc<dyn Collective>, candle_core::Device)> = Vec::new();
     for (c, (rank, dev)) in comms.into_iter().zip(devices) {
         let comm = NcclComm { comm: c.map_err(nccl_err)?, rank, world: layout.world, device: dev.clone(), watch: watch.clone() };
         ranks.push((Arc::new(comm), dev));
     }
-    let summary = crate::train::run_ranks(loaded, run_opts, ranks, &|_, _| {}, &|| None);
-    watch.stop();
-    summary
+    crate::train::run_ranks(loaded, run_opts, ranks, &|_, _| {}, &|| None)
 }
