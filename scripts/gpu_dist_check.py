@@ -21,11 +21,11 @@ tolerances (losses and grad_norm 1e-5 relative, adapters 1e-5 absolute), the glo
   * DeepSeek-V3 (q low-rank path, sigmoid group-limited routing) with routed-expert adapters;
   * Llama with a bf16 base (bf16 gathers) and with zero_stage 0 (every rank holds the base);
   * a run saved on 2 processes at step 2 and resumed on 4 equals the uninterrupted one-rank run;
-  * a process killed mid-run: the other stops within dist.timeout_s with the watchdog's error
-    (NCCL alone would wait forever);
   * make bench's MoE model (DeepSeek-V2-Lite layer shapes, 3 layers, bf16 base: 3.2 GB) on 1, 2 and
     4 processes: each process's peak GPU memory (nvidia-smi) drops by at least 80% of what
-    `finetune plan` says sharding saves, and the losses are the same (needs transformers).
+    `finetune plan` says sharding saves, and the losses are the same (needs transformers);
+  * last, a process killed mid-run: the other stops within dist.timeout_s with the watchdog's
+    error (NCCL alone would wait forever).
 It prints one line per case, writes OUTDIR/gpu-dist-check.json, and exits 1 if a case failed.
 """
 import json
@@ -234,35 +234,6 @@ def main():
 
     case("parity-deepseek-v2 saved on 2 processes at step 2, resumed on 4 = uninterrupted one rank", lambda: resume("parity-deepseek-v2"))
 
-    def killed_peer(n, timeout_s=15):
-        # A long run on 2 processes; once rank 0 has finished 3 steps, rank 1 is killed (as an
-        # OOM kill or a lost node would). Rank 0 is then waiting in a collective that can never
-        # complete: its watchdog must stop it with an error naming the collective, a timeout_s
-        # after the collective was issued, not leave it waiting forever.
-        sets = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "train.max_steps=100000", f"dist.timeout_s={timeout_s}",
-                "dist.zero_stage=3", "dist.offload_optimizer=cpu"]
-        args, _ = g.prepare(fx(n), work, f"{n}-killed", sets)
-        t = time.time()
-        procs = spawn(binary, args, 2, env)
-        while "step 3/" not in open("/tmp/gpu-dist-check/rank0.err").read():  # progress goes to stderr
-            if time.time() - t > 60 or any(p.poll() is not None for p, _, _ in procs):
-                collect(procs, args, log, t, timeout=time.time() - t + 1, hang_skips=False)
-                raise RuntimeError("rank 0 did not reach step 3 (or a rank exited first)")
-            time.sleep(0.2)
-        procs[1][0].kill()
-        killed = time.time()
-        outs = collect(procs, args, log, t, timeout=killed - t + timeout_s + 30)
-        took = time.time() - killed
-        err = outs[0][1]
-        # The watchdog's own count of the wait: it must not have fired before timeout_s.
-        waited = [float(w) for w in re.findall(r"has not completed after (\d+) s", err)]
-        d = {"rank 0 exit": outs[0][2], "rank 1 exit": outs[1][2], "seconds after the kill": round(took, 1),
-             "rank 0 said": err.strip().splitlines()[-2:]}
-        ok = outs[0][2] == 1 and outs[1][2] == -9 and waited and waited[0] >= timeout_s and took < timeout_s + 10
-        return bool(ok), d
-
-    case("a process killed mid-run: the other stops with the watchdog's error within dist.timeout_s", lambda: killed_peer("parity-deepseek-v2"))
-
     def memory():
         # make bench's MoE model (DeepSeek-V2-Lite layer shapes, 3 layers, bf16: 3.2 GB) on 1, 2
         # and 4 processes: what each process holds on the GPU, against `finetune plan`.
@@ -303,6 +274,36 @@ def main():
         return ok, d
 
     case("DeepSeek-V2-Lite-shaped MoE (3 layers, bf16) ZeRO-3 on 1, 2, 4 processes: each holds 1/N of the base", memory)
+
+    def killed_peer(n, timeout_s=15):
+        # A long run on 2 processes; once rank 0 has finished 3 steps, rank 1 is killed (as an
+        # OOM kill or a lost node would). Rank 0 is then waiting in a collective that can never
+        # complete: its watchdog must stop it with an error naming the collective, a timeout_s
+        # after the collective was issued, not leave it waiting forever.
+        sets = ["train.micro_batch_size=1", "train.grad_accum_steps=2", "train.max_steps=100000", f"dist.timeout_s={timeout_s}",
+                "dist.zero_stage=3", "dist.offload_optimizer=cpu"]
+        args, _ = g.prepare(fx(n), work, f"{n}-killed", sets)
+        t = time.time()
+        procs = spawn(binary, args, 2, env)
+        while "step 3/" not in open("/tmp/gpu-dist-check/rank0.err").read():  # progress goes to stderr
+            if time.time() - t > 60 or any(p.poll() is not None for p, _, _ in procs):
+                collect(procs, args, log, t, timeout=time.time() - t + 1, hang_skips=False)
+                raise RuntimeError("rank 0 did not reach step 3 (or a rank exited first)")
+            time.sleep(0.2)
+        procs[1][0].kill()
+        killed = time.time()
+        outs = collect(procs, args, log, t, timeout=killed - t + timeout_s + 30)
+        took = time.time() - killed
+        err = outs[0][1]
+        # The watchdog's own count of the wait: it must not have fired before timeout_s.
+        waited = [float(w) for w in re.findall(r"has not completed after (\d+) s", err)]
+        d = {"rank 0 exit": outs[0][2], "rank 1 exit": outs[1][2], "seconds after the kill": round(took, 1),
+             "rank 0 said": err.strip().splitlines()[-2:]}
+        ok = outs[0][2] == 1 and outs[1][2] == -9 and waited and waited[0] >= timeout_s and took < timeout_s + 10
+        return bool(ok), d
+
+    # Last: if the watchdog fails, the kill of the hung rank would skip every later case.
+    case("a process killed mid-run: the other stops with the watchdog's error within dist.timeout_s", lambda: killed_peer("parity-deepseek-v2"))
 
     case.finish()
 
