@@ -8,9 +8,10 @@
 //! collective may wait that long for the others, e.g. while rank 0 writes a checkpoint.
 //!
 //! Two threads, because asking whether a collective completed can itself block: on an H200
-//! with a killed peer, `cuEventQuery` from a third thread stalled on a driver lock held by the
-//! rank's thread, which was stuck behind the hung collective (found by
-//! `scripts/gpu_dist_check.py`; PyTorch added its heartbeat monitor for the same reason). The
+//! with a killed peer, the watchdog thread's queries (answered throughout the healthy steps)
+//! stalled once the collective hung, most likely on a driver lock held by the rank's thread,
+//! itself stuck behind it (found by `scripts/gpu_dist_check.py`; PyTorch's NCCL watchdog has a
+//! heartbeat monitor for the same hazard). The
 //! *pruner* queries completion and drops what completed, never holding the lock while it
 //! queries; the *monitor* only reads issue times under the lock and makes no device calls, so
 //! a blocked query leaves the oldest entry in place and the monitor still fires. The rank
