@@ -45,8 +45,9 @@ check-llama-cpp: build
 check-cuda:
 	bash scripts/check-cuda.sh
 
-## Link the GPU binary (target/cuda/release/finetune) without a GPU, to carry to one; there,
-## `python3 scripts/gpu_check.py --bin ... --out DIR` checks it and scripts/gpu_bench.py times it.
+## Link the GPU binary (target/cuda/release/finetune) without a GPU and pack it to carry to one
+## (target/cuda-carry/finetune.gz); there, `bash scripts/gpu-checks.sh DIR` checks it (one GPU,
+## then 2 and 4 NCCL ranks) and scripts/gpu_bench.py times it.
 build-cuda:
 	bash scripts/build-cuda.sh
 

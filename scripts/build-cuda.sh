@@ -23,4 +23,10 @@ open(sys.argv[2], "w").write("".join(f"void {n}(void) {{}}\n" for n in sorted(na
 PY
   cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$LIB/libcuda.so" "$LIB/libcuda_stub.c"
 fi
-exec cargo build --release --features cuda,nccl --target-dir target/cuda --bin finetune "$@"
+cargo build --release --features cuda,nccl --target-dir target/cuda --bin finetune "$@"
+# What to carry to the GPU machine (the device tool's carry limit is 64 MB): stripped and gzipped,
+# about 22 MB; scripts/gpu-checks.sh unpacks it there.
+mkdir -p target/cuda-carry
+strip -o target/cuda-carry/finetune target/cuda/release/finetune
+gzip -f target/cuda-carry/finetune
+echo "build-cuda: target/cuda/release/finetune; to carry: target/cuda-carry/finetune.gz ($(du -h target/cuda-carry/finetune.gz | cut -f1))"
