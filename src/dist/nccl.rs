@@ -178,11 +178,21 @@ impl Collective for NcclComm {
     }
 }
 
+/// The first rank this process drives: the one its process-wide errors are reported as.
+fn first_rank(layout: &Layout) -> usize {
+    layout.local.first().map_or(0, |l| l.0)
+}
+
+/// An NCCL call's error, reported as this process's first rank's.
+fn nccl_err(layout: &Layout) -> impl Fn(cudarc::nccl::result::NcclError) -> Error + Copy {
+    let rank = first_rank(layout);
+    move |e| Error::Dist { rank, msg: format!("NCCL: {e:?}") }
+}
+
 /// Run the recipe's CUDA ranks of this process over NCCL.
 pub fn run(loaded: &LoadedRecipe, run_opts: &RunOptions, layout: &Layout) -> Result<RunSummary> {
     let r = &loaded.recipe;
-    let first = layout.local.first().map_or(0, |l| l.0);
-    let nccl_err = |e: cudarc::nccl::result::NcclError| Error::Dist { rank: first, msg: format!("NCCL: {e:?}") };
+    let nccl_err = nccl_err(layout);
     let id = if layout.processes > 1 {
         let addr = super::rendezvous::master_addr(&|k| std::env::var(k).ok())
             .map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: "$MASTER_ADDR".into(), msg })?;
@@ -190,7 +200,7 @@ pub fn run(loaded: &LoadedRecipe, run_opts: &RunOptions, layout: &Layout) -> Res
         let bytes: Option<Vec<u8>> = mine.map(|id| id.internal().iter().map(|&c| c as u8).collect());
         let got = super::rendezvous::rendezvous(&addr, layout.process, layout.processes, layout.world, bytes.as_deref(), Duration::from_secs(r.dist.timeout_s))?;
         if got.len() != 128 {
-            return Err(Error::Dist { rank: first, msg: format!("the NCCL id from process 0 has {} bytes, expected 128", got.len()) });
+            return Err(Error::Dist { rank: first_rank(layout), msg: format!("the NCCL id from process 0 has {} bytes, expected 128", got.len()) });
         }
         let mut internal = [0 as std::ffi::c_char; 128];
         for (d, s) in internal.iter_mut().zip(&got) {
@@ -235,8 +245,7 @@ fn run_watched(
     id: Id,
     watch: &Arc<Watchdog<Behind>>,
 ) -> Result<RunSummary> {
-    let first = layout.local.first().map_or(0, |l| l.0);
-    let nccl_err = |e: cudarc::nccl::result::NcclError| Error::Dist { rank: first, msg: format!("NCCL: {e:?}") };
+    let nccl_err = nccl_err(layout);
     // All local communicators in one group: initialising them one by one would block on the
     // first until the others join.
     group_start().map_err(nccl_err)?;

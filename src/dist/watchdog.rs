@@ -67,17 +67,15 @@ impl<E: Completion> Watchdog<E> {
         let poll = (timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
         std::thread::Builder::new()
             .name("nccl-watchdog".into())
-            .spawn(move || {
-                while !monitor.stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(poll);
-                    // Stopped while asleep: the run is over, whatever is still queued.
-                    if monitor.stop.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    if let Some(o) = monitor.overdue() {
-                        on_overdue(o);
-                        return;
-                    }
+            .spawn(move || loop {
+                std::thread::sleep(poll);
+                // Checked after the sleep: stopped meanwhile, the run is over, whatever is queued.
+                if monitor.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                if let Some(o) = monitor.overdue() {
+                    on_overdue(o);
+                    return;
                 }
             })
             .expect("spawn the watchdog");
