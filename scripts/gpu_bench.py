@@ -19,13 +19,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "scripts"), os.path.join(ROOT, "bench")]
 import bench  # noqa: E402
-from gpu_check import lib_path  # noqa: E402
+from gpu_check import lib_path, sampling  # noqa: E402
 # make bench's recipe, on the GPU.
 RECIPE = bench.RECIPE.replace("[lora]", 'device = "cuda"\n[lora]', 1)
 
@@ -39,20 +37,11 @@ def peak_gpu(cmd, env):
     """Run cmd; (stdout, peak GPU MB above the idle level)."""
     base = gpu_used_mb()
     peak = [base]
-    done = threading.Event()
 
-    def poll():
-        while not done.is_set():
-            peak[0] = max(peak[0], gpu_used_mb())
-            time.sleep(0.05)
+    def sample():
+        peak[0] = max(peak[0], gpu_used_mb())
 
-    t = threading.Thread(target=poll)
-    t.start()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    finally:
-        done.set()
-        t.join()
+    p = sampling(lambda: subprocess.run(cmd, capture_output=True, text=True, env=env), sample, 0.05)
     if p.returncode != 0:
         raise RuntimeError(f"{cmd[0]} exited {p.returncode}: {p.stderr[-1500:]}")
     return p.stdout, peak[0] - base

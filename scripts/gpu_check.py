@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -48,6 +49,25 @@ def lib_path():
         if not missing:
             break
     return dirs
+
+
+def sampling(fn, sample, every):
+    """fn()'s result, while a thread calls sample() every `every` seconds until fn returns (the
+    GPU memory samplers of gpu_bench.py and gpu_dist_check.py)."""
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            sample()
+            time.sleep(every)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        return fn()
+    finally:
+        done.set()
+        t.join()
 
 
 def run(binary, args, log, env):

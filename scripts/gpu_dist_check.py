@@ -34,7 +34,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -135,24 +134,16 @@ dir = "{out}"
 
 def peak_per_process(fn):
     """Run fn() while sampling nvidia-smi every 100 ms; {pid: peak GPU MiB} of the processes seen."""
-    peaks, done = {}, threading.Event()
+    peaks = {}
 
-    def poll():
-        while not done.is_set():
-            q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, text=True)
-            for line in q.stdout.splitlines():
-                pid, mb = (x.strip() for x in line.split(","))
-                if mb.isdigit():
-                    peaks[pid] = max(peaks.get(pid, 0), int(mb))
-            time.sleep(0.1)
+    def sample():
+        q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        for line in q.stdout.splitlines():
+            pid, mb = (x.strip() for x in line.split(","))
+            if mb.isdigit():
+                peaks[pid] = max(peaks.get(pid, 0), int(mb))
 
-    t = threading.Thread(target=poll)
-    t.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        t.join()
+    g.sampling(fn, sample, 0.1)
     return peaks
 
 
