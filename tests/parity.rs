@@ -121,6 +121,13 @@ fn deepseek_v2_matches_peft_without_activation_checkpointing() {
     check_parity("parity-deepseek-v2", &["train.activation_checkpointing=false"]);
 }
 
+/// Every layer checkpointed and recomputed in backward: the fused routed experts keep nothing
+/// in the checkpointed forward and their gradients come from the recomputation.
+#[test]
+fn deepseek_v2_matches_peft_with_every_layer_recomputed() {
+    check_parity("parity-deepseek-v2", &["train.activation_checkpointing=true"]);
+}
+
 #[test]
 fn deepseek_v3_q_lora_and_sigmoid_group_routing_match_peft() {
     check_parity("parity-deepseek-v3", &[]);

@@ -27,6 +27,7 @@ use super::{linear, ForwardCtx, KvCache};
 use crate::config::{Mla, ModelConfig, Moe as MoeConfig, Routing};
 use crate::error::{Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraLinear};
+use crate::ops::checkpoint::Pass;
 use crate::ops::{self, Kernels};
 use crate::weights::Frozen;
 use candle_core::{DType, Tensor, D};
@@ -176,9 +177,10 @@ impl<'a> Moe<'a> {
         Ok(Moe { gate, e_score_correction_bias, experts, shared_experts, cfg: m })
     }
 
-    /// x [N, H] -> [N, H]: Σ_k weight_k · expert_k(x) + shared_experts(x).
-    pub fn forward(&self, kern: Kernels, x: &Tensor, drop: Option<DropoutCtx>) -> Result<Tensor> {
-        let (n, h) = x.dims2()?;
+    /// x [N, H] -> [N, H]: Σ_k weight_k · expert_k(x) + shared_experts(x). `pass`:
+    /// activation checkpointing's (`ops::checkpoint`).
+    pub fn forward(&self, kern: Kernels, x: &Tensor, drop: Option<DropoutCtx>, pass: Pass) -> Result<Tensor> {
+        let n = x.dim(0)?;
         let (e, k) = (self.cfg.n_routed_experts, self.cfg.num_experts_per_tok);
         // Router in f32; gradients reach x through the routing weights (the router is frozen).
         let logits = ops::frozen_linear(kern, &x.to_dtype(DType::F32)?, &self.gate)?; // [N, E]
@@ -194,7 +196,27 @@ impl<'a> Moe<'a> {
             w = w.broadcast_div(&(w.sum_keepdim(1)? + 1e-20)?)?; // [N, K]
         }
         let w = (w * self.cfg.routed_scaling_factor)?; // [N, K] f32
+        // One op for all routed experts where the fused kernels run and none is adapted.
+        let frozen: Option<Vec<_>> = self.experts.iter().map(|m| m.frozen_weights()).collect();
+        let fused = match &frozen {
+            Some(experts) => ops::routed_experts(kern, x, &w, &chosen, experts, pass)?,
+            None => None,
+        };
+        let routed = match fused {
+            Some(routed) => routed, // [N, H]
+            None => self.routed_by_ops(kern, x, &w, &chosen, drop)?,
+        };
+        Ok(match &self.shared_experts {
+            Some(sh) => (routed + sh.forward(kern, x, drop)?)?,
+            None => routed,
+        })
+    }
 
+    /// The routed experts from separate ops (the portable path, and adapted experts): x [N,
+    /// H], weights w [N, K] f32, `chosen` the N·K expert ids -> [N, H].
+    fn routed_by_ops(&self, kern: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], drop: Option<DropoutCtx>) -> Result<Tensor> {
+        let (n, h) = x.dims2()?;
+        let (e, k) = (self.cfg.n_routed_experts, self.cfg.num_experts_per_tok);
         // Group the (token, slot) pairs by expert; `row_of[t*K + s]` is the pair's row in the
         // expert-ordered outputs.
         let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); e];
@@ -220,11 +242,7 @@ impl<'a> Moe<'a> {
         let y = sorted.index_select(&Tensor::from_vec(row_of, n * k, x.device())?, 0)?.reshape((n, k, h))?; // [N, K, H]
         // Weighted in f32 (transformers multiplies the expert outputs by f32 weights), then
         // back to the activations' dtype.
-        let routed = y.to_dtype(DType::F32)?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?.to_dtype(x.dtype())?; // [N, H]
-        Ok(match &self.shared_experts {
-            Some(sh) => (routed + sh.forward(kern, x, drop)?)?,
-            None => routed,
-        })
+        Ok(y.to_dtype(DType::F32)?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?.to_dtype(x.dtype())?) // [N, H]
     }
 }
 

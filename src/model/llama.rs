@@ -111,12 +111,17 @@ impl<'a> Mlp<'a> {
     /// portable path).
     /// `keep`: activation checkpointing's (`ops::checkpoint`).
     pub fn frozen_residual(&self, kern: Kernels, x: &Tensor, norm: &Tensor, eps: f64, keep: Keep) -> Result<Option<Tensor>> {
-        let plain = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|p| p.lora.is_none() && p.bias.is_none());
-        if !plain {
+        let Some([gate, up, down]) = self.frozen_weights() else {
             return Ok(None);
-        }
-        let w = (&self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight);
-        Ok(ops::frozen_mlp_residual(kern, x, norm, eps, w, keep)?)
+        };
+        Ok(ops::frozen_mlp_residual(kern, x, norm, eps, (gate, up, down), keep)?)
+    }
+
+    /// gate, up, down weights when no projection here is adapted or biased (the MLP is then
+    /// a frozen function the fused ops may run whole).
+    pub fn frozen_weights(&self) -> Option<ops::experts::ExpertWeights<'_>> {
+        let plain = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|p| p.lora.is_none() && p.bias.is_none());
+        plain.then_some([&self.gate_proj.weight, &self.up_proj.weight, &self.down_proj.weight])
     }
 
     /// x [N, H] -> [N, H]

@@ -170,7 +170,7 @@ impl<'a> DecoderLayer<'a> {
                 let n = ops::rms_norm(kern, &x, &self.post_attention_layernorm, self.eps)?; // [N, H]
                 let m = match &self.mlp {
                     Ffn::Dense(m) => m.forward(kern, &n, ctx.dropout)?,
-                    Ffn::Moe(m) => m.forward(kern, &n, ctx.dropout)?,
+                    Ffn::Moe(m) => m.forward(kern, &n, ctx.dropout, ctx.keep(self.layer).pass)?,
                 }; // [N, H]
                 (x + m)?
             }

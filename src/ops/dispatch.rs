@@ -8,6 +8,7 @@
 //! | Heads          | `rope::Heads` op (move + rotate in one copy)      | reshape / transpose / rotate-half ops          |
 //! | SwiGlu         | `mlp::SwiGlu` op                                  | `silu(g) * u`                                  |
 //! | FrozenMlp      | `mlp::FrozenMlp` op (whole MLP half, frozen)      | none: the separate ops run                     |
+//! | RoutedExperts  | `experts::RoutedExperts` op (all routed experts)  | none: the separate ops run                     |
 //! | FrozenLinear   | `linear::FrozenMatmul`, gemm crate / bf16 unit / widened bf16 | `linear::FrozenMatmul`, backend matmul          |
 //! | LoraLinear     | `linear::LoraMatmul` op                           | FrozenMatmul + adapter in f32 candle ops       |
 //! | Attention      | `attention::CausalAttention` strips (f32 slices)  | `attention::PortableAttention` strips (ops)    |
@@ -47,6 +48,7 @@ pub enum Op {
     Heads,
     SwiGlu,
     FrozenMlp,
+    RoutedExperts,
     FrozenLinear,
     LoraLinear,
     Attention,
@@ -56,7 +58,7 @@ pub enum Op {
 impl Op {
     /// Ops whose frozen weight must also suit the CPU kernel.
     fn has_weight(self) -> bool {
-        matches!(self, Op::FrozenMlp | Op::FrozenLinear | Op::LoraLinear | Op::LossHead)
+        matches!(self, Op::FrozenMlp | Op::RoutedExperts | Op::FrozenLinear | Op::LoraLinear | Op::LossHead)
     }
 }
 
@@ -138,7 +140,7 @@ mod tests {
         let x = Tensor::zeros((2, 4), DType::F32, &dev)?;
         let w = Tensor::zeros((3, 4), DType::F32, &dev)?;
         let w16 = Tensor::zeros((3, 4), DType::F16, &dev)?;
-        let ops = [Op::RmsNorm, Op::Heads, Op::SwiGlu, Op::FrozenMlp, Op::FrozenLinear, Op::LoraLinear, Op::Attention, Op::LossHead];
+        let ops = [Op::RmsNorm, Op::Heads, Op::SwiGlu, Op::FrozenMlp, Op::RoutedExperts, Op::FrozenLinear, Op::LoraLinear, Op::Attention, Op::LossHead];
         for op in ops {
             assert_eq!(Kernels::Auto.pick(op, &x, &[&w]), Path::Fused, "{op:?}");
             assert_eq!(Kernels::Portable.pick(op, &x, &[&w]), Path::Portable, "{op:?}");

@@ -22,6 +22,7 @@ pub mod bf16_gemm;
 pub mod checkpoint;
 pub(crate) mod cpu_bf16;
 pub mod dispatch;
+pub mod experts;
 mod gemm;
 pub mod linear;
 pub mod loss;
@@ -33,6 +34,7 @@ mod widen;
 
 pub use attention::{causal_attention, causal_mask, KeyStarts};
 pub use dispatch::{Kernels, Op, Path};
+pub use experts::routed_experts;
 pub(crate) use gemm::sgemm;
 pub use linear::{frozen_linear, frozen_linear_kept, lora_linear};
 pub use mlp::{frozen_mlp_residual, swiglu};
