@@ -95,7 +95,10 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
         }
         (frozen, replay_peak(cfg, r.dist.prefetch_layers, &unit_bytes, true))
     } else {
-        (tensors.iter().map(|(n, s)| numel(s) * es_of(n)).sum(), 0)
+        // On the host an untied token embedding stays in its file and only the rows a batch
+        // picks are read (`weights::RowTable`).
+        let in_file = |n: &str| !on_gpu && !cfg.tie_word_embeddings && n == "model.embed_tokens.weight";
+        (tensors.iter().filter(|(n, _)| !in_file(n)).map(|(n, s)| numel(s) * es_of(n)).sum(), 0)
     };
     let lora: usize = crate::train::trainable_parameters(cfg, &r.lora.spec(cfg)).0 as usize;
     // Rank 0's share, the largest (the last rank's may be shorter).

@@ -193,7 +193,7 @@ impl Model {
     pub fn load(src: Arc<dyn WeightSource>, cfg: ModelConfig, lora: &Adapters) -> Result<Self> {
         let m = Model { inv_freq: cfg.inv_freq(), cfg, src, kernels: Kernels::Auto };
         let (v, h) = (m.cfg.vocab_size, m.cfg.hidden_size);
-        m.src.check("model.embed_tokens.weight", &[v, h])?;
+        m.src.check_rows("model.embed_tokens.weight", &[v, h])?;
         m.src.check("model.norm.weight", &[h])?;
         m.src.check(m.lm_head_name(), &[v, h])?;
         let vb = Frozen::new(&*m.src);
@@ -236,12 +236,6 @@ impl Model {
 
     pub fn inv_freq(&self) -> &[f64] {
         &self.inv_freq
-    }
-
-    /// [V, H]
-    pub fn embed_tokens(&self) -> Result<Tensor> {
-        let c = &self.cfg;
-        Frozen::new(&*self.src).get(&[c.vocab_size, c.hidden_size], "model.embed_tokens.weight")
     }
 
     /// [H]

@@ -47,6 +47,11 @@ pub trait WeightSource: Send + Sync {
     fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
         self.get_stored(name, shape).map(drop)
     }
+    /// Check a table the model reads only by rows through [`embedding`](Self::embedding)
+    /// (the token embedding). A resident base leaves it in its file (see [`RowTable`]).
+    fn check_rows(&self, name: &str, shape: &[usize]) -> Result<()> {
+        self.check(name, shape)
+    }
     /// Rows start..start+len of `name` [V, H] as the frozen matmul takes them: the LM head,
     /// which the loss reads in chunks (`ops::loss`). Only those rows are converted.
     fn get_matmul_rows(&self, name: &str, shape: &[usize], start: usize, len: usize) -> Result<Tensor> {
@@ -502,6 +507,82 @@ impl SafetensorsFiles {
     }
 }
 
+/// A 2-D table whose rows are read from its file when asked for (`pread`) and never held:
+/// the token embedding, of which a step reads one row per token, while a resident copy of
+/// the whole table is vocab x hidden (420 MB of DeepSeek-V2-Lite's in bf16, 840 MB of
+/// DeepSeek 7B's). Reading through the memory map instead would leave every row ever read
+/// (and the pages the kernel maps around it) in the process's memory.
+pub struct RowTable {
+    file: std::fs::File,
+    path: PathBuf,
+    name: String,
+    /// Where row 0 starts in the file.
+    offset: u64,
+    rows: usize,
+    cols: usize,
+    /// As stored in the file.
+    dtype: DType,
+}
+
+impl RowTable {
+    /// Rows `ids` as stored: [ids.len(), cols] on the host.
+    pub fn read(&self, ids: &[u32]) -> Result<Tensor> {
+        Ok(Tensor::from_raw_buffer(&self.read_bytes(ids)?, self.dtype, &[ids.len(), self.cols], &Device::Cpu)?)
+    }
+
+    fn read_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let row = self.cols * self.dtype.size_in_bytes();
+        let mut buf = vec![0u8; ids.len() * row];
+        for (dst, &id) in buf.chunks_exact_mut(row.max(1)).zip(ids) {
+            if id as usize >= self.rows {
+                return Err(Error::Train(format!("token id {id} is past the {} rows of `{}` (the model's vocab_size)", self.rows, self.name)));
+            }
+            self.file.read_exact_at(dst, self.offset + (id as usize * row) as u64).map_err(|e| Error::io(&self.path, e))?;
+        }
+        Ok(buf)
+    }
+}
+
+impl SafetensorsFiles {
+    /// `name` as a [`RowTable`] when it is an f32, bf16 or f16 matrix of `shape` (None for
+    /// another dtype: the caller keeps a copy). Where its data starts is read from the file's
+    /// header (8 bytes of header length, the JSON header, then the data, each tensor at its
+    /// `data_offsets`), and the first and last rows are checked against the map.
+    pub fn row_table(&self, name: &str, shape: &[usize]) -> Result<Option<RowTable>> {
+        use std::io::Read;
+        let view = self.view(name)?;
+        let path = self.file_of(name).map(Path::to_path_buf).unwrap_or_default();
+        if view.shape() != shape {
+            return Err(Error::Shape { name: name.into(), file: path.display().to_string(), expected: shape.to_vec(), got: view.shape().to_vec() });
+        }
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::BF16 => DType::BF16,
+            safetensors::Dtype::F16 => DType::F16,
+            _ => return Ok(None),
+        };
+        let &[rows, cols] = shape else { return Ok(None) };
+        let bad = |msg: String| Error::Safetensors { file: path.clone(), msg };
+        let mut file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len).map_err(|e| Error::io(&path, e))?;
+        let len = u64::from_le_bytes(len);
+        let mut header = vec![0u8; usize::try_from(len).map_err(|_| bad(format!("header length {len}")))?];
+        file.read_exact(&mut header).map_err(|e| Error::io(&path, e))?;
+        let header: serde_json::Value = serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+        let start = header[name]["data_offsets"][0].as_u64().ok_or_else(|| bad(format!("header: no data_offsets for `{name}`")))?;
+        let table = RowTable { file, path: path.clone(), name: name.into(), offset: 8 + len + start, rows, cols, dtype };
+        let row = cols * dtype.size_in_bytes();
+        for r in [0, rows.saturating_sub(1)].into_iter().filter(|_| rows > 0) {
+            if table.read_bytes(&[r as u32])? != view.data()[r * row..][..row] {
+                return Err(bad(format!("row {r} of `{name}` read at offset {} differs from the memory map", table.offset)));
+            }
+        }
+        Ok(Some(table))
+    }
+}
+
 /// Tell the kernel this process no longer needs the mapped file pages under `bytes` (whole
 /// pages inside it only). The mapping is read-only, so a later read faults the same bytes back
 /// in from the file: nothing can change, only memory is returned.
@@ -531,6 +612,8 @@ pub struct ResidentWeights {
     /// Every stored tensor name (what `contains` answers from once sealed).
     names: std::collections::HashSet<String>,
     tensors: std::sync::RwLock<HashMap<String, Tensor>>,
+    /// Tables read by rows from their files (`check_rows`; on the host only).
+    tables: std::sync::RwLock<HashMap<String, RowTable>>,
     storage_dtype: DType,
     compute_dtype: DType,
     matmul_dtype: DType,
@@ -540,7 +623,16 @@ pub struct ResidentWeights {
 impl ResidentWeights {
     pub fn new(files: SafetensorsFiles, storage_dtype: DType, compute_dtype: DType, device: Device) -> Self {
         let names = files.names().cloned().collect();
-        ResidentWeights { files: std::sync::RwLock::new(Some(files)), names, tensors: Default::default(), storage_dtype, compute_dtype, matmul_dtype: compute_dtype, device }
+        ResidentWeights {
+            files: std::sync::RwLock::new(Some(files)),
+            names,
+            tensors: Default::default(),
+            tables: Default::default(),
+            storage_dtype,
+            compute_dtype,
+            matmul_dtype: compute_dtype,
+            device,
+        }
     }
 
 
@@ -596,7 +688,38 @@ impl WeightSource for ResidentWeights {
     fn contains(&self, name: &str) -> bool {
         self.names.contains(name)
     }
-    /// From here on only the copies are held.
+    /// On the host a table read only by rows stays in its file. (On a GPU it is copied as
+    /// before: reading rows from the file there is not tested yet.)
+    fn check_rows(&self, name: &str, shape: &[usize]) -> Result<()> {
+        let table = match &*self.files.read().unwrap_or_else(|e| e.into_inner()) {
+            Some(files) if self.device.is_cpu() => files.row_table(name, shape)?,
+            _ => None,
+        };
+        match table {
+            Some(t) => {
+                self.tables.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), t);
+                Ok(())
+            }
+            None => self.check(name, shape),
+        }
+    }
+    /// A table kept whole (a tied head asked for it) is read from the copy; one left in its
+    /// file is read there, row by row, and converted as a copy would have been (storage dtype,
+    /// then compute dtype): the same values.
+    fn embedding(&self, name: &str, shape: &[usize], ids: &Tensor) -> Result<Tensor> {
+        let resident = self.tensors.read().unwrap_or_else(|e| e.into_inner()).contains_key(name);
+        if !resident {
+            if let Some(t) = self.tables.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+                if shape != [t.rows, t.cols] {
+                    return Err(Error::Shape { name: name.into(), file: t.path.display().to_string(), expected: shape.to_vec(), got: vec![t.rows, t.cols] });
+                }
+                let rows = t.read(&ids.to_vec1::<u32>()?)?; // [N, H] as stored
+                return Ok(rows.to_dtype(stored_dtype(name, self.storage_dtype))?.to_dtype(self.compute_dtype)?.to_device(&self.device)?);
+            }
+        }
+        Ok(self.get_stored(name, shape)?.index_select(ids, 0)?.to_dtype(self.compute_dtype())?)
+    }
+    /// From here on only the copies (and the row tables' files) are held.
     fn seal(&self) {
         *self.files.write().unwrap_or_else(|e| e.into_inner()) = None;
     }
@@ -628,5 +751,63 @@ impl WeightSource for StreamingWeights {
     }
     fn contains(&self, name: &str) -> bool {
         self.files.file_of(name).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(rows: usize, cols: usize, dtype: DType, seed: f32) -> Tensor {
+        let v: Vec<f32> = (0..rows * cols).map(|i| ((i as f32 + seed) * 0.37).sin()).collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    fn rows_of(t: &Tensor, ids: &[u32]) -> Tensor {
+        t.index_select(&Tensor::new(ids, &Device::Cpu).unwrap(), 0).unwrap()
+    }
+
+    #[test]
+    fn a_row_table_reads_the_rows_a_copy_holds_in_every_float_dtype() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        // A small tensor first, so the tables do not start at data offset 0.
+        let mut map = HashMap::from([("a.norm".to_string(), table(1, 3, DType::F32, 0.0).flatten_all().unwrap())]);
+        for (name, dtype) in [("t.bf16", DType::BF16), ("t.f32", DType::F32), ("t.f16", DType::F16)] {
+            map.insert(name.to_string(), table(7, 5, dtype, name.len() as f32));
+        }
+        candle_core::safetensors::save(&map, &path).unwrap();
+        let files = SafetensorsFiles::open(&[path]).unwrap();
+        let ids = [6u32, 0, 3, 3];
+        for name in ["t.bf16", "t.f32", "t.f16"] {
+            let t = files.row_table(name, &[7, 5]).unwrap().expect("a float matrix");
+            let want = rows_of(&files.load(name, &[7, 5], &Device::Cpu).unwrap(), &ids);
+            let got = t.read(&ids).unwrap();
+            assert_eq!(got.dtype(), want.dtype(), "{name}");
+            let diff = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap()).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+            let err = t.read(&[7]).unwrap_err().to_string();
+            assert!(err.contains("token id 7") && err.contains(name) && err.contains("7 rows"), "{err}");
+        }
+        assert!(matches!(files.row_table("t.bf16", &[7, 6]), Err(Error::Shape { .. })));
+    }
+
+    /// The resident source reads the embedding from its file after sealing, converted as its
+    /// copy would have been: an f32 table in a bf16 run is rounded to bf16 first.
+    #[test]
+    fn a_resident_base_reads_embedding_rows_from_the_file_with_the_copys_rounding() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let emb = table(9, 4, DType::F32, 1.0);
+        candle_core::safetensors::save(&HashMap::from([("model.embed_tokens.weight".to_string(), emb.clone())]), &path).unwrap();
+        let src = ResidentWeights::new(SafetensorsFiles::open(&[path]).unwrap(), DType::BF16, DType::F32, Device::Cpu);
+        src.check_rows("model.embed_tokens.weight", &[9, 4]).unwrap();
+        src.seal();
+        assert_eq!(src.resident_bytes(), 0, "the table is not copied");
+        let ids = Tensor::new(&[8u32, 2, 2], &Device::Cpu).unwrap();
+        let got = src.embedding("model.embed_tokens.weight", &[9, 4], &ids).unwrap();
+        let want = rows_of(&emb, &[8, 2, 2]).to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(diff, 0.0);
     }
 }
