@@ -294,16 +294,76 @@ fn serve_pool_until(done: impl Fn() -> bool) {
     }
 }
 
-/// The training loop of one rank: setup, resume, train, cleanup. Every rank runs the same
-/// code and the same collectives in the same order; rank 0 (the lead) alone writes files and
-/// prints. With one rank the collectives are identities.
+/// The training loop of one rank: setup, resume, train, cleanup, each its own function below.
+/// Every rank runs the same code and the same collectives in the same order; rank 0 (the
+/// lead) alone writes files and prints. With one rank the collectives are identities.
 ///
 /// Data parallel: each rank reads the same stream and takes its share of each step's
 /// `grad_accum_steps * world` micro-batches (contiguous, in rank order), so the set of
 /// examples in a step, their dropout masks and the token count that normalises the loss do
 /// not depend on the world size.
 fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collective>, device: candle_core::Device) -> Result<RunSummary> {
-    // ---------------------------------------------------------------- setup
+    let mut rk = setup(loaded, comm, device)?;
+    let resumed = resume(&mut rk)?;
+    let trained = train_steps(&mut rk, run_opts, &resumed)?;
+    cleanup(rk, resumed, trained)
+}
+
+/// What a rank's setup builds and its later phases share.
+struct RankRun<'a> {
+    loaded: &'a LoadedRecipe,
+    comm: Arc<dyn Collective>,
+    device: candle_core::Device,
+    rank: usize,
+    world: usize,
+    lead: bool,
+    model_dir: ModelDir,
+    model: Model,
+    adapters: Adapters,
+    loader: Loader,
+    /// Evaluation examples, read once (eval sets are small) and reused at every eval.
+    eval_set: Option<Vec<crate::data::Example>>,
+    /// The LoRA parameters in `Adapters::params` order: the flattening the optimizer's
+    /// partition indexes.
+    vars: Vec<Var>,
+    /// This rank's slice of the flattened parameters (and of the optimizer state).
+    part: Partition,
+    opt: AdamW,
+    schedule: Schedule,
+    account: Arc<Account>,
+    out_dir: PathBuf,
+    recipe_text: String,
+    log: crate::runlog::RunLog,
+    /// What ran, for summary.json (benchmarks label their rows with it, not with a guess).
+    kernels_used: String,
+    sharded: bool,
+    /// The fused CPU ops run / the base is resident as the matmuls read it: what
+    /// checkpointing's choices depend on.
+    fused: bool,
+    resident: bool,
+}
+
+/// Where the step loop starts.
+struct Resumed {
+    start_step: usize,
+    micro_index: u64,
+    last_checkpoint: Option<PathBuf>,
+    /// The lead's hold on the output folder.
+    run_lock: Option<crate::output::RunLock>,
+}
+
+/// What the step loop leaves for cleanup.
+struct Trained {
+    history: Vec<StepMetrics>,
+    /// The signal a requested stop came with.
+    interrupted: Option<usize>,
+    last_checkpoint: Option<PathBuf>,
+}
+
+// ---------------------------------------------------------------- setup
+
+/// The model, adapters, data, optimizer and run log of one rank. Writes nothing yet.
+fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::Device) -> Result<RankRun<'_>> {
     let r = &loaded.recipe;
     let t = &r.train;
     let (rank, world) = (comm.rank(), comm.world_size());
@@ -319,31 +379,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     if lead && kernels == crate::ops::Kernels::Portable {
         eprintln!("portable kernels (the GPU path): activations in {compute_dtype:?}");
     }
-    let attention_tiles = kernels == crate::ops::Kernels::Auto && crate::ops::attention::runs_on_tiles(matmul, cfg.attention_head_width());
-    // bf16 matmul operands run on the CPU's bf16 unit where it has one, else widen to f32.
-    let bf16_unit = matmul != compute_dtype && crate::ops::bf16_gemm::available();
-    if lead && bf16_unit {
-        let unit = crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name);
-        let what = if attention_tiles { "frozen matmuls and attention's" } else { "frozen matmuls" };
-        eprintln!("{what} run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
-    }
-    // What ran, for summary.json (benchmarks label their rows with it, not with a guess).
-    let kernels_used = match (&device, kernels) {
-        (candle_core::Device::Cpu, crate::ops::Kernels::Auto) => {
-            let f32_gemm = if crate::runlog::cpu_has("avx512f") { "AVX-512" } else { "AVX2+FMA" };
-            let frozen = match (bf16_unit, matmul != compute_dtype) {
-                (true, _) => crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name),
-                (false, true) => "bf16 weights widened to f32 (f32 math)",
-                (false, false) => "f32",
-            };
-            let attention = match (attention_tiles, crate::ops::bf16_gemm::kernel()) {
-                (true, Some(k)) => format!("{} (bf16 operands)", k.name()),
-                _ => "f32".to_string(),
-            };
-            format!("fused CPU ops; f32 GEMM: gemm crate ({f32_gemm}); frozen matmuls: {frozen}; attention GEMMs: {attention}")
-        }
-        (d, k) => format!("{k:?} ops on {d:?}, activations in {compute_dtype:?}"),
-    };
+    let kernels_used = describe_kernels(lead, kernels, &device, (compute_dtype, matmul), cfg.attention_head_width());
     let account = Arc::new(Account::default());
     let sharded = r.dist.zero_stage == 3;
     let frozen = FrozenPlacement { storage: storage_dtype, compute: compute_dtype, matmul, device: device.clone(), account: account.clone() };
@@ -361,22 +397,8 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes();
         account.frozen.store(bytes, Ordering::SeqCst);
     }
-    let mut loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
-    // Evaluation examples are read once (eval sets are small) and reused at every eval.
-    let eval_set = if r.data.eval.is_some() || r.data.eval_fraction > 0.0 {
-        let mut l = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Eval)?;
-        let ex = l.one_pass()?;
-        // No targets would make every eval_loss 0.0, which reads as a perfect model.
-        let targets: usize = ex.iter().map(|e| e.labels.iter().skip(1).filter(|&&l| l != IGNORE).count()).sum();
-        if ex.is_empty() || targets == 0 {
-            let key = if r.data.eval.is_some() { "data.eval" } else { "data.eval_fraction" };
-            let what = if ex.is_empty() { "no usable records" } else { "no target tokens (every label is -100)" };
-            return Err(Error::Recipe { file: loaded.file.display().to_string(), key: key.into(), msg: format!("the evaluation set has {what}") });
-        }
-        Some(ex)
-    } else {
-        None
-    };
+    let loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
+    let eval_set = read_eval_set(loaded, &model_dir, model.cfg.vocab_size)?;
     if lead {
         let (trainable, all) = trainable_parameters(&model.cfg, &adapters.spec);
         eprintln!("{}", format_trainable(trainable, all));
@@ -390,7 +412,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
     let vars: Vec<Var> = adapters.params().into_iter().map(|(_, v)| v.clone()).collect();
     let total: usize = vars.iter().map(|v| v.elem_count()).sum();
     let part = Partition::new(total, rank, world);
-    let mut opt = AdamW::new(part.len(), (t.adam_betas[0], t.adam_betas[1]), t.adam_eps, t.weight_decay);
+    let opt = AdamW::new(part.len(), (t.adam_betas[0], t.adam_betas[1]), t.adam_eps, t.weight_decay);
     let schedule = Schedule::parse(&t.lr_scheduler);
     account.lora_params.store(total * 4, Ordering::SeqCst);
     account.lora_grads.store(total * 8, Ordering::SeqCst); // accumulated in f64
@@ -398,20 +420,99 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
 
     // The output folder is written only once the first step has run, so input that fails on
     // its first rows (bad data, a model that does not fit) leaves nothing behind (the lock
-    // taken below removes a folder it created and nothing else wrote to).
+    // taken in `resume` removes a folder it created and nothing else wrote to).
     let out_dir = loaded.resolve(&r.output.dir);
     let recipe_text = recorded_recipe(r, &model.cfg, &model_dir)?;
-    let mut log = crate::runlog::RunLog::new(&out_dir, &recipe_text, r.output.tensorboard);
+    let log = crate::runlog::RunLog::new(&out_dir, &recipe_text, r.output.tensorboard);
+    let (fused, resident) = (kernels.fused_on(&device), !sharded && !quantized && matmul == storage_dtype);
+    Ok(RankRun {
+        loaded,
+        comm,
+        device,
+        rank,
+        world,
+        lead,
+        model_dir,
+        model,
+        adapters,
+        loader,
+        eval_set,
+        vars,
+        part,
+        opt,
+        schedule,
+        account,
+        out_dir,
+        recipe_text,
+        log,
+        kernels_used,
+        sharded,
+        fused,
+        resident,
+    })
+}
 
-    // ---------------------------------------------------------------- resume
-    let accum = t.grad_accum_steps;
+/// What the fused ops will run on (printed by the lead where a bf16 unit takes the frozen
+/// matmuls), as summary.json records it.
+fn describe_kernels(lead: bool, kernels: crate::ops::Kernels, device: &candle_core::Device, (compute_dtype, matmul): (DType, DType), head_width: usize) -> String {
+    let attention_tiles = kernels == crate::ops::Kernels::Auto && crate::ops::attention::runs_on_tiles(matmul, head_width);
+    // bf16 matmul operands run on the CPU's bf16 unit where it has one, else widen to f32.
+    let bf16_unit = matmul != compute_dtype && crate::ops::bf16_gemm::available();
+    if lead && bf16_unit {
+        let unit = crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name);
+        let what = if attention_tiles { "frozen matmuls and attention's" } else { "frozen matmuls" };
+        eprintln!("{what} run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
+    }
+    match (device, kernels) {
+        (candle_core::Device::Cpu, crate::ops::Kernels::Auto) => {
+            let f32_gemm = if crate::runlog::cpu_has("avx512f") { "AVX-512" } else { "AVX2+FMA" };
+            let frozen = match (bf16_unit, matmul != compute_dtype) {
+                (true, _) => crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name),
+                (false, true) => "bf16 weights widened to f32 (f32 math)",
+                (false, false) => "f32",
+            };
+            let attention = match (attention_tiles, crate::ops::bf16_gemm::kernel()) {
+                (true, Some(k)) => format!("{} (bf16 operands)", k.name()),
+                _ => "f32".to_string(),
+            };
+            format!("fused CPU ops; f32 GEMM: gemm crate ({f32_gemm}); frozen matmuls: {frozen}; attention GEMMs: {attention}")
+        }
+        (d, k) => format!("{k:?} ops on {d:?}, activations in {compute_dtype:?}"),
+    }
+}
+
+/// The evaluation examples, when the recipe asks for evaluation.
+fn read_eval_set(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize) -> Result<Option<Vec<crate::data::Example>>> {
+    let r = &loaded.recipe;
+    if r.data.eval.is_none() && r.data.eval_fraction <= 0.0 {
+        return Ok(None);
+    }
+    let mut l = open_loader(loaded, model_dir, vocab, Role::Eval)?;
+    let ex = l.one_pass()?;
+    // No targets would make every eval_loss 0.0, which reads as a perfect model.
+    let targets: usize = ex.iter().map(|e| e.labels.iter().skip(1).filter(|&&l| l != IGNORE).count()).sum();
+    if ex.is_empty() || targets == 0 {
+        let key = if r.data.eval.is_some() { "data.eval" } else { "data.eval_fraction" };
+        let what = if ex.is_empty() { "no usable records" } else { "no target tokens (every label is -100)" };
+        return Err(Error::Recipe { file: loaded.file.display().to_string(), key: key.into(), msg: format!("the evaluation set has {what}") });
+    }
+    Ok(Some(ex))
+}
+
+// ---------------------------------------------------------------- resume
+
+/// Take the output folder, and continue from the newest valid checkpoint when there is one:
+/// adapters, optimizer moments, data position. Every rank agrees on the step.
+fn resume(rk: &mut RankRun) -> Result<Resumed> {
+    let (loaded, rank, world, lead) = (rk.loaded, rk.rank, rk.world, rk.lead);
+    let accum = loaded.recipe.train.grad_accum_steps;
     let mut start_step = 0;
     let mut micro_index = 0u64;
     let mut last_checkpoint = None;
     // The lead takes the folder (one run per folder) and sets aside what belongs to another
     // run; every rank learns whether it could before reading checkpoints.
-    let claimed = if lead { claim_output(loaded, &out_dir).map(Some) } else { Ok(None) };
-    let said = from_lead(&*comm, &device, &[claimed.is_ok() as u8 as f64])?;
+    let claimed = if lead { claim_output(loaded, &rk.out_dir).map(Some) } else { Ok(None) };
+    let said = from_lead(&*rk.comm, &rk.device, &[claimed.is_ok() as u8 as f64])?;
     let run_lock = claimed?;
     if said[0] == 0.0 {
         return Err(lead_failed(rank, "to take the output folder"));
@@ -420,12 +521,12 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         // Recipe rules first: a changed LoRA shape should be reported as the key that changed,
         // not as a tensor that no longer fits.
         let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
-        let warnings = crate::checkpoint::check_recipe_change(&saved, &recipe_text)
+        let warnings = crate::checkpoint::check_recipe_change(&saved, &rk.recipe_text)
             .map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: "(resume)".into(), msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
         for w in warnings.iter().filter(|_| lead) {
             eprintln!("warning: {w}");
         }
-        let l = crate::checkpoint::load(&dir, &adapters)?;
+        let l = crate::checkpoint::load(&dir, &rk.adapters)?;
         // The world size may change between runs, the micro-batches per step may not (the
         // same examples per step is what makes the resumed run the same run).
         let saved_mbs = match l.state.micro_batches_per_step {
@@ -445,17 +546,17 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
                 ),
             });
         }
-        opt.state = l.moments.slice(part.range());
-        opt.step = l.adam_step;
-        loader.restore(&l.state.loader)?;
+        rk.opt.state = l.moments.slice(rk.part.range());
+        rk.opt.step = l.adam_step;
+        rk.loader.restore(&l.state.loader)?;
         start_step = l.state.step;
         micro_index = l.state.micro_index;
         last_checkpoint = Some(dir);
     }
     // Every rank must continue from the checkpoint rank 0 continues from (different steps would
     // mean the ranks see different folders: output.dir not shared between nodes).
-    let reopened = if lead && start_step > 0 { log.resume(start_step) } else { Ok(()) };
-    let said = from_lead(&*comm, &device, &[start_step as f64, reopened.is_ok() as u8 as f64])?;
+    let reopened = if lead && start_step > 0 { rk.log.resume(start_step) } else { Ok(()) };
+    let said = from_lead(&*rk.comm, &rk.device, &[start_step as f64, reopened.is_ok() as u8 as f64])?;
     reopened?;
     if said[1] == 0.0 {
         return Err(lead_failed(rank, "to reopen metrics.jsonl"));
@@ -466,7 +567,7 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             msg: format!(
                 "rank 0 continues from step {} but this rank found step {start_step} in {}: output.dir must be storage every rank sees",
                 said[0] as usize,
-                out_dir.display()
+                rk.out_dir.display()
             ),
         });
     }
@@ -475,123 +576,53 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             eprintln!("resuming from {} (step {start_step})", dir.display());
         }
     }
-    let (fused, resident) = (kernels.fused_on(&device), !sharded && !quantized && matmul == storage_dtype);
-    let checkpointing = checkpoint_layers(r, &model.cfg, fused, resident);
-    let pass_cap = pass_tokens(r, fused, resident);
-    let per = if pass_cap.is_some() { "pass" } else { "micro-batch" };
-    let mut ckpt_said = describe_checkpointing(checkpointing.as_deref(), kept_bytes_per_layer(&model.cfg, pass_shape(r, fused, resident)), per);
-    if let Some(cap) = pass_cap {
-        ckpt_said = format!("{ckpt_said}; the rows of a micro-batch over {cap} tokens run in passes of at most {cap}");
-    }
-    if lead {
-        eprintln!("{ckpt_said}");
-    }
-    let kernels_used = format!("{kernels_used}; {ckpt_said}");
-    // This rank's f32 copy of its slice of the parameters (the "master" weights AdamW updates).
-    let mut master = part.slice(&flatten(&vars)?);
-    let progress = lead.then(|| crate::progress::Progress::new(t.max_steps as u64, t.log_every));
-    let stop_requested = || run_opts.stop.as_ref().map_or(0, |s| s.load(Ordering::SeqCst));
+    Ok(Resumed { start_step, micro_index, last_checkpoint, run_lock })
+}
 
-    // ---------------------------------------------------------------- train
-    let mut history = Vec::new();
-    let mut interrupted = None;
-    for step in start_step + 1..=t.max_steps {
+// ---------------------------------------------------------------- train
+
+/// The optimizer steps from the resumed one to `train.max_steps`, or to a requested stop
+/// (which saves a checkpoint first).
+fn train_steps(rk: &mut RankRun, run_opts: &RunOptions, resumed: &Resumed) -> Result<Trained> {
+    let loaded = rk.loaded;
+    let t = &loaded.recipe.train;
+    let (rank, world, accum) = (rk.rank, rk.world, t.grad_accum_steps);
+    let (checkpointing, pass_cap) = choose_checkpointing(rk);
+    // This rank's f32 copy of its slice of the parameters (the "master" weights AdamW updates).
+    let mut master = rk.part.slice(&flatten(&rk.vars)?);
+    let progress = rk.lead.then(|| crate::progress::Progress::new(t.max_steps as u64, t.log_every));
+    let stop_requested = || run_opts.stop.as_ref().map_or(0, |s| s.load(Ordering::SeqCst));
+    let mut micro_index = resumed.micro_index;
+    let mut done = Trained { history: Vec::new(), interrupted: None, last_checkpoint: resumed.last_checkpoint.clone() };
+    for step in resumed.start_step + 1..=t.max_steps {
         if run_opts.fail_rank_at_step == Some((rank, step)) {
             return Err(Error::Train(format!("injected failure of rank {rank} at step {step}")));
         }
         let started = Instant::now();
-        let mut batches = Vec::with_capacity(accum * world);
-        for _ in 0..accum * world {
-            let rows = if r.data.batch_by == "tokens" {
-                loader.next_token_batch(r.data.max_tokens)?
-            } else {
-                (0..t.micro_batch_size).map(|_| loader.next_row()).collect::<Result<Vec<_>>>()?
-            };
-            batches.push(MicroBatch::collate(&rows));
-        }
+        let batches = read_step_batches(rk)?;
         // Token-normalised across accumulation and ranks: the divisor is the whole global
         // batch's target count, which every rank knows because every rank reads the stream.
         let count: usize = batches.iter().map(|b| b.num_targets()).sum();
         if count == 0 {
             return Err(Error::Train(format!(
                 "step {step}: no target tokens (every label is -100 after truncation to data.max_seq_len = {})",
-                r.data.max_seq_len
+                loaded.recipe.data.max_seq_len
             )));
         }
         let real_tokens: usize = batches.iter().map(|b| b.real_tokens()).sum();
-        let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
-        let mut ce_sum = 0.0;
-        for (j, mb) in batches.iter().enumerate().skip(rank * accum).take(accum) {
-            // A micro-batch's rows in passes of at most `pass_cap` tokens (`pass_tokens`): the
-            // same sums, in less memory. One pass is the micro-batch itself (no copy).
-            let pass = rows_per_pass(pass_cap, mb.rows, mb.seq);
-            for lo in (0..mb.rows.max(1)).step_by(pass) {
-                let owned;
-                let part = if pass >= mb.rows { mb } else { owned = mb.rows_range(lo, (lo + pass).min(mb.rows)); &owned };
-                let first_token = (lo * mb.seq) as u64;
-                let drop = (r.lora.dropout > 0.0).then_some(DropoutCtx { seed: t.seed, micro_batch: micro_index + j as u64, first_token });
-                ce_sum += forward_backward(&model, &adapters, &vars, part, 1.0 / count as f64, drop, checkpointing.as_deref(), &mut grads)?;
-            }
-        }
+        let (ce_sum, grads) = accumulate_gradients(rk, &batches, count, micro_index, checkpointing.as_deref(), pass_cap)?;
         micro_index += (accum * world) as u64;
-        let loss = comm.all_reduce(&Tensor::new(&[ce_sum], &device)?)?.to_vec1::<f64>()?[0] / count as f64;
+        let loss = rk.comm.all_reduce(&Tensor::new(&[ce_sum], &rk.device)?)?.to_vec1::<f64>()?[0] / count as f64;
         if !loss.is_finite() {
             // Only step 1 comes before any update (a resumed run's weights were updated).
-            return Err(non_finite_loss(loaded, step, step == 1, loss, &adapters));
+            return Err(non_finite_loss(loaded, step, step == 1, loss, &rk.adapters));
         }
-        // Which tensors had a gradient on any rank (a routed expert no token reached in the
-        // whole step has none, and AdamW leaves it alone, as torch's does).
-        let had: Vec<f64> = grads.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }).collect();
-        let had = comm.all_reduce(&Tensor::from_vec(had, vars.len(), &device)?)?.to_vec1::<f64>()?;
-        let present: Vec<bool> = had.iter().zip(&vars).flat_map(|(&h, v)| std::iter::repeat_n(h > 0.0, v.elem_count())).collect();
-        let present = &present[part.range()];
-        // Each rank keeps the sum over ranks of its slice of the gradient (summed in f64 like
-        // the accumulation, then rounded once to f32).
-        let mut g: Vec<f64> = Vec::with_capacity(part.padded());
-        for (gi, v) in grads.iter().zip(&vars) {
-            match gi {
-                Some(t) => g.extend(t.flatten_all()?.to_vec1::<f64>()?),
-                None => g.extend(std::iter::repeat_n(0.0, v.elem_count())),
-            }
-        }
-        drop(grads);
-        g.resize(part.padded(), 0.0);
-        let g = comm.reduce_scatter(&Tensor::from_vec(g, part.padded(), &device)?)?;
-        let mut g: Vec<f32> = g.narrow(0, 0, part.len())?.to_dtype(DType::F32)?.to_vec1()?;
-        let norm_sq = comm.all_reduce(&Tensor::new(&[crate::optim::sum_squares(&g)], &device)?)?.to_vec1::<f64>()?[0];
-        let grad_norm = norm_sq.sqrt();
-        if !grad_norm.is_finite() {
-            // Clipping cannot rescue an inf/NaN gradient; AdamW would spread it into every weight.
-            return Err(Error::Train(format!(
-                "step {step}: the gradient norm is {grad_norm} although the loss ({loss:.4}) is finite: the backward pass \
-                 overflowed{}; stopping before the update",
-                if r.model.dtype == "f16" { " (model.dtype = \"f16\" overflows easily: use \"bf16\")" } else { " (try a lower train.lr)" }
-            )));
-        }
-        crate::optim::clip_to(&mut g, grad_norm, t.max_grad_norm);
-        let lr = t.lr * schedule.lambda(step - 1, t.warmup_steps, t.max_steps);
-        opt.step(&mut master, &g, Some(present), lr);
-        // Updated slices back to every rank.
-        let full = part.gather(&*comm, &master, &device)?;
-        if full.iter().any(|x| !x.is_finite()) {
-            return Err(Error::Train(format!(
-                "step {step}: the update made LoRA weights non-finite from a finite gradient; stopping before saving them \
-                 (train.lr = {} is too high{})",
-                t.lr,
-                if t.weight_decay > 0.0 { format!(", or train.weight_decay = {}", t.weight_decay) } else { String::new() }
-            )));
-        }
-        let mut off = 0;
-        for v in &vars {
-            let n = v.elem_count();
-            v.set(&Tensor::from_slice(&full[off..off + n], v.shape(), &device)?.to_dtype(v.dtype())?)?;
-            off += n;
-        }
+        let (lr, grad_norm) = update(rk, &mut master, grads, step, loss)?;
         let secs = started.elapsed().as_secs_f64();
-        let eval_loss = match &eval_set {
+        let eval_loss = match &rk.eval_set {
             Some(ex) if (t.eval_every > 0 && step % t.eval_every == 0) || step == t.max_steps => {
-                let (sum, n) = evaluate_part(&model, &adapters, ex, t.micro_batch_size, rank, world)?;
-                let v = comm.all_reduce(&Tensor::new(&[sum, n as f64], &device)?)?.to_vec1::<f64>()?;
+                let (sum, n) = evaluate_part(&rk.model, &rk.adapters, ex, t.micro_batch_size, rank, world)?;
+                let v = rk.comm.all_reduce(&Tensor::new(&[sum, n as f64], &rk.device)?)?.to_vec1::<f64>()?;
                 Some(v[0] / v[1].max(1.0))
             }
             _ => None,
@@ -607,10 +638,10 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
             wall_time: Some(crate::tensorboard::now()),
             rss_mb: crate::runlog::resident_mb(false),
         };
-        let written = if lead { log.append(&m) } else { Ok(()) };
+        let written = if rk.lead { rk.log.append(&m) } else { Ok(()) };
         // The lead's view of a stop request (and of its own output) is everyone's, so all
         // ranks stop at the same step.
-        let said = from_lead(&*comm, &device, &[stop_requested() as f64, written.is_ok() as u8 as f64])?;
+        let said = from_lead(&*rk.comm, &rk.device, &[stop_requested() as f64, written.is_ok() as u8 as f64])?;
         written?;
         if said[1] == 0.0 {
             return Err(lead_failed(rank, "to write metrics.jsonl"));
@@ -619,69 +650,203 @@ fn train_rank(loaded: &LoadedRecipe, run_opts: &RunOptions, comm: Arc<dyn Collec
         if let Some(p) = &progress {
             p.step(&m, t.max_steps);
         }
-        history.push(m);
+        done.history.push(m);
         // Checkpoints only at optimizer-step boundaries: mid-accumulation gradients are never
         // saved, so a resume is always at a clean step.
-        let every = r.checkpoint.every_steps;
+        let every = loaded.recipe.checkpoint.every_steps;
         if (every > 0 && step % every == 0) || step == t.max_steps || stop != 0 {
-            // Consolidated: one optimizer state whatever the world size.
-            let st = &opt.state;
-            let moments = Moments {
-                exp_avg: part.gather(&*comm, &st.exp_avg, &device)?,
-                exp_avg_sq: part.gather(&*comm, &st.exp_avg_sq, &device)?,
-                steps: part.gather(&*comm, &st.steps, &device)?,
-            };
-            let saved = if lead {
-                let state = crate::checkpoint::TrainState { step, micro_index, micro_batches_per_step: accum * world, loader: loader.state() };
-                crate::checkpoint::save(&out_dir, &adapters, &moments, opt.step, &state, &recipe_text, &model_dir.name)
-                    .and_then(|dir| crate::checkpoint::prune(&out_dir, r.checkpoint.keep_last).map(|_| Some(dir)))
-            } else {
-                Ok(None)
-            };
-            let said = from_lead(&*comm, &device, &[saved.is_ok() as u8 as f64])?;
-            if let Some(dir) = saved? {
-                last_checkpoint = Some(dir);
-            }
-            if said[0] == 0.0 {
-                return Err(lead_failed(rank, &format!("to write the step-{step} checkpoint")));
+            if let Some(dir) = save_checkpoint(rk, step, micro_index)? {
+                done.last_checkpoint = Some(dir);
             }
         }
         if stop != 0 {
-            interrupted = Some(stop);
+            done.interrupted = Some(stop);
             break;
         }
     }
-    if lead && interrupted.is_none() && start_step >= t.max_steps {
-        eprintln!("already complete: the checkpoint is at step {start_step} of train.max_steps = {}", t.max_steps);
+    if let Some(p) = &progress {
+        p.finish();
     }
+    if rk.lead && done.interrupted.is_none() && resumed.start_step >= t.max_steps {
+        eprintln!("already complete: the checkpoint is at step {} of train.max_steps = {}", resumed.start_step, t.max_steps);
+    }
+    Ok(done)
+}
 
-    // ---------------------------------------------------------------- cleanup
-    let memory = MemoryUse::of(rank, &account);
-    if world > 1 || sharded {
+/// What activation checkpointing keeps per layer (None: off) and the most tokens a pass of
+/// a micro-batch's rows takes (None: whole micro-batches); said once, and recorded with the
+/// kernels in summary.json.
+fn choose_checkpointing(rk: &mut RankRun) -> (Option<Vec<KeepLayer>>, Option<usize>) {
+    let r = &rk.loaded.recipe;
+    let checkpointing = checkpoint_layers(r, &rk.model.cfg, rk.fused, rk.resident);
+    let pass_cap = pass_tokens(r, rk.fused, rk.resident);
+    let per = if pass_cap.is_some() { "pass" } else { "micro-batch" };
+    let mut said = describe_checkpointing(checkpointing.as_deref(), kept_bytes_per_layer(&rk.model.cfg, pass_shape(r, rk.fused, rk.resident)), per);
+    if let Some(cap) = pass_cap {
+        said = format!("{said}; the rows of a micro-batch over {cap} tokens run in passes of at most {cap}");
+    }
+    if rk.lead {
+        eprintln!("{said}");
+    }
+    rk.kernels_used = format!("{}; {said}", rk.kernels_used);
+    (checkpointing, pass_cap)
+}
+
+/// The step's `grad_accum_steps * world` micro-batches, read by every rank from the same stream.
+fn read_step_batches(rk: &mut RankRun) -> Result<Vec<MicroBatch>> {
+    let r = &rk.loaded.recipe;
+    let mut batches = Vec::with_capacity(r.train.grad_accum_steps * rk.world);
+    for _ in 0..r.train.grad_accum_steps * rk.world {
+        let rows = if r.data.batch_by == "tokens" {
+            rk.loader.next_token_batch(r.data.max_tokens)?
+        } else {
+            (0..r.train.micro_batch_size).map(|_| rk.loader.next_row()).collect::<Result<Vec<_>>>()?
+        };
+        batches.push(MicroBatch::collate(&rows));
+    }
+    Ok(batches)
+}
+
+/// This rank's micro-batches of the step, forward and backward: the summed cross-entropy and
+/// the LoRA gradients (f64, None for a tensor no token reached), each scaled by 1 / `count`.
+fn accumulate_gradients(rk: &RankRun, batches: &[MicroBatch], count: usize, micro_index: u64, checkpointing: Option<&[KeepLayer]>, pass_cap: Option<usize>) -> Result<(f64, Vec<Option<Tensor>>)> {
+    let r = &rk.loaded.recipe;
+    let accum = r.train.grad_accum_steps;
+    let mut grads: Vec<Option<Tensor>> = vec![None; rk.vars.len()];
+    let mut ce_sum = 0.0;
+    for (j, mb) in batches.iter().enumerate().skip(rk.rank * accum).take(accum) {
+        // A micro-batch's rows in passes of at most `pass_cap` tokens (`pass_tokens`): the
+        // same sums, in less memory. One pass is the micro-batch itself (no copy).
+        let pass = rows_per_pass(pass_cap, mb.rows, mb.seq);
+        for lo in (0..mb.rows.max(1)).step_by(pass) {
+            let owned;
+            let part = if pass >= mb.rows { mb } else { owned = mb.rows_range(lo, (lo + pass).min(mb.rows)); &owned };
+            let first_token = (lo * mb.seq) as u64;
+            let drop = (r.lora.dropout > 0.0).then_some(DropoutCtx { seed: r.train.seed, micro_batch: micro_index + j as u64, first_token });
+            ce_sum += forward_backward(&rk.model, &rk.adapters, &rk.vars, part, 1.0 / count as f64, drop, checkpointing, &mut grads)?;
+        }
+    }
+    Ok((ce_sum, grads))
+}
+
+/// Reduce-scatter the gradients, clip by the global norm, AdamW on this rank's slice, and
+/// all-gather the updated parameters into every rank's adapters. Returns (lr, grad_norm).
+fn update(rk: &mut RankRun, master: &mut [f32], grads: Vec<Option<Tensor>>, step: usize, loss: f64) -> Result<(f64, f64)> {
+    let r = &rk.loaded.recipe;
+    let t = &r.train;
+    let (comm, device, part, vars) = (&*rk.comm, &rk.device, &rk.part, &rk.vars);
+    // Which tensors had a gradient on any rank (a routed expert no token reached in the
+    // whole step has none, and AdamW leaves it alone, as torch's does).
+    let had: Vec<f64> = grads.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }).collect();
+    let had = comm.all_reduce(&Tensor::from_vec(had, vars.len(), device)?)?.to_vec1::<f64>()?;
+    let present: Vec<bool> = had.iter().zip(vars).flat_map(|(&h, v)| std::iter::repeat_n(h > 0.0, v.elem_count())).collect();
+    let present = &present[part.range()];
+    // Each rank keeps the sum over ranks of its slice of the gradient (summed in f64 like
+    // the accumulation, then rounded once to f32).
+    let mut g: Vec<f64> = Vec::with_capacity(part.padded());
+    for (gi, v) in grads.iter().zip(vars) {
+        match gi {
+            Some(t) => g.extend(t.flatten_all()?.to_vec1::<f64>()?),
+            None => g.extend(std::iter::repeat_n(0.0, v.elem_count())),
+        }
+    }
+    drop(grads);
+    g.resize(part.padded(), 0.0);
+    let g = comm.reduce_scatter(&Tensor::from_vec(g, part.padded(), device)?)?;
+    let mut g: Vec<f32> = g.narrow(0, 0, part.len())?.to_dtype(DType::F32)?.to_vec1()?;
+    let norm_sq = comm.all_reduce(&Tensor::new(&[crate::optim::sum_squares(&g)], device)?)?.to_vec1::<f64>()?[0];
+    let grad_norm = norm_sq.sqrt();
+    if !grad_norm.is_finite() {
+        // Clipping cannot rescue an inf/NaN gradient; AdamW would spread it into every weight.
+        return Err(Error::Train(format!(
+            "step {step}: the gradient norm is {grad_norm} although the loss ({loss:.4}) is finite: the backward pass \
+             overflowed{}; stopping before the update",
+            if r.model.dtype == "f16" { " (model.dtype = \"f16\" overflows easily: use \"bf16\")" } else { " (try a lower train.lr)" }
+        )));
+    }
+    crate::optim::clip_to(&mut g, grad_norm, t.max_grad_norm);
+    let lr = t.lr * rk.schedule.lambda(step - 1, t.warmup_steps, t.max_steps);
+    rk.opt.step(master, &g, Some(present), lr);
+    // Updated slices back to every rank.
+    let full = part.gather(comm, master, device)?;
+    if full.iter().any(|x| !x.is_finite()) {
+        return Err(Error::Train(format!(
+            "step {step}: the update made LoRA weights non-finite from a finite gradient; stopping before saving them \
+             (train.lr = {} is too high{})",
+            t.lr,
+            if t.weight_decay > 0.0 { format!(", or train.weight_decay = {}", t.weight_decay) } else { String::new() }
+        )));
+    }
+    let mut off = 0;
+    for v in vars {
+        let n = v.elem_count();
+        v.set(&Tensor::from_slice(&full[off..off + n], v.shape(), device)?.to_dtype(v.dtype())?)?;
+        off += n;
+    }
+    Ok((lr, grad_norm))
+}
+
+/// A checkpoint after `step`: the optimizer state consolidated from every rank (one state
+/// whatever the world size), written by the lead, older ones pruned. The folder written (lead).
+fn save_checkpoint(rk: &RankRun, step: usize, micro_index: u64) -> Result<Option<PathBuf>> {
+    let r = &rk.loaded.recipe;
+    let (comm, device, part) = (&*rk.comm, &rk.device, &rk.part);
+    let st = &rk.opt.state;
+    let moments = Moments {
+        exp_avg: part.gather(comm, &st.exp_avg, device)?,
+        exp_avg_sq: part.gather(comm, &st.exp_avg_sq, device)?,
+        steps: part.gather(comm, &st.steps, device)?,
+    };
+    let saved = if rk.lead {
+        let state = crate::checkpoint::TrainState { step, micro_index, micro_batches_per_step: r.train.grad_accum_steps * rk.world, loader: rk.loader.state() };
+        crate::checkpoint::save(&rk.out_dir, &rk.adapters, &moments, rk.opt.step, &state, &rk.recipe_text, &rk.model_dir.name)
+            .and_then(|dir| crate::checkpoint::prune(&rk.out_dir, r.checkpoint.keep_last).map(|_| Some(dir)))
+    } else {
+        Ok(None)
+    };
+    let said = from_lead(comm, device, &[saved.is_ok() as u8 as f64])?;
+    let dir = saved?;
+    if said[0] == 0.0 {
+        return Err(lead_failed(rk.rank, &format!("to write the step-{step} checkpoint")));
+    }
+    Ok(dir)
+}
+
+// ---------------------------------------------------------------- cleanup
+
+/// Memory report, data notes, summary.json and (unless stopped early) the adapter folder.
+fn cleanup(mut rk: RankRun, resumed: Resumed, trained: Trained) -> Result<RunSummary> {
+    let r = &rk.loaded.recipe;
+    let memory = MemoryUse::of(rk.rank, &rk.account);
+    if rk.world > 1 || rk.sharded {
         eprintln!("{memory}");
     }
-    if lead {
-        if let Some(p) = &progress {
-            p.finish();
-        }
-        for line in loader.stats.report(r.data.max_seq_len) {
+    if rk.lead {
+        for line in rk.loader.stats.report(r.data.max_seq_len) {
             eprintln!("note: {line}");
         }
-        log.finish(&crate::runlog::RunSummaryFile {
-            data: loader.stats.clone(),
+        rk.log.finish(&crate::runlog::RunSummaryFile {
+            data: rk.loader.stats.clone(),
             peak_rss_mb: crate::runlog::resident_mb(true),
             memory: serde_json::to_value(&memory).ok(),
-            world_size: world,
-            interrupted,
+            world_size: rk.world,
+            interrupted: trained.interrupted,
             cpu: crate::runlog::cpu_description(),
-            kernels: kernels_used.clone(),
+            kernels: rk.kernels_used.clone(),
         })?;
-        if interrupted.is_none() {
-            save_adapter_dir(&adapters, &out_dir.join("adapter"), &model_dir.name)?;
-            eprintln!("adapter written to {}", out_dir.join("adapter").display());
+        if trained.interrupted.is_none() {
+            save_adapter_dir(&rk.adapters, &rk.out_dir.join("adapter"), &rk.model_dir.name)?;
+            eprintln!("adapter written to {}", rk.out_dir.join("adapter").display());
         }
     }
-    Ok(RunSummary { steps: history, output_dir: out_dir, interrupted, checkpoint: last_checkpoint, memory: vec![memory], lock: run_lock })
+    Ok(RunSummary {
+        steps: trained.history,
+        output_dir: rk.out_dir,
+        interrupted: trained.interrupted,
+        checkpoint: trained.last_checkpoint,
+        memory: vec![memory],
+        lock: resumed.run_lock,
+    })
 }
 
 /// Why the loss is not finite, naming what to change. Before any update of this run the
