@@ -394,7 +394,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     src.seal();
     if !sharded && !quantized {
         // ShardedWeights and QuantizedWeights count what they hold as they read it.
-        let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes();
+        let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes() - src.bytes_in_files();
         account.frozen.store(bytes, Ordering::SeqCst);
     }
     let loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
@@ -1177,7 +1177,10 @@ fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig,
         let s = ShardedWeights::new(files, comm, n, r.dist.prefetch_layers, f.storage, f.compute, f.device, f.account);
         return Ok((Arc::new(s.with_matmul_dtype(f.matmul)), false));
     }
-    Ok((Arc::new(ResidentWeights::new(files, f.storage, f.compute, f.device).with_matmul_dtype(f.matmul)), false))
+    // An untied embedding stays in its file where the fused CPU ops run (the portable path
+    // keeps it resident, as on a GPU, whose memory `finetune plan` figures it stands for).
+    let row_tables = loaded.recipe.model.kernels().fused_on(&f.device);
+    Ok((Arc::new(ResidentWeights::new(files, f.storage, f.compute, f.device).with_matmul_dtype(f.matmul).with_row_tables(row_tables)), false))
 }
 
 /// The recipe as checkpoints and `recipe.resolved.toml` record it: `lora.targets` resolved

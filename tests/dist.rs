@@ -99,9 +99,13 @@ fn check_world_sizes_with(root: tempfile::TempDir, arch: &'static str, tie: bool
     let portable = extra.contains(&"model.kernels=portable");
     // The reference: one rank, the whole base resident, accumulation over 4 micro-batches.
     let single = with(&["dist.zero_stage=0".into()]);
-    run(r, "single", &single.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    let one = run(r, "single", &single.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
     let cfg = finetune::config::ModelConfig::from_file(&r.join("model/config.json")).unwrap();
-    let es = finetune::weights::parse_dtype(&LoadedRecipe::load(&r.join("single/recipe.toml"), &single).unwrap().recipe.model.dtype).size_in_bytes();
+    let single_recipe = LoadedRecipe::load(&r.join("single/recipe.toml"), &single).unwrap().recipe;
+    let es = finetune::weights::parse_dtype(&single_recipe.model.dtype).size_in_bytes();
+    // The resident base as the plan counts it: an untied embedding left in its file on the
+    // fused CPU path, held on the portable one.
+    assert_eq!(one.memory[0].frozen, finetune::dist::plan::plan(&cfg, &single_recipe, 1, portable).frozen, "resident base bytes (tie={tie}, portable={portable})");
     let base_bytes = cfg.base_param_count() as usize * es;
     for (world, accum) in [(1, 4), (2, 2), (4, 1)] {
         let name = format!("w{world}");

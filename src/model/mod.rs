@@ -193,7 +193,11 @@ impl Model {
     pub fn load(src: Arc<dyn WeightSource>, cfg: ModelConfig, lora: &Adapters) -> Result<Self> {
         let m = Model { inv_freq: cfg.inv_freq(), cfg, src, kernels: Kernels::Auto };
         let (v, h) = (m.cfg.vocab_size, m.cfg.hidden_size);
-        m.src.check_rows("model.embed_tokens.weight", &[v, h])?;
+        if m.cfg.tie_word_embeddings {
+            m.src.check("model.embed_tokens.weight", &[v, h])?; // the head too: held whole
+        } else {
+            m.src.check_rows("model.embed_tokens.weight", &[v, h])?;
+        }
         m.src.check("model.norm.weight", &[h])?;
         m.src.check(m.lm_head_name(), &[v, h])?;
         let vb = Frozen::new(&*m.src);

@@ -4,7 +4,7 @@
 //! Dimensions: N tokens, H hidden, K experts per token, I an expert's intermediate size,
 //! Ne the tokens routed to expert e. A (token, slot) "pair" t·K + s is token t's s-th choice.
 //!
-//! Why: built from candle ops (what the portable path and CUDA run, `Moe::forward`), the
+//! Why: built from candle ops (what the portable path and CUDA run, `Moe::routed_by_ops`), the
 //! routed half of a layer is per expert an index_select, three matmuls and a SwiGLU, then a
 //! cat, an index_select back to token order and a weighted sum over [N, K, H]: about six graph
 //! nodes per expert (384 a layer for 64 experts), each with its own gradient buffers, and an
@@ -178,7 +178,7 @@ mod tests {
     use crate::ops::{frozen_linear, swiglu};
     use candle_core::{DType, Device, Var};
 
-    /// The separate ops `Moe::forward` runs on the portable path: per expert an index_select,
+    /// The separate ops `Moe::routed_by_ops` runs on the portable path: per expert an index_select,
     /// the MLP, then the weighted sum back in token order.
     fn separate(kern: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], experts: &[ExpertWeights]) -> Result<Tensor> {
         let (n, h) = x.dims2()?;

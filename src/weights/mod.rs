@@ -48,9 +48,14 @@ pub trait WeightSource: Send + Sync {
         self.get_stored(name, shape).map(drop)
     }
     /// Check a table the model reads only by rows through [`embedding`](Self::embedding)
-    /// (the token embedding). A resident base leaves it in its file (see [`RowTable`]).
+    /// (an untied token embedding). A resident base on the host leaves it in its file (see
+    /// [`RowTable`]).
     fn check_rows(&self, name: &str, shape: &[usize]) -> Result<()> {
         self.check(name, shape)
+    }
+    /// Bytes of the base (in the storage dtype) left in files by `check_rows`, not held.
+    fn bytes_in_files(&self) -> usize {
+        0
     }
     /// Rows start..start+len of `name` [V, H] as the frozen matmul takes them: the LM head,
     /// which the loss reads in chunks (`ops::loss`). Only those rows are converted.
@@ -551,6 +556,9 @@ impl SafetensorsFiles {
     /// `data_offsets`), and the first and last rows are checked against the map.
     pub fn row_table(&self, name: &str, shape: &[usize]) -> Result<Option<RowTable>> {
         use std::io::Read;
+        if self.is_fp8(name) {
+            return Ok(None); // dequantised whole at load
+        }
         let view = self.view(name)?;
         let path = self.file_of(name).map(Path::to_path_buf).unwrap_or_default();
         if view.shape() != shape {
@@ -614,6 +622,8 @@ pub struct ResidentWeights {
     tensors: std::sync::RwLock<HashMap<String, Tensor>>,
     /// Tables read by rows from their files (`check_rows`; on the host only).
     tables: std::sync::RwLock<HashMap<String, RowTable>>,
+    /// Whether `check_rows` may leave a table in its file (`with_row_tables`).
+    row_tables: bool,
     storage_dtype: DType,
     compute_dtype: DType,
     matmul_dtype: DType,
@@ -628,6 +638,7 @@ impl ResidentWeights {
             names,
             tensors: Default::default(),
             tables: Default::default(),
+            row_tables: device.is_cpu(),
             storage_dtype,
             compute_dtype,
             matmul_dtype: compute_dtype,
@@ -639,6 +650,13 @@ impl ResidentWeights {
     /// Hand projection weights to the frozen matmul in `dtype` (see `ops::Kernels::matmul_dtype`).
     pub fn with_matmul_dtype(mut self, dtype: DType) -> Self {
         self.matmul_dtype = dtype;
+        self
+    }
+
+    /// Whether a table read only by rows may stay in its file (on the host only; training
+    /// keeps it resident on the portable path, which stands for a GPU's memory there).
+    pub fn with_row_tables(mut self, allowed: bool) -> Self {
+        self.row_tables = allowed && self.device.is_cpu();
         self
     }
 
@@ -692,7 +710,7 @@ impl WeightSource for ResidentWeights {
     /// before: reading rows from the file there is not tested yet.)
     fn check_rows(&self, name: &str, shape: &[usize]) -> Result<()> {
         let table = match &*self.files.read().unwrap_or_else(|e| e.into_inner()) {
-            Some(files) if self.device.is_cpu() => files.row_table(name, shape)?,
+            Some(files) if self.row_tables => files.row_table(name, shape)?,
             _ => None,
         };
         match table {
@@ -713,11 +731,15 @@ impl WeightSource for ResidentWeights {
                 if shape != [t.rows, t.cols] {
                     return Err(Error::Shape { name: name.into(), file: t.path.display().to_string(), expected: shape.to_vec(), got: vec![t.rows, t.cols] });
                 }
-                let rows = t.read(&ids.to_vec1::<u32>()?)?; // [N, H] as stored
+                let rows = t.read(&ids.to_dtype(DType::U32)?.to_vec1::<u32>()?)?; // [N, H] as stored
                 return Ok(rows.to_dtype(stored_dtype(name, self.storage_dtype))?.to_dtype(self.compute_dtype)?.to_device(&self.device)?);
             }
         }
         Ok(self.get_stored(name, shape)?.index_select(ids, 0)?.to_dtype(self.compute_dtype())?)
+    }
+    fn bytes_in_files(&self) -> usize {
+        let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+        tables.iter().map(|(name, t)| t.rows * t.cols * stored_dtype(name, self.storage_dtype).size_in_bytes()).sum()
     }
     /// From here on only the copies (and the row tables' files) are held.
     fn seal(&self) {
@@ -803,7 +825,7 @@ mod tests {
         let src = ResidentWeights::new(SafetensorsFiles::open(&[path]).unwrap(), DType::BF16, DType::F32, Device::Cpu);
         src.check_rows("model.embed_tokens.weight", &[9, 4]).unwrap();
         src.seal();
-        assert_eq!(src.resident_bytes(), 0, "the table is not copied");
+        assert_eq!((src.resident_bytes(), src.bytes_in_files()), (0, 9 * 4 * 2), "the table is not copied, and counted as bf16 left in the file");
         let ids = Tensor::new(&[8u32, 2, 2], &Device::Cpu).unwrap();
         let got = src.embedding("model.embed_tokens.weight", &[9, 4], &ids).unwrap();
         let want = rows_of(&emb, &[8, 2, 2]).to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
