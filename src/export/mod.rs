@@ -18,7 +18,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::lora::{peft_prefix, Adapters, LoraSpec};
 use crate::model::Model;
-use crate::weights::{ModelDir, StreamingWeights};
+use crate::weights::{candle_dtype, ModelDir, StreamingWeights};
 use candle_core::{DType, Device, Tensor};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -132,15 +132,6 @@ fn st_dtype(d: DType) -> Result<safetensors::Dtype> {
         DType::F16 => safetensors::Dtype::F16,
         other => return Err(Error::Train(format!("cannot export tensors of dtype {other:?}"))),
     })
-}
-
-fn candle_dtype(d: safetensors::Dtype) -> Option<DType> {
-    match d {
-        safetensors::Dtype::F32 => Some(DType::F32),
-        safetensors::Dtype::BF16 => Some(DType::BF16),
-        safetensors::Dtype::F16 => Some(DType::F16),
-        _ => None,
-    }
 }
 
 fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {

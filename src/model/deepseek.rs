@@ -216,13 +216,10 @@ impl<'a> Moe<'a> {
     /// H], weights w [N, K] f32, `chosen` the N·K expert ids -> [N, H].
     fn routed_by_ops(&self, kern: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], drop: Option<DropoutCtx>) -> Result<Tensor> {
         let (n, h) = x.dims2()?;
-        let (e, k) = (self.cfg.n_routed_experts, self.cfg.num_experts_per_tok);
-        // Group the (token, slot) pairs by expert; `row_of[t*K + s]` is the pair's row in the
+        let k = self.cfg.num_experts_per_tok;
+        // The (token, slot) pairs by expert; `row_of[t*K + s]` is the pair's row in the
         // expert-ordered outputs.
-        let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); e];
-        for (pair, &ex) in chosen.iter().enumerate() {
-            by_expert[ex as usize].push(pair as u32);
-        }
+        let by_expert = ops::experts::pairs_by_expert(chosen, self.cfg.n_routed_experts)?;
         let mut row_of = vec![0u32; n * k];
         let mut outs = Vec::new();
         let mut row = 0u32;

@@ -44,15 +44,8 @@ pub fn routed_experts(k: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], expert
     if w.dims() != [n, slots] || chosen.len() != n * slots || w.dtype() != x.dtype() {
         candle_core::bail!("routed-experts: x {:?}, weights {:?} {:?} and {} choices do not match", x.dims(), w.dims(), w.dtype(), chosen.len());
     }
-    let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); experts.len()];
-    for (pair, &e) in chosen.iter().enumerate() {
-        let Some(list) = by_expert.get_mut(e as usize) else {
-            candle_core::bail!("routed-experts: expert {e} chosen of {}", experts.len());
-        };
-        list.push(pair as u32);
-    }
     let mut groups = Vec::new();
-    for (e, pairs) in by_expert.into_iter().enumerate() {
+    for (e, pairs) in pairs_by_expert(chosen, experts.len())?.into_iter().enumerate() {
         let [gate, up, down] = experts[e];
         let i = gate.dim(0)?;
         if gate.dims() != [i, h] || up.dims() != [i, h] || down.dims() != [h, i] {
@@ -64,6 +57,19 @@ pub fn routed_experts(k: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], expert
     }
     let op = RoutedExperts { groups, slots, keep: pass != Pass::Checkpointed, kept: Mutex::new(None) };
     Ok(Some(x.contiguous()?.apply_op2(&w.contiguous()?, op)?))
+}
+
+/// The (token, slot) pairs t·K + s of `chosen` (token-major expert ids) grouped by expert,
+/// ascending within each of the `experts` groups.
+pub fn pairs_by_expert(chosen: &[u32], experts: usize) -> Result<Vec<Vec<u32>>> {
+    let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); experts];
+    for (pair, &e) in chosen.iter().enumerate() {
+        let Some(list) = by_expert.get_mut(e as usize) else {
+            candle_core::bail!("routed-experts: expert {e} chosen of {experts}");
+        };
+        list.push(pair as u32);
+    }
+    Ok(by_expert)
 }
 
 /// One expert with tokens: its pairs (t·K + s, ascending) and frozen weights.
@@ -91,7 +97,7 @@ struct Kept {
 }
 
 /// Rows `rows[r]` of x [_, H], gathered [rows.len(), H].
-fn gather_rows(x: &[f32], h: usize, rows: impl Iterator<Item = usize> + Clone) -> Vec<f32> {
+fn gather_rows(x: &[f32], h: usize, rows: impl Iterator<Item = usize>) -> Vec<f32> {
     let rows: Vec<usize> = rows.collect();
     par_zeroed(rows.len() * h, h.max(1), |r, dst: &mut [f32]| dst.copy_from_slice(&x[rows[r] * h..][..h]))
 }

@@ -549,6 +549,16 @@ impl RowTable {
     }
 }
 
+/// The candle dtype of a stored float tensor we read or write (f32, bf16, f16).
+pub(crate) fn candle_dtype(d: safetensors::Dtype) -> Option<DType> {
+    match d {
+        safetensors::Dtype::F32 => Some(DType::F32),
+        safetensors::Dtype::BF16 => Some(DType::BF16),
+        safetensors::Dtype::F16 => Some(DType::F16),
+        _ => None,
+    }
+}
+
 impl SafetensorsFiles {
     /// `name` as a [`RowTable`] when it is an f32, bf16 or f16 matrix of `shape` (None for
     /// another dtype: the caller keeps a copy). Where its data starts is read from the file's
@@ -564,12 +574,7 @@ impl SafetensorsFiles {
         if view.shape() != shape {
             return Err(Error::Shape { name: name.into(), file: path.display().to_string(), expected: shape.to_vec(), got: view.shape().to_vec() });
         }
-        let dtype = match view.dtype() {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::BF16 => DType::BF16,
-            safetensors::Dtype::F16 => DType::F16,
-            _ => return Ok(None),
-        };
+        let Some(dtype) = candle_dtype(view.dtype()) else { return Ok(None) };
         let &[rows, cols] = shape else { return Ok(None) };
         let bad = |msg: String| Error::Safetensors { file: path.clone(), msg };
         let mut file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
