@@ -10,11 +10,21 @@ use std::path::{Path, PathBuf};
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// The message's other keys (`reasoning_content`, `tool_calls`, `name`, ...), handed to the
+    /// template as they are: templates read them (Qwen3 and DeepSeek-V3.1 render
+    /// `reasoning_content` inside the turn), and transformers passes every key through.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Message {
     pub fn new(role: &str, content: &str) -> Self {
-        Message { role: role.into(), content: content.into() }
+        Message { role: role.into(), content: content.into(), extra: Default::default() }
+    }
+
+    /// The same message with other content (its other keys kept).
+    pub fn with_content(&self, content: &str) -> Self {
+        Message { content: content.into(), ..self.clone() }
     }
 }
 
@@ -26,6 +36,12 @@ pub struct ChatTemplate {
     /// Why this template cannot be used (kept rather than failing at load, so a model whose
     /// template is unusable still loads for plain generation).
     problem: Option<String>,
+    /// Seconds since the Unix epoch when the template was loaded (what `strftime_now` formats).
+    now: u64,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// `bos_token` and `eos_token` of a tokenizer_config.json (plain strings or {content: ...}).
@@ -51,7 +67,7 @@ impl ChatTemplate {
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
             let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
-            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token, problem: None }));
+            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token, problem: None, now: unix_now() }));
         }
         let source = match cfg.get("chat_template") {
             Some(serde_json::Value::String(s)) => s.clone(),
@@ -73,15 +89,15 @@ impl ChatTemplate {
             }
             _ => return Ok(None),
         };
-        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token, problem: None }))
+        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token, problem: None, now: unix_now() }))
     }
 
     fn unusable(origin: PathBuf, problem: String) -> Self {
-        ChatTemplate { source: String::new(), origin, bos_token: String::new(), eos_token: String::new(), problem: Some(problem) }
+        ChatTemplate { source: String::new(), origin, bos_token: String::new(), eos_token: String::new(), problem: Some(problem), now: 0 }
     }
 
     pub fn from_source(source: &str, bos_token: &str, eos_token: &str) -> Self {
-        ChatTemplate { source: source.into(), origin: PathBuf::from("(built-in)"), bos_token: bos_token.into(), eos_token: eos_token.into(), problem: None }
+        ChatTemplate { source: source.into(), origin: PathBuf::from("(built-in)"), bos_token: bos_token.into(), eos_token: eos_token.into(), problem: None, now: unix_now() }
     }
 
     /// Whether the template can render at all (an error naming the file and why not).
@@ -100,21 +116,157 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
-        env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
+        // transformers: `datetime.now().strftime(format)` (Llama 3.x's "Today Date"). The time
+        // is the template's (when the run loaded it), so one run renders one date throughout.
+        let now = self.now;
+        env.add_function("strftime_now", move |fmt: String| -> String { strftime(&fmt, now) });
         // transformers renders with jinja2's trim_blocks and lstrip_blocks on.
         let syntax = minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(err)?;
         env.set_syntax(syntax);
-        env.add_template("chat", &self.source).map_err(err)?;
+        let source = without_generation_tags(&self.source);
+        env.add_template("chat", &source).map_err(err)?;
         let t = env.get_template("chat").map_err(err)?;
         t.render(minijinja::context! {
             messages => messages
                 .iter()
-                .map(|m| minijinja::context! { role => m.role.clone(), content => m.content.clone() })
+                .map(|m| {
+                    let mut o: std::collections::BTreeMap<String, minijinja::Value> = m.extra.iter().map(|(k, v)| (k.clone(), jinja_value(v))).collect();
+                    o.insert("role".into(), m.role.clone().into());
+                    o.insert("content".into(), m.content.clone().into());
+                    minijinja::Value::from_object(o)
+                })
                 .collect::<Vec<_>>(),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone(),
             eos_token => self.eos_token.clone(),
         })
         .map_err(err)
+    }
+}
+
+/// `source` with transformers' `{% generation %}` ... `{% endgeneration %}` (its jinja extension
+/// marking what the assistant says, for `return_assistant_tokens_mask`) as a block that always
+/// renders, whitespace control kept: the same text, where minijinja would refuse the unknown tag.
+fn without_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
+    if !source.contains("generation") {
+        return source.into();
+    }
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(open) = rest.find("{%") {
+        out += &rest[..open];
+        let tag = &rest[open..];
+        let Some(close) = tag.find("%}") else { break };
+        let inner = &tag[2..close];
+        let (lead, body) = match inner.strip_prefix(['-', '+']) {
+            Some(b) => (&inner[..1], b),
+            None => ("", inner),
+        };
+        let (body, trail) = match body.strip_suffix(['-', '+']) {
+            Some(b) => (b, &body[body.len() - 1..]),
+            None => (body, ""),
+        };
+        let replaced = match body.trim() {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replaced {
+            Some(r) => out += &format!("{{%{lead} {r} {trail}%}}"),
+            None => out += &tag[..close + 2],
+        }
+        rest = &tag[close + 2..];
+    }
+    out += rest;
+    out.into()
+}
+
+/// A JSON value as the template sees it (null is Python's None).
+fn jinja_value(v: &serde_json::Value) -> minijinja::Value {
+    use minijinja::Value;
+    match v {
+        serde_json::Value::Null => Value::from(()),
+        serde_json::Value::Bool(b) => Value::from(*b),
+        serde_json::Value::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => Value::from(i),
+            (_, Some(u)) => Value::from(u),
+            _ => Value::from(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        serde_json::Value::String(s) => Value::from(s.clone()),
+        serde_json::Value::Array(a) => a.iter().map(jinja_value).collect(),
+        serde_json::Value::Object(o) => Value::from_object(o.iter().map(|(k, v)| (k.clone(), jinja_value(v))).collect::<std::collections::BTreeMap<String, Value>>()),
+    }
+}
+
+/// Python's `time.strftime(fmt)` for a UTC time `secs` after the epoch: the directives chat
+/// templates use (%d %m %Y %y %b %B %a %A %H %M %S %j %e %%), C locale; another directive is
+/// kept as written.
+fn strftime(fmt: &str, secs: u64) -> String {
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+    let days = (secs / 86_400) as i64;
+    let (h, mi, s) = (secs % 86_400 / 3600, secs % 3600 / 60, secs % 60);
+    let (y, m, d) = crate::output::civil_date(days);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][(m - 1) as usize];
+    let yday = before + d + i64::from(leap && m > 2);
+    let wday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out += &format!("{d:02}"),
+            Some('e') => out += &format!("{d:>2}"),
+            Some('m') => out += &format!("{m:02}"),
+            Some('Y') => out += &y.to_string(),
+            Some('y') => out += &format!("{:02}", y % 100),
+            Some('b') => out += &MONTHS[(m - 1) as usize][..3],
+            Some('B') => out += MONTHS[(m - 1) as usize],
+            Some('a') => out += &DAYS[wday][..3],
+            Some('A') => out += DAYS[wday],
+            Some('H') => out += &format!("{h:02}"),
+            Some('M') => out += &format!("{mi:02}"),
+            Some('S') => out += &format!("{s:02}"),
+            Some('j') => out += &format!("{yday:03}"),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_formats_as_python_does() {
+        // time.strftime(f, time.gmtime(s)) in Python for these instants.
+        assert_eq!(strftime("%d %b %Y", 1_764_115_200), "26 Nov 2025");
+        assert_eq!(strftime("%A %B %e, %y %H:%M:%S %j %%", 951_782_400 + 3_723), "Tuesday February 29, 00 01:02:03 060 %");
+        assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
+    }
+
+    #[test]
+    fn generation_tags_render_their_content_with_their_whitespace_control() {
+        let t = ChatTemplate::from_source("{% for m in messages %}{{ m.role }}:\n{%- generation -%}\n {{ m.content }}{% endgeneration %};{% endfor %}", "", "");
+        assert_eq!(t.render(&[Message::new("assistant", "hi")], false).unwrap(), "assistant:hi;");
+        assert_eq!(without_generation_tags("{% if x %}a{% endif %}"), "{% if x %}a{% endif %}");
+    }
+
+    #[test]
+    fn a_message_hands_its_other_keys_to_the_template() {
+        let t = ChatTemplate::from_source("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}{{ m.content }};{% endfor %}", "", "");
+        let mut a = Message::new("assistant", "42");
+        a.extra.insert("reasoning_content".into(), "6 x 7".into());
+        assert_eq!(t.render(&[Message::new("user", "q"), a], false).unwrap(), "user:q;assistant:[6 x 7]42;");
     }
 }

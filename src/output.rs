@@ -144,12 +144,10 @@ pub fn previous_run_files(out_dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// `YYYYMMDD<sep>HHMMSS` in UTC (with `tsep` between the time fields), without a date crate.
-fn utc_stamp(t: std::time::SystemTime, sep: &str, tsep: &str) -> String {
-    let secs = t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
+/// (year, month 1-12, day 1-31) of the day `days` after 1970-01-01 (Howard Hinnant's
+/// algorithm), without a date crate.
+pub fn civil_date(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
     let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
@@ -157,7 +155,14 @@ fn utc_stamp(t: std::time::SystemTime, sep: &str, tsep: &str) -> String {
     let mp = (5 * doy + 2) / 153;
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// `YYYYMMDD<sep>HHMMSS` in UTC (with `tsep` between the time fields), without a date crate.
+fn utc_stamp(t: std::time::SystemTime, sep: &str, tsep: &str) -> String {
+    let secs = t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_date(days as i64);
     let date = if sep == "-" { format!("{y:04}{m:02}{d:02}") } else { format!("{y:04}-{m:02}-{d:02}") };
     format!("{date}{sep}{:02}{tsep}{:02}{tsep}{:02}{}", rem / 3600, rem % 3600 / 60, rem % 60, if sep == "-" { "" } else { " UTC" })
 }

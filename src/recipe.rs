@@ -684,6 +684,11 @@ impl LoadedRecipe {
             }
         }
         let t = &r.train;
+        // Token batching groups whole records by length and never packs: asking for both would
+        // silently train unpacked rows.
+        if r.data.packing && r.data.batch_by == "tokens" {
+            return Err(self.err("data.packing", "cannot be combined with data.batch_by = \"tokens\" (token batches group whole records by length; set one of them)"));
+        }
         if r.lora.alpha <= 0.0 {
             return Err(self.err("lora.alpha", "must be > 0 (the LoRA update is scaled by alpha / rank)"));
         }

@@ -45,13 +45,39 @@ fn chat_templates_give_the_token_ids_transformers_gives() {
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
     let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("chat-templates/expected.json")).unwrap()).unwrap();
-    for c in f["cases"].as_array().unwrap() {
+    // DeepSeek-R1-Distill's and Qwen3's templates, as a model folder holds them.
+    let with_template = |name: &str| {
+        let dir = d.path().join(name);
+        copy_dir(&m, &dir);
+        std::fs::copy(fixture(&format!("chat-templates/{name}.jinja")), dir.join("chat_template.jinja")).unwrap();
+        dir
+    };
+    let (r1, qwen3) = (with_template("r1"), with_template("qwen3"));
+    for (i, c) in f["cases"].as_array().unwrap().iter().enumerate() {
         let name = c["template"].as_str().unwrap();
-        let fmt = formatter(&m, "messages", Some(name), false);
+        let fmt = match name {
+            "r1" => formatter(&r1, "messages", Some("model"), false),
+            "qwen3" => formatter(&qwen3, "messages", Some("model"), false),
+            _ => formatter(&m, "messages", Some(name), false),
+        };
         let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).unwrap();
-        let ex = fmt.render_conversation(&msgs, 0).unwrap().ok().unwrap();
+        let ex = fmt.render_conversation(&msgs, 0).unwrap().ok().unwrap_or_else(|| panic!("case {i} ({name}) refused"));
         let want: Vec<u32> = serde_json::from_value(c["ids"].clone()).unwrap();
         assert_eq!(ex.input_ids, want, "template {name}: {}", c["text"]);
+        // What is trained: each answer as the template renders it in the conversation, and its
+        // end of turn. R1's generation prompt opens "<think>\n", which its turns do not have
+        // (the reasoning is dropped); Qwen3 drops "Blue."'s reasoning once a question follows.
+        let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+        let trained = fmt.decode(&trained);
+        match (name, i % 2) {
+            ("r1", 0) => assert_eq!(trained, "\n\nThe answer is 42.<｜end▁of▁sentence｜>"),
+            // (This vocabulary has no DeepSeek special tokens: "><" is one token, which starts
+            // in the first turn's end marker, so it is trained with it.)
+            ("r1", _) => assert_eq!(trained, "Blue.<｜end▁of▁sentence｜><Green.<｜end▁of▁sentence｜>"),
+            ("qwen3", 0) => assert_eq!(trained, "<think>\nsix sevens\n</think>\n\nThe answer is 42.<|im_end|>\n"),
+            ("qwen3", _) => assert_eq!(trained, "Blue.<|im_end|>\n<think>\nnot blue again\n</think>\n\nGreen.<|im_end|>\n"),
+            _ => assert!(!trained.is_empty()),
+        }
     }
 }
 
@@ -77,6 +103,62 @@ fn only_assistant_turns_and_their_end_of_turn_are_trained() {
     let ds = formatter(&m, "messages", Some("deepseek"), false).render_conversation(&msgs, 0).unwrap().ok().unwrap();
     let trained: Vec<u32> = ds.input_ids.iter().zip(&ds.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
     assert_eq!(fmt.decode(&trained), " Blue.<|im_end|> Green.<|im_end|>");
+    // A conversation that opens with the assistant: SmolLM2's template writes its default
+    // system prompt with the first turn, which is not the assistant's to learn.
+    let opens = [Message::new("assistant", "Hi there."), Message::new("user", "Hello.")];
+    let ex = fmt.render_conversation(&opens, 0).unwrap().ok().unwrap();
+    let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+    assert!(fmt.decode(&ex.input_ids).contains("You are a helpful AI assistant"));
+    assert_eq!(fmt.decode(&trained), "Hi there.<|im_end|>\n");
+}
+
+#[test]
+fn prompt_and_completion_are_tokenized_as_one_text_as_trl_does() {
+    // tests/fixtures/spm-tokenizer: a SentencePiece-style tokenizer (it marks the start of a
+    // text with "▁") and TRL's ids and labels for three records, one ending with EOS already.
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("model");
+    write_model(&m, &TinyShape { vocab: 400, hidden: 32, heads: 2, kv_heads: 1, inter: 64, layers: 1, ..Default::default() }, 0, 1).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture("spm-tokenizer").join(f), m.join(f)).unwrap();
+    }
+    let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("spm-tokenizer/expected.json")).unwrap()).unwrap();
+    let fmt = Formatter::new("prompt_completion", Some("raw"), &Default::default(), false, &m, 400).unwrap();
+    for c in f["cases"].as_array().unwrap() {
+        let rec = finetune::data::format::Record::PromptCompletion(c["prompt"].as_str().unwrap().into(), c["completion"].as_str().unwrap().into());
+        let ex = fmt.tokenize(rec, 0).unwrap().ok().unwrap();
+        let (ids, labels): (Vec<u32>, Vec<i64>) = (serde_json::from_value(c["ids"].clone()).unwrap(), serde_json::from_value(c["labels"].clone()).unwrap());
+        assert_eq!((&ex.input_ids, &ex.labels), (&ids, &labels), "{c}");
+    }
+}
+
+#[test]
+fn pretokenized_rows_take_trls_masks_and_drop_padding() {
+    // What SFTTrainer's tokenized datasets hold: no labels, a completion_mask (or
+    // assistant_masks), and an attention_mask whose zeros are padding.
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("tok.jsonl");
+    let rows = [
+        serde_json::json!({"input_ids": [5, 6, 7, 8, 0, 0], "completion_mask": [0, 0, 1, 1, 0, 0], "attention_mask": [1, 1, 1, 1, 0, 0]}),
+        serde_json::json!({"input_ids": [5, 6, 7], "assistant_masks": [0, 1, 1]}),
+        serde_json::json!({"input_ids": [5, 6, 7], "labels": [5, -100, 7], "completion_mask": [0, 0, 0]}),
+        serde_json::json!({"input_ids": [5, 6, 7], "attention_mask": [1, 1]}),
+    ];
+    write_jsonl(&p, &rows.iter().map(|r| r.to_string()).collect::<Vec<_>>());
+    let m = d.path().join("model");
+    write_model(&m, &TinyShape::default(), 0, 1).unwrap();
+    let fmt = Formatter::new("tokenized", None, &Default::default(), false, &m, 64).unwrap();
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let mut next = || {
+        let (r, _) = rows.next_row().unwrap();
+        fmt.tokenize(fmt.read(&r).unwrap().ok().unwrap(), 0).unwrap().ok().map(|e| (e.input_ids, e.labels))
+    };
+    assert_eq!(next(), Some((vec![5, 6, 7, 8], vec![-100, -100, 7, 8])), "padding dropped, completion trained");
+    assert_eq!(next(), Some((vec![5, 6, 7], vec![-100, 6, 7])), "assistant_masks");
+    assert_eq!(next(), Some((vec![5, 6, 7], vec![5, -100, 7])), "labels, where given, decide");
+    let (r, _) = rows.next_row().unwrap();
+    let bad = fmt.read(&r).unwrap().err().map(|b| b.0).unwrap_or_else(|| "accepted".into());
+    assert!(bad.contains("attention_mask has 2 entries"), "{bad}");
 }
 
 fn write_jsonl(path: &Path, lines: &[String]) {
@@ -148,6 +230,43 @@ fn messages_stored_as_arrow_structs_are_read() {
     let f2 = formatter(&m, "messages", None, false);
     let want = f2.render_conversation(&[Message::new("user", "Hi"), Message::new("assistant", "Hello!")], 0).unwrap().ok().unwrap();
     assert_eq!(ex, want);
+}
+
+#[test]
+fn a_messages_other_keys_reach_the_template_from_jsonl_and_arrow() {
+    // Qwen3's template renders `reasoning_content` inside the last answer; dropping the key
+    // would train an empty <think></think> instead.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let q = d.path().join("qwen3");
+    copy_dir(&m, &q);
+    std::fs::copy(fixture("chat-templates/qwen3.jinja"), q.join("chat_template.jinja")).unwrap();
+    let turns = [("user", "6*7?", None), ("assistant", "42", Some("six sevens"))];
+    let fields = vec![Field::new("role", DataType::Utf8, true), Field::new("content", DataType::Utf8, true), Field::new("reasoning_content", DataType::Utf8, true)];
+    let mut lb = ListBuilder::new(StructBuilder::from_fields(fields.clone(), 2));
+    for (r, c, why) in turns {
+        let sb = lb.values();
+        sb.field_builder::<StringBuilder>(0).unwrap().append_value(r);
+        sb.field_builder::<StringBuilder>(1).unwrap().append_value(c);
+        sb.field_builder::<StringBuilder>(2).unwrap().append_option(why);
+        sb.append(true);
+    }
+    lb.append(true);
+    let col: ArrayRef = Arc::new(lb.finish());
+    let arrow = d.path().join("chat.arrow");
+    finetune::synth::write_arrow_stream(&arrow, &[RecordBatch::try_from_iter(vec![("messages", col)]).unwrap()]).unwrap();
+    let jsonl = d.path().join("chat.jsonl");
+    let msgs: Vec<serde_json::Value> = turns.iter().map(|(r, c, why)| serde_json::json!({"role": r, "content": c, "reasoning_content": why})).collect();
+    write_jsonl(&jsonl, &[serde_json::json!({ "messages": msgs }).to_string()]);
+    let mut got = Vec::new();
+    for p in [arrow, jsonl] {
+        let mut l = loader(&[p], None, formatter(&q, "messages", None, false), opts()).unwrap();
+        got.push(l.next_example().unwrap());
+    }
+    assert_eq!(got[0], got[1], "Arrow and JSONL");
+    let f = formatter(&q, "messages", None, false);
+    let trained: Vec<u32> = got[0].input_ids.iter().zip(&got[0].labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+    assert_eq!(f.decode(&trained), "<think>\nsix sevens\n</think>\n\n42<|im_end|>\n");
 }
 
 #[test]
@@ -755,8 +874,17 @@ fn cutting_a_long_conversation_keeps_the_turns_a_lookahead_template_reads() {
     let f = formatter(&m, "messages", None, false);
     let mut rows = finetune::data::source::Rows::open(&p).unwrap();
     let (r, _) = rows.next_row().unwrap();
-    let whole = f.tokenize(f.read(&r).unwrap().ok().unwrap(), 0).err().expect("the whole record does not render prefix by prefix");
+    // The first assistant turn renders without <think></think> once a turn follows it, so it
+    // is not a prefix of the conversation through it: found by its content instead.
+    let whole = f.tokenize(f.read(&r).unwrap().ok().unwrap(), 0).unwrap().ok().expect("a lookahead template's turns are found");
+    let trained: Vec<u32> = whole.input_ids.iter().zip(&whole.labels).filter(|(_, &l)| l != -100).map(|(&t, _)| t).collect();
+    let tok = tokenizers::Tokenizer::from_file(m.join("tokenizer.json")).unwrap();
+    // (This template has no generation prompt, so a turn's header counts as its own.)
+    let want = format!("<|im_start|>assistant\n{}<|im_end|>\n<|im_start|>assistant\n<think></think>{}<|im_end|>\n", words(60_000, 2), words(10, 4));
+    assert_eq!(tok.decode(&trained, false).unwrap(), want, "both answers and their end-of-turn markers, nothing else");
+    // Cut to 300 tokens, the record is the whole one's first 300 tokens and labels: the whole
+    // conversation is rendered (what the template does with later turns stays), then cut.
     let mut l = loader(&[p.clone()], None, formatter(&m, "messages", None, false), LoaderOptions { max_seq_len: 300, ..opts() }).unwrap();
-    let cut = l.next_example().err().expect("nor does the cut one").to_string();
-    assert_eq!(cut, whole.to_string());
+    let cut = l.next_example().unwrap();
+    assert_eq!((&cut.input_ids[..], &cut.labels[..]), (&whole.input_ids[..300], &whole.labels[..300]));
 }

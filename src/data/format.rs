@@ -10,13 +10,16 @@
 //! `apply_chat_template`), or a built-in chat template: `chatml`, `deepseek`, `llama3`.
 //!
 //! Loss masking: by default only what the assistant says is trained — each assistant turn's
-//! text and its end-of-turn marker, found by rendering the conversation up to each turn (with
-//! and without the generation prompt) and marking the tokens whose text lies in between.
+//! text and its end-of-turn marker, found in the rendered conversation by rendering it up to
+//! each turn (with and without the generation prompt; see `assistant_spans`) and marking the
+//! tokens whose text starts in between; for prompt/completion records, the tokens of the
+//! completion (prompt and completion tokenized as one text, as TRL does).
 //! `train_on_prompt = true` trains on every token.
 //!
 //! Truncation happens before the cost: with a token limit set (the loader sets
-//! `data.max_seq_len`), only a bounded prefix of each text field, and of a conversation's
-//! turns, is rendered and tokenized; see [`Formatter::set_token_limit`].
+//! `data.max_seq_len`), only a bounded prefix of each text (a conversation: of its rendering)
+//! is tokenized, and assistant turns are looked for only there; see
+//! [`Formatter::set_token_limit`].
 
 use super::{Example, IGNORE};
 use crate::chat::{ChatTemplate, Message};
@@ -176,9 +179,9 @@ impl Formatter {
     }
 
     /// Keep only the first `limit` tokens of each record, and spend only what that needs: a
-    /// text field is tokenized from a prefix of `(limit + 64) * K` bytes (cut on a char
-    /// boundary), K being the most bytes one token covers (the longest vocab entry, capped at
-    /// 64), and a conversation is rendered from the turns within that many bytes. The prefix
+    /// text (a conversation: its whole rendering, which is linear in its size) is tokenized
+    /// from a prefix of `(limit + 64) * K` bytes (cut on a char boundary), K being the most
+    /// bytes one token covers (the longest vocab entry, capped at 64). The prefix
     /// must still yield `limit + 64` tokens, else it is doubled and tried again, so the first
     /// `limit` tokens are those of the whole record (the 64 absorb merges across the cut) and a
     /// cut record is always longer than `limit`. Records are then at least `limit + 64` tokens
@@ -224,15 +227,42 @@ impl Formatter {
                     Ok(v) => v,
                     Err(e) => return Ok(Err(bad(e))),
                 };
-                let labels = if r.has(self.col("labels")) {
-                    match r.int_list(self.col("labels")) {
-                        Ok(v) => Some(v),
-                        Err(e) => return Ok(Err(bad(e))),
+                // A list column of the row, if the dataset has it.
+                let list = |name: &str| -> std::result::Result<Option<Vec<i64>>, BadRecord> {
+                    if !r.has(self.col(name)) {
+                        return Ok(None);
                     }
-                } else {
-                    None
+                    r.int_list(self.col(name)).map(Some).map_err(bad)
                 };
-                Record::Tokens(ids, labels)
+                let labels = match list("labels") {
+                    Ok(l) => l,
+                    Err(b) => return Ok(Err(b)),
+                };
+                // What TRL's SFTTrainer writes when it tokenizes: without `labels`, its
+                // `completion_mask` (prompt/completion data) or `assistant_masks`
+                // (assistant_only_loss) says which tokens are trained, and `attention_mask`
+                // marks padding, which is dropped (an input, not just an untrained label).
+                let mut masks = Vec::new();
+                for name in ["attention_mask", "completion_mask", "assistant_masks"] {
+                    match list(name) {
+                        Ok(Some(m)) if m.len() != ids.len() => {
+                            return Ok(Err(BadRecord(format!("{}: {name} has {} entries but input_ids has {}", r.at(), m.len(), ids.len()))))
+                        }
+                        Ok(m) => masks.push(m),
+                        Err(b) => return Ok(Err(b)),
+                    }
+                }
+                let [attention, completion, assistant]: [Option<Vec<i64>>; 3] = masks.try_into().unwrap_or_default();
+                let trained = labels.is_none().then_some(completion.or(assistant)).flatten();
+                let labels = labels.or_else(|| trained.map(|m| ids.iter().zip(&m).map(|(&t, &k)| if k != 0 { t } else { IGNORE }).collect()));
+                match attention {
+                    // (labels of another length are reported as such by `tokenize`)
+                    Some(a) if labels.as_ref().is_none_or(|l| l.len() == ids.len()) => {
+                        let unpadded = |v: &[i64]| v.iter().zip(&a).filter(|(_, &k)| k != 0).map(|(&x, _)| x).collect::<Vec<_>>();
+                        Record::Tokens(unpadded(&ids), labels.map(|l| unpadded(&l)))
+                    }
+                    _ => Record::Tokens(ids, labels),
+                }
             }
             "text" => match need("text") {
                 Ok(t) => Record::Text(t),
@@ -286,20 +316,46 @@ impl Formatter {
         t.encode(text, special).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })
     }
 
-    /// Token ids of `text`, or with a token limit of a prefix long enough for the limit (see
-    /// [`Self::set_token_limit`]); `true` when the text was cut.
-    fn encode_bounded(&self, text: &str, special: bool) -> Result<(Vec<u32>, bool)> {
-        let Some((need, mut bytes)) = self.cut_budget() else { return Ok((self.encode(text, special)?.get_ids().to_vec(), false)) };
+    /// Tokens of `text` (ids and byte offsets), or with a token limit of a prefix long enough
+    /// for it (see [`Self::set_token_limit`]), and how many bytes of `text` were tokenized.
+    fn encode_prefix(&self, text: &str, special: bool) -> Result<(tokenizers::Encoding, usize)> {
+        let Some((need, mut bytes)) = self.cut_budget() else { return Ok((self.encode(text, special)?, text.len())) };
         loop {
             if text.len() <= bytes {
-                return Ok((self.encode(text, special)?.get_ids().to_vec(), false));
+                return Ok((self.encode(text, special)?, text.len()));
             }
-            let ids = self.encode(&text[..char_floor(text, bytes)], special)?.get_ids().to_vec();
-            if ids.len() >= need {
-                return Ok((ids, true));
+            let end = char_floor(text, bytes);
+            let enc = self.encode(&text[..end], special)?;
+            if enc.get_ids().len() >= need {
+                return Ok((enc, end));
             }
             bytes = bytes.saturating_mul(2);
         }
+    }
+
+    /// Ids of `text` (or of a prefix long enough for the token limit) with the tokens whose
+    /// text starts at or after byte `from` trained (all with train_on_prompt), then EOS unless
+    /// the text already ends with it. TRL's tokenization: the prompt and the completion as one
+    /// text, so a tokenizer that marks the start of a text (SentencePiece's "▁") does so once,
+    /// and an EOS the data already has is not doubled.
+    fn encode_trained_from(&self, text: &str, from: usize) -> Result<Example> {
+        let (enc, _) = self.encode_prefix(text, true)?;
+        let mut ids = enc.get_ids().to_vec();
+        let mut labels: Vec<i64> = ids
+            .iter()
+            .zip(enc.get_offsets())
+            .zip(enc.get_special_tokens_mask())
+            .map(|((&id, &(start, _)), &special)| {
+                // A special token the tokenizer adds (BOS) sits at offset 0: prompt.
+                let in_answer = start >= from && !(special == 1 && start == 0 && from > 0);
+                if self.train_on_prompt || in_answer { id as i64 } else { IGNORE }
+            })
+            .collect();
+        if let Some(eos) = self.eos.filter(|&e| ids.last() != Some(&e)) {
+            ids.push(eos);
+            labels.push(eos as i64);
+        }
+        Ok(Example::new(ids, labels))
     }
 
     /// Tokenize a record. `index` names the row in messages.
@@ -322,23 +378,10 @@ impl Formatter {
                 }
                 Example::new(input_ids, labels)
             }
-            Record::Text(t) => {
-                let (mut ids, _) = self.encode_bounded(&t, true)?;
-                ids.extend(self.eos);
-                let labels = ids.iter().map(|&x| x as i64).collect();
-                Example::new(ids, labels)
-            }
+            Record::Text(t) => self.encode_trained_from(&t, 0)?,
             Record::PromptCompletion(p, c) => {
-                let (prompt, cut) = self.encode_bounded(&p, true)?;
-                // A prompt that had to be cut fills the limit: the completion lies past it.
-                let mut resp = if cut { Vec::new() } else { self.encode_bounded(&c, false)?.0 };
-                resp.extend(self.eos);
-                let mut labels: Vec<i64> =
-                    if self.train_on_prompt { prompt.iter().map(|&x| x as i64).collect() } else { vec![IGNORE; prompt.len()] };
-                labels.extend(resp.iter().map(|&x| x as i64));
-                let mut ids = prompt;
-                ids.extend(resp);
-                Example::new(ids, labels)
+                let from = p.len();
+                self.encode_trained_from(&(p + &c), from)?
             }
             Record::Conversation(m) => match self.render_conversation(&m, index)? {
                 Ok(ex) => ex,
@@ -355,24 +398,12 @@ impl Formatter {
         Ok(Ok(ex))
     }
 
-    /// Render with the chat template; label the assistant spans. With a token limit, only the
-    /// turns (and the part of the last one) within the byte bound are rendered, as long as
-    /// that still yields the limit's worth of tokens (see [`Self::set_token_limit`]).
+    /// Render the whole conversation with the chat template (the text transformers'
+    /// `apply_chat_template` gives, which is what is trained), tokenize it (with a token limit,
+    /// a prefix of the rendered text long enough for it) and label the assistant turns found
+    /// in it ([`assistant_spans`]). A template error, or an assistant turn that cannot be
+    /// found, makes the record bad (reported, or skipped with on_bad_record = "skip").
     pub fn render_conversation(&self, m: &[Message], index: u64) -> Result<std::result::Result<Example, BadRecord>> {
-        let Some((need, mut bytes)) = self.cut_budget() else { return self.render_whole(m, index) };
-        loop {
-            let Some(cut) = cut_turns(m, bytes) else { return self.render_whole(m, index) };
-            match self.render_whole(&cut, index)? {
-                Ok(ex) if ex.input_ids.len() >= need => return Ok(Ok(ex)),
-                Ok(_) => bytes = bytes.saturating_mul(2),
-                // A template that rejects the shortened conversation (it may insist on how one
-                // ends) decides nothing: render what the record really holds.
-                Err(_) => return self.render_whole(m, index),
-            }
-        }
-    }
-
-    fn render_whole(&self, m: &[Message], index: u64) -> Result<std::result::Result<Example, BadRecord>> {
         let Template::Chat(t) = &self.template else {
             return Ok(Err(BadRecord(format!("row {index}: the template cannot render conversations"))));
         };
@@ -380,34 +411,20 @@ impl Formatter {
             Ok(s) => s,
             Err(e) => return Ok(Err(BadRecord(format!("row {index}: {e}")))),
         };
-        // Byte spans of the assistant turns.
-        let mut spans = Vec::new();
-        for (i, msg) in m.iter().enumerate() {
-            if msg.role != "assistant" {
-                continue;
+        let (enc, tokenized) = self.encode_prefix(&text, false)?;
+        let spans = if self.train_on_prompt {
+            Vec::new()
+        } else {
+            match assistant_spans(t, m, &text, tokenized) {
+                Ok(s) => s,
+                Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
             }
-            let before = t.render(&m[..i], true)?;
-            let through = t.render(&m[..=i], false)?;
-            if !through.starts_with(&before) || !text.starts_with(&through) {
-                return Err(Error::Tokenizer {
-                    path: self.tok_path.clone(),
-                    msg: "the chat template does not render conversations prefix by prefix, so assistant turns cannot be located; \
-                          set data.train_on_prompt = true or choose data.template"
-                        .into(),
-                });
-            }
-            spans.push(before.len()..through.len());
-        }
-        let enc = self.encode(&text, false)?;
+        };
         let ids = enc.get_ids().to_vec();
         let labels = ids
             .iter()
             .zip(enc.get_offsets())
-            .map(|(&id, &(start, end))| {
-                let _ = end;
-                let trained = self.train_on_prompt || spans.iter().any(|s| s.contains(&start));
-                if trained { id as i64 } else { IGNORE }
-            })
+            .map(|(&id, &(start, _))| if self.train_on_prompt || spans.iter().any(|s| s.contains(&start)) { id as i64 } else { IGNORE })
             .collect();
         Ok(Ok(Example::new(ids, labels)))
     }
@@ -430,30 +447,84 @@ fn char_floor(s: &str, n: usize) -> usize {
     i
 }
 
-/// `m` with its content cut to `bytes` in all (each turn counts one byte more): the turn
-/// crossing the bound is cut, the turns after it keep their role with empty content; None
-/// when everything fits. The turns stay, because model templates look ahead (Qwen3 renders
-/// an assistant turn differently when it is the last one, Mistral moves the system prompt to
-/// the last user turn): dropping later turns could change how the kept ones render. Only a
-/// flood of turns beyond `bytes` (which no template can turn into fewer tokens) is dropped.
-fn cut_turns(m: &[Message], bytes: usize) -> Option<Vec<Message>> {
-    let mut out = Vec::new();
-    let mut used = 0usize;
-    let mut cut = false;
-    for (i, msg) in m.iter().enumerate() {
-        if i >= bytes {
-            return Some(out);
+/// Byte spans of `text` (the whole conversation `m` rendered) that hold what the assistant
+/// says: each assistant turn from the end of the prompt before it to the end of the turn,
+/// end-of-turn marker included, for the turns that start within the first `limit` bytes.
+///
+/// Usually a turn starts where the conversation before it, rendered with the generation
+/// prompt, ends in `text`, and ends where the conversation through it does. Where a template
+/// breaks that (DeepSeek-R1's generation prompt opens `<think>\n`, which the stored turns do
+/// not have; Qwen3 drops the reasoning of turns before the last question; Phi-3 ends a
+/// conversation with EOS), the turn is found by its content, rendering the whole conversation
+/// with the content replaced (what differs is the content); it then starts at its content,
+/// or after the generation prompt where all of that is there, and ends with its end-of-turn
+/// marker: what the template writes after the content when the turn is the last one, as far
+/// as `text` has it.
+fn assistant_spans(t: &ChatTemplate, m: &[Message], text: &str, limit: usize) -> std::result::Result<Vec<std::ops::Range<usize>>, String> {
+    let render = |msgs: &[Message], prompt: bool| t.render(msgs, prompt).map_err(|e| e.to_string());
+    let mut spans = Vec::new();
+    for (i, msg) in m.iter().enumerate().filter(|(_, msg)| msg.role == "assistant") {
+        let prompt = render(&m[..i], true)?;
+        let start = common_prefix(text, &prompt);
+        if start >= limit {
+            break;
         }
-        let room = bytes.saturating_sub(used);
-        if msg.content.len() >= room {
-            out.push(Message::new(&msg.role, &msg.content[..char_floor(&msg.content, room)]));
-            cut = true;
+        let through = render(&m[..=i], false)?;
+        let ends_as_rendered = text.starts_with(&through);
+        if start == prompt.len() && ends_as_rendered && through.len() > start {
+            spans.push(start..through.len());
+            continue;
+        }
+        // Found by its content: the whole conversation with this turn's content replaced by a
+        // character no template writes around it (an empty content would let the common
+        // prefix and suffix run into a content that starts or ends like its surroundings).
+        let mut marked = m.to_vec();
+        marked[i] = msg.with_content(PLACEHOLDER);
+        let (from, to) = differing(text, &render(&marked, false)?);
+        if to <= from {
+            return Err(format!("assistant turn {i} cannot be found in the chat template's rendering of the conversation (set data.train_on_prompt = true, or choose data.template)"));
+        }
+        // Where the generation prompt is not all there (R1's "<think>\n", or a template that
+        // writes a system prompt with the first turn when the conversation opens with the
+        // assistant), the turn's own text starts with its content.
+        let start = if start == prompt.len() { start.min(from) } else { from };
+        let end = if ends_as_rendered && through.len() > to {
+            through.len()
         } else {
-            out.push(msg.clone());
-        }
-        used = used.saturating_add(msg.content.len() + 1);
+            // Its end-of-turn marker: what the template writes after the turn's content when
+            // the turn is the last one, as far as `text` has it.
+            let mut alone = m[..=i].to_vec();
+            alone[i] = msg.with_content(PLACEHOLDER);
+            let marker = &through[differing(&through, &render(&alone, false)?).1..];
+            to + common_prefix(&text[to..], marker)
+        };
+        spans.push(start..end);
     }
-    cut.then_some(out)
+    Ok(spans)
+}
+
+/// Content that stands for an assistant turn's while it is looked for (a private-use char).
+const PLACEHOLDER: &str = "\u{E000}";
+
+/// The byte range of `a` where `a` and `b` differ: between their common prefix and suffix.
+fn differing(a: &str, b: &str) -> (usize, usize) {
+    let from = common_prefix(a, b);
+    (from, a.len() - common_suffix(&a[from..], &b[from..]))
+}
+
+/// Bytes at the start of `a` and `b` that agree, on a char boundary of both.
+fn common_prefix(a: &str, b: &str) -> usize {
+    let n = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
+    char_floor(a, n)
+}
+
+/// Bytes at the end of `a` and `b` that agree, on a char boundary of both.
+fn common_suffix(a: &str, b: &str) -> usize {
+    let mut n = a.bytes().rev().zip(b.bytes().rev()).take_while(|(x, y)| x == y).count();
+    while !a.is_char_boundary(a.len() - n) {
+        n -= 1;
+    }
+    n
 }
 
 fn special_tokens(model_dir: &Path) -> (Option<String>, Option<String>) {
@@ -484,15 +555,10 @@ mod tests {
     }
 
     #[test]
-    fn turns_past_the_byte_bound_keep_their_role_and_the_crossing_one_is_cut() {
-        let m = vec![Message::new("user", "aaaa"), Message::new("assistant", "bbbbbbbb"), Message::new("user", "cc")];
-        assert!(cut_turns(&m, 100).is_none(), "everything fits");
-        let cut = cut_turns(&m, 8).unwrap();
-        // "aaaa" and its turn use 5 bytes; 3 are left for the assistant; the last user turn
-        // stays (a template may render earlier turns by what follows) but empty.
-        assert_eq!(cut, vec![Message::new("user", "aaaa"), Message::new("assistant", "bbb"), Message::new("user", "")]);
-        // A flood of turns is bounded too: no more turns than bytes.
-        let empty = vec![Message::new("user", ""); 1000];
-        assert_eq!(cut_turns(&empty, 10).unwrap().len(), 10);
+    fn common_prefix_and_suffix_stop_on_a_char_boundary() {
+        assert_eq!(common_prefix("abé", "abè"), 2, "é and è share their first byte");
+        assert_eq!(common_suffix("xé!", "yè!"), 1);
+        assert_eq!(common_prefix("abc", "abc"), 3);
+        assert_eq!(common_suffix("", "abc"), 0);
     }
 }

@@ -836,7 +836,11 @@ impl RowRef<'_> {
                     .map(|m| {
                         let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| self.err(column, "a message has no string `role`"))?;
                         let content = m.get("content").and_then(|r| r.as_str()).ok_or_else(|| self.err(column, "a message has no string `content`"))?;
-                        Ok(Message::new(role, content))
+                        let mut msg = Message::new(role, content);
+                        if let Some(o) = m.as_object() {
+                            msg.extra = o.iter().filter(|(k, _)| *k != "role" && *k != "content").map(|(k, v)| (k.clone(), v.clone())).collect();
+                        }
+                        Ok(msg)
                     })
                     .collect::<Result<Vec<_>>>()
                     .map(Some),
@@ -861,11 +865,22 @@ impl RowRef<'_> {
                     Err(self.err(column, format!("message `{name}` is {}, expected a string", c.data_type())))
                 };
                 let (roles, contents) = (field("role")?, field("content")?);
+                // The structs' other fields (`reasoning_content`, ...) as JSON, null where null.
+                let extra: Vec<(String, &arrow_array::ArrayRef)> =
+                    s.fields().iter().zip(s.columns()).filter(|(f, _)| f.name() != "role" && f.name() != "content").map(|(f, c)| (f.name().clone(), c)).collect();
                 roles
                     .into_iter()
                     .zip(contents)
-                    .map(|(r, c)| match (r, c) {
-                        (Some(r), Some(c)) => Ok(Message { role: r, content: c }),
+                    .enumerate()
+                    .map(|(i, (r, c))| match (r, c) {
+                        (Some(r), Some(c)) => {
+                            let mut msg = Message::new(&r, &c);
+                            for (name, col) in &extra {
+                                let v = arrow_json_value(col.as_ref(), i).map_err(|t| self.err(column, format!("message field `{name}` holds {t}, which a chat template cannot read")))?;
+                                msg.extra.insert(name.clone(), v);
+                            }
+                            Ok(msg)
+                        }
                         _ => Err(self.err(column, "a message has a null role or content")),
                     })
                     .collect::<Result<Vec<_>>>()
@@ -873,6 +888,51 @@ impl RowRef<'_> {
             }
         }
     }
+}
+
+/// Element `i` of an Arrow array as the JSON value `datasets` would hand a template in
+/// Python (strings, numbers, booleans, lists and structs, null); the type's name otherwise.
+fn arrow_json_value(a: &dyn Array, i: usize) -> std::result::Result<serde_json::Value, String> {
+    use arrow_array::types::{Float32Type, Float64Type};
+    use arrow_schema::DataType as T;
+    use serde_json::Value as V;
+    if a.is_null(i) {
+        return Ok(V::Null);
+    }
+    macro_rules! num {
+        ($t:ty) => {
+            serde_json::json!(a.as_primitive::<$t>().value(i))
+        };
+    }
+    Ok(match a.data_type() {
+        T::Null => V::Null,
+        T::Utf8 => V::String(a.as_string::<i32>().value(i).to_string()),
+        T::LargeUtf8 => V::String(a.as_string::<i64>().value(i).to_string()),
+        T::Boolean => V::Bool(a.as_boolean().value(i)),
+        T::Int8 => num!(Int8Type),
+        T::Int16 => num!(Int16Type),
+        T::Int32 => num!(Int32Type),
+        T::Int64 => num!(Int64Type),
+        T::UInt8 => num!(UInt8Type),
+        T::UInt16 => num!(UInt16Type),
+        T::UInt32 => num!(UInt32Type),
+        T::UInt64 => num!(UInt64Type),
+        T::Float32 => num!(Float32Type),
+        T::Float64 => num!(Float64Type),
+        T::List(_) | T::LargeList(_) => {
+            let l: arrow_array::ArrayRef = if let Some(l) = a.as_list_opt::<i32>() { l.value(i) } else { a.as_list::<i64>().value(i) };
+            V::Array((0..l.len()).map(|j| arrow_json_value(l.as_ref(), j)).collect::<std::result::Result<_, _>>()?)
+        }
+        T::Struct(_) => {
+            let st = a.as_struct();
+            let mut o = serde_json::Map::new();
+            for (f, c) in st.fields().iter().zip(st.columns()) {
+                o.insert(f.name().clone(), arrow_json_value(c.as_ref(), i)?);
+            }
+            V::Object(o)
+        }
+        t => return Err(t.to_string()),
+    })
 }
 
 /// The values of a `list` / `large_list` cell.
