@@ -143,7 +143,7 @@ mod tests {
     #[test]
     fn a_large_block_asks_for_huge_pages_and_a_small_one_does_not() {
         if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
-            eprintln!("skipped: this kernel has no transparent huge pages");
+            crate::note!("skipped: this kernel has no transparent huge pages");
             return;
         }
         let big = Layout::from_size_align(8 << 20, 64).unwrap();

@@ -35,6 +35,18 @@ pub struct TrainState {
     #[serde(default)]
     pub micro_batches_per_step: usize,
     pub loader: LoaderState,
+    /// Rows of a micro-batch that one forward and backward pass ran (`train::pass_rows`): the
+    /// passes' gradients are summed, so another split is another sum. None in checkpoints
+    /// written before it was recorded.
+    #[serde(default)]
+    pub pass_rows: Option<usize>,
+    /// `fsutil::fingerprint`s of the model's files and of the training data's, so that other
+    /// files put at the same paths are not trained on as if they were the run's (None in
+    /// checkpoints written before they were recorded).
+    #[serde(default)]
+    pub model_fingerprint: Option<String>,
+    #[serde(default)]
+    pub data_fingerprint: Option<String>,
 }
 
 pub struct Loaded {
@@ -251,12 +263,17 @@ pub fn clean_temporaries(out_dir: &Path) {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
+    // A final adapter or merged model a crash left half-written (`train::save_adapter_dir`).
+    for tmp in [".adapter.tmp", ".merged.tmp"] {
+        let _ = std::fs::remove_dir_all(out_dir.join(tmp));
+    }
 }
 
 /// Keys that may change between a checkpoint and its resume (with a warning).
 /// Besides these, `checkpoint.*`, `export.*` (what is written after training) and `dist.*`
 /// (checked separately) may change. `data.eval` only chooses what is evaluated; checkpointing
-/// only what is recomputed (the same bits either way).
+/// only what is recomputed (the same bits either way), except where it splits micro-batches
+/// into passes (`TrainState::pass_rows`, checked on resume).
 const MAY_CHANGE: &[&str] = &[
     "train.max_steps",
     "train.warmup_steps",

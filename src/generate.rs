@@ -39,23 +39,7 @@ pub struct Generator {
 impl Generator {
     /// Load a model folder (f32 compute) with an optional PEFT adapter.
     pub fn load(model: &ModelDir, adapter: Option<&Path>) -> Result<Self> {
-        let cfg = ModelConfig::from_file(&model.config_path())?;
-        let adapters = match adapter {
-            Some(dir) => crate::export::PeftAdapter::open(dir)?.load(&cfg)?,
-            None => Adapters::none(&cfg)?,
-        };
-        // A GGUF base is dequantised once, as it is first used, and kept: generation runs
-        // every layer per token, so dequantising per use would cost more than the forward.
-        let src: Arc<dyn crate::weights::WeightSource> = match &model.gguf {
-            Some(g) => {
-                let reader = Box::new(crate::gguf::GgufReader::new(crate::gguf::open(g)?));
-                let account = Arc::new(crate::dist::zero::Account::default());
-                Arc::new(crate::weights::quantized::QuantizedWeights::new(reader, cfg.num_hidden_layers, 0, DType::F32, DType::F32, Device::Cpu, account).keep_dequantised())
-            }
-            None => Arc::new(ResidentWeights::new(model.open_weights()?, DType::F32, DType::F32, Device::Cpu)),
-        };
-        let llama = Model::load(src.clone(), cfg, &adapters)?;
-        src.seal();
+        let (llama, adapters) = Self::load_model(model, adapter)?;
         let tok_path = model.dir.join("tokenizer.json");
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
         let chat = ChatTemplate::from_model_dir(&model.dir)?;
@@ -76,6 +60,29 @@ impl Generator {
             }
         }
         Ok(Generator { model: llama, adapters, tokenizer, chat, stop, tok_path })
+    }
+
+    /// The model (f32 compute) with an optional PEFT adapter, without a tokenizer (what
+    /// `finetune logits` needs: it is given token ids).
+    pub fn load_model(model: &ModelDir, adapter: Option<&Path>) -> Result<(Model, Adapters)> {
+        let cfg = ModelConfig::from_file(&model.config_path())?;
+        let adapters = match adapter {
+            Some(dir) => crate::export::PeftAdapter::open(dir)?.load(&cfg)?,
+            None => Adapters::none(&cfg)?,
+        };
+        // A GGUF base is dequantised once, as it is first used, and kept: generation runs
+        // every layer per token, so dequantising per use would cost more than the forward.
+        let src: Arc<dyn crate::weights::WeightSource> = match &model.gguf {
+            Some(g) => {
+                let reader = Box::new(crate::gguf::GgufReader::new(crate::gguf::open(g)?));
+                let account = Arc::new(crate::dist::zero::Account::default());
+                Arc::new(crate::weights::quantized::QuantizedWeights::new(reader, cfg.num_hidden_layers, 0, DType::F32, DType::F32, Device::Cpu, account).keep_dequantised())
+            }
+            None => Arc::new(ResidentWeights::new(model.open_weights()?, DType::F32, DType::F32, Device::Cpu)),
+        };
+        let llama = Model::load(src.clone(), cfg, &adapters)?;
+        src.seal();
+        Ok((llama, adapters))
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {

@@ -108,7 +108,7 @@ impl Hub {
         let _lock = match (repo.lock(), repo.required_present(want)) {
             (Ok(l), _) => l,
             (Err(e), Some(snap)) => {
-                eprintln!("warning: {e}; using the cached snapshot {} as it is", snap.display());
+                crate::note!("warning: {e}; using the cached snapshot {} as it is", snap.display());
                 return Ok(snap);
             }
             (Err(e), None) => return Err(e),
@@ -122,7 +122,7 @@ impl Hub {
             // with the weights there and the hub out of reach, use it, as transformers does.
             Err((e, msg)) if is_unreachable(&e) && repo.required_present(want).is_some() => {
                 let snap = repo.required_present(want).unwrap_or_default();
-                eprintln!("warning: {msg}; using the cached snapshot {}", snap.display());
+                crate::note!("warning: {msg}; using the cached snapshot {}", snap.display());
                 return Ok(snap);
             }
             Err((_, msg)) => return Err(msg),
@@ -301,7 +301,7 @@ impl<'a> CachedRepo<'a> {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
         // SAFETY: flock on a descriptor we own.
         if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            eprintln!("waiting for another process downloading {} {} (lock {})", self.kind_name(), self.id, path.display());
+            crate::note!("waiting for another process downloading {} {} (lock {})", self.kind_name(), self.id, path.display());
             // SAFETY: as above; blocks until the lock is ours.
             if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
                 return Err(Error::io(&path, std::io::Error::last_os_error()));

@@ -30,3 +30,14 @@ pub mod train;
 pub mod weights;
 
 pub use error::{Error, Result};
+
+/// `eprintln!` that never panics: when stderr is closed or full (`finetune ... | tee log`
+/// after Ctrl-C takes `tee` down, a log file on a full disk) a run must still finish its step,
+/// checkpoint and exit as documented, not panic on a progress line.
+#[macro_export]
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}

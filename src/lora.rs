@@ -53,6 +53,23 @@ pub struct LoraSpec {
 }
 
 impl LoraSpec {
+    /// What PEFT with transformers 5 does not apply of an adapter on a MoE model (measured
+    /// with PEFT 0.21): it moves every `gate_proj`/`up_proj`/`down_proj` target to the stacked
+    /// routed-expert parameters, so the adapters on dense layers' MLP and on shared experts
+    /// are dropped there without a word. None when there is nothing to say.
+    pub fn peft_caveat(&self, cfg: &crate::config::ModelConfig) -> Option<String> {
+        let mlp: Vec<&str> = self.targets.iter().map(String::as_str).filter(|t| ["gate_proj", "up_proj", "down_proj"].contains(t)).collect();
+        (cfg.moe.is_some() && !mlp.is_empty()).then(|| {
+            format!(
+                "note: PEFT with transformers 5 does not apply this adapter's {} on dense layers and shared experts (it takes those names for the stacked experts); \
+                 load it with transformers 4, or export a merged model (finetune export --merge)",
+                mlp.join("/")
+            )
+        })
+    }
+}
+
+impl LoraSpec {
     pub fn scale(&self) -> f64 {
         self.alpha / self.rank as f64
     }
@@ -341,6 +358,43 @@ impl AdapterConfig {
         for k in ["rank_pattern", "alpha_pattern"] {
             if c.get(k).and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty()) {
                 return Err(err(format!("adapter_config.json: per-module `{k}` is not supported")));
+            }
+        }
+        // PEFT variants whose forward is not Wx + (alpha/r)·B·A·x on the unmodified base: any
+        // of these set (not null, false or empty) would be loaded as a plain LoRA and compute
+        // something else without a word.
+        for (k, what) in [
+            ("alora_invocation_tokens", "Activated LoRA (the adapter applies only after its invocation tokens)"),
+            ("use_qalora", "QALoRA (the adapter reads pooled inputs)"),
+            ("target_parameters", "LoRA on parameters (`target_parameters`, e.g. transformers 5's stacked expert weights)"),
+            ("layer_replication", "layer replication (the base's layers repeated)"),
+            ("use_bdlora", "BD-LoRA"),
+            ("arrow_config", "Arrow routing between adapters"),
+            ("kasa_config", "KaSA"),
+            ("velora_config", "VeLoRA"),
+            ("monteclora_config", "MonteCLoRA"),
+        ] {
+            let set = match c.get(k) {
+                None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => false,
+                Some(serde_json::Value::Array(a)) => !a.is_empty(),
+                Some(serde_json::Value::Object(o)) => !o.is_empty(),
+                Some(_) => true,
+            };
+            if set {
+                return Err(err(format!("adapter_config.json: {what} adapters are not supported (`{k}` is set)")));
+            }
+        }
+        // Initialisations after which PEFT rewrites the base weights when it loads the adapter
+        // (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA: W - B·A at load), so the saved A and B are only
+        // right against that rewritten base. Only those that leave the base as it is pass.
+        match c.get("init_lora_weights") {
+            None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(_)) => {}
+            Some(serde_json::Value::String(s)) if ["gaussian", "eva", "orthogonal", "mica"].contains(&s.to_ascii_lowercase().as_str()) => {}
+            Some(v) => {
+                return Err(err(format!(
+                    "adapter_config.json: init_lora_weights = {v}: PEFT changes the base weights for this initialisation when it loads the adapter, \
+                     so its A and B do not apply to the base as it is; convert it to a plain LoRA first (PEFT's `path_initial_model_for_weight_conversion` when saving)"
+                )))
             }
         }
         // Bounded like the recipe's lora.rank: `r` sizes every A and B allocated from it.

@@ -312,7 +312,14 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
     use finetune::export::{export_adapter_only, merge, parse_size, ExportOptions, PeftAdapter};
     let adapter_dir = match (&a.run, &a.adapter) {
         (Some(run), _) => match &a.checkpoint {
-            Some(c) => run.join("checkpoints").join(c).join("adapter"),
+            Some(c) => {
+                // As resume does: a checkpoint is what its manifest says, or it is not used.
+                let dir = run.join("checkpoints").join(c);
+                if dir.is_dir() {
+                    finetune::checkpoint::verify(&dir).map_err(|why| anyhow::anyhow!("checkpoint {} is damaged or incomplete: {why}; export another one (see {})", dir.display(), run.join("checkpoints").display()))?;
+                }
+                dir.join("adapter")
+            }
             None => run.join("adapter"),
         },
         (None, Some(ad)) => ad.clone(),
@@ -341,7 +348,7 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
                 anyhow::bail!("--out {}: with --format gguf, --out names the .gguf file to write, not a folder", a.out.display());
             }
             let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &a.out)?;
-            eprintln!("adapter (llama.cpp LoRA GGUF) written to {} ({} bytes); use it with: llama-cli -m <base>.gguf --lora {}", r.out.display(), r.total_bytes, r.out.display());
+            finetune::note!("adapter (llama.cpp LoRA GGUF) written to {} ({} bytes); use it with: llama-cli -m <base>.gguf --lora {}", r.out.display(), r.total_bytes, r.out.display());
             return Ok(());
         }
         ("peft", _) => {}
@@ -349,7 +356,10 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
     }
     if !a.merge {
         let r = export_adapter_only(&adapter, &base, &a.out)?;
-        eprintln!("adapter (PEFT format) written to {} ({} bytes)", r.out.display(), r.total_bytes);
+        finetune::note!("adapter (PEFT format) written to {} ({} bytes)", r.out.display(), r.total_bytes);
+        if let Some(c) = finetune::config::ModelConfig::from_file(&base.config_path()).ok().and_then(|cfg| adapter.spec.peft_caveat(&cfg)) {
+            finetune::note!("{c}");
+        }
         return Ok(());
     }
     let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify, ..Default::default() };
@@ -361,13 +371,14 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
 fn logits(model: &str, adapter: Option<&std::path::Path>, tokens: &str) -> anyhow::Result<()> {
     let ids: Vec<u32> = tokens.split(',').map(|t| t.trim().parse::<u32>()).collect::<Result<_, _>>().map_err(|e| anyhow::anyhow!("--tokens {tokens}: {e} (expected comma-separated token ids)"))?;
     let dir = finetune::weights::ModelDir::resolve(model, std::path::Path::new("."))?;
-    let g = finetune::generate::Generator::load(&dir, adapter)?;
-    if let Some(bad) = ids.iter().find(|&&i| i as usize >= g.model.cfg.vocab_size) {
-        anyhow::bail!("--tokens: id {bad} is past the vocabulary ({} tokens)", g.model.cfg.vocab_size);
+    // Token ids in, logits out: no tokenizer needed (parity fixtures' model folders have none).
+    let (model, adapters) = finetune::generate::Generator::load_model(&dir, adapter)?;
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= model.cfg.vocab_size) {
+        anyhow::bail!("--tokens: id {bad} is past the vocabulary ({} tokens)", model.cfg.vocab_size);
     }
     let n = ids.len();
     let t = candle_core::Tensor::from_vec(ids, (1, n), &candle_core::Device::Cpu)?;
-    let l: Vec<Vec<f32>> = g.model.logits(&t, &g.adapters)?.squeeze(0)?.to_vec2()?;
+    let l: Vec<Vec<f32>> = model.logits(&t, &adapters)?.squeeze(0)?.to_vec2()?;
     println!("{}", serde_json::json!({ "logits": l }));
     Ok(())
 }
@@ -413,12 +424,12 @@ fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, 
     if adapter.is_some() {
         println!("exact match with the adapter: {ok_tuned}/{n} ({:.0}%)", pct(ok_tuned));
     }
-    eprintln!("evaluated in {:.0} s", started.elapsed().as_secs_f64());
+    finetune::note!("evaluated in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }
 
 fn print_merge_report(r: &finetune::export::ExportReport) {
-    eprintln!(
+    finetune::note!(
         "merged model written to {}: {} tensor(s) merged, {} shard(s), {:.1} MB; peak tensor memory {:.1} MB (one shard)",
         r.out.display(),
         r.merged_tensors,
@@ -427,8 +438,8 @@ fn print_merge_report(r: &finetune::export::ExportReport) {
         r.peak_buffered_bytes as f64 / 1e6
     );
     match r.max_logit_diff {
-        Some(d) => eprintln!("verified: max |logits(merged) - logits(base + adapter)| = {d:e}"),
-        None => eprintln!("not verified (--no-verify)"),
+        Some(d) => finetune::note!("verified: max |logits(merged) - logits(base + adapter)| = {d:e}"),
+        None => finetune::note!("not verified (--no-verify)"),
     }
 }
 
@@ -498,7 +509,7 @@ fn synth(out: &std::path::Path, (shape, arch, dtype): (&str, &str, &str), rows: 
         }
     }
     write_tokenized_dataset(&out.join("data"), &counting_rows(rows, s.vocab, seed + 1, len.0, len.1))?;
-    eprintln!("wrote {}/{} and {}/data", out.display(), if gguf.is_some() { "model.gguf" } else { "model" }, out.display());
+    finetune::note!("wrote {}/{} and {}/data", out.display(), if gguf.is_some() { "model.gguf" } else { "model" }, out.display());
     Ok(())
 }
 
@@ -521,6 +532,15 @@ fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> any
 }
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    // Commands that only print end quietly on a closed stdout (`| head`), as any Unix tool
+    // does, instead of panicking in println!. Training and export keep SIGPIPE ignored: a run
+    // whose `| tee` went away with Ctrl-C must still checkpoint (its stderr lines are `note!`s).
+    if matches!(cli.command, Some(Command::Data { .. } | Command::Generate { .. } | Command::Plan { .. } | Command::Logits { .. } | Command::Eval { .. })) {
+        // SAFETY: restoring a signal's default disposition before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match (cli.command, cli.train) {
         (Some(Command::Train(t)), _) | (None, Some(t)) => {
             let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
@@ -550,7 +570,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let adapter = finetune::export::PeftAdapter::open(&summary.output_dir.join("adapter"))?;
                 let base = finetune::weights::ModelDir::of_recipe(&recipe)?;
                 let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &summary.output_dir.join("adapter.gguf"))?;
-                eprintln!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
+                finetune::note!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
             }
             if let Some(sig) = summary.interrupted {
                 let (name, code) = if sig == 15 { ("SIGTERM", 143) } else { ("SIGINT", 130) };
@@ -560,7 +580,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     // Rerunning with "never" or a pinned checkpoint would set this progress aside.
                     _ => "the same command plus --set checkpoint.resume=auto".to_string(),
                 };
-                eprintln!(
+                finetune::note!(
                     "stopped by {name}; checkpoint saved at {at}.\nresume with {how} \
                      (checkpoint.resume = \"auto\" continues from the newest valid checkpoint)"
                 );
@@ -578,7 +598,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let limit = finetune::export::parse_size(&max_shard_size).map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
             let r = finetune::gguf::import(&gguf, &out, dtype, limit)?;
-            eprintln!("imported {} tensors into {} ({} shard(s))", r.tensors, out.display(), r.shards);
+            finetune::note!("imported {} tensors into {} ({} shard(s))", r.tensors, out.display(), r.shards);
         }
         (Some(Command::Generate { model, adapter, prompt, chat, max_new_tokens, temperature, top_p, seed }), _) => {
             let dir = finetune::weights::ModelDir::resolve(&model, std::path::Path::new("."))?;
@@ -589,7 +609,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         (Some(Command::Report { run }), _) => {
             let paths = finetune::report::write_report(&run)?;
-            eprintln!("report written to {} ({})", paths.html.display(), paths.png.display());
+            finetune::note!("report written to {} ({})", paths.html.display(), paths.png.display());
         }
         (Some(Command::Plan { recipe, world_size, overrides }), _) => plan(&recipe, &world_size, &overrides)?,
         (Some(Command::Logits { model, adapter, tokens }), _) => logits(&model, adapter.as_deref(), &tokens)?,
@@ -723,7 +743,7 @@ fn tune_thread_pools() {
 
 fn main() -> ExitCode {
     if let Err(e) = check_cpu() {
-        eprintln!("error: {e}");
+        finetune::note!("error: {e}");
         return ExitCode::FAILURE;
     }
     tune_thread_pools();
@@ -732,12 +752,12 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e}");
+            finetune::note!("error: {e}");
             for cause in e.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+                finetune::note!("  caused by: {cause}");
             }
             if let Some(h) = e.downcast_ref::<finetune::Error>().and_then(hint) {
-                eprintln!("hint: {h}");
+                finetune::note!("hint: {h}");
             }
             ExitCode::FAILURE
         }

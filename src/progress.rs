@@ -30,7 +30,7 @@ impl Progress {
             }
             None => {
                 if m.step % self.every == 0 || m.step == total || m.step == 1 {
-                    eprintln!("step {}/{total} {msg}", m.step);
+                    crate::note!("step {}/{total} {msg}", m.step);
                 }
             }
         }

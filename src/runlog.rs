@@ -66,7 +66,16 @@ impl RunLog {
         // an ulp (serde_json's default parser does not round-trip every f64).
         let lines: String = kept.iter().map(|(l, _)| format!("{l}\n")).collect();
         let kept: Vec<StepMetrics> = kept.into_iter().map(|(_, m)| m).collect();
+        // Lines a crash took before they reached the disk (checkpoints sync them, see `sync`;
+        // an older run or a lost disk cache may still lack some): said, not silently skipped.
+        let have: std::collections::HashSet<usize> = kept.iter().map(|m| m.step).collect();
+        let missing: Vec<usize> = (1..=step).filter(|s| !have.contains(s)).collect();
+        if let (Some(first), Some(last)) = (missing.first(), missing.last()) {
+            crate::note!("warning: {} has no lines for {} of the steps {first}..={last} (lost before they were written to disk); the run continues from step {step}", path.display(), missing.len());
+        }
         crate::fsutil::write_atomic(&path, lines.as_bytes())?;
+        // What the run continues with (the keys a resume may change, such as max_steps).
+        crate::fsutil::write_atomic(&self.out_dir.join("recipe.resolved.toml"), self.recipe_text.as_bytes())?;
         self.metrics = Some(std::fs::OpenOptions::new().append(true).open(&path).map_err(|e| Error::io(&path, e))?);
         if self.tensorboard {
             // Steps the kept events lack (TensorBoard was off for part of the run) are filled
@@ -103,6 +112,15 @@ impl RunLog {
             if let Some(w) = self.events.as_mut() {
                 w.scalars(m.step as i64, m.wall_time.unwrap_or_else(crate::tensorboard::now), &scalars(m))?;
             }
+        }
+        Ok(())
+    }
+
+    /// Make the metrics lines written so far durable (before a checkpoint: a checkpoint that
+    /// survives a crash then never has steps its metrics.jsonl lost).
+    pub fn sync(&self) -> Result<()> {
+        if let Some(f) = &self.metrics {
+            f.sync_all().map_err(|e| Error::io(self.metrics_path(), e))?;
         }
         Ok(())
     }

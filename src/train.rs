@@ -186,7 +186,7 @@ fn dtype_of_resumed_run(loaded: &LoadedRecipe) -> Option<LoadedRecipe> {
     if dtype == r.model.dtype || !["f32", "bf16", "f16"].contains(&dtype.as_str()) {
         return None;
     }
-    eprintln!("model.dtype = \"auto\": resuming in {dtype}, the dtype {} was trained in (set model.dtype to choose)", dir.display());
+    crate::note!("model.dtype = \"auto\": resuming in {dtype}, the dtype {} was trained in (set model.dtype to choose)", dir.display());
     let mut l = loaded.clone();
     l.recipe.model.dtype = dtype;
     Some(l)
@@ -341,6 +341,10 @@ struct RankRun<'a> {
     /// checkpointing's choices depend on.
     fused: bool,
     resident: bool,
+    /// `fsutil::fingerprint`s of the model's files and the training data's, recorded in
+    /// checkpoints and compared on resume.
+    model_fingerprint: String,
+    data_fingerprint: String,
 }
 
 /// Where the step loop starts.
@@ -377,7 +381,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let compute_dtype = kernels.compute_dtype(storage_dtype, &device);
     let matmul = kernels.matmul_dtype(&r.model.matmul, storage_dtype, compute_dtype, &device);
     if lead && kernels == crate::ops::Kernels::Portable {
-        eprintln!("portable kernels (the GPU path): activations in {compute_dtype:?}");
+        crate::note!("portable kernels (the GPU path): activations in {compute_dtype:?}");
     }
     let kernels_used = describe_kernels(lead, kernels, &device, (compute_dtype, matmul), cfg.attention_head_width());
     let account = Arc::new(Account::default());
@@ -401,9 +405,9 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let eval_set = read_eval_set(loaded, &model_dir, model.cfg.vocab_size)?;
     if lead {
         let (trainable, all) = trainable_parameters(&model.cfg, &adapters.spec);
-        eprintln!("{}", format_trainable(trainable, all));
+        crate::note!("{}", format_trainable(trainable, all));
         if world > 1 {
-            eprintln!("{world} ranks, zero_stage {}, optimizer state on the host", r.dist.zero_stage);
+            crate::note!("{world} ranks, zero_stage {}, optimizer state on the host", r.dist.zero_stage);
         }
     }
 
@@ -425,6 +429,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let recipe_text = recorded_recipe(r, &model.cfg, &model_dir)?;
     let log = crate::runlog::RunLog::new(&out_dir, &recipe_text, r.output.tensorboard);
     let (fused, resident) = (kernels.fused_on(&device), !sharded && !quantized && matmul == storage_dtype);
+    let (model_fingerprint, data_fingerprint) = input_fingerprints(loaded, &model_dir);
     Ok(RankRun {
         loaded,
         comm,
@@ -449,6 +454,8 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
         sharded,
         fused,
         resident,
+        model_fingerprint,
+        data_fingerprint,
     })
 }
 
@@ -461,7 +468,7 @@ fn describe_kernels(lead: bool, kernels: crate::ops::Kernels, device: &candle_co
     if lead && bf16_unit {
         let unit = crate::ops::bf16_gemm::kernel().map_or("?", crate::ops::bf16_gemm::Kernel::name);
         let what = if attention_tiles { "frozen matmuls and attention's" } else { "frozen matmuls" };
-        eprintln!("{what} run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
+        crate::note!("{what} run in bf16 on {unit} with f32 sums (model.matmul = \"f32\" for f32 math)");
     }
     match (device, kernels) {
         (candle_core::Device::Cpu, crate::ops::Kernels::Auto) => {
@@ -524,7 +531,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         let warnings = crate::checkpoint::check_recipe_change(&saved, &rk.recipe_text)
             .map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: "(resume)".into(), msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
         for w in warnings.iter().filter(|_| lead) {
-            eprintln!("warning: {w}");
+            crate::note!("warning: {w}");
         }
         let l = crate::checkpoint::load(&dir, &rk.adapters)?;
         // The world size may change between runs, the micro-batches per step may not (the
@@ -545,6 +552,40 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
                     dir.display()
                 ),
             });
+        }
+        // Passes of another size sum the same gradients in another order: not the same run
+        // (an allowed change of train.activation_checkpointing or activation_memory_mb, or
+        // of how the base is held, can change them).
+        let rows = pass_rows(&loaded.recipe, rk.fused, rk.resident);
+        if let Some(saved_rows) = l.state.pass_rows.filter(|&n| n != rows) {
+            return Err(Error::Recipe {
+                file: loaded.file.display().to_string(),
+                key: "train.activation_checkpointing".into(),
+                msg: format!(
+                    "the checkpoint's micro-batches ran in passes of {saved_rows} rows, this run's would run in passes of {rows}, so their gradients would be summed \
+                     differently: restore train.activation_checkpointing and train.activation_memory_mb as they were (passes split micro-batches over 2048 tokens \
+                     only with \"auto\", no activation_memory_mb and the base held whole, not in ZeRO-3 shards) [checkpoint {}]",
+                    dir.display()
+                ),
+            });
+        }
+        // The same paths must hold the same files: a model or dataset replaced in place is
+        // not the run's.
+        for (saved, now, key, what) in [
+            (&l.state.model_fingerprint, &rk.model_fingerprint, "model.path", "the model's files (config.json, weights, tokenizer)"),
+            (&l.state.data_fingerprint, &rk.data_fingerprint, "data.train", "the training data's files"),
+        ] {
+            if saved.as_ref().is_some_and(|s| s != now) {
+                return Err(Error::Recipe {
+                    file: loaded.file.display().to_string(),
+                    key: key.into(),
+                    msg: format!(
+                        "{what} differ from those the checkpoint was trained on (replaced or changed since at the same path); resuming would not continue the same run. \
+                         Restore them, or start over with checkpoint.resume = \"never\" or a new output.dir [checkpoint {}]",
+                        dir.display()
+                    ),
+                });
+            }
         }
         rk.opt.state = l.moments.slice(rk.part.range());
         rk.opt.step = l.adam_step;
@@ -573,7 +614,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
     }
     if lead {
         if let Some(dir) = &last_checkpoint {
-            eprintln!("resuming from {} (step {start_step})", dir.display());
+            crate::note!("resuming from {} (step {start_step})", dir.display());
         }
     }
     Ok(Resumed { start_step, micro_index, last_checkpoint, run_lock })
@@ -668,7 +709,7 @@ fn train_steps(rk: &mut RankRun, run_opts: &RunOptions, resumed: &Resumed) -> Re
         p.finish();
     }
     if rk.lead && done.interrupted.is_none() && resumed.start_step >= t.max_steps {
-        eprintln!("already complete: the checkpoint is at step {} of train.max_steps = {}", resumed.start_step, t.max_steps);
+        crate::note!("already complete: the checkpoint is at step {} of train.max_steps = {}", resumed.start_step, t.max_steps);
     }
     Ok(done)
 }
@@ -686,7 +727,7 @@ fn choose_checkpointing(rk: &mut RankRun) -> (Option<Vec<KeepLayer>>, Option<usi
         said = format!("{said}; the rows of a micro-batch over {cap} tokens run in passes of at most {cap}");
     }
     if rk.lead {
-        eprintln!("{said}");
+        crate::note!("{said}");
     }
     rk.kernels_used = format!("{}; {said}", rk.kernels_used);
     (checkpointing, pass_cap)
@@ -798,8 +839,18 @@ fn save_checkpoint(rk: &RankRun, step: usize, micro_index: u64) -> Result<Option
         steps: part.gather(comm, &st.steps, device)?,
     };
     let saved = if rk.lead {
-        let state = crate::checkpoint::TrainState { step, micro_index, micro_batches_per_step: r.train.grad_accum_steps * rk.world, loader: rk.loader.state() };
-        crate::checkpoint::save(&rk.out_dir, &rk.adapters, &moments, rk.opt.step, &state, &rk.recipe_text, &rk.model_dir.name)
+        let state = crate::checkpoint::TrainState {
+            step,
+            micro_index,
+            micro_batches_per_step: r.train.grad_accum_steps * rk.world,
+            loader: rk.loader.state(),
+            pass_rows: Some(pass_rows(r, rk.fused, rk.resident)),
+            model_fingerprint: Some(rk.model_fingerprint.clone()),
+            data_fingerprint: Some(rk.data_fingerprint.clone()),
+        };
+        rk.log
+            .sync()
+            .and_then(|_| crate::checkpoint::save(&rk.out_dir, &rk.adapters, &moments, rk.opt.step, &state, &rk.recipe_text, &rk.model_dir.name))
             .and_then(|dir| crate::checkpoint::prune(&rk.out_dir, r.checkpoint.keep_last).map(|_| Some(dir)))
     } else {
         Ok(None)
@@ -819,11 +870,11 @@ fn cleanup(mut rk: RankRun, resumed: Resumed, trained: Trained) -> Result<RunSum
     let r = &rk.loaded.recipe;
     let memory = MemoryUse::of(rk.rank, &rk.account);
     if rk.world > 1 || rk.sharded {
-        eprintln!("{memory}");
+        crate::note!("{memory}");
     }
     if rk.lead {
         for line in rk.loader.stats.report(r.data.max_seq_len) {
-            eprintln!("note: {line}");
+            crate::note!("note: {line}");
         }
         rk.log.finish(&crate::runlog::RunSummaryFile {
             data: rk.loader.stats.clone(),
@@ -836,7 +887,10 @@ fn cleanup(mut rk: RankRun, resumed: Resumed, trained: Trained) -> Result<RunSum
         })?;
         if trained.interrupted.is_none() {
             save_adapter_dir(&rk.adapters, &rk.out_dir.join("adapter"), &rk.model_dir.name)?;
-            eprintln!("adapter written to {}", rk.out_dir.join("adapter").display());
+            crate::note!("adapter written to {}", rk.out_dir.join("adapter").display());
+            if let Some(c) = rk.adapters.spec.peft_caveat(&rk.model.cfg) {
+                crate::note!("{c}");
+            }
         }
     }
     Ok(RunSummary {
@@ -885,7 +939,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
     let resume = loaded.recipe.checkpoint.resume.as_str();
     let say = |moved: Option<PathBuf>, why: &str| {
         if let Some(d) = moved {
-            eprintln!("{why}: moved to {} (nothing was deleted)", d.display());
+            crate::note!("{why}: moved to {} (nothing was deleted)", d.display());
         }
     };
     let rel = |p: &std::path::Path| p.strip_prefix(out_dir).map(std::path::Path::to_path_buf).unwrap_or_else(|_| p.to_path_buf());
@@ -919,10 +973,18 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
                 Some((step, dir)) => {
                     check_resumable(loaded, dir)?;
                     for (d, why) in &scan.damaged {
-                        eprintln!("warning: checkpoint {} is damaged ({why})", d.display());
+                        crate::note!("warning: checkpoint {} is damaged ({why})", d.display());
                     }
                     let damaged: Vec<PathBuf> = scan.damaged.iter().map(|(d, _)| rel(d)).collect();
                     set_aside_newer(out_dir, *step, damaged, "damaged checkpoints newer than the one resumed from")?;
+                    // A finished run given more steps: what it wrote at its end is the step-N
+                    // result, not this run's; left in place, `export --run` would take the old
+                    // adapter for the new one.
+                    if loaded.recipe.train.max_steps > *step {
+                        let finals: Vec<PathBuf> = FINAL_OUTPUTS.iter().map(PathBuf::from).collect();
+                        let moved = crate::output::set_aside(out_dir, &finals)?;
+                        say(moved, &format!("the run continues past step {step}: what it wrote when it ended there (adapter, summary, ...)"));
+                    }
                 }
             }
         }
@@ -968,6 +1030,40 @@ fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
     })
 }
 
+/// What a run writes once it has ended (beside its checkpoints, metrics and events).
+const FINAL_OUTPUTS: &[&str] = &["adapter", "merged", "adapter.gguf", "summary.json", "report.html", "loss.png"];
+
+/// Fingerprints (`fsutil::fingerprint`) of the model's files that training reads (config,
+/// weights, tokenizer and chat template; not a README beside them) and of the training
+/// data's files (hidden files, such as a dataset folder's locks, left out; so is the run's
+/// output folder).
+fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir) -> (String, String) {
+    let model_files = |n: &str| {
+        n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json") || n.ends_with(".gguf")
+            || ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"].contains(&n)
+    };
+    let mut model = vec![model_dir.dir.clone()];
+    model.extend(model_dir.gguf.clone());
+    let data: Vec<PathBuf> = loaded
+        .recipe
+        .data
+        .train
+        .list()
+        .iter()
+        .map(|p| {
+            let p = loaded.resolve(p);
+            // "folder:split" names a split of a DatasetDict folder.
+            match p.to_str().and_then(|s| s.rsplit_once(':')) {
+                Some((dir, _)) if !p.exists() && std::path::Path::new(dir).exists() => PathBuf::from(dir),
+                _ => p,
+            }
+        })
+        .collect();
+    // (The run's own folder, were it inside a data folder, changes as it runs.)
+    let out = loaded.resolve(&loaded.recipe.output.dir);
+    (crate::fsutil::fingerprint(&model, &model_files, &out), crate::fsutil::fingerprint(&data, &|n| !n.starts_with('.'), &out))
+}
+
 /// Set aside `newer` (checkpoints after `step`, the one continued from) with what they
 /// produced: the final adapter, a merged model, and a copy of metrics.jsonl (whose lines
 /// after `step` the resumed run replaces).
@@ -981,7 +1077,7 @@ fn set_aside_newer(out_dir: &std::path::Path, step: usize, mut newer: Vec<PathBu
         if m.is_file() {
             std::fs::copy(&m, d.join("metrics.jsonl")).map_err(|e| Error::io(&m, e))?;
         }
-        eprintln!("{why} (after step {step}), the final adapter and a copy of metrics.jsonl: moved to {} (nothing was deleted)", d.display());
+        crate::note!("{why} (after step {step}), the final adapter and a copy of metrics.jsonl: moved to {} (nothing was deleted)", d.display());
     }
     Ok(())
 }
@@ -1278,6 +1374,12 @@ pub fn pass_tokens(r: &crate::recipe::Recipe, fused: bool, resident: bool) -> Op
     let auto = r.train.activation_checkpointing == Checkpointing::Auto && r.train.activation_memory_mb.is_none();
     let token_masks = !(r.lora.routed_experts && r.lora.dropout > 0.0);
     (auto && fused && resident && token_masks && r.data.batch_by != "tokens" && b * s > PASS_TOKENS).then_some(PASS_TOKENS)
+}
+
+/// Rows of the largest micro-batch that one pass runs ([`pass_tokens`]; all of them where
+/// micro-batches are not split).
+pub fn pass_rows(r: &crate::recipe::Recipe, fused: bool, resident: bool) -> usize {
+    pass_shape(r, fused, resident).0
 }
 
 /// Most tokens of a pass where [`pass_tokens`] splits micro-batches: the size up to which the

@@ -191,3 +191,43 @@ fn two_cpu_ranks_train_from_the_command_line_and_report_their_memory() {
     assert!(err.contains("rank 0: frozen base held") && err.contains("rank 1: frozen base held"), "{err}");
     assert!(d.path().join("out/adapter/adapter_model.safetensors").is_file());
 }
+
+#[test]
+fn logits_reads_token_ids_without_a_tokenizer() {
+    // Parity fixtures' model folders have no tokenizer.json: logits takes ids, so it needs none.
+    let d = setup();
+    let model = d.path().join("model");
+    assert!(!model.join("tokenizer.json").exists());
+    let out = Command::new(env!("CARGO_BIN_EXE_finetune")).args(["logits", "--model"]).arg(&model).args(["--tokens", "1,2,3"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["logits"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    assert!(rows.iter().all(|r| r.as_array().is_some_and(|r| r.len() > 3 && r.iter().all(|x| x.as_f64().is_some_and(f64::is_finite)))));
+}
+
+#[test]
+fn packing_with_token_batches_is_refused_not_ignored() {
+    // Token batches group whole records by length and never pack.
+    let d = setup();
+    assert_clean_failure(d.path(), &["data.packing=true", "data.batch_by=tokens"], &["data.packing", "batch_by"]);
+}
+
+#[test]
+fn a_closed_stderr_does_not_stop_a_run() {
+    // `finetune ... | tee log` after Ctrl-C: the reader is gone, every progress line fails
+    // with EPIPE; the run must still train, checkpoint and write its adapter.
+    let d = setup();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .arg("--recipe")
+        .arg(d.path().join("recipe.toml"))
+        .args(["--set", "train.log_every=1"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(d.path().join("out/adapter/adapter_model.safetensors").is_file());
+}

@@ -124,6 +124,16 @@ fn merge_verification_passes_on_the_portable_path() {
 #[test]
 fn sharded_base_keeps_its_layout_with_a_valid_index() {
     let (d, run) = trained(TinyShape::default(), 3);
+    // Swap the first and last shards' names, so that file order is not the order of the
+    // tensors' names (as in real checkpoints, where lm_head often sits in the last shard).
+    let model = d.path().join("model");
+    let (first, last) = ("model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors");
+    std::fs::rename(model.join(first), model.join("swap")).unwrap();
+    std::fs::rename(model.join(last), model.join(first)).unwrap();
+    std::fs::rename(model.join("swap"), model.join(last)).unwrap();
+    let ip = model.join("model.safetensors.index.json");
+    let swapped = std::fs::read_to_string(&ip).unwrap().replace(first, "swap").replace(last, first).replace("swap", last);
+    std::fs::write(&ip, swapped).unwrap();
     let out = d.path().join("merged");
     let rep = merge_run(&run, &out, ExportOptions::default());
     assert_eq!(rep.shards, 3);
@@ -131,6 +141,8 @@ fn sharded_base_keeps_its_layout_with_a_valid_index() {
     for i in 1..=3 {
         assert!(out.join(format!("model-{i:05}-of-00003.safetensors")).is_file());
     }
+    let map = |p: &Path| -> serde_json::Value { serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap()["weight_map"].clone() };
+    assert_eq!(map(&out.join("model.safetensors.index.json")), map(&ip), "each tensor in the shard of the base's name");
 }
 
 fn check_index(out: &Path, total: u64) {
@@ -225,4 +237,25 @@ fn recipe_export_merged_writes_a_verified_merged_folder_via_the_cli() {
         assert_eq!(max_abs_diff(t, &b[k]), 0.0);
     }
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
+
+    // A checkpoint is exported only if it is what its manifest says (as resume checks).
+    let run = d.path().join("out2");
+    let step = std::fs::read_dir(run.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).find(|n| n.starts_with("step-")).expect("a checkpoint");
+    let export_ckpt = |to: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+            .args(["export", "--run", &run.display().to_string(), "--checkpoint", &step, "--out", &d.path().join(to).display().to_string()])
+            .output()
+            .unwrap()
+    };
+    let ok = export_ckpt("from-checkpoint");
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let file = run.join("checkpoints").join(&step).join("adapter/adapter_model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xff;
+    std::fs::write(&file, bytes).unwrap();
+    let bad = export_ckpt("from-damaged");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && err.contains("damaged") && err.contains("does not match its checksum"), "{err}");
+    assert!(!d.path().join("from-damaged").exists());
 }

@@ -281,6 +281,15 @@ fn init_from_refuses_the_adapters_export_refuses() {
         ("fan_in_fan_out", serde_json::json!(true), "fan_in_fan_out"),
         ("alpha_pattern", serde_json::json!({"q_proj": 16}), "alpha_pattern"),
         ("rank_pattern", serde_json::json!({"q_proj": 2}), "rank_pattern"),
+        // PEFT writes these itself (0.21): loaded as plain LoRA they computed something else.
+        ("alora_invocation_tokens", serde_json::json!([7, 8]), "Activated LoRA"),
+        ("target_parameters", serde_json::json!(["mlp.experts.gate_up_proj"]), "target_parameters"),
+        ("layer_replication", serde_json::json!([[0, 2], [1, 2]]), "layer replication"),
+        ("use_qalora", serde_json::json!(true), "QALoRA"),
+        ("init_lora_weights", serde_json::json!("pissa_niter_4"), "changes the base weights"),
+        ("init_lora_weights", serde_json::json!("olora"), "changes the base weights"),
+        ("init_lora_weights", serde_json::json!("loftq"), "changes the base weights"),
+        ("init_lora_weights", serde_json::json!("corda"), "changes the base weights"),
     ] {
         let bad = root.path().join(format!("bad-{key}"));
         copy_dir(&adapter, &bad);
@@ -290,6 +299,17 @@ fn init_from_refuses_the_adapters_export_refuses() {
         let exported = finetune::export::PeftAdapter::open(&bad).err().expect("export refuses it").to_string();
         assert!(trained.contains(what), "{key}: {trained}");
         assert_eq!(trained, exported, "{key}: one reader, one message");
+    }
+    // Initialisations that leave the base as it is load as the plain LoRA they are.
+    for (i, value) in [serde_json::json!(true), serde_json::json!("gaussian"), serde_json::json!("eva"), serde_json::json!(null)].into_iter().enumerate() {
+        let ok = root.path().join(format!("ok-{i}"));
+        copy_dir(&adapter, &ok);
+        edit_json(&ok.join("adapter_config.json"), |c| {
+            c["init_lora_weights"] = value.clone();
+            c["alora_invocation_tokens"] = serde_json::Value::Null;
+            c["target_parameters"] = serde_json::json!([]);
+        });
+        finetune::export::PeftAdapter::open(&ok).unwrap_or_else(|e| panic!("init_lora_weights = {value}: {e}"));
     }
 }
 

@@ -260,6 +260,21 @@ fn a_bitsandbytes_base_merges_into_its_dequantised_weights() {
     want.sort();
     got.sort();
     assert_eq!(got, want);
+    assert_eq!(cfg["torch_dtype"], "float32", "the dequantised weights are f32");
+
+    // transformers 5's layout names the dtype `dtype` (and prefers it): it must say f32 too,
+    // or a loader with dtype="auto" rounds the merged weights to what the base config said.
+    let v5 = d.path().join("v5");
+    copy_dir(&fx.join("model"), &v5);
+    let cp = v5.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cp).unwrap()).unwrap();
+    c.as_object_mut().unwrap().remove("torch_dtype");
+    c["dtype"] = "bfloat16".into();
+    std::fs::write(&cp, c.to_string()).unwrap();
+    let base = finetune::weights::ModelDir::resolve(v5.to_str().unwrap(), Path::new(".")).unwrap();
+    finetune::export::merge(&base, &adapter, &d.path().join("merged-v5"), &opts).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.path().join("merged-v5/config.json")).unwrap()).unwrap();
+    assert_eq!((&cfg["dtype"], &cfg["torch_dtype"]), (&"float32".into(), &"float32".into()), "{cfg}");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -173,6 +173,80 @@ fn changing_the_model_shape_on_resume_is_an_error_naming_the_key() {
 }
 
 #[test]
+fn a_resume_that_would_split_micro_batches_differently_is_refused() {
+    // 72 rows of 32 tokens: over 2048 tokens, so "auto" checkpointing runs them in passes of
+    // 64 rows; a budget set on resume would run them whole, summing the gradients otherwise.
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=1", "train.micro_batch_size=72"]).unwrap();
+    let e = train(&dir, &["train.max_steps=2", "train.micro_batch_size=72", "train.activation_memory_mb=100"]).err().expect("refused").to_string();
+    assert!(e.contains("train.activation_checkpointing") && e.contains("passes of 64 rows") && e.contains("passes of 72"), "{e}");
+    let s = train(&dir, &["train.max_steps=2", "train.micro_batch_size=72"]).unwrap();
+    assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![2]);
+}
+
+#[test]
+fn a_finished_run_given_more_steps_sets_its_old_final_outputs_aside() {
+    // Left in place, out/adapter would be the step-2 adapter beside checkpoints of steps 3 and
+    // 4 until the run ends (and for good if it is stopped), and `export --run` would take it.
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=2"]).unwrap();
+    let at_2 = adapter_bytes(&dir);
+    train(&dir, &["train.max_steps=4"]).unwrap();
+    let prev: Vec<_> = std::fs::read_dir(dir.join("out/previous")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(prev.len(), 1, "{prev:?}");
+    assert_eq!(std::fs::read(prev[0].join("adapter/adapter_model.safetensors")).unwrap(), at_2);
+    assert!(prev[0].join("summary.json").is_file());
+    assert_ne!(adapter_bytes(&dir), at_2, "the final adapter is the step-4 one");
+    let resolved = std::fs::read_to_string(dir.join("out/recipe.resolved.toml")).unwrap();
+    assert!(resolved.contains("max_steps = 4"), "the recipe the run continued with:\n{resolved}");
+}
+
+#[test]
+fn a_model_or_data_replaced_at_the_same_path_is_not_resumed_on() {
+    use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, TinyShape};
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=2"]).unwrap();
+    let (model, data) = (root.path().join("model"), root.path().join("data"));
+    std::fs::rename(&model, root.path().join("model-kept")).unwrap();
+    write_model(&model, &TinyShape::default(), 1, 1).unwrap(); // same shapes, other weights
+    let e = train(&dir, &["train.max_steps=3"]).err().expect("another model").to_string();
+    assert!(e.contains("model.path") && e.contains("differ from those the checkpoint was trained on"), "{e}");
+    std::fs::remove_dir_all(&model).unwrap();
+    std::fs::rename(root.path().join("model-kept"), &model).unwrap();
+    std::fs::rename(&data, root.path().join("data-kept")).unwrap();
+    write_tokenized_dataset(&data, &counting_rows(23, 256, 2, 4, 18)).unwrap(); // as many rows, others
+    let e = train(&dir, &["train.max_steps=3"]).err().expect("other data").to_string();
+    assert!(e.contains("data.train") && e.contains("differ from those the checkpoint was trained on"), "{e}");
+    std::fs::remove_dir_all(&data).unwrap();
+    std::fs::rename(root.path().join("data-kept"), &data).unwrap();
+    let s = train(&dir, &["train.max_steps=3"]).unwrap();
+    assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![3], "the same files: it continues");
+}
+
+#[test]
+fn metrics_lines_a_crash_lost_are_reported_on_resume() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=4"]).unwrap();
+    let m = dir.join("out/metrics.jsonl");
+    let first_two: String = std::fs::read_to_string(&m).unwrap().lines().take(2).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&m, first_two).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .arg("--recipe")
+        .arg(dir.join("recipe.toml"))
+        .args(["--set", "train.max_steps=5"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("has no lines for 2 of the steps 3..=4"), "{err}");
+}
+
+#[test]
 fn a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
     let root = setup();
     let dir = run_dir(root.path(), "run", RECIPE);

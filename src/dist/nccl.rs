@@ -216,14 +216,14 @@ pub fn run(loaded: &LoadedRecipe, run_opts: &RunOptions, layout: &Layout) -> Res
     }
     let timeout_s = r.dist.timeout_s;
     let watch = Watchdog::start(Duration::from_secs(timeout_s), move |o: Overdue| {
-        eprintln!(
+        crate::note!(
             "error: rank {}: NCCL {} has not completed after {:.0} s: a peer process died or stopped (NCCL would wait \
              forever); stopping this process",
             o.rank,
             o.op,
             o.waited.as_secs_f64()
         );
-        eprintln!("hint: dist.timeout_s sets how long a collective may wait for the other ranks (now {timeout_s} s)");
+        crate::note!("hint: dist.timeout_s sets how long a collective may wait for the other ranks (now {timeout_s} s)");
         // _exit, not exit: atexit handlers (the CUDA runtime's teardown) could block behind the
         // hung collective as the completion query did. Checkpoints are written by rename, so
         // none is left half written.

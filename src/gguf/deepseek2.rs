@@ -149,7 +149,7 @@ fn expert_groups(m: &Meta, d: &Dims) -> Result<(usize, usize)> {
         (None, None) => match (d.sigmoid, d.experts) {
             (true, 256) | (false, 160) => {
                 let inferred = if d.sigmoid { (8, 4) } else { (8, 3) };
-                eprintln!(
+                crate::note!(
                     "note: {} has no deepseek2.expert_group_count; its shape is DeepSeek-{}'s, so experts are routed in {} groups, the best {} per token, as that model's config.json says",
                     m.file.display(),
                     if d.sigmoid { "V3" } else { "V2" },

@@ -1762,7 +1762,7 @@ mod speed {
                 })
             };
             let (wt, w) = (f32_rate((1, k as isize)), f32_rate((n as isize, 1)));
-            eprintln!("{line} | f32 gemm x·Wᵀ {wt:.0}, x·W {w:.0} GFLOP/s");
+            crate::note!("{line} | f32 gemm x·Wᵀ {wt:.0}, x·W {w:.0} GFLOP/s");
         }
     }
 
@@ -1785,7 +1785,7 @@ mod speed {
             let nk = each(&|w| drop(std::hint::black_box(PackedB::from_nk(w, n, k))));
             let kn = each(&|w| drop(std::hint::black_box(PackedB::from_kn(w, k, n))));
             let kn2 = each(&|w| drop(std::hint::black_box(PackedB::from_kn(w, n, k))));
-            eprintln!("cold packing: W [{n}, {k}] as Wᵀ {nk:.3} ms, W [{k}, {n}] as W {kn:.3} ms, W [{n}, {k}] as W {kn2:.3} ms");
+            crate::note!("cold packing: W [{n}, {k}] as Wᵀ {nk:.3} ms, W [{k}, {n}] as W {kn:.3} ms, W [{n}, {k}] as W {kn2:.3} ms");
         }
     }
 }

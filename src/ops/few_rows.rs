@@ -336,7 +336,7 @@ mod tests {
     #[test]
     fn few_row_kernels_give_f32_math_on_the_weights_exact_values() {
         if !available() {
-            eprintln!("no AVX2 + FMA: nothing to test");
+            crate::note!("no AVX2 + FMA: nothing to test");
             return;
         }
         for (n, out, inp, threads) in [(45, 300, 70, 2), (7, 1408, 2048, 2), (33, 100, 1500, 3), (1, 40, 9, 1), (64, 576, 576, 2), (200, 64, 300, 2), (16, 5, 9, 1)] {
@@ -365,7 +365,7 @@ mod tests {
     #[ignore = "timing; run by hand"]
     fn few_rows_speed() {
         if !available() {
-            eprintln!("no AVX2 + FMA");
+            crate::note!("no AVX2 + FMA");
             return;
         }
         let threads = candle_core::utils::get_num_threads();

@@ -217,7 +217,7 @@ impl ModelDir {
         }
         // The shipped copies are of each repo's main branch, listed by exact repo id.
         if let Some(shipped) = m.revision.is_none().then(|| shipped_config(&loaded.dir.join("models"), &m.path)).flatten() {
-            eprintln!("plan: {} is not in the hub cache; using the config shipped at {}", m.path, shipped.display());
+            crate::note!("plan: {} is not in the hub cache; using the config shipped at {}", m.path, shipped.display());
             return Ok(shipped);
         }
         Ok(hub.model(&m.path, m.revision.as_deref(), crate::hub::Want::Config)?.join("config.json"))
@@ -329,6 +329,9 @@ impl SafetensorsFiles {
                 paths.push(f.clone());
             }
         }
+        // In file-name order (model-00001-of-00004, ...), not in the order of the tensors'
+        // names: what reads files in turn (a merge writing its shards) keeps the base's order.
+        paths.sort();
         let files = Self::map_files(&paths)?;
         let mut routing = HashMap::new();
         for (name, f) in map {
