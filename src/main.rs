@@ -461,7 +461,7 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
         E::Hub { .. } => Some(
             "HF_TOKEN for gated repos, HF_ENDPOINT for a mirror, HF_HUB_OFFLINE=1 for the cache alone (HF_HUB_CACHE or HF_HOME say where it is); or set model.path to a local folder",
         ),
-        E::Adapter { .. } => Some("lora.init_from must be a PEFT adapter folder matching lora.rank, lora.alpha and lora.targets"),
+        E::Adapter { .. } => Some("an adapter must be a plain LoRA in PEFT's format (adapter_config.json + adapter_model.safetensors); as lora.init_from it must also match lora.rank, lora.alpha and lora.targets"),
         E::Tokenizer { .. } => Some("the model folder needs tokenizer.json for text formats"),
         E::Dist { .. } | E::PeerFailed { .. } => {
             Some("a rank failed or stalled; the newest checkpoint is intact: rerun to resume (dist.timeout_s sets how long ranks wait)")
