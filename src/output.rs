@@ -42,12 +42,21 @@ impl RunLock {
         // A run that gave its folder up may unlink the lock file between our open and our
         // flock; a lock on an unlinked file protects nothing, so check we locked the file
         // the path names, and retry otherwise.
-        for _ in 0..8 {
+        let (mut own_waits, mut replaced) = (0, 0);
+        loop {
             let mut file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| Error::io(&path, e))?;
             if !try_flock(&file).map_err(|e| Error::io(&path, e))? {
                 let mut holder = String::new();
                 let _ = file.read_to_string(&mut holder);
                 let holder = holder.trim();
+                // Held under this process's own pid: a lock this process has just released
+                // whose open file a child being spawned by another thread still shares,
+                // between its fork and its exec (close-on-exec ends that). Wait that out.
+                if holder.starts_with(&format!("pid {},", std::process::id())) && own_waits < 60 {
+                    own_waits += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    continue;
+                }
                 let holder = if holder.is_empty() { "another process".to_string() } else { holder.to_string() };
                 return Err(Error::Recipe {
                     file: recipe_file.to_string(),
@@ -60,13 +69,16 @@ impl RunLock {
                 });
             }
             if !same_file(&file, &path) {
+                replaced += 1;
+                if replaced == 8 {
+                    return Err(Error::io(&path, std::io::Error::other("the lock file kept being replaced while locking it")));
+                }
                 continue;
             }
             let me = format!("pid {}, started {}", std::process::id(), utc_stamp(std::time::SystemTime::now(), " ", ":"));
             file.set_len(0).and_then(|_| file.rewind()).and_then(|_| file.write_all(me.as_bytes())).map_err(|e| Error::io(&path, e))?;
             return Ok(RunLock { _file: file, dir: dir.to_path_buf(), created });
         }
-        Err(Error::io(&path, std::io::Error::other("the lock file kept being replaced while locking it")))
     }
 }
 
