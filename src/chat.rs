@@ -26,6 +26,14 @@ impl Message {
     pub fn with_content(&self, content: &str) -> Self {
         Message { content: content.into(), ..self.clone() }
     }
+
+    /// An assistant message with no content (`"content": null`, as OpenAI-style tool-call
+    /// turns have): the template sees None, which is what selects its tool-call branch.
+    pub fn without_content(role: &str) -> Self {
+        let mut m = Message::new(role, "");
+        m.extra.insert("content".into(), serde_json::Value::Null);
+        m
+    }
 }
 
 pub struct ChatTemplate {
@@ -100,6 +108,16 @@ impl ChatTemplate {
         ChatTemplate { source: source.into(), origin: PathBuf::from("(built-in)"), bos_token: bos_token.into(), eos_token: eos_token.into(), problem: None, now: unix_now() }
     }
 
+    /// What `strftime_now` formats (seconds since the epoch): a resumed run renders with the
+    /// time its checkpoint recorded, so its records are tokenized as the uninterrupted run's.
+    pub fn now(&self) -> u64 {
+        self.now
+    }
+
+    pub fn set_now(&mut self, secs: u64) {
+        self.now = secs;
+    }
+
     /// Whether the template can render at all (an error naming the file and why not).
     pub fn usable(&self) -> Result<()> {
         match &self.problem {
@@ -132,7 +150,9 @@ impl ChatTemplate {
                 .map(|m| {
                     let mut o: std::collections::BTreeMap<String, minijinja::Value> = m.extra.iter().map(|(k, v)| (k.clone(), jinja_value(v))).collect();
                     o.insert("role".into(), m.role.clone().into());
-                    o.insert("content".into(), m.content.clone().into());
+                    if !m.extra.contains_key("content") {
+                        o.insert("content".into(), m.content.clone().into());
+                    }
                     minijinja::Value::from_object(o)
                 })
                 .collect::<Vec<_>>(),
@@ -156,7 +176,10 @@ fn without_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
     while let Some(open) = rest.find("{%") {
         out += &rest[..open];
         let tag = &rest[open..];
-        let Some(close) = tag.find("%}") else { break };
+        let Some(close) = tag.find("%}") else {
+            rest = tag;
+            break;
+        };
         let inner = &tag[2..close];
         let (lead, body) = match inner.strip_prefix(['-', '+']) {
             Some(b) => (&inner[..1], b),

@@ -71,7 +71,11 @@ impl RunLog {
         let have: std::collections::HashSet<usize> = kept.iter().map(|m| m.step).collect();
         let missing: Vec<usize> = (1..=step).filter(|s| !have.contains(s)).collect();
         if let (Some(first), Some(last)) = (missing.first(), missing.last()) {
-            crate::note!("warning: {} has no lines for {} of the steps {first}..={last} (lost before they were written to disk); the run continues from step {step}", path.display(), missing.len());
+            crate::note!(
+                "warning: {} has no lines for {} of the steps {first}..={last} (a crash lost them before they reached the disk, or the checkpoint is another folder's); the run continues from step {step}",
+                path.display(),
+                missing.len()
+            );
         }
         crate::fsutil::write_atomic(&path, lines.as_bytes())?;
         // What the run continues with (the keys a resume may change, such as max_steps).

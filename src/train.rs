@@ -563,8 +563,8 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
                 key: "train.activation_checkpointing".into(),
                 msg: format!(
                     "the checkpoint's micro-batches ran in passes of {saved_rows} rows, this run's would run in passes of {rows}, so their gradients would be summed \
-                     differently: restore train.activation_checkpointing and train.activation_memory_mb as they were (passes split micro-batches over 2048 tokens \
-                     only with \"auto\", no activation_memory_mb and the base held whole, not in ZeRO-3 shards) [checkpoint {}]",
+                     differently: restore train.activation_checkpointing, train.activation_memory_mb and dist.zero_stage as they were (passes split \
+                     micro-batches over 2048 tokens only with \"auto\", no activation_memory_mb and the base held whole, not in ZeRO-3 shards) [checkpoint {}]",
                     dir.display()
                 ),
             });
@@ -590,6 +590,20 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         rk.opt.state = l.moments.slice(rk.part.range());
         rk.opt.step = l.adam_step;
         rk.loader.restore(&l.state.loader)?;
+        // A run that ended (or stopped) at this step and now goes on: what it wrote then is
+        // the step-N result, not this run's; left in place, `export --run` would take the
+        // old adapter for the new one. Only now, once nothing above refused the resume.
+        if loaded.recipe.train.max_steps > l.state.step {
+            let finals: Vec<PathBuf> = FINAL_OUTPUTS.iter().map(PathBuf::from).collect();
+            let moved = if lead { crate::output::set_aside(&rk.out_dir, &finals) } else { Ok(None) };
+            let said = from_lead(&*rk.comm, &rk.device, &[moved.is_ok() as u8 as f64])?;
+            if let Some(d) = moved? {
+                crate::note!("the run continues past step {}: what it wrote when it ended there (adapter, summary, ...): moved to {} (nothing was deleted)", l.state.step, d.display());
+            }
+            if said[0] == 0.0 {
+                return Err(lead_failed(rank, "to set aside what the run wrote when it ended"));
+            }
+        }
         start_step = l.state.step;
         micro_index = l.state.micro_index;
         last_checkpoint = Some(dir);
@@ -977,14 +991,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
                     }
                     let damaged: Vec<PathBuf> = scan.damaged.iter().map(|(d, _)| rel(d)).collect();
                     set_aside_newer(out_dir, *step, damaged, "damaged checkpoints newer than the one resumed from")?;
-                    // A finished run given more steps: what it wrote at its end is the step-N
-                    // result, not this run's; left in place, `export --run` would take the old
-                    // adapter for the new one.
-                    if loaded.recipe.train.max_steps > *step {
-                        let finals: Vec<PathBuf> = FINAL_OUTPUTS.iter().map(PathBuf::from).collect();
-                        let moved = crate::output::set_aside(out_dir, &finals)?;
-                        say(moved, &format!("the run continues past step {step}: what it wrote when it ended there (adapter, summary, ...)"));
-                    }
+
                 }
             }
         }
@@ -1035,7 +1042,7 @@ const FINAL_OUTPUTS: &[&str] = &["adapter", "merged", "adapter.gguf", "summary.j
 
 /// Fingerprints (`fsutil::fingerprint`) of the model's files that training reads (config,
 /// weights, tokenizer and chat template; not a README beside them) and of the training
-/// data's files (hidden files, such as a dataset folder's locks, left out; so is the run's
+/// data's files (Arrow, Parquet, JSONL and JSON, outside hidden folders and the run's
 /// output folder).
 fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir) -> (String, String) {
     let model_files = |n: &str| {
@@ -1059,19 +1066,26 @@ fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir) -> (String, S
             }
         })
         .collect();
+    // What the loaders read (Arrow shards, Parquet, JSONL, a dataset folder's JSON), not a
+    // README, nor the `cache-*.arrow` files `datasets` adds beside a folder's shards.
+    let data_files = |n: &str| {
+        [".arrow", ".parquet", ".jsonl", ".json"].iter().any(|e| n.ends_with(e)) && !n.starts_with("cache-") && !n.starts_with('.')
+    };
     // (The run's own folder, were it inside a data folder, changes as it runs.)
     let out = loaded.resolve(&loaded.recipe.output.dir);
-    (crate::fsutil::fingerprint(&model, &model_files, &out), crate::fsutil::fingerprint(&data, &|n| !n.starts_with('.'), &out))
+    let out = out.canonicalize().unwrap_or(out);
+    let canonical = |v: Vec<PathBuf>| v.into_iter().map(|p| p.canonicalize().unwrap_or(p)).collect::<Vec<_>>();
+    (crate::fsutil::fingerprint(&canonical(model), &model_files, &out), crate::fsutil::fingerprint(&canonical(data), &data_files, &out))
 }
 
 /// Set aside `newer` (checkpoints after `step`, the one continued from) with what they
-/// produced: the final adapter, a merged model, and a copy of metrics.jsonl (whose lines
-/// after `step` the resumed run replaces).
+/// produced: the final adapter, a merged model, the summary and report, and a copy of
+/// metrics.jsonl (whose lines after `step` the resumed run replaces).
 fn set_aside_newer(out_dir: &std::path::Path, step: usize, mut newer: Vec<PathBuf>, why: &str) -> Result<()> {
     if newer.is_empty() {
         return Ok(());
     }
-    newer.extend(["adapter", "merged"].iter().map(PathBuf::from));
+    newer.extend(FINAL_OUTPUTS.iter().map(PathBuf::from));
     if let Some(d) = crate::output::set_aside(out_dir, &newer)? {
         let m = out_dir.join("metrics.jsonl");
         if m.is_file() {

@@ -130,6 +130,19 @@ fn prompt_and_completion_are_tokenized_as_one_text_as_trl_does() {
         let (ids, labels): (Vec<u32>, Vec<i64>) = (serde_json::from_value(c["ids"].clone()).unwrap(), serde_json::from_value(c["labels"].clone()).unwrap());
         assert_eq!((&ex.input_ids, &ex.labels), (&ids, &labels), "{c}");
     }
+    // A tokenizer whose post-processor appends EOS itself (offsets (0, 0), like BOS): that EOS
+    // ends the completion and is trained, once.
+    let tj = m.join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
+    t["post_processor"]["single"].as_array_mut().unwrap().push(serde_json::json!({"SpecialToken": {"id": "</s>", "type_id": 0}}));
+    t["post_processor"]["special_tokens"]["</s>"] = serde_json::json!({"id": "</s>", "ids": [2], "tokens": ["</s>"]});
+    std::fs::write(&tj, t.to_string()).unwrap();
+    let fmt = Formatter::new("prompt_completion", Some("raw"), &Default::default(), false, &m, 400).unwrap();
+    let c = &f["cases"][0];
+    let rec = finetune::data::format::Record::PromptCompletion(c["prompt"].as_str().unwrap().into(), c["completion"].as_str().unwrap().into());
+    let ex = fmt.tokenize(rec, 0).unwrap().ok().unwrap();
+    let (ids, labels): (Vec<u32>, Vec<i64>) = (serde_json::from_value(c["ids"].clone()).unwrap(), serde_json::from_value(c["labels"].clone()).unwrap());
+    assert_eq!((&ex.input_ids, &ex.labels), (&ids, &labels), "the post-processor's EOS");
 }
 
 #[test]
@@ -142,6 +155,7 @@ fn pretokenized_rows_take_trls_masks_and_drop_padding() {
         serde_json::json!({"input_ids": [5, 6, 7, 8, 0, 0], "completion_mask": [0, 0, 1, 1, 0, 0], "attention_mask": [1, 1, 1, 1, 0, 0]}),
         serde_json::json!({"input_ids": [5, 6, 7], "assistant_masks": [0, 1, 1]}),
         serde_json::json!({"input_ids": [5, 6, 7], "labels": [5, -100, 7], "completion_mask": [0, 0, 0]}),
+        serde_json::json!({"input_ids": [5, 6, 7, 8, 9], "completion_mask": [0, 0, 0, 1, 1], "assistant_masks": [0, 1, 1, 1, 0]}),
         serde_json::json!({"input_ids": [5, 6, 7], "attention_mask": [1, 1]}),
     ];
     write_jsonl(&p, &rows.iter().map(|r| r.to_string()).collect::<Vec<_>>());
@@ -156,6 +170,7 @@ fn pretokenized_rows_take_trls_masks_and_drop_padding() {
     assert_eq!(next(), Some((vec![5, 6, 7, 8], vec![-100, -100, 7, 8])), "padding dropped, completion trained");
     assert_eq!(next(), Some((vec![5, 6, 7], vec![-100, 6, 7])), "assistant_masks");
     assert_eq!(next(), Some((vec![5, 6, 7], vec![5, -100, 7])), "labels, where given, decide");
+    assert_eq!(next(), Some((vec![5, 6, 7, 8, 9], vec![-100, -100, -100, 8, -100])), "both masks, as TRL's collator applies both");
     let (r, _) = rows.next_row().unwrap();
     let bad = fmt.read(&r).unwrap().err().map(|b| b.0).unwrap_or_else(|| "accepted".into());
     assert!(bad.contains("attention_mask has 2 entries"), "{bad}");
@@ -230,6 +245,39 @@ fn messages_stored_as_arrow_structs_are_read() {
     let f2 = formatter(&m, "messages", None, false);
     let want = f2.render_conversation(&[Message::new("user", "Hi"), Message::new("assistant", "Hello!")], 0).unwrap().ok().unwrap();
     assert_eq!(ex, want);
+}
+
+#[test]
+fn a_tool_call_turn_with_null_content_renders_its_calls() {
+    // DeepSeek-R1-Distill's template renders an assistant turn's tool_calls only when its
+    // content is None (OpenAI-style `"content": null`).
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let r1 = d.path().join("r1");
+    copy_dir(&m, &r1);
+    std::fs::copy(fixture("chat-templates/r1.jinja"), r1.join("chat_template.jinja")).unwrap();
+    let p = d.path().join("tools.jsonl");
+    let call = serde_json::json!([{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]);
+    let msgs = serde_json::json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": call},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]);
+    write_jsonl(&p, &[serde_json::json!({ "messages": msgs }).to_string()]);
+    let f = formatter(&r1, "messages", None, false);
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let (r, _) = rows.next_row().unwrap();
+    let ex = f.tokenize(f.read(&r).unwrap().ok().unwrap(), 0).unwrap().unwrap_or_else(|b| panic!("{}", b.0));
+    let text = f.decode(&ex.input_ids);
+    assert!(text.contains("<｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{\"city\": \"Paris\"}"), "{text}");
+    let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+    assert!(f.decode(&trained).contains("weather") && f.decode(&trained).ends_with("It is sunny.<｜end▁of▁sentence｜>"), "{}", f.decode(&trained));
+    // A user turn's content may not be null.
+    write_jsonl(&p, &[serde_json::json!({"messages": [{"role": "user", "content": null}]}).to_string()]);
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let (r, _) = rows.next_row().unwrap();
+    assert!(f.read(&r).unwrap().err().is_some_and(|b| b.0.contains("only an assistant turn's may be null")));
 }
 
 #[test]

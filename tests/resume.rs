@@ -214,6 +214,7 @@ fn a_model_or_data_replaced_at_the_same_path_is_not_resumed_on() {
     write_model(&model, &TinyShape::default(), 1, 1).unwrap(); // same shapes, other weights
     let e = train(&dir, &["train.max_steps=3"]).err().expect("another model").to_string();
     assert!(e.contains("model.path") && e.contains("differ from those the checkpoint was trained on"), "{e}");
+    assert!(dir.join("out/adapter").is_dir() && !dir.join("out/previous").exists(), "a refused resume moves nothing");
     std::fs::remove_dir_all(&model).unwrap();
     std::fs::rename(root.path().join("model-kept"), &model).unwrap();
     std::fs::rename(&data, root.path().join("data-kept")).unwrap();
@@ -222,6 +223,11 @@ fn a_model_or_data_replaced_at_the_same_path_is_not_resumed_on() {
     assert!(e.contains("data.train") && e.contains("differ from those the checkpoint was trained on"), "{e}");
     std::fs::remove_dir_all(&data).unwrap();
     std::fs::rename(root.path().join("data-kept"), &data).unwrap();
+    // What the loader does not read is not the data: a README, a .git folder, datasets' cache.
+    std::fs::write(data.join("README.md"), "rows").unwrap();
+    std::fs::create_dir_all(data.join(".git")).unwrap();
+    std::fs::write(data.join(".git/index"), "x").unwrap();
+    std::fs::write(data.join("cache-0123.arrow"), "x").unwrap();
     let s = train(&dir, &["train.max_steps=3"]).unwrap();
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![3], "the same files: it continues");
 }

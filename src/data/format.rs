@@ -190,6 +190,20 @@ impl Formatter {
         self.token_limit = limit;
     }
 
+    /// The time the chat template renders for `strftime_now` (None without a chat template).
+    pub fn template_time(&self) -> Option<u64> {
+        match &self.template {
+            Template::Chat(t) => Some(t.now()),
+            _ => None,
+        }
+    }
+
+    pub fn set_template_time(&mut self, secs: u64) {
+        if let Template::Chat(t) = &mut self.template {
+            t.set_now(secs);
+        }
+    }
+
     /// Tokens a cut prefix must yield, and the byte bound to try first; None without a limit.
     fn cut_budget(&self) -> Option<(usize, usize)> {
         let need = self.token_limit?.saturating_add(CUT_MARGIN);
@@ -253,8 +267,12 @@ impl Formatter {
                     }
                 }
                 let [attention, completion, assistant]: [Option<Vec<i64>>; 3] = masks.try_into().unwrap_or_default();
-                let trained = labels.is_none().then_some(completion.or(assistant)).flatten();
-                let labels = labels.or_else(|| trained.map(|m| ids.iter().zip(&m).map(|(&t, &k)| if k != 0 { t } else { IGNORE }).collect()));
+                // Both masks, where both are there, as TRL's collator applies both.
+                let trained: Option<Vec<bool>> = match (completion, assistant) {
+                    (None, None) => None,
+                    (c, a) => Some((0..ids.len()).map(|i| c.as_ref().is_none_or(|c| c[i] != 0) && a.as_ref().is_none_or(|a| a[i] != 0)).collect()),
+                };
+                let labels = labels.or_else(|| trained.map(|m| ids.iter().zip(&m).map(|(&t, &k)| if k { t } else { IGNORE }).collect()));
                 match attention {
                     // (labels of another length are reported as such by `tokenize`)
                     Some(a) if labels.as_ref().is_none_or(|l| l.len() == ids.len()) => {
@@ -341,16 +359,16 @@ impl Formatter {
     fn encode_trained_from(&self, text: &str, from: usize) -> Result<Example> {
         let (enc, _) = self.encode_prefix(text, true)?;
         let mut ids = enc.get_ids().to_vec();
-        let mut labels: Vec<i64> = ids
-            .iter()
-            .zip(enc.get_offsets())
-            .zip(enc.get_special_tokens_mask())
-            .map(|((&id, &(start, _)), &special)| {
-                // A special token the tokenizer adds (BOS) sits at offset 0: prompt.
-                let in_answer = start >= from && !(special == 1 && start == 0 && from > 0);
-                if self.train_on_prompt || in_answer { id as i64 } else { IGNORE }
-            })
-            .collect();
+        // Special tokens the tokenizer adds have no text (offsets (0, 0)): one before the text
+        // (BOS) belongs to the prompt, one after it (an EOS its post-processor appends) to
+        // where the text ended.
+        let mut at = 0;
+        let mut labels: Vec<i64> = Vec::with_capacity(ids.len());
+        for ((&id, &(start, end)), &special) in ids.iter().zip(enc.get_offsets()).zip(enc.get_special_tokens_mask()) {
+            let start = if special == 1 && (start, end) == (0, 0) { at } else { start };
+            at = at.max(end);
+            labels.push(if self.train_on_prompt || (start >= from && !(start == 0 && special == 1 && from > 0)) { id as i64 } else { IGNORE });
+        }
         if let Some(eos) = self.eos.filter(|&e| ids.last() != Some(&e)) {
             ids.push(eos);
             labels.push(eos as i64);
@@ -412,10 +430,12 @@ impl Formatter {
             Err(e) => return Ok(Err(BadRecord(format!("row {index}: {e}")))),
         };
         let (enc, tokenized) = self.encode_prefix(&text, false)?;
+        // Turns that start past the tokens kept need not be looked for (each costs renders).
+        let kept = self.token_limit.and_then(|l| enc.get_offsets().get(l.saturating_sub(1)).map(|o| o.1 + 1)).unwrap_or(tokenized);
         let spans = if self.train_on_prompt {
             Vec::new()
         } else {
-            match assistant_spans(t, m, &text, tokenized) {
+            match assistant_spans(t, m, &text, kept.min(tokenized)) {
                 Ok(s) => s,
                 Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
             }
@@ -472,6 +492,13 @@ fn assistant_spans(t: &ChatTemplate, m: &[Message], text: &str, limit: usize) ->
         let through = render(&m[..=i], false)?;
         let ends_as_rendered = text.starts_with(&through);
         if start == prompt.len() && ends_as_rendered && through.len() > start {
+            spans.push(start..through.len());
+            continue;
+        }
+        // A turn with no content (a tool call) cannot be found by its content: it is trained
+        // from where the generation prompt stops agreeing (R1's "<think>\n" is not written
+        // before tool calls) to its end as rendered.
+        if msg.extra.get("content").is_some_and(serde_json::Value::is_null) && ends_as_rendered && through.len() > start {
             spans.push(start..through.len());
             continue;
         }

@@ -122,6 +122,10 @@ pub struct LoaderState {
     pub stats: DataStats,
     #[serde(default)]
     pub pending: Vec<Vec<RowPos>>,
+    /// The time the chat template's `strftime_now` renders (seconds since the epoch), so a
+    /// run resumed on another day tokenizes its records as the uninterrupted run did.
+    #[serde(default)]
+    pub template_time: Option<u64>,
 }
 
 impl Loader {
@@ -164,12 +168,16 @@ impl Loader {
             carry: self.carry.as_ref().map(|(_, p)| *p),
             stats: self.stats.clone(),
             pending: self.pending.iter().map(|b| b.iter().map(|(_, p)| *p).collect()).collect(),
+            template_time: self.fmt.template_time(),
         }
     }
 
     /// Continue from a saved state: jump to the cursor and re-read the buffered rows by
     /// position (nothing before them is read).
     pub fn restore(&mut self, st: &LoaderState) -> Result<()> {
+        if let Some(t) = st.template_time {
+            self.fmt.set_template_time(t);
+        }
         self.rng = Rng::new(st.rng);
         self.buffer.clear();
         for &pos in &st.buffer {

@@ -835,10 +835,14 @@ impl RowRef<'_> {
                     .iter()
                     .map(|m| {
                         let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| self.err(column, "a message has no string `role`"))?;
-                        let content = m.get("content").and_then(|r| r.as_str()).ok_or_else(|| self.err(column, "a message has no string `content`"))?;
-                        let mut msg = Message::new(role, content);
+                        let mut msg = match m.get("content") {
+                            Some(serde_json::Value::String(c)) => Message::new(role, c),
+                            // A tool-call turn: the template decides what None renders as.
+                            Some(serde_json::Value::Null) if role == "assistant" => Message::without_content(role),
+                            _ => return Err(self.err(column, "a message has no string `content` (only an assistant turn's may be null)")),
+                        };
                         if let Some(o) = m.as_object() {
-                            msg.extra = o.iter().filter(|(k, _)| *k != "role" && *k != "content").map(|(k, v)| (k.clone(), v.clone())).collect();
+                            msg.extra.extend(o.iter().filter(|(k, _)| *k != "role" && *k != "content").map(|(k, v)| (k.clone(), v.clone())));
                         }
                         Ok(msg)
                     })
@@ -873,15 +877,18 @@ impl RowRef<'_> {
                     .zip(contents)
                     .enumerate()
                     .map(|(i, (r, c))| match (r, c) {
-                        (Some(r), Some(c)) => {
-                            let mut msg = Message::new(&r, &c);
+                        (Some(r), c) if c.is_some() || r == "assistant" => {
+                            let mut msg = match c {
+                                Some(c) => Message::new(&r, &c),
+                                None => Message::without_content(&r),
+                            };
                             for (name, col) in &extra {
                                 let v = arrow_json_value(col.as_ref(), i).map_err(|t| self.err(column, format!("message field `{name}` holds {t}, which a chat template cannot read")))?;
                                 msg.extra.insert(name.clone(), v);
                             }
                             Ok(msg)
                         }
-                        _ => Err(self.err(column, "a message has a null role or content")),
+                        _ => Err(self.err(column, "a message has a null role, or a null content that is not an assistant turn's")),
                     })
                     .collect::<Result<Vec<_>>>()
                     .map(Some)
@@ -891,7 +898,7 @@ impl RowRef<'_> {
 }
 
 /// Element `i` of an Arrow array as the JSON value `datasets` would hand a template in
-/// Python (strings, numbers, booleans, lists and structs, null); the type's name otherwise.
+/// Python (strings, numbers, booleans, lists and structs, null; other types as text).
 fn arrow_json_value(a: &dyn Array, i: usize) -> std::result::Result<serde_json::Value, String> {
     use arrow_array::types::{Float32Type, Float64Type};
     use arrow_schema::DataType as T;
@@ -931,7 +938,13 @@ fn arrow_json_value(a: &dyn Array, i: usize) -> std::result::Result<serde_json::
             }
             V::Object(o)
         }
-        t => return Err(t.to_string()),
+        // Anything else (timestamps, decimals, binary, ...) as arrow prints it: what a
+        // template would print of the Python value, near enough, and never a reason to
+        // refuse a record whose template does not read it.
+        _ => {
+            let f = arrow_cast::display::ArrayFormatter::try_new(a, &arrow_cast::display::FormatOptions::default()).map_err(|e| e.to_string())?;
+            V::String(f.value(i).to_string())
+        }
     })
 }
 
@@ -941,5 +954,17 @@ fn list_cell(col: &arrow_array::ArrayRef, row: usize) -> Option<arrow_array::Arr
         Some(l.value(row))
     } else {
         col.as_list_opt::<i64>().map(|l| l.value(row))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn message_fields_of_other_arrow_types_reach_the_template_as_text() {
+        let ts = arrow_array::TimestampMillisecondArray::from(vec![Some(86_400_000), None]);
+        assert_eq!(super::arrow_json_value(&ts, 0).unwrap(), serde_json::json!("1970-01-02T00:00:00"));
+        assert_eq!(super::arrow_json_value(&ts, 1).unwrap(), serde_json::Value::Null);
+        let n = arrow_array::Int32Array::from(vec![7]);
+        assert_eq!(super::arrow_json_value(&n, 0).unwrap(), serde_json::json!(7));
     }
 }
