@@ -110,6 +110,17 @@ fn only_assistant_turns_and_their_end_of_turn_are_trained() {
     let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
     assert!(fmt.decode(&ex.input_ids).contains("You are a helpful AI assistant"));
     assert_eq!(fmt.decode(&trained), "Hi there.<|im_end|>\n");
+    // Phi-3's shape: EOS after the last turn only, so a turn's marker as the last one
+    // ("<|im_end|>\n<|endoftext|>") agrees with what follows it mid-conversation
+    // ("<|im_end|>\n<|im_start|>") on "<|": the next turn's first token is not trained.
+    let phi = d.path().join("phi");
+    copy_dir(&m, &phi);
+    let tmpl = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>{% endif %}";
+    std::fs::write(phi.join("chat_template.jinja"), tmpl).unwrap();
+    let fmt = formatter(&phi, "messages", Some("model"), false);
+    let ex = fmt.render_conversation(&msgs, 0).unwrap().ok().unwrap();
+    let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+    assert_eq!(fmt.decode(&trained), "Blue.<|im_end|>\nGreen.<|im_end|>\n<|endoftext|>");
 }
 
 #[test]

@@ -435,7 +435,7 @@ impl Formatter {
         let spans = if self.train_on_prompt {
             Vec::new()
         } else {
-            match assistant_spans(t, m, &text, kept.min(tokenized)) {
+            match assistant_spans(t, m, &text, kept.min(tokenized), enc.get_offsets()) {
                 Ok(s) => s,
                 Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
             }
@@ -480,7 +480,7 @@ fn char_floor(s: &str, n: usize) -> usize {
 /// or after the generation prompt where all of that is there, and ends with its end-of-turn
 /// marker: what the template writes after the content when the turn is the last one, as far
 /// as `text` has it.
-fn assistant_spans(t: &ChatTemplate, m: &[Message], text: &str, limit: usize) -> std::result::Result<Vec<std::ops::Range<usize>>, String> {
+fn assistant_spans(t: &ChatTemplate, m: &[Message], text: &str, limit: usize, tokens: &[(usize, usize)]) -> std::result::Result<Vec<std::ops::Range<usize>>, String> {
     let render = |msgs: &[Message], prompt: bool| t.render(msgs, prompt).map_err(|e| e.to_string());
     let mut spans = Vec::new();
     for (i, msg) in m.iter().enumerate().filter(|(_, msg)| msg.role == "assistant") {
@@ -523,7 +523,11 @@ fn assistant_spans(t: &ChatTemplate, m: &[Message], text: &str, limit: usize) ->
             let mut alone = m[..=i].to_vec();
             alone[i] = msg.with_content(PLACEHOLDER);
             let marker = &through[differing(&through, &render(&alone, false)?).1..];
-            to + common_prefix(&text[to..], marker)
+            let end = to + common_prefix(&text[to..], marker);
+            // A marker that agrees only in part may run into the next turn's first token
+            // (Phi-3's "<|end|>\n<|endoftext|>" against "<|end|>\n<|user|>" agree on "<|"):
+            // it ends where that token starts.
+            tokens.iter().find(|&&(s, e)| s >= to && s < end && end < e).map_or(end, |&(s, _)| s)
         };
         spans.push(start..end);
     }
