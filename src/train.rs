@@ -511,8 +511,7 @@ fn read_eval_set(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize) -> R
 /// Take the output folder, and continue from the newest valid checkpoint when there is one:
 /// adapters, optimizer moments, data position. Every rank agrees on the step.
 fn resume(rk: &mut RankRun) -> Result<Resumed> {
-    let (loaded, rank, world, lead) = (rk.loaded, rk.rank, rk.world, rk.lead);
-    let accum = loaded.recipe.train.grad_accum_steps;
+    let (loaded, rank, lead) = (rk.loaded, rk.rank, rk.lead);
     let mut start_step = 0;
     let mut micro_index = 0u64;
     let mut last_checkpoint = None;
@@ -534,59 +533,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
             crate::note!("warning: {w}");
         }
         let l = crate::checkpoint::load(&dir, &rk.adapters)?;
-        // The world size may change between runs, the micro-batches per step may not (the
-        // same examples per step is what makes the resumed run the same run).
-        let saved_mbs = match l.state.micro_batches_per_step {
-            0 => toml::from_str::<toml::Table>(&saved).ok().and_then(|t| t.get("train")?.get("grad_accum_steps")?.as_integer()).unwrap_or(1) as usize,
-            n => n,
-        };
-        if saved_mbs != accum * world {
-            return Err(Error::Recipe {
-                file: loaded.file.display().to_string(),
-                key: "train.grad_accum_steps".into(),
-                msg: format!(
-                    "the checkpoint's steps took {saved_mbs} micro-batches (grad_accum_steps x ranks), this run's take {accum} x {world} = {}; \
-                     the global batch must stay the same to continue the run{} [checkpoint {}]",
-                    accum * world,
-                    if saved_mbs % world == 0 { format!(": set train.grad_accum_steps = {}", saved_mbs / world) } else { String::new() },
-                    dir.display()
-                ),
-            });
-        }
-        // Passes of another size sum the same gradients in another order: not the same run
-        // (an allowed change of train.activation_checkpointing or activation_memory_mb, or
-        // of how the base is held, can change them).
-        let rows = pass_rows(&loaded.recipe, rk.fused, rk.resident);
-        if let Some(saved_rows) = l.state.pass_rows.filter(|&n| n != rows) {
-            return Err(Error::Recipe {
-                file: loaded.file.display().to_string(),
-                key: "train.activation_checkpointing".into(),
-                msg: format!(
-                    "the checkpoint's micro-batches ran in passes of {saved_rows} rows, this run's would run in passes of {rows}, so their gradients would be summed \
-                     differently: restore train.activation_checkpointing, train.activation_memory_mb and dist.zero_stage as they were (passes split \
-                     micro-batches over 2048 tokens only with \"auto\", no activation_memory_mb and the base held whole, not in ZeRO-3 shards) [checkpoint {}]",
-                    dir.display()
-                ),
-            });
-        }
-        // The same paths must hold the same files: a model or dataset replaced in place is
-        // not the run's.
-        for (saved, now, key, what) in [
-            (&l.state.model_fingerprint, &rk.model_fingerprint, "model.path", "the model's files (config.json, weights, tokenizer)"),
-            (&l.state.data_fingerprint, &rk.data_fingerprint, "data.train", "the training data's files"),
-        ] {
-            if saved.as_ref().is_some_and(|s| s != now) {
-                return Err(Error::Recipe {
-                    file: loaded.file.display().to_string(),
-                    key: key.into(),
-                    msg: format!(
-                        "{what} differ from those the checkpoint was trained on (replaced or changed since at the same path); resuming would not continue the same run. \
-                         Restore them, or start over with checkpoint.resume = \"never\" or a new output.dir [checkpoint {}]",
-                        dir.display()
-                    ),
-                });
-            }
-        }
+        check_same_run(rk, &l.state, &saved, &dir)?;
         rk.opt.state = l.moments.slice(rk.part.range());
         rk.opt.step = l.adam_step;
         rk.loader.restore(&l.state.loader)?;
@@ -1035,6 +982,68 @@ fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
         key: "(resume)".into(),
         msg: format!("{msg} [checkpoint {}]; nothing was changed", dir.display()),
     })
+}
+
+/// Whether checkpoint `dir` (its state and the recipe it was written with) continues as the
+/// same run under this one: the same micro-batches per step, split into the same passes, over
+/// the same model and data files. An error naming the key that differs otherwise.
+fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &str, dir: &std::path::Path) -> Result<()> {
+    let (loaded, world) = (rk.loaded, rk.world);
+    let accum = loaded.recipe.train.grad_accum_steps;
+    // The world size may change between runs, the micro-batches per step may not (the
+    // same examples per step is what makes the resumed run the same run).
+    let saved_mbs = match state.micro_batches_per_step {
+        0 => toml::from_str::<toml::Table>(&saved).ok().and_then(|t| t.get("train")?.get("grad_accum_steps")?.as_integer()).unwrap_or(1) as usize,
+        n => n,
+    };
+    if saved_mbs != accum * world {
+        return Err(Error::Recipe {
+            file: loaded.file.display().to_string(),
+            key: "train.grad_accum_steps".into(),
+            msg: format!(
+                "the checkpoint's steps took {saved_mbs} micro-batches (grad_accum_steps x ranks), this run's take {accum} x {world} = {}; \
+                 the global batch must stay the same to continue the run{} [checkpoint {}]",
+                accum * world,
+                if saved_mbs % world == 0 { format!(": set train.grad_accum_steps = {}", saved_mbs / world) } else { String::new() },
+                dir.display()
+            ),
+        });
+    }
+    // Passes of another size sum the same gradients in another order: not the same run
+    // (an allowed change of train.activation_checkpointing or activation_memory_mb, or
+    // of how the base is held, can change them).
+    let rows = pass_rows(&loaded.recipe, rk.fused, rk.resident);
+    if let Some(saved_rows) = state.pass_rows.filter(|&n| n != rows) {
+        return Err(Error::Recipe {
+            file: loaded.file.display().to_string(),
+            key: "train.activation_checkpointing".into(),
+            msg: format!(
+                "the checkpoint's micro-batches ran in passes of {saved_rows} rows, this run's would run in passes of {rows}, so their gradients would be summed \
+                 differently: restore train.activation_checkpointing, train.activation_memory_mb and dist.zero_stage as they were (passes split \
+                 micro-batches over 2048 tokens only with \"auto\", no activation_memory_mb and the base held whole, not in ZeRO-3 shards) [checkpoint {}]",
+                dir.display()
+            ),
+        });
+    }
+    // The same paths must hold the same files: a model or dataset replaced in place is
+    // not the run's.
+    for (saved, now, key, what) in [
+        (&state.model_fingerprint, &rk.model_fingerprint, "model.path", "the model's files (config.json, weights, tokenizer)"),
+        (&state.data_fingerprint, &rk.data_fingerprint, "data.train", "the training data's files"),
+    ] {
+        if saved.as_ref().is_some_and(|s| s != now) {
+            return Err(Error::Recipe {
+                file: loaded.file.display().to_string(),
+                key: key.into(),
+                msg: format!(
+                    "{what} differ from those the checkpoint was trained on (replaced or changed since at the same path); resuming would not continue the same run. \
+                     Restore them, or start over with checkpoint.resume = \"never\" or a new output.dir [checkpoint {}]",
+                    dir.display()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// What a run writes once it has ended (beside its checkpoints, metrics and events).
