@@ -993,7 +993,7 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
     // The world size may change between runs, the micro-batches per step may not (the
     // same examples per step is what makes the resumed run the same run).
     let saved_mbs = match state.micro_batches_per_step {
-        0 => toml::from_str::<toml::Table>(&saved).ok().and_then(|t| t.get("train")?.get("grad_accum_steps")?.as_integer()).unwrap_or(1) as usize,
+        0 => toml::from_str::<toml::Table>(saved).ok().and_then(|t| t.get("train")?.get("grad_accum_steps")?.as_integer()).unwrap_or(1) as usize,
         n => n,
     };
     if saved_mbs != accum * world {
