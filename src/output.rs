@@ -21,6 +21,10 @@ const LOCK: &str = ".finetune.lock";
 /// whether each is a folder.
 pub const RUN_FILES: &[(&str, bool)] = &[("checkpoints", true), ("metrics.jsonl", false), ("adapter", true), ("merged", true), ("recipe.resolved.toml", false), ("tensorboard", true), ("summary.json", false), ("report.html", false), ("loss.png", false), ("adapter.gguf", false)];
 
+/// Of those, what a run writes once it has ended (beside its checkpoints, metrics and events):
+/// set aside when the run goes on past that step.
+pub const FINAL_OUTPUTS: &[&str] = &["adapter", "merged", "adapter.gguf", "summary.json", "report.html", "loss.png"];
+
 /// The exclusive right to write an output folder, held until dropped.
 #[derive(Debug)]
 pub struct RunLock {

@@ -69,11 +69,7 @@ fn normal(rng: &mut Rng, n: usize, mean: f64, std: f64) -> Vec<f32> {
 pub fn config_json(shape: &TinyShape) -> serde_json::Value {
     let head_dim = shape.hidden / shape.heads;
     let qwen = shape.arch == "Qwen2ForCausalLM";
-    let dtype_name = match shape.dtype {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        _ => "float32",
-    };
+    let dtype_name = crate::weights::torch_dtype_name(shape.dtype);
     serde_json::json!({
         "architectures": [shape.arch],
         "model_type": if qwen { "qwen2" } else { "llama" },

@@ -429,7 +429,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let recipe_text = recorded_recipe(r, &model.cfg, &model_dir)?;
     let log = crate::runlog::RunLog::new(&out_dir, &recipe_text, r.output.tensorboard);
     let (fused, resident) = (kernels.fused_on(&device), !sharded && !quantized && matmul == storage_dtype);
-    let (model_fingerprint, data_fingerprint) = input_fingerprints(loaded, &model_dir);
+    let (model_fingerprint, data_fingerprint) = input_fingerprints(loaded, &model_dir, &loader);
     Ok(RankRun {
         loaded,
         comm,
@@ -541,7 +541,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         // the step-N result, not this run's; left in place, `export --run` would take the
         // old adapter for the new one. Only now, once nothing above refused the resume.
         if loaded.recipe.train.max_steps > l.state.step {
-            let finals: Vec<PathBuf> = FINAL_OUTPUTS.iter().map(PathBuf::from).collect();
+            let finals: Vec<PathBuf> = crate::output::FINAL_OUTPUTS.iter().map(PathBuf::from).collect();
             let moved = if lead { crate::output::set_aside(&rk.out_dir, &finals) } else { Ok(None) };
             let said = from_lead(&*rk.comm, &rk.device, &[moved.is_ok() as u8 as f64])?;
             if let Some(d) = moved? {
@@ -1046,45 +1046,20 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
     Ok(())
 }
 
-/// What a run writes once it has ended (beside its checkpoints, metrics and events).
-const FINAL_OUTPUTS: &[&str] = &["adapter", "merged", "adapter.gguf", "summary.json", "report.html", "loss.png"];
-
 /// Fingerprints (`fsutil::fingerprint`) of the model's files that training reads (config,
-/// weights, tokenizer and chat template; not a README beside them) and of the training
-/// data's files (Arrow, Parquet, JSONL and JSON, outside hidden folders and the run's
-/// output folder).
-fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir) -> (String, String) {
+/// weights, tokenizer and chat template; not a README beside them, nor the run's own folder
+/// were it inside) and of the files the training loader reads (its shards, as it resolved
+/// them: a DatasetDict split, a hub dataset's cached files).
+fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir, loader: &Loader) -> (String, String) {
     let model_files = |n: &str| {
         n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json") || n.ends_with(".gguf")
             || ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"].contains(&n)
     };
-    let mut model = vec![model_dir.dir.clone()];
-    model.extend(model_dir.gguf.clone());
-    let data: Vec<PathBuf> = loaded
-        .recipe
-        .data
-        .train
-        .list()
-        .iter()
-        .map(|p| {
-            let p = loaded.resolve(p);
-            // "folder:split" names a split of a DatasetDict folder.
-            match p.to_str().and_then(|s| s.rsplit_once(':')) {
-                Some((dir, _)) if !p.exists() && std::path::Path::new(dir).exists() => PathBuf::from(dir),
-                _ => p,
-            }
-        })
-        .collect();
-    // What the loaders read (Arrow shards, Parquet, JSONL, a dataset folder's JSON), not a
-    // README, nor the `cache-*.arrow` files `datasets` adds beside a folder's shards.
-    let data_files = |n: &str| {
-        [".arrow", ".parquet", ".jsonl", ".json"].iter().any(|e| n.ends_with(e)) && !n.starts_with("cache-") && !n.starts_with('.')
-    };
-    // (The run's own folder, were it inside a data folder, changes as it runs.)
-    let out = loaded.resolve(&loaded.recipe.output.dir);
-    let out = out.canonicalize().unwrap_or(out);
-    let canonical = |v: Vec<PathBuf>| v.into_iter().map(|p| p.canonicalize().unwrap_or(p)).collect::<Vec<_>>();
-    (crate::fsutil::fingerprint(&canonical(model), &model_files, &out), crate::fsutil::fingerprint(&canonical(data), &data_files, &out))
+    let canonical = |p: PathBuf| p.canonicalize().unwrap_or(p);
+    let out = canonical(loaded.resolve(&loaded.recipe.output.dir));
+    let model: Vec<PathBuf> = std::iter::once(model_dir.dir.clone()).chain(model_dir.gguf.clone()).map(canonical).collect();
+    let data: Vec<PathBuf> = loader.files().into_iter().map(canonical).collect();
+    (crate::fsutil::fingerprint(&model, &model_files, &out), crate::fsutil::fingerprint(&data, &|_| true, &out))
 }
 
 /// Set aside `newer` (checkpoints after `step`, the one continued from) with what they
@@ -1094,7 +1069,7 @@ fn set_aside_newer(out_dir: &std::path::Path, step: usize, mut newer: Vec<PathBu
     if newer.is_empty() {
         return Ok(());
     }
-    newer.extend(FINAL_OUTPUTS.iter().map(PathBuf::from));
+    newer.extend(crate::output::FINAL_OUTPUTS.iter().map(PathBuf::from));
     if let Some(d) = crate::output::set_aside(out_dir, &newer)? {
         let m = out_dir.join("metrics.jsonl");
         if m.is_file() {

@@ -367,7 +367,7 @@ impl Formatter {
         for ((&id, &(start, end)), &special) in ids.iter().zip(enc.get_offsets()).zip(enc.get_special_tokens_mask()) {
             let start = if special == 1 && (start, end) == (0, 0) { at } else { start };
             at = at.max(end);
-            labels.push(if self.train_on_prompt || (start >= from && !(start == 0 && special == 1 && from > 0)) { id as i64 } else { IGNORE });
+            labels.push(if self.train_on_prompt || start >= from { id as i64 } else { IGNORE });
         }
         if let Some(eos) = self.eos.filter(|&e| ids.last() != Some(&e)) {
             ids.push(eos);
@@ -491,14 +491,11 @@ fn assistant_spans(t: &ChatTemplate, m: &[Message], text: &str, limit: usize, to
         }
         let through = render(&m[..=i], false)?;
         let ends_as_rendered = text.starts_with(&through);
-        if start == prompt.len() && ends_as_rendered && through.len() > start {
-            spans.push(start..through.len());
-            continue;
-        }
-        // A turn with no content (a tool call) cannot be found by its content: it is trained
-        // from where the generation prompt stops agreeing (R1's "<think>\n" is not written
-        // before tool calls) to its end as rendered.
-        if msg.extra.get("content").is_some_and(serde_json::Value::is_null) && ends_as_rendered && through.len() > start {
+        // As rendered: after the whole generation prompt; or, for a turn with no content (a
+        // tool call), which cannot be found by its content below, from where the generation
+        // prompt stops agreeing (R1's "<think>\n" is not written before tool calls).
+        let no_content = msg.extra.get("content").is_some_and(serde_json::Value::is_null);
+        if (start == prompt.len() || no_content) && ends_as_rendered && through.len() > start {
             spans.push(start..through.len());
             continue;
         }

@@ -156,6 +156,11 @@ impl Loader {
         &self.fmt
     }
 
+    /// The files this loader reads (its shards: a hub dataset's cached files included).
+    pub fn files(&self) -> Vec<PathBuf> {
+        self.rows.files()
+    }
+
     pub fn total_rows(&self) -> u64 {
         self.rows.total_rows
     }

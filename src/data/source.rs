@@ -545,6 +545,11 @@ pub struct Rows {
 
 impl Rows {
     /// Open every source in order (one `data.train` entry or several).
+    /// The files the rows are read from, in reading order.
+    pub fn files(&self) -> Vec<PathBuf> {
+        self.shards.iter().map(|s| s.path().to_path_buf()).collect()
+    }
+
     pub fn open_all(specs: &[PathBuf], split: Option<&str>) -> Result<Self> {
         let mut shards = Vec::new();
         for spec in specs {

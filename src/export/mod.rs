@@ -302,11 +302,11 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
         if let Some(obj) = config.as_object_mut() {
             // The FP8 weights were dequantised: the output is not a quantised checkpoint.
             if obj.remove("quantization_config").is_some() && opts.dtype.is_none() {
-                set_config_dtype(obj, DType::BF16);
+                crate::weights::set_config_dtype(obj, DType::BF16);
             }
         }
         if let (Some(d), Some(obj)) = (opts.dtype, config.as_object_mut()) {
-            set_config_dtype(obj, d);
+            crate::weights::set_config_dtype(obj, d);
         }
         let text = serde_json::to_string_pretty(&config).map_err(|e| Error::Train(e.to_string()))?;
         crate::fsutil::write_atomic(&tmp.join("config.json"), text.as_bytes())?;
@@ -356,7 +356,7 @@ fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: 
         let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cp).map_err(|e| Error::io(&cp, e))?).map_err(|e| Error::Config { path: cp.clone(), msg: e.to_string() })?;
         if let Some(o) = config.as_object_mut() {
             o.remove("quantization_config");
-            set_config_dtype(o, opts.dtype.unwrap_or(DType::F32));
+            crate::weights::set_config_dtype(o, opts.dtype.unwrap_or(DType::F32));
         }
         crate::fsutil::write_atomic(&deq.join("config.json"), config.to_string().as_bytes())?;
         for f in SIDE_FILES {
@@ -422,18 +422,3 @@ fn base_is_half(base: &ModelDir) -> bool {
     matches!(floats, Some(safetensors::Dtype::BF16 | safetensors::Dtype::F16))
 }
 
-/// Say in a config.json object that its weights are stored in `d`: `torch_dtype` (what
-/// transformers 4 reads) and, where the config has it, `dtype` (transformers 5's name, which it
-/// prefers), so the two never disagree and a loader with `dtype="auto"` never rounds the
-/// weights to a dtype they are not in.
-fn set_config_dtype(obj: &mut serde_json::Map<String, serde_json::Value>, d: DType) {
-    let name = match d {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        _ => "float32",
-    };
-    obj.insert("torch_dtype".into(), name.into());
-    if obj.contains_key("dtype") {
-        obj.insert("dtype".into(), name.into());
-    }
-}

@@ -1163,13 +1163,8 @@ pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Re
         let t = g.dequantize(&hf)?;
         tensors.push((hf.clone(), t.to_dtype(dtype).map_err(|e| gguf_err(gguf, &hf, crate::error::candle_msg(&e)))?));
     }
-    let torch_dtype = match dtype {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        _ => "float32",
-    };
     if let Some(o) = g.config.as_object_mut() {
-        o.insert("torch_dtype".into(), torch_dtype.into());
+        crate::weights::set_config_dtype(o, dtype);
     }
     let shards = write_folder(out, |dir| {
         let shards = write_weights(dir, &tensors, max_shard_bytes)?;

@@ -552,6 +552,27 @@ impl RowTable {
     }
 }
 
+/// transformers' name for a dtype, as config.json's `torch_dtype` / `dtype` say it.
+pub fn torch_dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
+/// Say in a config.json object that its weights are stored in `d`: `torch_dtype` (what
+/// transformers 4 reads) and, where the config has it, `dtype` (transformers 5's name, which it
+/// prefers), so the two never disagree and a loader with `dtype="auto"` never rounds the
+/// weights to a dtype they are not in.
+pub fn set_config_dtype(obj: &mut serde_json::Map<String, serde_json::Value>, d: DType) {
+    let name = torch_dtype_name(d);
+    obj.insert("torch_dtype".into(), name.into());
+    if obj.contains_key("dtype") {
+        obj.insert("dtype".into(), name.into());
+    }
+}
+
 /// The candle dtype of a stored float tensor we read or write (f32, bf16, f16).
 pub(crate) fn candle_dtype(d: safetensors::Dtype) -> Option<DType> {
     match d {
