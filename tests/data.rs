@@ -489,6 +489,76 @@ fn shuffling_permutes_shards_per_epoch_seeded_and_visits_every_row_once() {
     assert_eq!(sorted.len(), 15, "every row exactly once per epoch");
 }
 
+/// Ten one-row-per-line records, each its own token sequence.
+fn ten_rows(d: &Path) -> PathBuf {
+    let p = d.join("ten.jsonl");
+    write_jsonl(&p, &(0..10).map(|r| serde_json::json!({"text": format!("row {r}")}).to_string()).collect::<Vec<_>>());
+    p
+}
+
+#[test]
+fn a_shuffle_buffer_larger_than_the_dataset_still_visits_every_row_once_per_pass() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = ten_rows(d.path());
+    for buffer in [3, 10, 10_000] {
+        let o = LoaderOptions { shuffle: true, shuffle_buffer: buffer, seed: 5, ..opts() };
+        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), o).unwrap();
+        let passes: Vec<Vec<Vec<u32>>> = (0..3).map(|_| (0..10).map(|_| l.next_example().unwrap().input_ids).collect()).collect();
+        for (i, pass) in passes.iter().enumerate() {
+            let mut rows = pass.clone();
+            rows.sort();
+            rows.dedup();
+            assert_eq!(rows.len(), 10, "buffer {buffer}, pass {i}: a row served twice, another never");
+        }
+        assert!(passes[0] != passes[1] || passes[1] != passes[2], "buffer {buffer}: passes are reshuffled");
+    }
+}
+
+#[test]
+fn a_token_batch_pool_never_holds_a_row_twice() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = ten_rows(d.path());
+    for shuffle in [false, true] {
+        let o = LoaderOptions { shuffle, shuffle_buffer: 64, seed: 2, ..opts() };
+        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), o).unwrap();
+        let mut pass: Vec<Vec<u32>> = Vec::new();
+        while pass.len() < 30 {
+            let batch = l.next_token_batch(1000).unwrap();
+            assert!(batch.len() <= 10, "shuffle {shuffle}: a batch of {} from 10 rows", batch.len());
+            pass.extend(batch.into_iter().map(|e| e.input_ids));
+        }
+        for chunk in pass.chunks(10) {
+            let mut rows = chunk.to_vec();
+            rows.sort();
+            rows.dedup();
+            assert_eq!(rows.len(), 10, "shuffle {shuffle}: every pass holds each row once");
+        }
+    }
+}
+
+#[test]
+fn a_restored_loader_continues_the_stream_across_pass_boundaries() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = ten_rows(d.path());
+    let o = LoaderOptions { shuffle: true, shuffle_buffer: 4, seed: 8, ..opts() };
+    let mk = || loader(&[p.clone()], None, formatter(&m, "text", None, false), o.clone()).unwrap();
+    let mut whole = mk();
+    let stream: Vec<Vec<u32>> = (0..40).map(|_| whole.next_example().unwrap().input_ids).collect();
+    for k in 0..25 {
+        let mut a = mk();
+        for _ in 0..k {
+            a.next_example().unwrap();
+        }
+        let mut b = mk();
+        b.restore(&a.state()).unwrap();
+        let rest: Vec<Vec<u32>> = (k..40).map(|_| b.next_example().unwrap().input_ids).collect();
+        assert_eq!(rest, stream[k..], "restored after {k} examples");
+    }
+}
+
 #[test]
 fn a_tokenizer_larger_than_the_model_is_a_bad_record_not_a_crash() {
     let d = tempfile::tempdir().unwrap();

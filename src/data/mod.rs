@@ -102,6 +102,10 @@ pub struct Loader {
     buffer: Vec<(Example, RowPos)>,
     /// With packing: the example that did not fit in the last row, first in the next.
     carry: Option<(Example, RowPos)>,
+    /// The first example of the next pass over the dataset, read while filling the shuffle
+    /// buffer (or put back by a token-batch pool that ends with its pass): it waits until the
+    /// buffer's pass is drained, so every pass is a permutation of the dataset.
+    ahead: Option<(Example, RowPos)>,
     rng: Rng,
     pub stats: DataStats,
     /// Bad or dropped rows in a row; a full pass of them means nothing is usable.
@@ -118,6 +122,8 @@ pub struct LoaderState {
     pub buffer: Vec<RowPos>,
     #[serde(default)]
     pub carry: Option<RowPos>,
+    #[serde(default)]
+    pub ahead: Option<RowPos>,
     #[serde(default)]
     pub stats: DataStats,
     #[serde(default)]
@@ -149,7 +155,7 @@ impl Loader {
             rows.shuffle_blocks(opts.seed);
         }
         let rng = Rng::new(opts.seed ^ 0xDA7A);
-        Ok(Loader { rows, fmt, opts, buffer: Vec::new(), carry: None, rng, stats: DataStats::default(), unusable_run: 0, pending: Default::default() })
+        Ok(Loader { rows, fmt, opts, buffer: Vec::new(), carry: None, ahead: None, rng, stats: DataStats::default(), unusable_run: 0, pending: Default::default() })
     }
 
     pub fn formatter(&self) -> &Formatter {
@@ -171,6 +177,7 @@ impl Loader {
             rng: self.rng.state(),
             buffer: self.buffer.iter().map(|(_, p)| *p).collect(),
             carry: self.carry.as_ref().map(|(_, p)| *p),
+            ahead: self.ahead.as_ref().map(|(_, p)| *p),
             stats: self.stats.clone(),
             pending: self.pending.iter().map(|b| b.iter().map(|(_, p)| *p).collect()).collect(),
             template_time: self.fmt.template_time(),
@@ -190,6 +197,10 @@ impl Loader {
             self.buffer.push((ex, pos));
         }
         self.carry = match st.carry {
+            Some(pos) => Some((self.example_at(pos)?, pos)),
+            None => None,
+        };
+        self.ahead = match st.ahead {
             Some(pos) => Some((self.example_at(pos)?, pos)),
             None => None,
         };
@@ -261,7 +272,9 @@ impl Loader {
     }
 
     /// The next example: in dataset order, or drawn from a seeded shuffle buffer of
-    /// `shuffle_buffer` examples (memory bounded by the buffer, not the dataset).
+    /// `shuffle_buffer` examples (memory bounded by the buffer, not the dataset). The buffer
+    /// holds one pass over the dataset at a time, so a pass visits every usable row once
+    /// (a buffer filled across the wrap would serve some rows twice and others never).
     pub fn next_example(&mut self) -> Result<Example> {
         Ok(self.next_with_pos()?.0)
     }
@@ -271,14 +284,33 @@ impl Loader {
             return Ok(item);
         }
         if !self.opts.shuffle {
-            return self.read_one();
+            return match self.ahead.take() {
+                Some(item) => Ok(item),
+                None => self.read_one(),
+            };
         }
-        while self.buffer.len() < self.opts.shuffle_buffer.max(1) {
+        if self.buffer.is_empty() {
+            self.buffer.extend(self.ahead.take());
+        }
+        while self.ahead.is_none() && self.buffer.len() < self.opts.shuffle_buffer.max(1) {
             let item = self.read_one()?;
-            self.buffer.push(item);
+            if self.buffer.first().is_some_and(|(_, p)| p.epoch != item.1.epoch) {
+                self.ahead = Some(item);
+            } else {
+                self.buffer.push(item);
+            }
         }
         let i = self.rng.below(self.buffer.len() as u64) as usize;
         Ok(self.buffer.swap_remove(i))
+    }
+
+    /// Undo the last `next_with_pos` (its example is served again later).
+    fn put_back(&mut self, item: (Example, RowPos)) {
+        if self.opts.shuffle {
+            self.buffer.push(item);
+        } else {
+            self.ahead = Some(item);
+        }
     }
 
     /// The next training row: one example, or with `packing` several whole examples packed
@@ -306,14 +338,20 @@ impl Loader {
 
     /// batch_by = "tokens": a micro-batch of similar-length examples whose padded size
     /// (rows x longest) stays within `max_tokens`. Examples are drawn `shuffle_buffer` at a
-    /// time (through the shuffle buffer when shuffling), sorted by length, cut into batches,
-    /// and the batches served in a seeded random order.
+    /// time (through the shuffle buffer when shuffling; fewer at the end of a pass over the
+    /// dataset, so a pool never holds a row twice), sorted by length, cut into batches, and
+    /// the batches served in a seeded random order.
     pub fn next_token_batch(&mut self, max_tokens: usize) -> Result<Vec<Example>> {
         if self.pending.is_empty() {
             let n = self.opts.shuffle_buffer.max(1);
-            let mut pool = Vec::with_capacity(n);
-            for _ in 0..n {
-                pool.push(self.next_with_pos()?);
+            let mut pool: Vec<(Example, RowPos)> = Vec::with_capacity(n.min(4096));
+            while pool.len() < n {
+                let item = self.next_with_pos()?;
+                if pool.first().is_some_and(|(_, p)| p.epoch != item.1.epoch) {
+                    self.put_back(item);
+                    break;
+                }
+                pool.push(item);
             }
             pool.sort_by_key(|(e, p)| (e.input_ids.len(), p.index));
             let mut batches: Vec<Vec<(Example, RowPos)>> = Vec::new();

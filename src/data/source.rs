@@ -508,6 +508,10 @@ pub struct RowPos {
     pub batch: usize,
     pub row: usize,
     pub index: u64,
+    /// The pass over the dataset it was read in: a shuffle buffer never mixes two.
+    /// (Checkpoints from before it was recorded read 0, which costs one early drain.)
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// One row of a block.
@@ -694,7 +698,7 @@ impl Rows {
             }
         }
         let (f, b) = self.order[self.cur.slot];
-        let pos = RowPos { file: f, batch: b, row: self.cur.row, index: self.starts[f][b] + self.cur.row as u64 };
+        let pos = RowPos { file: f, batch: b, row: self.cur.row, index: self.starts[f][b] + self.cur.row as u64, epoch: self.cur.epoch };
         self.cur.row += 1;
         Ok((self.row_at(pos)?, pos))
     }
