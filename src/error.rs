@@ -55,6 +55,10 @@ pub enum Error {
     #[error("training: {0}")]
     Train(String),
 
+    /// `generate` / `eval`: a prompt or sampling option that cannot be used.
+    #[error("generate: {0}")]
+    Generate(String),
+
     /// A problem between ranks (a collective timed out, a rank left, ranks out of step).
     #[error("rank {rank}: {msg}")]
     Dist { rank: usize, msg: String },

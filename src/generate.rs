@@ -43,16 +43,21 @@ impl Generator {
         let tok_path = model.dir.join("tokenizer.json");
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
         let chat = ChatTemplate::from_model_dir(&model.dir)?;
-        // Stop on the config's eos ids and on the chat end-of-turn tokens the vocabulary has.
+        // Stop on the eos ids of config.json and generation_config.json (what transformers'
+        // generate stops on), on tokenizer_config.json's eos_token, and on the chat
+        // end-of-turn tokens the vocabulary has.
         let mut stop = Vec::new();
-        if let Ok(text) = std::fs::read_to_string(model.config_path()) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
-                match v.get("eos_token_id") {
-                    Some(serde_json::Value::Array(a)) => stop.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
-                    Some(x) => stop.extend(x.as_u64().map(|x| x as u32)),
-                    None => {}
-                }
+        let json = |name: &str| std::fs::read_to_string(model.dir.join(name)).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+        for v in [json("config.json"), json("generation_config.json")].into_iter().flatten() {
+            match v.get("eos_token_id") {
+                Some(serde_json::Value::Array(a)) => stop.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
+                Some(x) => stop.extend(x.as_u64().map(|x| x as u32)),
+                None => {}
             }
+        }
+        if let Some(v) = json("tokenizer_config.json") {
+            let eos = v.get("eos_token").and_then(|e| e.as_str().or_else(|| e.get("content").and_then(|c| c.as_str())));
+            stop.extend(eos.and_then(|e| tokenizer.token_to_id(e)));
         }
         for t in ["<|im_end|>", "<|eot_id|>", "<|end_of_sentence|>", "<｜end▁of▁sentence｜>", "</s>"] {
             if let Some(id) = tokenizer.token_to_id(t) {
@@ -96,17 +101,47 @@ impl Generator {
 
     /// The prompt for one user turn, through the model's chat template.
     pub fn chat_prompt(&self, user: &str) -> Result<String> {
-        let t = self.chat.as_ref().ok_or_else(|| Error::Tokenizer { path: self.tok_path.clone(), msg: "the model has no chat template (drop --chat)".into() })?;
+        let t = self.chat.as_ref().ok_or_else(|| {
+            Error::Generate(format!("--chat: {} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja); drop --chat to use the prompt as plain text", self.tok_path.parent().unwrap_or(&self.tok_path).display()))
+        })?;
         t.render(&[Message::new("user", user)], true)
     }
 
+    /// Token ids of text the chat template rendered: no special tokens added (the template
+    /// writes its own BOS), as transformers' `apply_chat_template` tokenizes it and as
+    /// conversations are trained.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         self.tokenizer.encode(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })
     }
 
-    /// Generate a continuation of `prompt` (already formatted); returns the new text.
-    pub fn generate(&self, prompt: &str, opts: &SampleOptions) -> Result<String> {
-        let ids = self.encode(prompt)?;
+    /// Token ids of a plain prompt (no chat template): with the special tokens the tokenizer
+    /// adds before a text (BOS), as `text`, `alpaca` and `prompt_completion` records are
+    /// trained and as transformers' tokenizer call gives; one its post-processor appends
+    /// after the text (an EOS) is dropped, since the model is to continue the prompt.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, true).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })?;
+        let added = |i: usize| enc.get_special_tokens_mask()[i] == 1 && enc.get_offsets()[i] == (0, 0);
+        let mut n = enc.get_ids().len();
+        let first_text = (0..n).find(|&i| !added(i));
+        while first_text.is_some_and(|f| n > f + 1) && added(n - 1) {
+            n -= 1;
+        }
+        Ok(enc.get_ids()[..n].to_vec())
+    }
+
+    /// The prompt's ids: through the model's chat template as one user turn (`chat`), else
+    /// as plain text ([`Self::encode_plain`]).
+    pub fn prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+        if chat {
+            self.encode(&self.chat_prompt(prompt)?)
+        } else {
+            self.encode_plain(prompt)
+        }
+    }
+
+    /// Generate a continuation of `prompt` (see [`Self::prompt_ids`]); returns the new text.
+    pub fn generate(&self, prompt: &str, chat: bool, opts: &SampleOptions) -> Result<String> {
+        let ids = self.prompt_ids(prompt, chat)?;
         let out = self.generate_ids(&ids, opts)?;
         self.tokenizer.decode(&out, true).map_err(|e| Error::Tokenizer { path: self.tok_path.clone(), msg: e.to_string() })
     }
@@ -118,15 +153,15 @@ impl Generator {
     /// Generate with other adapters (e.g. none, for a before/after comparison on one load).
     pub fn generate_ids_with(&self, prompt: &[u32], opts: &SampleOptions, adapters: &Adapters) -> Result<Vec<u32>> {
         if prompt.is_empty() {
-            return Err(Error::Train("empty prompt".into()));
+            return Err(Error::Generate("the prompt is empty (no tokens)".into()));
         }
         // A NaN temperature makes every probability NaN and the sampler falls back to
         // whatever sorts first: garbage text with exit 0. Refuse the options instead.
         if !(opts.temperature.is_finite() && opts.temperature >= 0.0) {
-            return Err(Error::Train(format!("--temperature {}: expected a finite number >= 0 (0 = greedy)", opts.temperature)));
+            return Err(Error::Generate(format!("--temperature {}: expected a finite number >= 0 (0 = greedy)", opts.temperature)));
         }
         if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
-            return Err(Error::Train(format!("--top-p {}: expected a number in (0, 1]", opts.top_p)));
+            return Err(Error::Generate(format!("--top-p {}: expected a number in (0, 1]", opts.top_p)));
         }
         let mut caches: Vec<KvCache> = vec![None; self.model.cfg.num_hidden_layers];
         let mut rng = Rng::new(opts.seed);
@@ -137,7 +172,7 @@ impl Generator {
             let ids = Tensor::from_slice(&input, (1, input.len()), &Device::Cpu)?;
             let logits: Vec<f32> = self.model.step(&ids, offset, &mut caches, adapters)?.to_vec1()?;
             if logits.iter().any(|l| !l.is_finite()) {
-                return Err(Error::Train(format!(
+                return Err(Error::Generate(format!(
                     "the model's logits hold NaN or inf at position {}: the base weights{} are not finite \
                      (or overflow in this dtype)",
                     offset + input.len() - 1,

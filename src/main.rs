@@ -400,12 +400,11 @@ fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, 
             (r.required_string("instruction")?, r.string("input")?.unwrap_or_default(), r.required_string("output")?)
         };
         let prompt = if chat {
-            let user = if input.is_empty() { instruction.clone() } else { format!("{instruction}\n\n{input}") };
-            g.chat_prompt(&user)?
+            if input.is_empty() { instruction.clone() } else { format!("{instruction}\n\n{input}") }
         } else {
             finetune::data::alpaca_prompt(&instruction, &input)
         };
-        let ids = g.encode(&prompt)?;
+        let ids = g.prompt_ids(&prompt, chat)?;
         let b = g.decode(&g.generate_ids_with(&ids, &opts, &base)?)?;
         let t = if adapter.is_some() { Some(g.decode(&g.generate_ids_with(&ids, &opts, &g.adapters)?)?) } else { None };
         n += 1;
@@ -603,9 +602,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         (Some(Command::Generate { model, adapter, prompt, chat, max_new_tokens, temperature, top_p, seed }), _) => {
             let dir = finetune::weights::ModelDir::resolve(&model, std::path::Path::new("."))?;
             let g = finetune::generate::Generator::load(&dir, adapter.as_deref())?;
-            let prompt = if chat { g.chat_prompt(&prompt)? } else { prompt };
             let opts = finetune::generate::SampleOptions { max_new_tokens, temperature, top_p, seed };
-            println!("{}", g.generate(&prompt, &opts)?);
+            println!("{}", g.generate(&prompt, chat, &opts)?);
         }
         (Some(Command::Report { run }), _) => {
             let paths = finetune::report::write_report(&run)?;

@@ -157,6 +157,38 @@ fn prompt_and_completion_are_tokenized_as_one_text_as_trl_does() {
 }
 
 #[test]
+fn generate_feeds_a_plain_prompt_with_bos_as_it_was_trained() {
+    // A prompt without a chat template is tokenized as training tokenizes text records and as
+    // transformers does (BOS first); a template-rendered one gets no added tokens.
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("model");
+    write_model(&m, &TinyShape { vocab: 400, hidden: 32, heads: 2, kv_heads: 1, inter: 64, layers: 1, ..Default::default() }, 0, 1).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture("spm-tokenizer").join(f), m.join(f)).unwrap();
+    }
+    let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("spm-tokenizer/expected.json")).unwrap()).unwrap();
+    let load = || finetune::generate::Generator::load(&finetune::weights::ModelDir::resolve(m.to_str().unwrap(), Path::new(".")).unwrap(), None).unwrap();
+    let g = load();
+    for c in f["cases"].as_array().unwrap() {
+        let want: Vec<u32> = serde_json::from_value(c["prompt_ids"].clone()).unwrap();
+        assert_eq!(g.prompt_ids(c["prompt"].as_str().unwrap(), false).unwrap(), want, "{c}");
+        assert_eq!(g.encode(c["prompt"].as_str().unwrap()).unwrap(), want[1..], "rendered text: no BOS added");
+    }
+    // A post-processor that also appends EOS: the prompt is to be continued, so no EOS.
+    let tj = m.join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
+    t["post_processor"]["single"].as_array_mut().unwrap().push(serde_json::json!({"SpecialToken": {"id": "</s>", "type_id": 0}}));
+    t["post_processor"]["special_tokens"]["</s>"] = serde_json::json!({"id": "</s>", "ids": [2], "tokens": ["</s>"]});
+    std::fs::write(&tj, t.to_string()).unwrap();
+    let c = &f["cases"][0];
+    let want: Vec<u32> = serde_json::from_value(c["prompt_ids"].clone()).unwrap();
+    assert_eq!(load().prompt_ids(c["prompt"].as_str().unwrap(), false).unwrap(), want);
+    // --chat on a model without a template names the flag, not the tokenizer.
+    let e = load().prompt_ids("hi", true).err().unwrap().to_string();
+    assert!(e.contains("--chat") && e.contains("no chat template"), "{e}");
+}
+
+#[test]
 fn pretokenized_rows_take_trls_masks_and_drop_padding() {
     // What SFTTrainer's tokenized datasets hold: no labels, a completion_mask (or
     // assistant_masks), and an attention_mask whose zeros are padding.
