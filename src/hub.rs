@@ -18,6 +18,7 @@
 //!   cache's `token` file) for gated repos, `HF_HUB_OFFLINE=1` for cache-only (a missing file is
 //!   an error naming it).
 
+use crate::data::source::Split;
 use crate::error::{Error, Result};
 use hf_hub::api::sync::{Api, ApiBuilder, ApiError, ApiRepo};
 use hf_hub::{Repo, RepoType};
@@ -168,7 +169,7 @@ impl Hub {
 
     /// The data files of dataset `id` (Parquet, Arrow or JSONL anywhere in the repo) of
     /// `split` (see [`choose_split`]).
-    pub fn dataset(&self, id: &str, revision: Option<&str>, split: Option<&str>) -> Result<Vec<PathBuf>> {
+    pub fn dataset(&self, id: &str, revision: Option<&str>, split: Split) -> Result<Vec<PathBuf>> {
         let repo = CachedRepo::new(self, id, RepoType::Dataset, revision)?;
         let cached = |repo: &CachedRepo| -> Result<Option<Vec<PathBuf>>> {
             let Some((commit, all)) = repo.saved_listing() else { return Ok(None) };
@@ -567,25 +568,18 @@ fn split_of(f: &str) -> String {
     }
 }
 
-/// The files of one split: `split` when given; else `train` when the repo has files of that
-/// name, else every file when they all carry one name (a single-file dataset). Several
-/// splits and none named train, or one split spread over several folders (one per config) or
+/// The files of one split: the one named; else the default (`train` for training, `test` for
+/// evaluation) when the repo has files of that name, else every file when they all carry one
+/// name (a single-file dataset). Several splits and not the default, or one split spread over several folders (one per config) or
 /// file types, is an error listing what there is: training silently on test files, or on
 /// two configs at once, would be a wrong result with exit 0.
-fn choose_split(files: &[String], split: Option<&str>) -> std::result::Result<Vec<String>, String> {
+fn choose_split(files: &[String], split: Split) -> std::result::Result<Vec<String>, String> {
     let mut splits: Vec<String> = files.iter().map(|f| split_of(f)).collect();
     splits.sort();
     splits.dedup();
-    let pick = match split {
-        Some(sp) => sp.to_string(),
-        None if splits.iter().any(|s| s == "train") => "train".into(),
-        None if splits.len() == 1 => splits[0].clone(),
-        None => return Err(format!("has several splits ({}) and none named train; pick one with `:<split>` after the repo id or data.split", splits.join(", "))),
-    };
+    let names: Vec<&str> = splits.iter().map(String::as_str).collect();
+    let pick = split.pick(&names).map_err(|m| format!("{m}; pick one with `:<split>` after the repo id (or data.split for data.train)"))?;
     let chosen: Vec<String> = files.iter().filter(|f| split_of(f) == pick).cloned().collect();
-    if chosen.is_empty() {
-        return Err(format!("has no files of split `{pick}` (its splits: {}); set data.split or `:<split>`", splits.join(", ")));
-    }
     let group = |f: &String| {
         let p = Path::new(f.as_str());
         (p.parent().map(Path::to_path_buf), p.extension().map(|e| e.to_os_string()))
@@ -671,25 +665,28 @@ mod tests {
     #[test]
     fn split_files_are_chosen_by_the_hubs_naming() {
         let files = names(&["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet", "data/test-00000-of-00001.parquet"]);
-        assert_eq!(choose_split(&files, None).unwrap(), files[..2].to_vec());
-        assert_eq!(choose_split(&files, Some("test")).unwrap(), files[2..].to_vec());
-        assert!(choose_split(&files, Some("validation")).unwrap_err().contains("no files of split `validation`"));
+        let train = Split::train(None);
+        assert_eq!(choose_split(&files, train).unwrap(), files[..2].to_vec());
+        assert_eq!(choose_split(&files, train.named("test")).unwrap(), files[2..].to_vec());
+        assert!(choose_split(&files, train.named("validation")).unwrap_err().contains("no split `validation`"));
+        assert_eq!(choose_split(&files, Split::eval(None)).unwrap(), files[2..].to_vec(), "evaluation reads test, not train");
         let flat = names(&["alpaca.jsonl"]);
-        assert_eq!(choose_split(&flat, None).unwrap(), flat);
+        assert_eq!(choose_split(&flat, train).unwrap(), flat);
         let dirs = names(&["train/data-00000-of-00001.arrow", "test/data-00000-of-00001.arrow"]);
-        assert_eq!(choose_split(&dirs, None).unwrap(), names(&["train/data-00000-of-00001.arrow"]));
+        assert_eq!(choose_split(&dirs, train).unwrap(), names(&["train/data-00000-of-00001.arrow"]));
     }
 
     #[test]
     fn several_splits_without_train_or_several_configs_are_refused() {
         let ultrachat = names(&["data/train_sft-00000-of-00003.parquet", "data/test_sft-00000-of-00001.parquet", "data/train_gen-00000-of-00003.parquet"]);
-        let e = choose_split(&ultrachat, None).unwrap_err();
+        let train = Split::train(None);
+        let e = choose_split(&ultrachat, train).unwrap_err();
         assert!(e.contains("none named train") && e.contains("train_sft"), "{e}");
-        assert_eq!(choose_split(&ultrachat, Some("train_sft")).unwrap(), ultrachat[..1].to_vec());
+        assert_eq!(choose_split(&ultrachat, train.named("train_sft")).unwrap(), ultrachat[..1].to_vec());
         let configs = names(&["en/train-00000-of-00001.parquet", "fr/train-00000-of-00001.parquet"]);
-        assert!(choose_split(&configs, None).unwrap_err().contains("several folders"));
+        assert!(choose_split(&configs, train).unwrap_err().contains("several folders"));
         let mixed = names(&["train.jsonl", "data/train-00000-of-00001.parquet"]);
-        assert!(choose_split(&mixed, None).unwrap_err().contains("several folders or formats"));
+        assert!(choose_split(&mixed, train).unwrap_err().contains("several folders or formats"));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //!   grads -> global norm, clip -> AdamW (host f32) -> write back to the Vars -> metrics line
 
 use crate::config::ModelConfig;
+use crate::data::source::Split;
 use crate::data::{Formatter, Loader, LoaderOptions, MicroBatch, Role, IGNORE};
 use crate::error::{CandleContext, Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraSpec};
@@ -135,8 +136,11 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     // the repo's download lock).
     ModelDir::of_recipe(loaded)?;
     let d = &r.data;
-    for p in d.train.list().iter().chain(d.eval.iter().flat_map(|e| e.list()).collect::<Vec<_>>().iter()) {
-        hub_dataset(loaded, p, d.split.as_deref())?;
+    for role in [Role::Train, Role::Eval] {
+        let (specs, split) = data_sources(d, role);
+        for p in specs {
+            hub_dataset(loaded, &p, split)?;
+        }
     }
     if layout.world > 1 && on_gpu {
         #[cfg(feature = "nccl")]
@@ -1127,23 +1131,30 @@ pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, ro
         eval_fraction: d.eval_fraction,
         role,
     };
-    let specs: Vec<PathBuf> = match (&d.eval, role) {
-        (Some(e), Role::Eval) => e.list(),
-        _ => d.train.list(),
-    };
+    let (specs, split) = data_sources(d, role);
     let mut files = Vec::new();
     for p in &specs {
-        match hub_dataset(loaded, p, d.split.as_deref())? {
+        match hub_dataset(loaded, p, split)? {
             Some(hub_files) => files.extend(hub_files),
             None => files.push(resolve_spec(loaded, p)),
         }
     }
-    Loader::open(&files, d.split.as_deref(), fmt, opts)
+    Loader::open(&files, split, fmt, opts)
+}
+
+/// The data entries a role reads, and which split of them. data.split belongs to data.train
+/// (and the eval_fraction held out of it): data.eval names its own (`dir:validation`), else
+/// reads `test` where there are several, never the train split.
+fn data_sources(d: &crate::recipe::DataSection, role: Role) -> (Vec<PathBuf>, Split<'_>) {
+    match (&d.eval, role) {
+        (Some(e), Role::Eval) => (e.list(), Split::eval(None)),
+        _ => (d.train.list(), Split::train(d.split.as_deref())),
+    }
 }
 
 /// A data entry that names no local path but a hub dataset repo (`org/name[@revision][:split]`):
 /// its data files of that split (or `data.split`), downloaded into the hub cache.
-fn hub_dataset(loaded: &LoadedRecipe, p: &std::path::Path, split: Option<&str>) -> Result<Option<Vec<PathBuf>>> {
+fn hub_dataset(loaded: &LoadedRecipe, p: &std::path::Path, split: Split) -> Result<Option<Vec<PathBuf>>> {
     let s = p.to_string_lossy();
     let (rest, sp) = match s.rsplit_once(':') {
         Some((a, b)) if !b.contains('/') && !a.is_empty() => (a, Some(b)),
@@ -1161,7 +1172,7 @@ fn hub_dataset(loaded: &LoadedRecipe, p: &std::path::Path, split: Option<&str>) 
     if !crate::hub::looks_like_repo(id) || file_like {
         return Ok(None);
     }
-    crate::hub::Hub::from_env()?.dataset(id, rev, sp.or(split)).map(Some).map_err(|e| crate::hub::not_local_either(e, &loaded.resolve(p)))
+    crate::hub::Hub::from_env()?.dataset(id, rev, sp.map_or(split, |sp| split.named(sp))).map(Some).map_err(|e| crate::hub::not_local_either(e, &loaded.resolve(p)))
 }
 
 /// Resolve a data path against the recipe folder, keeping a `:split` suffix.

@@ -7,6 +7,7 @@ use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field};
 use common::*;
 use finetune::chat::Message;
+use finetune::data::source::Split;
 use finetune::data::{BadRecord, Formatter, Loader, LoaderOptions, Record, Role, IGNORE};
 use finetune::synth::{write_model, TinyShape};
 use std::path::{Path, PathBuf};
@@ -224,7 +225,7 @@ fn write_jsonl(path: &Path, lines: &[String]) {
 }
 
 fn loader(specs: &[PathBuf], split: Option<&str>, fmt: Formatter, o: LoaderOptions) -> finetune::Result<Loader> {
-    Loader::open(specs, split, fmt, o)
+    Loader::open(specs, Split::train(split), fmt, o)
 }
 
 #[test]
@@ -261,8 +262,73 @@ fn jsonl_parquet_arrow_and_dataset_dict_sources_read_the_same_records() {
     let both = read(vec![jl.clone(), pq.clone()], None, 8);
     assert_eq!(&both[..4], &a[..]);
     assert_eq!(&both[4..], &a[..], "a list of sources is read in order");
-    let e = loader(&[dd.clone()], None, formatter(&m, "text", None, false), opts()).err().unwrap().to_string();
-    assert!(e.contains("DatasetDict") && e.contains("train"), "{e}");
+    assert_eq!(read(vec![dd.clone()], None, 4), a, "a DatasetDict's train split when none is named (TRL's default)");
+}
+
+#[test]
+fn a_source_with_several_splits_gives_training_train_and_evaluation_test_never_a_mix() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let lines = |split: &str| (0..3).map(|r| serde_json::json!({"text": format!("{split} {r}")}).to_string()).collect::<Vec<_>>();
+    let texts = |specs: &[PathBuf], split: Split| -> finetune::Result<Vec<String>> {
+        let f = formatter(&m, "text", None, false);
+        let mut l = Loader::open(specs, split, f, opts())?;
+        let f = formatter(&m, "text", None, false);
+        Ok((0..l.total_rows()).map(|_| f.decode(&l.next_example().unwrap().input_ids).split(' ').next().unwrap().to_string()).collect())
+    };
+    // A plain folder whose file names say their split, as `datasets` reads them.
+    let dir = d.path().join("plain");
+    std::fs::create_dir_all(&dir).unwrap();
+    write_jsonl(&dir.join("train.jsonl"), &lines("train"));
+    write_jsonl(&dir.join("test.jsonl"), &lines("test"));
+    write_jsonl(&dir.join("my-dev-00000.jsonl"), &lines("dev"));
+    let spec = vec![dir.clone()];
+    assert_eq!(texts(&spec, Split::train(None)).unwrap(), ["train"; 3]);
+    assert_eq!(texts(&spec, Split::eval(None)).unwrap(), ["test"; 3]);
+    assert_eq!(texts(&spec, Split::train(Some("validation"))).unwrap(), ["dev"; 3]);
+    assert_eq!(texts(&[PathBuf::from(format!("{}:dev", dir.display()))], Split::train(None)).unwrap(), ["dev"; 3]);
+    let e = texts(&spec, Split::train(Some("extra"))).err().unwrap().to_string();
+    assert!(e.contains("no split `extra`") && e.contains("test, train, validation"), "{e}");
+    // Without the default split, several are an error naming them (never all at once).
+    std::fs::remove_file(dir.join("test.jsonl")).unwrap();
+    let e = texts(&spec, Split::eval(None)).err().unwrap().to_string();
+    assert!(e.contains("several splits (train, validation)") && e.contains(":<split>`"), "{e}");
+    // Files without split names are one source, read whole.
+    let flat = d.path().join("flat");
+    std::fs::create_dir_all(&flat).unwrap();
+    write_jsonl(&flat.join("part-a.jsonl"), &lines("a"));
+    write_jsonl(&flat.join("latest.jsonl"), &lines("b"));
+    assert_eq!(texts(&[flat], Split::eval(None)).unwrap().len(), 6);
+    // A DatasetDict: train for training, test for evaluation.
+    let dd = d.path().join("dict");
+    for split in ["train", "test"] {
+        std::fs::create_dir_all(dd.join(split)).unwrap();
+        let col: ArrayRef = Arc::new(StringArray::from((0..3).map(|_| format!("{split} x")).collect::<Vec<_>>()));
+        let batch = RecordBatch::try_from_iter(vec![("text", col)]).unwrap();
+        finetune::synth::write_arrow_stream(&dd.join(split).join("data-00000-of-00001.arrow"), &[batch]).unwrap();
+        std::fs::write(dd.join(split).join("state.json"), r#"{"_data_files":[{"filename":"data-00000-of-00001.arrow"}]}"#).unwrap();
+    }
+    std::fs::write(dd.join("dataset_dict.json"), r#"{"splits":["train","test"]}"#).unwrap();
+    assert_eq!(texts(&[dd.clone()], Split::train(None)).unwrap(), ["train"; 3]);
+    assert_eq!(texts(&[dd.clone()], Split::eval(None)).unwrap(), ["test"; 3]);
+}
+
+#[test]
+fn data_split_does_not_pick_the_eval_sources_split() {
+    // data.split = "train" names data.train's split; data.eval reads its own (here `test`,
+    // whose rows lack the column the format needs: the error proves which split was read).
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("model"), &TinyShape::default(), 0, 1).unwrap();
+    let rows = finetune::synth::counting_rows(8, 256, 4, 5, 12);
+    finetune::synth::write_tokenized_dataset(&d.path().join("dict/train"), &rows).unwrap();
+    std::fs::create_dir_all(d.path().join("dict/test")).unwrap();
+    write_jsonl(&d.path().join("dict/test/test.jsonl"), &[r#"{"other": [1, 2, 3]}"#.to_string()]);
+    std::fs::write(d.path().join("dict/dataset_dict.json"), r#"{"splits":["train","test"]}"#).unwrap();
+    let recipe = "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"dict\"\nsplit = \"train\"\neval = \"dict\"\n[train]\nmax_steps = 2\nlr = 1e-2\neval_every = 1\n[output]\ndir = \"out\"\n";
+    std::fs::write(d.path().join("r.toml"), recipe).unwrap();
+    let r = finetune::recipe::LoadedRecipe::load(&d.path().join("r.toml"), &[]).unwrap();
+    let e = finetune::train::run(&r).err().expect("eval reads the test split").to_string();
+    assert!(e.contains("test.jsonl") && e.contains("input_ids"), "{e}");
 }
 
 #[test]
@@ -979,7 +1045,7 @@ fn a_dataset_dict_json_that_is_not_json_is_an_error_saying_so() {
     let dd = d.path().join("dict");
     std::fs::create_dir_all(dd.join("train")).unwrap();
     std::fs::write(dd.join("dataset_dict.json"), "{\"splits\": [\"train\"").unwrap();
-    let e = finetune::data::source::shard_files(&dd, Some("train")).err().unwrap().to_string();
+    let e = finetune::data::source::shard_files(&dd, Split::train(Some("train"))).err().unwrap().to_string();
     assert!(e.contains("dataset_dict.json") && e.contains("not valid JSON"), "{e}");
 }
 

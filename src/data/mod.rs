@@ -135,7 +135,7 @@ pub struct LoaderState {
 }
 
 impl Loader {
-    pub fn open(specs: &[PathBuf], split: Option<&str>, mut fmt: Formatter, opts: LoaderOptions) -> Result<Self> {
+    pub fn open(specs: &[PathBuf], split: source::Split, mut fmt: Formatter, opts: LoaderOptions) -> Result<Self> {
         let mut rows = Rows::open_all(specs, split)?;
         let (names, names_file) = rows.columns_and_file()?;
         for n in fmt.required_columns() {

@@ -1,7 +1,8 @@
 //! Row sources with random access: HF `datasets` save_to_disk folders (Arrow IPC *stream*
 //! shards listed in `state.json`), DatasetDict folders (a split picked by `dir:split` or
 //! `data.split`), single `.arrow` files (stream or file format), `.parquet` and `.jsonl`
-//! files, or a list of any of these, read one after another.
+//! files, folders of them (one split when the file names say splits), or a list of any of
+//! these, read one after another.
 //!
 //! Every shard is cut into blocks at open without decoding data: Arrow IPC files are
 //! memory-mapped and their message framing scanned (record batches); Parquet files expose
@@ -21,15 +22,52 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Resolve one `data.train` entry to its shard files. `split` picks a DatasetDict split when
-/// the entry does not name one (`dir:split`).
-pub fn shard_files(spec: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
+/// Which split to read from a source that holds several (a DatasetDict, a folder of
+/// train.jsonl and test.jsonl, a hub dataset repo).
+#[derive(Clone, Copy, Debug)]
+pub struct Split<'a> {
+    /// The split named (data.split, or `:split` after the entry).
+    pub name: Option<&'a str>,
+    /// The split read when none is named and the source has several: TRL's defaults,
+    /// `train` for training and `test` for evaluation (never train for evaluation).
+    pub default: &'static str,
+}
+
+impl<'a> Split<'a> {
+    pub fn train(name: Option<&'a str>) -> Self {
+        Split { name, default: "train" }
+    }
+    pub fn eval(name: Option<&'a str>) -> Self {
+        Split { name, default: "test" }
+    }
+    pub fn named(self, name: &'a str) -> Self {
+        Split { name: Some(name), ..self }
+    }
+
+    /// The split to read among `available`: the one named, else the default, else the only
+    /// one. The error says what there is (callers add where and how to name one).
+    pub fn pick<'s>(&self, available: &[&'s str]) -> std::result::Result<&'s str, String> {
+        let list = available.join(", ");
+        match self.name {
+            Some(n) => available.iter().find(|&&a| a == n).copied().ok_or_else(|| format!("has no split `{n}` (its splits: {list})")),
+            None => match available.iter().find(|&&a| a == self.default) {
+                Some(a) => Ok(*a),
+                None if available.len() == 1 => Ok(available[0]),
+                None => Err(format!("has several splits ({list}) and none named {}", self.default)),
+            },
+        }
+    }
+}
+
+/// Resolve one data entry to its shard files: `split` picks a DatasetDict's split (or a plain
+/// folder's, when its file names say splits) when the entry does not name one (`dir:split`).
+pub fn shard_files(spec: &Path, split: Split) -> Result<Vec<PathBuf>> {
     let s = spec.to_string_lossy();
     // "dir:split" (only when `dir` is a folder: a colon may be part of a file name).
     if let Some((dir, sp)) = s.rsplit_once(':') {
         let d = Path::new(dir);
-        if d.is_dir() && d.join("dataset_dict.json").is_file() {
-            return shard_files(&d.join(sp), None);
+        if d.is_dir() && !spec.exists() {
+            return shard_files(d, split.named(sp));
         }
     }
     let path = spec;
@@ -73,15 +111,39 @@ pub fn shard_files(spec: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
             .iter()
             .filter_map(|s| s.as_str().map(String::from))
             .collect();
-        return match split {
-            Some(sp) if splits.iter().any(|s| s == sp) => shard_files(&path.join(sp), None),
-            Some(sp) => Err(Error::data(path, format!("DatasetDict has no split `{sp}` (splits: {}); set data.split", splits.join(", ")))),
-            None => Err(Error::data(
-                path,
-                format!("is a DatasetDict (splits: {}); pick one with `{}:<split>` or data.split", splits.join(", "), path.display()),
-            )),
-        };
+        let names: Vec<&str> = splits.iter().map(String::as_str).collect();
+        let sp = split.pick(&names).map_err(|m| Error::data(path, format!("is a DatasetDict that {m}; pick one with `{}:<split>` (or data.split for data.train)", path.display())))?;
+        return shard_files(&path.join(sp), Split::train(None));
     }
+    folder_files(path, split)
+}
+
+/// Split names `datasets` recognises in data file names, and the split each means (its
+/// `KEYWORDS_IN_FILENAME_BASE_PATTERNS`: the keyword at the start of the name or after a
+/// separator, followed by a separator or the end).
+const SPLIT_KEYWORDS: &[(&str, &[&str])] =
+    &[("train", &["train", "training"]), ("validation", &["validation", "valid", "dev", "val"]), ("test", &["test", "testing", "eval", "evaluation"])];
+
+/// The split a data file's name says it holds (`train.jsonl`, `test-00000-of-00001.parquet`,
+/// `my_valid.arrow`), if any.
+fn split_of(file: &Path) -> Option<&'static str> {
+    let name = file.file_stem()?.to_str()?.to_lowercase();
+    let sep = |c: Option<char>| c.is_none_or(|c| "-._ ".contains(c) || c.is_ascii_digit());
+    SPLIT_KEYWORDS.iter().find_map(|&(split, words)| {
+        let named = words.iter().any(|w| {
+            name.match_indices(w).any(|(i, _)| sep(name[..i].chars().next_back()) && sep(name[i + w.len()..].chars().next()))
+        });
+        named.then_some(split)
+    })
+}
+
+/// How files without a split in their name are listed beside those with one.
+const NO_SPLIT: &str = "(files without a split name)";
+
+/// The .arrow, .parquet and .jsonl files of a plain folder. When their names say which split
+/// they hold (train.jsonl and test.jsonl), only the files of one split are read ([`Split`]),
+/// never a mix (a test set trained on with exit 0).
+fn folder_files(path: &Path, split: Split) -> Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(path)
         .map_err(|e| Error::io(path, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -91,7 +153,18 @@ pub fn shard_files(spec: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
     if files.is_empty() {
         return Err(Error::data(path, "has no state.json and no .arrow, .parquet or .jsonl files"));
     }
-    Ok(files)
+    let mut groups: Vec<&str> = files.iter().map(|f| split_of(f).unwrap_or(NO_SPLIT)).collect();
+    groups.sort();
+    groups.dedup();
+    if groups == [NO_SPLIT] {
+        return Ok(files);
+    }
+    // "dev" or "valid" name the split "validation" does, as in file names.
+    let named = split.name.map(|n| SPLIT_KEYWORDS.iter().find(|(_, words)| words.contains(&n)).map_or(n, |(name, _)| *name));
+    let sp = Split { name: named, ..split }
+        .pick(&groups)
+        .map_err(|m| Error::data(path, format!("{m}, by its file names; pick one with `{}:<split>` (or data.split for data.train)", path.display())))?;
+    Ok(files.into_iter().filter(|f| split_of(f).unwrap_or(NO_SPLIT) == sp).collect())
 }
 
 /// Drop the pages of `range` from this process's resident set. The map is read-only and
@@ -554,7 +627,7 @@ impl Rows {
         self.shards.iter().map(|s| s.path().to_path_buf()).collect()
     }
 
-    pub fn open_all(specs: &[PathBuf], split: Option<&str>) -> Result<Self> {
+    pub fn open_all(specs: &[PathBuf], split: Split) -> Result<Self> {
         let mut shards = Vec::new();
         for spec in specs {
             for f in shard_files(spec, split)? {
@@ -585,7 +658,7 @@ impl Rows {
     }
 
     pub fn open(path: &Path) -> Result<Self> {
-        Self::open_all(&[path.to_path_buf()], None)
+        Self::open_all(&[path.to_path_buf()], Split::eval(None))
     }
 
     /// Visit the blocks of each epoch in a seeded random order (the shard/batch-order part of
