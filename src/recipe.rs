@@ -710,6 +710,18 @@ impl LoadedRecipe {
                 ),
             ));
         }
+        // A remap the format never reads (a typo: `inpt = "context"`) would silently train
+        // without that column.
+        let read = crate::data::Formatter::columns_read(&r.data.format);
+        if let Some(k) = r.data.columns.keys().find(|k| !read.contains(&k.as_str())) {
+            return Err(self.err(
+                "data.columns",
+                format!("`{k}` is not a column data.format = \"{}\" reads; it reads {}", r.data.format, read.join(", ")),
+            ));
+        }
+        if r.train.eval_every > 0 && r.data.eval.is_none() && r.data.eval_fraction == 0.0 {
+            return Err(self.err("train.eval_every", "there is nothing to evaluate on: set data.eval (a held-out source) or data.eval_fraction, or train.eval_every = 0"));
+        }
         if !(0.0..1.0).contains(&r.data.eval_fraction) {
             return Err(self.err("data.eval_fraction", "must be in [0, 1)"));
         }
@@ -1035,6 +1047,20 @@ dir = "out"
     }
 
     #[test]
+    fn a_column_remap_the_format_does_not_read_is_refused() {
+        let e = err_text(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ inpt = \"context\" }"]);
+        assert!(e.contains("`data.columns`") && e.contains("`inpt`") && e.contains("instruction, input, output"), "{e}");
+        load(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ input = \"context\" }"]).unwrap();
+    }
+
+    #[test]
+    fn eval_every_without_eval_data_is_refused() {
+        let e = err_text(MINIMAL, &["train.eval_every=5"]);
+        assert!(e.contains("`train.eval_every`") && e.contains("data.eval_fraction"), "{e}");
+        load(MINIMAL, &["train.eval_every=5", "data.eval_fraction=0.1"]).unwrap();
+    }
+
+    #[test]
     fn constant_means_no_warmup_as_in_transformers() {
         let e = err_text(MINIMAL, &["train.warmup_steps=5"]);
         assert!(e.contains("`train.lr_scheduler`") && e.contains("constant_with_warmup"), "{e}");
@@ -1067,7 +1093,7 @@ dir = "out"
                     (Kind::StrList, _) => toml::Value::Array(vec![toml::Value::String(if k.name == "devices" { "cpu" } else { "q_proj" }.into())]),
                     (Kind::FloatPair, _) => toml::Value::Array(vec![toml::Value::Float(0.5), toml::Value::Float(0.5)]),
                     (Kind::StrOrList, _) => toml::Value::Array(vec![toml::Value::String("a".into()), toml::Value::String("b".into())]),
-                    (Kind::StrMap, _) => toml::Value::Table([("output".to_string(), toml::Value::String("answer".into()))].into_iter().collect()),
+                    (Kind::StrMap, _) => toml::Value::Table([("input_ids".to_string(), toml::Value::String("ids".into()))].into_iter().collect()),
                 };
                 s.insert(k.name.to_string(), v);
             }

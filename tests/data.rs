@@ -981,6 +981,21 @@ fn rows_require_columns_names_the_missing_ones_and_the_file() {
 }
 
 #[test]
+fn a_column_remapped_to_one_the_data_lacks_is_an_error_not_an_empty_field() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("qa.jsonl");
+    write_jsonl(&p, &[serde_json::json!({"instruction": "Add", "context": "2 and 3", "output": "5"}).to_string()]);
+    let cols = |input: &str| [("input".to_string(), input.to_string())].into_iter().collect();
+    let fmt = |input: &str| Formatter::new("alpaca", None, &cols(input), false, &m, 49152).unwrap();
+    let e = loader(&[p.clone()], None, fmt("contxt"), opts()).err().expect("a remap to nothing").to_string();
+    assert!(e.contains("qa.jsonl") && e.contains("`input` to `contxt`") && e.contains("columns are:") && e.contains("context"), "{e}");
+    let mut l = loader(&[p], None, fmt("context"), opts()).unwrap();
+    let ex = l.next_example().unwrap();
+    assert!(fmt("context").decode(&ex.input_ids).contains("2 and 3"));
+}
+
+#[test]
 fn null_token_ids_in_an_arrow_list_are_a_bad_record_not_token_zero() {
     use arrow_array::builder::Int32Builder;
     let d = tempfile::tempdir().unwrap();

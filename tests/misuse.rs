@@ -147,8 +147,8 @@ fn resuming_from_an_older_checkpoint_sets_the_newer_ones_aside() {
 fn resume_accepts_changes_to_export_and_eval_cadence() {
     let root = tiny_workspace(23, (4, 18), None);
     let dir = run_dir(root.path(), "run", RECIPE);
-    train(&dir, &["train.max_steps=2"]).unwrap();
-    let s = train(&dir, &["train.max_steps=3", "export.dtype=bf16", "train.eval_every=5"]).unwrap();
+    train(&dir, &["train.max_steps=2", "data.eval_fraction=0.25"]).unwrap();
+    let s = train(&dir, &["train.max_steps=3", "data.eval_fraction=0.25", "export.dtype=bf16", "train.eval_every=5"]).unwrap();
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![3]);
 }
 

@@ -214,6 +214,22 @@ impl Formatter {
         self.columns.get(name).map(String::as_str).unwrap_or(name)
     }
 
+    /// Every column a format reads (the names `[data.columns]` may remap), required or not.
+    pub fn columns_read(format: &str) -> &'static [&'static str] {
+        match format {
+            "tokenized" => &["input_ids", "labels", "attention_mask", "completion_mask", "assistant_masks"],
+            "text" => &["text"],
+            "alpaca" => &["instruction", "input", "output"],
+            "prompt_completion" => &["prompt", "completion"],
+            _ => &["messages"],
+        }
+    }
+
+    /// The dataset columns `[data.columns]` maps a read column to (for checking they exist).
+    pub fn mapped_columns(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.columns.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
     /// Columns a dataset must have for this format (after remapping).
     pub fn required_columns(&self) -> Vec<String> {
         let names: &[&str] = match self.format.as_str() {

@@ -149,6 +149,11 @@ impl Loader {
                 return Err(Error::data(names_file, format!("no `{n}` column; columns are: {}{hint}", names.join(", "))));
             }
         }
+        // A column remapped to one the data does not have would read as absent (an empty
+        // alpaca input, no labels): the remap was meant for something.
+        if let Some((k, v)) = fmt.mapped_columns().find(|(_, v)| !names.iter().any(|n| n == v)) {
+            return Err(Error::data(names_file, format!("[data.columns] maps `{k}` to `{v}`, which is not a column; columns are: {}", names.join(", "))));
+        }
         // Tokens past max_seq_len are cut anyway: never tokenize (much) more than that.
         fmt.set_token_limit(Some(opts.max_seq_len));
         if opts.shuffle {
