@@ -607,6 +607,7 @@ impl LoadedRecipe {
             apply_override(&mut value, o, &fname)?;
         }
         check_schema(&value, &fname)?;
+        expand_paths(&mut value, &fname)?;
         let recipe: Recipe = toml::Value::Table(value).try_into().map_err(|e: toml::de::Error| {
             Error::Recipe { file: fname.clone(), key: "(structure)".into(), msg: e.message().to_string() }
         })?;
@@ -823,6 +824,72 @@ fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
         }
         _ => Err(bad(format!("`{section}` is not a section"))),
     }
+}
+
+/// Keys that hold paths (or lists of them), where `~` and `$VAR` are expanded as a shell
+/// would: a recipe shared between machines says `~/models/x` or `$DATA/alpaca`, and taking
+/// those literally made a folder named `~` or looked `~/m` up as a hub repo.
+const PATH_KEYS: &[(&str, &str)] =
+    &[("model", "path"), ("data", "train"), ("data", "eval"), ("lora", "init_from"), ("output", "dir"), ("checkpoint", "resume")];
+
+fn expand_paths(t: &mut toml::Table, file: &str) -> Result<()> {
+    for &(sec, key) in PATH_KEYS {
+        let Some(v) = t.get_mut(sec).and_then(|s| s.as_table_mut()).and_then(|s| s.get_mut(key)) else { continue };
+        let err = |msg: String| Error::Recipe { file: file.into(), key: format!("{sec}.{key}"), msg };
+        match v {
+            toml::Value::String(s) => *s = expand_path(s).map_err(err)?,
+            toml::Value::Array(a) => {
+                for item in a.iter_mut() {
+                    if let toml::Value::String(s) = item {
+                        *s = expand_path(s).map_err(err)?;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// `~` or `~/...` at the start becomes $HOME; `$NAME` and `${NAME}` anywhere become that
+/// environment variable (unset is an error naming it; a `$` not followed by a name stays).
+pub fn expand_path(s: &str) -> std::result::Result<String, String> {
+    let var = |name: &str| std::env::var(name).map_err(|_| format!("\"{s}\" uses ${name}, which is not set in the environment"));
+    let mut out = String::new();
+    let rest = match s.strip_prefix('~') {
+        Some(r) if r.is_empty() || r.starts_with('/') => {
+            out.push_str(&var("HOME")?);
+            r
+        }
+        _ => s,
+    };
+    let mut chars = rest.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        if c != '$' {
+            out.push(c);
+            continue;
+        }
+        let after = &rest[i + 1..];
+        let (name, used) = match after.strip_prefix('{') {
+            Some(b) => match b.find('}') {
+                Some(end) => (&b[..end], end + 2),
+                None => return Err(format!("\"{s}\" has a `${{` without its `}}`")),
+            },
+            None => {
+                let n = after.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(after.len());
+                (&after[..n], n)
+            }
+        };
+        if name.is_empty() || name.starts_with(|c: char| c.is_ascii_digit()) {
+            out.push('$');
+            continue;
+        }
+        out.push_str(&var(name)?);
+        for _ in 0..used {
+            chars.next();
+        }
+    }
+    Ok(out)
 }
 
 fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
@@ -1051,6 +1118,19 @@ dir = "out"
         let e = err_text(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ inpt = \"context\" }"]);
         assert!(e.contains("`data.columns`") && e.contains("`inpt`") && e.contains("instruction, input, output"), "{e}");
         load(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ input = \"context\" }"]).unwrap();
+    }
+
+    #[test]
+    fn paths_expand_home_and_environment_variables() {
+        std::env::set_var("FINETUNE_TEST_DATA", "/srv/data");
+        let home = std::env::var("HOME").unwrap();
+        let r = load(MINIMAL, &["model.path=\"~/models/m\"", "data.train=[\"$FINETUNE_TEST_DATA/a\", \"${FINETUNE_TEST_DATA}x/b:train\"]", "output.dir=\"~\""]).unwrap();
+        assert_eq!(r.recipe.model.path, format!("{home}/models/m"));
+        assert_eq!(r.recipe.data.train.list(), [PathBuf::from("/srv/data/a"), PathBuf::from("/srv/datax/b:train")]);
+        assert_eq!(r.recipe.output.dir, PathBuf::from(&home));
+        assert_eq!(expand_path("a$/b~c$1").unwrap(), "a$/b~c$1", "no name after $: literal");
+        let e = err_text(MINIMAL, &["output.dir=\"$FINETUNE_TEST_UNSET/out\""]);
+        assert!(e.contains("`output.dir`") && e.contains("$FINETUNE_TEST_UNSET") && e.contains("not set"), "{e}");
     }
 
     #[test]
