@@ -548,22 +548,7 @@ impl ModelConfig {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-                let old = original_max_position_embeddings as f64;
-                let low_wavelen = old / low_freq_factor;
-                let high_wavelen = old / high_freq_factor;
-                base.iter()
-                    .map(|&f| {
-                        let wavelen = 2.0 * std::f64::consts::PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / factor
-                        } else {
-                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    })
-                    .collect()
+                base.iter().map(|&f| llama3_inv_freq(f, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings as f64)).collect()
             }
             RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, .. } => {
                 // transformers' `_compute_yarn_parameters`: the dims that rotate more than
@@ -653,6 +638,21 @@ fn check_quantization(q: &serde_json::Value) -> std::result::Result<(), String> 
 }
 
 /// YaRN's magnitude correction: 0.1 * m * ln(scale) + 1 (1 for scale <= 1).
+/// One inverse frequency `f` under Llama 3's rope scaling (transformers'
+/// `_compute_llama3_parameters`): short wavelengths keep theirs, those longer than the
+/// original context are divided by `factor`, and a linear blend in between.
+pub fn llama3_inv_freq(f: f64, factor: f64, low_freq_factor: f64, high_freq_factor: f64, original: f64) -> f64 {
+    let wavelen = 2.0 * std::f64::consts::PI / f;
+    if wavelen < original / high_freq_factor {
+        f
+    } else if wavelen > original / low_freq_factor {
+        f / factor
+    } else {
+        let smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+        (1.0 - smooth) * f / factor + smooth * f
+    }
+}
+
 fn yarn_mscale(scale: f64, m: f64) -> f64 {
     if scale <= 1.0 {
         1.0

@@ -384,7 +384,11 @@ fn tensors_a_llama_folder_cannot_hold_are_errors_naming_the_tensor() {
         qs.push(("token_embd.weight".into(), embd_1d));
     });
     rejects("no token embedding", "token_embd.weight", |_, qs| qs.retain(|(n, _)| n != "token_embd.weight"));
-    rejects("an unknown tensor", "rope_freqs.weight", |_, qs| {
+    rejects("an unknown tensor", "token_types.weight", |_, qs| {
+        let t = QTensor::quantize(&Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+        qs.push(("token_types.weight".into(), t));
+    });
+    rejects("rope divisors of zero", "rope_freqs.weight", |_, qs| {
         let t = QTensor::quantize(&Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
         qs.push(("rope_freqs.weight".into(), t));
     });
@@ -394,6 +398,47 @@ fn tensors_a_llama_folder_cannot_hold_are_errors_naming_the_tensor() {
         qs[t].0 = "blk.01.ffn_up.weight".into();
     });
     drop(qs);
+}
+
+#[test]
+fn a_gguf_s_rope_scaling_comes_back_in_config_json() {
+    use finetune::config::ModelConfig;
+    let imported_config = |md: &[(String, Value)], qs: &[(String, QTensor)], d: &Path| {
+        let g = d.join("scaled.gguf");
+        write_parts(md, qs, &g);
+        let out = d.join("imported");
+        let _ = std::fs::remove_dir_all(&out);
+        import(&g, &out, DType::F32, 5_000_000_000).unwrap();
+        out.join("config.json")
+    };
+    // Llama 3's scaling (Llama-3.1/3.2, R1-Distill-Llama): llama.cpp writes it as one divisor
+    // per rotated pair in rope_freqs.weight. The import rotates as the original config does.
+    let (d, md, mut qs) = good_parts();
+    let hf = d.path().join("hf/config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&hf).unwrap()).unwrap();
+    cfg["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 2048});
+    let scaled = d.path().join("scaled-config.json");
+    std::fs::write(&scaled, cfg.to_string()).unwrap();
+    let want = ModelConfig::from_file(&scaled).unwrap();
+    let plain = ModelConfig::from_file(&hf).unwrap().inv_freq();
+    let divisors: Vec<f32> = plain.iter().zip(want.inv_freq()).map(|(p, w)| (p / w) as f32).collect();
+    assert!(divisors.iter().any(|&x| x > 1.0 && x < 8.0), "some pairs blend: {divisors:?}");
+    let n = divisors.len();
+    qs.push(("rope_freqs.weight".into(), QTensor::quantize(&Tensor::from_vec(divisors, n, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap()));
+    let got = ModelConfig::from_file(&imported_config(&md, &qs, d.path())).unwrap();
+    for (g, w) in got.inv_freq().iter().zip(want.inv_freq()) {
+        assert!((g - w).abs() <= 1e-6 * w, "{g} vs {w}");
+    }
+    // Linear scaling is metadata.
+    let (d, mut md, qs) = good_parts();
+    set(&mut md, "llama.rope.scaling.type", Value::String("linear".into()));
+    set(&mut md, "llama.rope.scaling.factor", Value::F32(2.0));
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(imported_config(&md, &qs, d.path())).unwrap()).unwrap();
+    assert_eq!(cfg["rope_scaling"], serde_json::json!({"rope_type": "linear", "factor": 2.0}));
+    // A scaling config.json cannot say for these models is refused, never ignored.
+    let key = "llama.rope.scaling.type";
+    let e = rejects("yarn on llama", key, |md, _| set(md, key, Value::String("yarn".into())));
+    assert!(e.contains("linear scaling or none"), "{e}");
 }
 
 /// `finetune import` on head_count = 0: exits non-zero, names the file and the key, prints

@@ -17,6 +17,7 @@
 //!   chat template and special tokens.
 
 mod deepseek2;
+mod rope;
 
 use crate::error::{Error, Result};
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value, VersionedMagic};
@@ -595,10 +596,16 @@ struct Llama {
     theta: f64,
     context: usize,
     tied: bool,
+    /// config.json's `rope_scaling` (null for none): linear from the metadata, Llama 3's
+    /// from `rope_freqs.weight`.
+    rope_scaling: serde_json::Value,
 }
 
+/// The tensor llama.cpp writes Llama 3's rope scaling as (one divisor per rotated pair).
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
 impl Llama {
-    fn from_gguf(m: &Meta) -> Result<Self> {
+    fn from_gguf(m: &Meta, file: &mut std::fs::File) -> Result<Self> {
         let arch = m.string("general.architecture")?.ok_or_else(|| m.missing("general.architecture"))?;
         let a: &'static str = match arch {
             "llama" => "llama",
@@ -667,9 +674,39 @@ impl Llama {
                 return Err(m.err(&k("vocab_size"), format!("is {v} but token_embd.weight has {vocab} rows")));
             }
         }
-        let p = Llama { arch: a, heads, kv_heads, hidden, layers, inter, head_dim, vocab, eps, theta, context, tied: !t.contains_key("output.weight") };
+        let mut p = Llama { arch: a, heads, kv_heads, hidden, layers, inter, head_dim, vocab, eps, theta, context, tied: !t.contains_key("output.weight"), rope_scaling: serde_json::Value::Null };
         p.check_tensors(m)?;
+        p.rope_scaling = p.rope_scaling(m, file)?;
         Ok(p)
+    }
+
+    /// config.json's `rope_scaling`: `{arch}.rope.scaling.type` linear (or the older
+    /// `rope.scale_linear`), or Llama 3's from `rope_freqs.weight`, or none. A scaling this
+    /// cannot express is an error: ignoring it would give other logits with exit 0.
+    fn rope_scaling(&self, m: &Meta, file: &mut std::fs::File) -> Result<serde_json::Value> {
+        let k = |key: &str| format!("{}.{key}", self.arch);
+        let linear = |factor: f64| serde_json::json!({"rope_type": "linear", "factor": factor});
+        let from_meta = match m.string(&k("rope.scaling.type"))? {
+            Some("linear") => Some(linear(m.positive_float(&k("rope.scaling.factor"))?.ok_or_else(|| m.missing(&k("rope.scaling.factor")))?)),
+            Some("none") => None,
+            Some(t) => {
+                return Err(m.err(&k("rope.scaling.type"), format!("is `{t}`; {} files are read with linear scaling or none (YaRN is read for deepseek2)", self.arch)))
+            }
+            None => match m.positive_float(&k("rope.scale_linear"))? {
+                Some(f) if f != 1.0 => Some(linear(f)),
+                _ => None,
+            },
+        };
+        let Some(info) = m.c.tensor_infos.get(ROPE_FREQS) else { return Ok(from_meta.unwrap_or_default()) };
+        if from_meta.is_some() {
+            return Err(m.err(ROPE_FREQS, format!("scales RoPE, and so does {}: one scaling, not two", k("rope.scaling.type"))));
+        }
+        let q = info.read(file, m.c.tensor_data_offset, &Device::Cpu).map_err(|e| m.err(ROPE_FREQS, crate::error::candle_msg(&e)))?;
+        let factors: Vec<f64> = q
+            .dequantize(&Device::Cpu)
+            .and_then(|t| t.flatten_all()?.to_dtype(DType::F64)?.to_vec1())
+            .map_err(|e| m.err(ROPE_FREQS, crate::error::candle_msg(&e)))?;
+        rope::llama3_from_freq_factors(&factors, self.theta, self.head_dim).map_err(|msg| m.err(ROPE_FREQS, msg))
     }
 
     /// Every tensor is one we convert, of the shape the metadata implies, and each of the
@@ -681,6 +718,10 @@ impl Llama {
         let mut names: Vec<&String> = t.keys().collect();
         names.sort();
         for name in names {
+            if name == ROPE_FREQS {
+                // Checked with its values (`rope_scaling`).
+                continue;
+            }
             if hf_name(name).is_none() {
                 return Err(m.err(name, format!("is not a {a} tensor this reads (token_embd, output_norm, output, blk.N.{{attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down,attn_norm,ffn_norm}}.weight, and qwen2's blk.N.{{attn_q,attn_k,attn_v}}.bias)")));
             }
@@ -756,6 +797,9 @@ impl Llama {
             "torch_dtype": "float32",
         });
         extend(&mut config, common);
+        if !p.rope_scaling.is_null() {
+            extend(&mut config, serde_json::json!({ "rope_scaling": p.rope_scaling }));
+        }
         Described { arch: p.arch, vocab: p.vocab, context: p.context, sources, config }
     }
 
@@ -950,11 +994,11 @@ pub struct GgufModel {
 /// Open and check `gguf` (see [`GgufModel`]). A file without `tokenizer.ggml.*` metadata
 /// opens (pre-tokenized data needs none); a malformed vocabulary is an error.
 pub fn open(gguf: &Path) -> Result<GgufModel> {
-    let (file, c) = read_header(gguf)?;
+    let (mut file, c) = read_header(gguf)?;
     let m = Meta { c: &c, file: gguf };
     let d = match m.string("general.architecture")? {
         Some("deepseek2") => deepseek2::describe(&m)?,
-        _ => Llama::from_gguf(&m)?.describe(&m),
+        _ => Llama::from_gguf(&m, &mut file)?.describe(&m),
     };
     let tokenizer = match c.metadata.contains_key("tokenizer.ggml.model") {
         true => Some(tokenizer_files(&m, d.vocab, d.context)?),
