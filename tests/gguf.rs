@@ -401,6 +401,39 @@ fn tensors_a_llama_folder_cannot_hold_are_errors_naming_the_tensor() {
 }
 
 #[test]
+fn each_pre_tokenizer_type_gives_transformers_ids() {
+    // tests/fixtures/gguf-pre-tokenizers: one byte-level vocabulary, and what transformers'
+    // GGUF loader tokenizes with it under each tokenizer.ggml.pre (GPT-2's split, Llama 3's,
+    // Qwen2's / R1-Distill-Qwen's).
+    let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("gguf-pre-tokenizers/expected.json")).unwrap()).unwrap();
+    let strs = |k: &str| -> Vec<String> { serde_json::from_value(f[k].clone()).unwrap() };
+    let (tokens, merges, texts) = (strs("tokens"), strs("merges"), strs("texts"));
+    let d = tempfile::tempdir().unwrap();
+    let s = TinyShape { vocab: tokens.len(), ..shape() };
+    write_model(&d.path().join("hf"), &s, 11, 1).unwrap();
+    for (pre, want) in f["ids"].as_object().unwrap() {
+        let (mut md, qs) = gguf_parts(&d.path().join("hf"), &s, GgmlDType::F32);
+        md.retain(|(k, _)| !k.starts_with("tokenizer."));
+        let list = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
+        md.extend([
+            ("tokenizer.ggml.model".to_string(), Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre".to_string(), Value::String(pre.clone())),
+            ("tokenizer.ggml.tokens".to_string(), list(&tokens)),
+            ("tokenizer.ggml.merges".to_string(), list(&merges)),
+        ]);
+        let g = d.path().join(format!("{pre}.gguf"));
+        write_parts(&md, &qs, &g);
+        let out = d.path().join(format!("{pre}-hf"));
+        import(&g, &out, DType::F32, 5_000_000_000).unwrap();
+        let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
+        for (text, ids) in texts.iter().zip(want.as_array().unwrap()) {
+            let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
+            assert_eq!(tok.encode(text.as_str(), false).unwrap().get_ids(), ids.as_slice(), "{pre}: {text:?}");
+        }
+    }
+}
+
+#[test]
 fn a_gguf_s_rope_scaling_comes_back_in_config_json() {
     use finetune::config::ModelConfig;
     let imported_config = |md: &[(String, Value)], qs: &[(String, QTensor)], d: &Path| {
