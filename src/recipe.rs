@@ -909,7 +909,11 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
                 return Err(err(dotted, format!("unknown key{}; valid keys in [{name}]: {}", suggest(k, &names), names.join(", "))));
             };
             if !spec.kind.accepts(val) {
-                return Err(err(dotted, format!("expected {}, got {}", spec.kind.describe(), show(val))));
+                // A string that looks like a number or a bool (a model named 1234, a run dir
+                // "true") parses as one, in the file and after --set alike.
+                let wants_text = matches!(spec.kind, Kind::Str | Kind::StrOrList) && (val.is_integer() || val.is_float() || val.is_bool());
+                let quote = if wants_text { format!(" (quote it as text: {dotted} = \"{val}\", or --set '{dotted}=\"{val}\"')") } else { String::new() };
+                return Err(err(dotted, format!("expected {}, got {}{quote}", spec.kind.describe(), show(val))));
             }
             // TOML spells NaN and infinity (`nan`, `inf`); no recipe number means either, and a
             // NaN compares false everywhere, so it would slip through every range check below.
@@ -1131,6 +1135,13 @@ dir = "out"
         assert_eq!(expand_path("a$/b~c$1").unwrap(), "a$/b~c$1", "no name after $: literal");
         let e = err_text(MINIMAL, &["output.dir=\"$FINETUNE_TEST_UNSET/out\""]);
         assert!(e.contains("`output.dir`") && e.contains("$FINETUNE_TEST_UNSET") && e.contains("not set"), "{e}");
+    }
+
+    #[test]
+    fn a_number_where_text_goes_says_to_quote_it() {
+        let e = err_text(MINIMAL, &["output.dir=2024"]);
+        assert!(e.contains("`output.dir`") && e.contains("--set 'output.dir=\"2024\"'"), "{e}");
+        assert_eq!(load(MINIMAL, &["output.dir=\"2024\""]).unwrap().recipe.output.dir, PathBuf::from("2024"));
     }
 
     #[test]

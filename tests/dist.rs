@@ -260,6 +260,26 @@ fn plan_for_deepseek_7b_shards_the_base_over_1_2_4_8_gpus() {
     }
 }
 
+#[test]
+fn plan_refuses_what_train_refuses_world_sizes_past_the_limit_and_a_sharded_quantized_base() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let plan = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+            .args(["plan", "--recipe"])
+            .arg(root.join("recipes/deepseek-7b-lora.toml"))
+            .args(["--set", "model.path=models/deepseek-llm-7b-base"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (ok, err) = plan(&["--world-size", "4,18446744073709551615"]);
+    assert!(!ok && err.contains("--world-size 18446744073709551615") && !err.contains("panicked"), "{err}");
+    let (ok, err) = plan(&["--world-size", "1,2", "--set", "model.quantize=q4_k", "--set", "dist.zero_stage=3"]);
+    assert!(!ok && err.contains("dist.zero_stage") && err.contains("quantized base is not sharded"), "{err}");
+    assert!(plan(&["--world-size", "1", "--set", "model.quantize=q4_k", "--set", "dist.zero_stage=3"]).0, "one rank shards nothing");
+}
+
 /// DeepSeek-V2 (MLA + MoE, the parity fixture's model) with adapters on every routed expert:
 /// world sizes 1/2/4 equal one rank. Rows are 2 tokens and micro-batches one row, so each
 /// rank's micro-batch reaches at most 2 x 2 of the 6 experts in every MoE layer: ranks always
