@@ -996,6 +996,36 @@ fn a_column_remapped_to_one_the_data_lacks_is_an_error_not_an_empty_field() {
 }
 
 #[test]
+fn dictionary_encoded_string_columns_read_as_their_strings() {
+    // pandas categoricals, and pyarrow's dictionary-typed columns, come back from Parquet as
+    // dictionary arrays.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("cat.parquet");
+    let col: ArrayRef = Arc::new(["one two", "three", "one two"].into_iter().collect::<arrow_array::DictionaryArray<arrow_array::types::Int32Type>>());
+    let batch = RecordBatch::try_from_iter(vec![("text", col)]).unwrap();
+    let mut w = parquet::arrow::ArrowWriter::try_new(std::fs::File::create(&p).unwrap(), batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    let f = formatter(&m, "text", None, false);
+    let mut l = loader(&[p], None, formatter(&m, "text", None, false), opts()).unwrap();
+    let texts: Vec<String> = (0..3).map(|_| f.decode(&l.next_example().unwrap().input_ids)).collect();
+    assert_eq!(texts, ["one two<|im_end|>", "three<|im_end|>", "one two<|im_end|>"]);
+}
+
+#[test]
+fn a_compressed_or_unknown_data_file_is_an_error_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    for (name, says) in [("train.jsonl.gz", "decompress it first"), ("train.csv", "not a data format this reads")] {
+        let p = d.path().join(name);
+        std::fs::write(&p, b"\x1f\x8b\x08\x00").unwrap();
+        let e = loader(&[p], None, formatter(&m, "text", None, false), opts()).err().unwrap().to_string();
+        assert!(e.contains(name) && e.contains(says), "{e}");
+    }
+}
+
+#[test]
 fn null_token_ids_in_an_arrow_list_are_a_bad_record_not_token_zero() {
     use arrow_array::builder::Int32Builder;
     let d = tempfile::tempdir().unwrap();

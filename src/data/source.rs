@@ -538,7 +538,11 @@ impl Shard {
         match path.extension().and_then(|e| e.to_str()) {
             Some("parquet") => Ok(Shard::Parquet(ParquetShard::open(path)?)),
             Some("jsonl") | Some("json") => Ok(Shard::Jsonl(JsonlShard::open(path)?)),
-            _ => Ok(Shard::Ipc(IpcShard::open(path)?)),
+            Some("arrow") | None => Ok(Shard::Ipc(IpcShard::open(path)?)),
+            Some(x @ ("gz" | "bz2" | "xz" | "zst" | "zip" | "lz4")) => {
+                Err(Error::data(path, format!("is compressed (.{x}); decompress it first: data files are read in place, as .jsonl, .json, .parquet or .arrow")))
+            }
+            Some(x) => Err(Error::data(path, format!("a .{x} file is not a data format this reads (.jsonl, .json, .parquet, .arrow)"))),
         }
     }
     fn path(&self) -> &Path {
@@ -885,16 +889,10 @@ impl RowRef<'_> {
                 if col.is_null(*row) {
                     return Ok(None);
                 }
-                if let Some(s) = col.as_string_opt::<i32>() {
-                    return Ok(Some(s.value(*row).to_string()));
+                match text_cell(col.as_ref(), *row) {
+                    Some(s) => Ok(Some(s)),
+                    None => Err(self.err(column, format!("expected a string, got {}", col.data_type()))),
                 }
-                if let Some(s) = col.as_string_opt::<i64>() {
-                    return Ok(Some(s.value(*row).to_string()));
-                }
-                if let Some(s) = col.as_string_view_opt() {
-                    return Ok(Some(s.value(*row).to_string()));
-                }
-                Err(self.err(column, format!("expected a string, got {}", col.data_type())))
             }
         }
     }
@@ -942,13 +940,12 @@ impl RowRef<'_> {
                 let s = list.as_struct_opt().ok_or_else(|| self.err(column, format!("expected structs, got {}", list.data_type())))?;
                 let field = |name: &str| -> Result<Vec<Option<String>>> {
                     let c = s.column_by_name(name).ok_or_else(|| self.err(column, format!("messages have no `{name}` field")))?;
-                    if let Some(a) = c.as_string_opt::<i32>() {
-                        return Ok((0..a.len()).map(|i| (!a.is_null(i)).then(|| a.value(i).to_string())).collect());
-                    }
-                    if let Some(a) = c.as_string_opt::<i64>() {
-                        return Ok((0..a.len()).map(|i| (!a.is_null(i)).then(|| a.value(i).to_string())).collect());
-                    }
-                    Err(self.err(column, format!("message `{name}` is {}, expected a string", c.data_type())))
+                    (0..c.len())
+                        .map(|i| match c.is_null(i) {
+                            true => Ok(None),
+                            false => text_cell(c.as_ref(), i).map(Some).ok_or_else(|| self.err(column, format!("message `{name}` is {}, expected a string", c.data_type()))),
+                        })
+                        .collect()
                 };
                 let (roles, contents) = (field("role")?, field("content")?);
                 // The structs' other fields (`reasoning_content`, ...) as JSON, null where null.
@@ -979,6 +976,23 @@ impl RowRef<'_> {
     }
 }
 
+/// Element `i` (not null) of a string array: utf8, large_utf8, utf8_view, or a dictionary of
+/// those (what a Parquet file of categorical or dictionary-typed columns reads as); None for
+/// any other type.
+fn text_cell(a: &dyn Array, i: usize) -> Option<String> {
+    use arrow_schema::DataType as T;
+    match a.data_type() {
+        T::Utf8 => Some(a.as_string::<i32>().value(i).to_string()),
+        T::LargeUtf8 => Some(a.as_string::<i64>().value(i).to_string()),
+        T::Utf8View => Some(a.as_string_view().value(i).to_string()),
+        T::Dictionary(_, v) if matches!(**v, T::Utf8 | T::LargeUtf8 | T::Utf8View) => {
+            let one = arrow_cast::cast(&a.slice(i, 1), &T::Utf8).ok()?;
+            Some(one.as_string::<i32>().value(0).to_string())
+        }
+        _ => None,
+    }
+}
+
 /// Element `i` of an Arrow array as the JSON value `datasets` would hand a template in
 /// Python (strings, numbers, booleans, lists and structs, null; other types as text).
 fn arrow_json_value(a: &dyn Array, i: usize) -> std::result::Result<serde_json::Value, String> {
@@ -988,6 +1002,9 @@ fn arrow_json_value(a: &dyn Array, i: usize) -> std::result::Result<serde_json::
     if a.is_null(i) {
         return Ok(V::Null);
     }
+    if let Some(t) = text_cell(a, i) {
+        return Ok(V::String(t));
+    }
     macro_rules! num {
         ($t:ty) => {
             serde_json::json!(a.as_primitive::<$t>().value(i))
@@ -995,8 +1012,6 @@ fn arrow_json_value(a: &dyn Array, i: usize) -> std::result::Result<serde_json::
     }
     Ok(match a.data_type() {
         T::Null => V::Null,
-        T::Utf8 => V::String(a.as_string::<i32>().value(i).to_string()),
-        T::LargeUtf8 => V::String(a.as_string::<i64>().value(i).to_string()),
         T::Boolean => V::Bool(a.as_boolean().value(i)),
         T::Int8 => num!(Int8Type),
         T::Int16 => num!(Int16Type),
