@@ -40,6 +40,44 @@ pub fn rename_durable(tmp: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Put the folder `tmp` where the folder `dst` is (or is not yet) so that `dst` is, at every
+/// moment, the old folder or the new one, never missing (a crash or a reader in between would
+/// find no adapter): the two are swapped in one step (Linux `renameat2(RENAME_EXCHANGE)`) and
+/// the old one, now at `tmp`, removed. Where the filesystem cannot swap, the old one is
+/// removed first.
+pub fn replace_dir_durable(tmp: &Path, dst: &Path) -> Result<()> {
+    if !dst.exists() {
+        return rename_durable(tmp, dst);
+    }
+    std::fs::File::open(tmp).and_then(|f| f.sync_all()).map_err(|e| Error::io(tmp, e))?;
+    if exchange(tmp, dst).is_ok() {
+        if let Some(parent) = dst.parent() {
+            if let Ok(d) = std::fs::File::open(parent) {
+                let _ = d.sync_all();
+            }
+        }
+        // The old folder; one left by a crash here is cleaned as a stale temporary.
+        let _ = std::fs::remove_dir_all(tmp);
+        return Ok(());
+    }
+    std::fs::remove_dir_all(dst).map_err(|e| Error::io(dst, e))?;
+    rename_durable(tmp, dst)
+}
+
+/// Swap two paths atomically.
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput));
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: two NUL-terminated paths that outlive the call; the syscall reads nothing else.
+    let rc = unsafe { libc::syscall(libc::SYS_renameat2, libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Write a safetensors file. The safetensors crate writes through a private temporary file
 /// (mode 0600) and renames it; give the result the mode any other file we write gets (0666
 /// less the umask), and report I/O failures (a full disk) as I/O errors naming the file,
@@ -84,6 +122,34 @@ mod tests {
         assert!(matches!(e, Error::Io { .. }), "{e:?}");
         let text = e.to_string();
         assert!(text.contains("/out/adapter_model.safetensors") && text.contains("ENOSPC") && text.contains("full"), "{text}");
+    }
+
+    #[test]
+    fn a_replaced_folder_is_never_missing() {
+        let d = tempfile::tempdir().unwrap();
+        let (dst, tmp) = (d.path().join("adapter"), d.path().join(".adapter.tmp"));
+        std::fs::create_dir(&dst).unwrap();
+        std::fs::write(dst.join("v"), "0").unwrap();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watcher = {
+            let (dst, done) = (dst.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut missing = 0;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    missing += usize::from(!dst.exists());
+                }
+                missing
+            })
+        };
+        for i in 1..=300 {
+            std::fs::create_dir(&tmp).unwrap();
+            std::fs::write(tmp.join("v"), i.to_string()).unwrap();
+            replace_dir_durable(&tmp, &dst).unwrap();
+            assert!(!tmp.exists());
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(watcher.join().unwrap(), 0, "the folder was seen missing");
+        assert_eq!(std::fs::read_to_string(dst.join("v")).unwrap(), "300");
     }
 
     #[test]

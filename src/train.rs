@@ -1312,10 +1312,7 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     }
     adapters.save_peft(&tmp, base)?;
-    if dir.exists() {
-        std::fs::remove_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    }
-    crate::fsutil::rename_durable(&tmp, dir)
+    crate::fsutil::replace_dir_durable(&tmp, dir)
 }
 
 /// What each layer of a checkpointed step keeps for its recomputation (`ops::checkpoint`);
