@@ -48,6 +48,14 @@ pub struct HfConfig {
     pub max_position_embeddings: Option<usize>,
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
+    /// Qwen2's attention window (null: none) and the layers below which it does not apply.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
+    /// transformers 5: each layer's attention ("full_attention" / "sliding_attention").
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
     #[serde(default)]
     pub bos_token_id: Option<serde_json::Value>,
     #[serde(default)]
@@ -286,11 +294,22 @@ impl ModelConfig {
         if heads == 0 || kv == 0 || heads % kv != 0 {
             return Err(format!("num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"));
         }
-        for (key, v) in [("hidden_size", hf.hidden_size), ("intermediate_size", hf.intermediate_size), ("num_hidden_layers", hf.num_hidden_layers), ("vocab_size", hf.vocab_size)] {
+        for (key, v, max) in [
+            ("hidden_size", hf.hidden_size, 1 << 20),
+            ("intermediate_size", hf.intermediate_size, 1 << 22),
+            ("num_hidden_layers", hf.num_hidden_layers, 1 << 12),
+            ("vocab_size", hf.vocab_size, 1 << 24),
+            ("num_attention_heads", heads, 1 << 12),
+        ] {
             if v == 0 {
                 return Err(format!("{key} must be positive, got 0"));
             }
+            // Past these, sizes multiplied together would overflow (and no model is that big).
+            if v > max {
+                return Err(format!("{key} = {v} is more than this tool accepts ({max})"));
+            }
         }
+        check_sliding_window(hf)?;
         // DeepSeek: the rotary part of a head (transformers sets head_dim = qk_rope_head_dim).
         let head_dim = match &mla {
             Some(m) => m.qk_rope_head_dim,
@@ -672,6 +691,32 @@ fn positive(n: usize, key: &str) -> std::result::Result<usize, String> {
 /// DeepSeek-V2/V3 attention. Absent keys take the defaults of transformers'
 /// `DeepseekV2Config` / `DeepseekV3Config` (what the reference would run), as does every
 /// DeepSeek key below.
+/// Sliding-window attention is not implemented: a config whose layers slide (transformers'
+/// rule: `layer_types`, or Qwen2's `use_sliding_window` with a `sliding_window` from layer
+/// `max_window_layers` on) is refused, unless the window covers every position the model has.
+fn check_sliding_window(hf: &HfConfig) -> std::result::Result<(), String> {
+    let covers_all = |w: usize| hf.max_position_embeddings.is_some_and(|m| w >= m);
+    if let Some(types) = &hf.layer_types {
+        if let Some(i) = types.iter().position(|t| t != "full_attention") {
+            if !(types[i] == "sliding_attention" && hf.sliding_window.is_some_and(covers_all)) {
+                return Err(format!("layer_types[{i}] = \"{}\": only full attention is implemented (sliding-window attention would give other logits)", types[i]));
+            }
+        }
+        return Ok(());
+    }
+    if hf.use_sliding_window == Some(true) {
+        if let Some(w) = hf.sliding_window.filter(|&w| !covers_all(w)) {
+            // transformers' Qwen2Config default.
+            if hf.max_window_layers.unwrap_or(28) < hf.num_hidden_layers {
+                return Err(format!(
+                    "use_sliding_window = true with sliding_window = {w}: sliding-window attention is not implemented (it would give other logits past {w} tokens)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
     let q_lora_rank = hf.q_lora_rank.unwrap_or(Some(1536));
     if q_lora_rank == Some(0) {
@@ -771,6 +816,26 @@ mod tests {
             "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":256{extra}}}"#
         );
         ModelConfig::resolve(&serde_json::from_str(&text).unwrap())
+    }
+
+    #[test]
+    fn sliding_window_attention_is_refused_unless_it_covers_every_position() {
+        let e = cfg(r#","use_sliding_window":true,"sliding_window":4,"max_window_layers":0"#).unwrap_err();
+        assert!(e.contains("use_sliding_window") && e.contains("sliding_window = 4"), "{e}");
+        let e = cfg(r#","layer_types":["full_attention","sliding_attention"],"sliding_window":4"#).unwrap_err();
+        assert!(e.contains("layer_types[1]"), "{e}");
+        // Qwen2 as released: the flag off, or the window past every layer or position.
+        cfg(r#","use_sliding_window":false,"sliding_window":4096"#).unwrap();
+        cfg(r#","use_sliding_window":true,"sliding_window":4,"max_window_layers":2"#).unwrap();
+        cfg(r#","use_sliding_window":true,"sliding_window":4096,"max_position_embeddings":4096,"max_window_layers":0"#).unwrap();
+        cfg(r#","layer_types":["full_attention","full_attention"]"#).unwrap();
+    }
+
+    #[test]
+    fn sizes_past_what_the_arithmetic_holds_are_refused() {
+        let text = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4294967296,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":256}"#;
+        let e = ModelConfig::resolve(&serde_json::from_str(text).unwrap()).unwrap_err();
+        assert!(e.contains("hidden_size") && e.contains("more than this tool accepts"), "{e}");
     }
 
     #[test]

@@ -549,8 +549,9 @@ fn default_matmul() -> String {
 fn default_device() -> String {
     "cpu".into()
 }
+const DEFAULT_FORMAT: &str = "tokenized";
 fn default_format() -> String {
-    "tokenized".into()
+    DEFAULT_FORMAT.into()
 }
 fn default_shuffle_buffer() -> usize {
     10_000
@@ -607,6 +608,7 @@ impl LoadedRecipe {
             apply_override(&mut value, o, &fname)?;
         }
         check_schema(&value, &fname)?;
+        check_inert_keys(&value, &fname)?;
         expand_paths(&mut value, &fname)?;
         let recipe: Recipe = toml::Value::Table(value).try_into().map_err(|e: toml::de::Error| {
             Error::Recipe { file: fname.clone(), key: "(structure)".into(), msg: e.message().to_string() }
@@ -824,6 +826,25 @@ fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
         }
         _ => Err(bad(format!("`{section}` is not a section"))),
     }
+}
+
+/// Keys set in the recipe that the rest of it would make do nothing: a user who sets one
+/// means something by it, and training without it would be a silent surprise.
+fn check_inert_keys(t: &toml::Table, file: &str) -> Result<()> {
+    let data = t.get("data").and_then(|d| d.as_table());
+    let get = |k: &str| data.and_then(|d| d.get(k));
+    let err = |key: &str, msg: String| Err(Error::Recipe { file: file.into(), key: key.into(), msg });
+    let format = get("format").and_then(|v| v.as_str()).unwrap_or(DEFAULT_FORMAT);
+    if get("template").is_some() && matches!(format, "tokenized" | "text") {
+        return err(
+            "data.template",
+            format!("data.format = \"{format}\" has no prompt to template (a template renders alpaca, prompt_completion and messages records); remove data.template"),
+        );
+    }
+    if get("max_tokens").is_some() && get("batch_by").and_then(|v| v.as_str()) != Some("tokens") {
+        return err("data.max_tokens", "is the token budget of data.batch_by = \"tokens\"; set that too, or remove data.max_tokens".into());
+    }
+    Ok(())
 }
 
 /// Keys that hold paths (or lists of them), where `~` and `$VAR` are expanded as a shell
@@ -1145,6 +1166,18 @@ dir = "out"
     }
 
     #[test]
+    fn keys_the_rest_of_the_recipe_makes_inert_are_refused() {
+        let e = err_text(MINIMAL, &["data.template=\"chatml\""]);
+        assert!(e.contains("`data.template`") && e.contains("\"tokenized\""), "{e}");
+        let e = err_text(MINIMAL, &["data.format=\"text\"", "data.template=\"chatml\""]);
+        assert!(e.contains("`data.template`"), "{e}");
+        let e = err_text(MINIMAL, &["data.max_tokens=4096"]);
+        assert!(e.contains("`data.max_tokens`") && e.contains("batch_by"), "{e}");
+        load(MINIMAL, &["data.max_tokens=4096", "data.batch_by=\"tokens\""]).unwrap();
+        load(MINIMAL, &["data.format=\"messages\"", "data.template=\"chatml\""]).unwrap();
+    }
+
+    #[test]
     fn eval_every_without_eval_data_is_refused() {
         let e = err_text(MINIMAL, &["train.eval_every=5"]);
         assert!(e.contains("`train.eval_every`") && e.contains("data.eval_fraction"), "{e}");
@@ -1171,6 +1204,11 @@ dir = "out"
                 let v = match (k.kind, k.choices.first()) {
                     // warmup_steps is set too, which "constant" refuses.
                     (Kind::Str, Some(_)) if k.name == "lr_scheduler" => toml::Value::String("constant_with_warmup".into()),
+                    // template and max_tokens are set too, which need a templated format and
+                    // token batches (and so no packing).
+                    (Kind::Str, Some(_)) if k.name == "format" => toml::Value::String("messages".into()),
+                    (Kind::Str, Some(_)) if k.name == "batch_by" => toml::Value::String("tokens".into()),
+                    (Kind::Bool, _) if k.name == "packing" => toml::Value::Boolean(false),
                     (Kind::Str, Some(c)) => toml::Value::String(c.to_string()),
                     (Kind::Str, None) => toml::Value::String(match k.name {
                         "device" => "cpu".into(),
@@ -1184,7 +1222,7 @@ dir = "out"
                     (Kind::StrList, _) => toml::Value::Array(vec![toml::Value::String(if k.name == "devices" { "cpu" } else { "q_proj" }.into())]),
                     (Kind::FloatPair, _) => toml::Value::Array(vec![toml::Value::Float(0.5), toml::Value::Float(0.5)]),
                     (Kind::StrOrList, _) => toml::Value::Array(vec![toml::Value::String("a".into()), toml::Value::String("b".into())]),
-                    (Kind::StrMap, _) => toml::Value::Table([("input_ids".to_string(), toml::Value::String("ids".into()))].into_iter().collect()),
+                    (Kind::StrMap, _) => toml::Value::Table([("messages".to_string(), toml::Value::String("conversation".into()))].into_iter().collect()),
                 };
                 s.insert(k.name.to_string(), v);
             }

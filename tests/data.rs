@@ -218,6 +218,17 @@ fn pretokenized_rows_take_trls_masks_and_drop_padding() {
     let (r, _) = rows.next_row().unwrap();
     let bad = fmt.read(&r).unwrap().err().map(|b| b.0).unwrap_or_else(|| "accepted".into());
     assert!(bad.contains("attention_mask has 2 entries"), "{bad}");
+    // train_on_prompt: the masks are not applied (TRL's completion_only_loss and
+    // assistant_only_loss off); padding is still dropped and given labels still decide.
+    let fmt = Formatter::new("tokenized", None, &Default::default(), true, &m, 64).unwrap();
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let mut next = || {
+        let (r, _) = rows.next_row().unwrap();
+        fmt.tokenize(fmt.read(&r).unwrap().ok().unwrap(), 0).unwrap().ok().map(|e| (e.input_ids, e.labels))
+    };
+    assert_eq!(next(), Some((vec![5, 6, 7, 8], vec![5, 6, 7, 8])));
+    assert_eq!(next(), Some((vec![5, 6, 7], vec![5, 6, 7])));
+    assert_eq!(next(), Some((vec![5, 6, 7], vec![5, -100, 7])));
 }
 
 fn write_jsonl(path: &Path, lines: &[String]) {

@@ -283,8 +283,10 @@ impl Formatter {
                     }
                 }
                 let [attention, completion, assistant]: [Option<Vec<i64>>; 3] = masks.try_into().unwrap_or_default();
-                // Both masks, where both are there, as TRL's collator applies both.
+                // Both masks, where both are there, as TRL's collator applies both; neither
+                // with train_on_prompt (TRL's completion_only_loss / assistant_only_loss off).
                 let trained: Option<Vec<bool>> = match (completion, assistant) {
+                    _ if self.train_on_prompt => None,
                     (None, None) => None,
                     (c, a) => Some((0..ids.len()).map(|i| c.as_ref().is_none_or(|c| c[i] != 0) && a.as_ref().is_none_or(|a| a[i] != 0)).collect()),
                 };
