@@ -406,7 +406,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
         account.frozen.store(bytes, Ordering::SeqCst);
     }
     let loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
-    let eval_set = read_eval_set(loaded, &model_dir, model.cfg.vocab_size)?;
+    let eval_set = read_eval_set(loaded, &model_dir, model.cfg.vocab_size, &loader.files())?;
     if lead {
         let (trainable, all) = trainable_parameters(&model.cfg, &adapters.spec);
         crate::note!("{}", format_trainable(trainable, all));
@@ -493,12 +493,25 @@ fn describe_kernels(lead: bool, kernels: crate::ops::Kernels, device: &candle_co
 }
 
 /// The evaluation examples, when the recipe asks for evaluation.
-fn read_eval_set(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize) -> Result<Option<Vec<crate::data::Example>>> {
+/// `trained`: the files the training loader reads; data.eval must read none of them (an eval
+/// loss on training rows says nothing of held-out ones: `data.eval_fraction` holds rows out).
+fn read_eval_set(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, trained: &[PathBuf]) -> Result<Option<Vec<crate::data::Example>>> {
     let r = &loaded.recipe;
     if r.data.eval.is_none() && r.data.eval_fraction <= 0.0 {
         return Ok(None);
     }
     let mut l = open_loader(loaded, model_dir, vocab, Role::Eval)?;
+    if r.data.eval.is_some() {
+        let canon = |p: &PathBuf| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+        let trained: std::collections::HashSet<PathBuf> = trained.iter().map(canon).collect();
+        if let Some(f) = l.files().iter().find(|f| trained.contains(&canon(f))) {
+            return Err(Error::Recipe {
+                file: loaded.file.display().to_string(),
+                key: "data.eval".into(),
+                msg: format!("reads {}, which data.train reads too: name another split (`dir:test`) or source, or hold rows out with data.eval_fraction instead", f.display()),
+            });
+        }
+    }
     let ex = l.one_pass()?;
     // No targets would make every eval_loss 0.0, which reads as a perfect model.
     let targets: usize = ex.iter().map(|e| e.labels.iter().skip(1).filter(|&&l| l != IGNORE).count()).sum();

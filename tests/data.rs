@@ -304,12 +304,16 @@ fn a_source_with_several_splits_gives_training_train_and_evaluation_test_never_a
     std::fs::remove_file(dir.join("test.jsonl")).unwrap();
     let e = texts(&spec, Split::eval(None)).err().unwrap().to_string();
     assert!(e.contains("several splits (train, validation)") && e.contains(":<split>`"), "{e}");
-    // Files without split names are one source, read whole.
+    // Files without split names are one source, read whole; a `:split` on such a source (or a
+    // save_to_disk Dataset) names nothing and is an error, not the whole set.
     let flat = d.path().join("flat");
     std::fs::create_dir_all(&flat).unwrap();
     write_jsonl(&flat.join("part-a.jsonl"), &lines("a"));
     write_jsonl(&flat.join("latest.jsonl"), &lines("b"));
-    assert_eq!(texts(&[flat], Split::eval(None)).unwrap().len(), 6);
+    assert_eq!(texts(&[flat.clone()], Split::eval(None)).unwrap().len(), 6);
+    assert_eq!(texts(&[flat.clone()], Split::train(Some("train"))).unwrap().len(), 6, "data.split applies where there are splits");
+    let e = texts(&[PathBuf::from(format!("{}:test", flat.display()))], Split::eval(None)).err().unwrap().to_string();
+    assert!(e.contains("has no splits") && e.contains("`:test`"), "{e}");
     // A DatasetDict: train for training, test for evaluation.
     let dd = d.path().join("dict");
     for split in ["train", "test"] {
@@ -322,6 +326,21 @@ fn a_source_with_several_splits_gives_training_train_and_evaluation_test_never_a
     std::fs::write(dd.join("dataset_dict.json"), r#"{"splits":["train","test"]}"#).unwrap();
     assert_eq!(texts(&[dd.clone()], Split::train(None)).unwrap(), ["train"; 3]);
     assert_eq!(texts(&[dd.clone()], Split::eval(None)).unwrap(), ["test"; 3]);
+    let e = texts(&[PathBuf::from(format!("{}:test", dd.join("train").display()))], Split::eval(None)).err().unwrap().to_string();
+    assert!(e.contains("a single `datasets` Dataset"), "{e}");
+}
+
+#[test]
+fn an_eval_source_that_training_reads_too_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    write_model(&d.path().join("model"), &TinyShape::default(), 0, 1).unwrap();
+    finetune::synth::write_tokenized_dataset(&d.path().join("data"), &finetune::synth::counting_rows(8, 256, 4, 5, 12)).unwrap();
+    let recipe = "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"data\"\neval = \"./data/\"\n[train]\nmax_steps = 1\nlr = 1e-2\n[output]\ndir = \"out\"\n";
+    std::fs::write(d.path().join("r.toml"), recipe).unwrap();
+    let r = finetune::recipe::LoadedRecipe::load(&d.path().join("r.toml"), &[]).unwrap();
+    let e = finetune::train::run(&r).err().expect("eval on training rows").to_string();
+    assert!(e.contains("`data.eval`") && e.contains("data.train reads too"), "{e}");
+    assert!(!d.path().join("out/adapter").exists());
 }
 
 #[test]

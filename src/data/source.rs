@@ -28,6 +28,9 @@ use std::sync::Arc;
 pub struct Split<'a> {
     /// The split named (data.split, or `:split` after the entry).
     pub name: Option<&'a str>,
+    /// Named by `:split` after the entry (a source without splits is then an error; data.split
+    /// applies to the sources of a list that have splits).
+    pub explicit: bool,
     /// The split read when none is named and the source has several: TRL's defaults,
     /// `train` for training and `test` for evaluation (never train for evaluation).
     pub default: &'static str,
@@ -35,13 +38,23 @@ pub struct Split<'a> {
 
 impl<'a> Split<'a> {
     pub fn train(name: Option<&'a str>) -> Self {
-        Split { name, default: "train" }
+        Split { name, explicit: false, default: "train" }
     }
     pub fn eval(name: Option<&'a str>) -> Self {
-        Split { name, default: "test" }
+        Split { name, explicit: false, default: "test" }
     }
+    /// `:name` after an entry.
     pub fn named(self, name: &'a str) -> Self {
-        Split { name: Some(name), ..self }
+        Split { name: Some(name), explicit: true, ..self }
+    }
+
+    /// A source with no splits given `:name` is an error (its rows are one set: reading them
+    /// all would put a test set's name on training rows).
+    fn none_here(&self, path: &Path, what: &str) -> Result<()> {
+        match (self.explicit, self.name) {
+            (true, Some(n)) => Err(Error::data(path, format!("has no splits ({what}), so `:{n}` names nothing; drop it, or point at the split's own files"))),
+            _ => Ok(()),
+        }
     }
 
     /// The split to read among `available`: the one named, else the default, else the only
@@ -72,6 +85,7 @@ pub fn shard_files(spec: &Path, split: Split) -> Result<Vec<PathBuf>> {
     }
     let path = spec;
     if path.is_file() {
+        split.none_here(path, "a single file")?;
         return Ok(vec![path.to_path_buf()]);
     }
     if !path.is_dir() {
@@ -79,6 +93,7 @@ pub fn shard_files(spec: &Path, split: Split) -> Result<Vec<PathBuf>> {
     }
     let state = path.join("state.json");
     if state.is_file() {
+        split.none_here(path, "a single `datasets` Dataset")?;
         let text = std::fs::read_to_string(&state).map_err(|e| Error::io(&state, e))?;
         let v: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| Error::data(&state, format!("not valid JSON: {e}")))?;
@@ -157,6 +172,7 @@ fn folder_files(path: &Path, split: Split) -> Result<Vec<PathBuf>> {
     groups.sort();
     groups.dedup();
     if groups == [NO_SPLIT] {
+        split.none_here(path, "no file name says a split")?;
         return Ok(files);
     }
     // "dev" or "valid" name the split "validation" does, as in file names.
