@@ -55,6 +55,10 @@ pub enum Error {
     #[error("training: {0}")]
     Train(String),
 
+    /// `export`: what cannot be written as asked.
+    #[error("export: {0}")]
+    Export(String),
+
     /// `generate` / `eval`: a prompt or sampling option that cannot be used.
     #[error("generate: {0}")]
     Generate(String),

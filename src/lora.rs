@@ -98,23 +98,7 @@ impl Adapters {
     /// Fresh adapters: A kaiming-uniform from a seeded RNG, B = 0. A target the model does
     /// not have is an error listing the names it has (nothing is skipped silently).
     pub fn init(cfg: &ModelConfig, spec: LoraSpec, seed: u64, device: &Device) -> Result<Self> {
-        let names = cfg.linear_names();
-        if let Some(t) = spec.targets.iter().find(|t| !names.contains(t)) {
-            return Err(Error::model(
-                "lora.targets",
-                format!("`{t}` is not a linear of {} models; this model has: {}", cfg.architecture_name, names.join(", ")),
-            ));
-        }
-        let has_experts = cfg.moe.is_some();
-        if spec.routed_experts && !has_experts {
-            return Err(Error::model("lora.routed_experts", format!("is true but {} has no routed experts", cfg.architecture_name)));
-        }
-        if spec.routed_experts && !spec.targets.iter().any(|t| ["gate_proj", "up_proj", "down_proj"].contains(&t.as_str())) {
-            return Err(Error::model(
-                "lora.routed_experts",
-                "is true but lora.targets names no expert projection (gate_proj, up_proj, down_proj): no expert would be adapted",
-            ));
-        }
+        Self::check_spec(cfg, &spec)?;
         let mut rng = Rng::new(seed);
         let (mut layers, mut sites) = (Vec::with_capacity(cfg.num_hidden_layers), Vec::with_capacity(cfg.num_hidden_layers));
         for l in 0..cfg.num_hidden_layers {
@@ -136,6 +120,30 @@ impl Adapters {
             sites.push(paths);
         }
         Ok(Adapters { spec, layers, sites })
+    }
+
+    /// The checks `init` makes of a recipe's adapters against a model (also `finetune plan`'s):
+    /// every target is a linear the model has, and routed experts are asked for only where
+    /// there are some and a target reaches them.
+    pub fn check_spec(cfg: &ModelConfig, spec: &LoraSpec) -> Result<()> {
+        let names = cfg.linear_names();
+        if let Some(t) = spec.targets.iter().find(|t| !names.contains(t)) {
+            return Err(Error::model(
+                "lora.targets",
+                format!("`{t}` is not a linear of {} models; this model has: {}", cfg.architecture_name, names.join(", ")),
+            ));
+        }
+        let has_experts = cfg.moe.is_some();
+        if spec.routed_experts && !has_experts {
+            return Err(Error::model("lora.routed_experts", format!("is true but {} has no routed experts", cfg.architecture_name)));
+        }
+        if spec.routed_experts && !spec.targets.iter().any(|t| ["gate_proj", "up_proj", "down_proj"].contains(&t.as_str())) {
+            return Err(Error::model(
+                "lora.routed_experts",
+                "is true but lora.targets names no expert projection (gate_proj, up_proj, down_proj): no expert would be adapted",
+            ));
+        }
+        Ok(())
     }
 
     /// No adapters at all (the base model alone).
@@ -222,7 +230,7 @@ impl Adapters {
         }
         if !missing.is_empty() {
             return Err(err(format!(
-                "{} expected tensor(s) missing, e.g. `{}` (do lora.targets match the adapter's target_modules?)",
+                "{} expected tensor(s) missing, e.g. `{}` (the adapter's target_modules, or lora.targets for lora.init_from, name modules it has no tensors for)",
                 missing.len(),
                 missing[0]
             )));
@@ -234,7 +242,7 @@ impl Adapters {
             let hint = if unexpected[0].contains(".mlp.experts.") && !self.spec.routed_experts {
                 "the adapter has routed-expert adapters: set lora.routed_experts = true"
             } else {
-                "the adapter targets modules lora.targets does not list"
+                "tensors of modules its target_modules (or lora.targets, for lora.init_from) do not name"
             };
             return Err(err(format!("{} unexpected tensor(s), e.g. `{}` ({hint})", unexpected.len(), unexpected[0])));
         }
@@ -355,6 +363,10 @@ impl AdapterConfig {
                 return Err(err(format!("adapter_config.json: {what} adapters are not supported ({k} = true)")));
             }
         }
+        // Trained base biases ("all", "lora_only") are part of the adapter, a base change.
+        if let Some(b) = c.get("bias").and_then(|v| v.as_str()).filter(|b| *b != "none") {
+            return Err(err(format!("adapter_config.json: bias = \"{b}\" adapters (trained base biases) are not supported")));
+        }
         for k in ["rank_pattern", "alpha_pattern"] {
             if c.get(k).and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty()) {
                 return Err(err(format!("adapter_config.json: per-module `{k}` is not supported")));
@@ -373,6 +385,10 @@ impl AdapterConfig {
             ("kasa_config", "KaSA"),
             ("velora_config", "VeLoRA"),
             ("monteclora_config", "MonteCLoRA"),
+            ("modules_to_save", "fully trained extra modules (`modules_to_save`, e.g. lm_head)"),
+            ("lora_bias", "LoRA with a bias on B (`lora_bias`)"),
+            ("layers_to_transform", "some layers only (`layers_to_transform`)"),
+            ("exclude_modules", "excluded modules (`exclude_modules`)"),
         ] {
             let set = match c.get(k) {
                 None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => false,

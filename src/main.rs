@@ -442,13 +442,22 @@ fn print_merge_report(r: &finetune::export::ExportReport) {
     }
 }
 
-fn hint(e: &finetune::Error) -> Option<&'static str> {
+/// The hint printed under an error: what usually fixes that kind of error. `recipe`: whether
+/// the command reads a recipe (`train`, `plan`, `data`), so a hint may name its keys; the
+/// other commands take paths as flags.
+fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
     use finetune::Error as E;
+    let adapter_file = |f: &str| f.contains("adapter_model");
     match e {
         E::Recipe { .. } => Some("fix the key in the recipe, or override it with --set section.key=value"),
-        E::Model { .. } | E::Config { .. } => {
+        E::Model { what, .. } if what.starts_with("lora.") => Some("fix the key in the recipe, or override it with --set section.key=value"),
+        E::Model { .. } if recipe => {
             Some("model.path must name a local HF folder (config.json + *.safetensors), a llama.cpp .gguf file, or a hub repo id (org/name)")
         }
+        E::Model { .. } => Some("--model must name a local HF folder (config.json + *.safetensors), a llama.cpp .gguf file, or a hub repo id (org/name)"),
+        // The message names the config.json key and what is supported.
+        E::Config { .. } => None,
+        E::Shape { file, .. } if adapter_file(file) => Some("the adapter was trained on another base model (or with another rank): use the base it names in adapter_config.json"),
         E::Safetensors { .. } | E::MissingTensor { .. } | E::Shape { .. } => {
             Some("the checkpoint does not match its config.json; re-download or re-export it")
         }
@@ -456,11 +465,13 @@ fn hint(e: &finetune::Error) -> Option<&'static str> {
             "free space on that disk (or point output.dir elsewhere) and rerun: the newest complete checkpoint is intact and the run resumes from it",
         ),
         E::Gguf { .. } => Some("the GGUF file must be a llama-architecture model llama.cpp loads; check the key named above"),
-        E::Data { .. } => Some("check data.train and data.format in the recipe"),
+        E::Data { .. } if recipe => Some("check data.train and data.format in the recipe"),
+        E::Data { .. } => Some("--data must name a .jsonl, .parquet or .arrow file, or a datasets folder"),
         E::Hub { .. } => Some(
             "HF_TOKEN for gated repos, HF_ENDPOINT for a mirror, HF_HUB_OFFLINE=1 for the cache alone (HF_HUB_CACHE or HF_HOME say where it is); or set model.path to a local folder",
         ),
-        E::Adapter { .. } => Some("an adapter must be a plain LoRA in PEFT's format (adapter_config.json + adapter_model.safetensors); as lora.init_from it must also match lora.rank, lora.alpha and lora.targets"),
+        E::Adapter { .. } if recipe => Some("an adapter must be a plain LoRA in PEFT's format (adapter_config.json + adapter_model.safetensors); as lora.init_from it must also match lora.rank, lora.alpha and lora.targets"),
+        E::Adapter { .. } => Some("an adapter must be a plain LoRA in PEFT's format (adapter_config.json + adapter_model.safetensors) trained on this base model"),
         E::Tokenizer { .. } => Some("the model folder needs tokenizer.json for text formats"),
         E::Dist { .. } | E::PeerFailed { .. } => {
             Some("a rank failed or stalled; the newest checkpoint is intact: rerun to resume (dist.timeout_s sets how long ranks wait)")
@@ -525,6 +536,8 @@ fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> any
     if let Some(&w) = worlds.iter().find(|&&w| w == 0 || w > 1 << 16) {
         anyhow::bail!("--world-size {w}: world sizes must be between 1 and {}", 1 << 16);
     }
+    // The adapters `train` would refuse (a target this model lacks) are refused here too.
+    finetune::lora::Adapters::check_spec(&cfg, &r.lora.spec(&cfg))?;
     let quant = finetune::weights::quantized::plan_base(&loaded, &cfg)?;
     // As `train` refuses it: a quantized base is held whole by every rank.
     if let (Some(_), 3, Some(&w)) = (&quant, r.dist.zero_stage, worlds.iter().find(|&&w| w > 1)) {
@@ -757,6 +770,7 @@ fn main() -> ExitCode {
     tune_thread_pools();
     finetune::alloc::tune();
     let cli = Cli::parse();
+    let recipe = matches!(cli.command, None | Some(Command::Plan { .. } | Command::Data { .. }));
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -764,7 +778,7 @@ fn main() -> ExitCode {
             for cause in e.chain().skip(1) {
                 finetune::note!("  caused by: {cause}");
             }
-            if let Some(h) = e.downcast_ref::<finetune::Error>().and_then(hint) {
+            if let Some(h) = e.downcast_ref::<finetune::Error>().and_then(|e| hint(e, recipe)) {
                 finetune::note!("hint: {h}");
             }
             ExitCode::FAILURE

@@ -810,21 +810,34 @@ fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
         .trim()
         .split_once('.')
         .ok_or_else(|| bad("expected section.key=value, e.g. --set train.lr=2e-4".into()))?;
+    let v = v.trim();
+    if v.is_empty() {
+        return Err(bad("no value after `=` (quote an empty string: --set 'key=\"\"')".into()));
+    }
     // A value is TOML (numbers, bools, lists, quoted strings); anything that does not parse as
-    // TOML is taken as a bare string so `--set model.path=/models/x` needs no quotes.
-    let value = toml::from_str::<toml::Table>(&format!("v = {v}"))
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(v.to_string()));
+    // TOML is taken as a bare string so `--set model.path=/models/x` needs no quotes. No key
+    // takes a date: `output.dir=2024-06-01` is the folder's name.
+    let value = match toml::from_str::<toml::Table>(&format!("v = {v}")).ok().and_then(|mut t| t.remove("v")) {
+        Some(toml::Value::Datetime(_)) | None => toml::Value::String(v.to_string()),
+        Some(x) => x,
+    };
     let sec = table
         .entry(section.to_string())
         .or_insert_with(|| toml::Value::Table(Default::default()));
-    match sec {
-        toml::Value::Table(t) => {
+    let toml::Value::Table(t) = sec else { return Err(bad(format!("`{section}` is not a section"))) };
+    // One more level for table keys: `--set data.columns.prompt=question`.
+    match key.split_once('.') {
+        Some((key, sub)) => match t.entry(key.to_string()).or_insert_with(|| toml::Value::Table(Default::default())) {
+            toml::Value::Table(inner) => {
+                inner.insert(sub.to_string(), value);
+                Ok(())
+            }
+            _ => Err(bad(format!("`{section}.{key}` is not a table of keys"))),
+        },
+        None => {
             t.insert(key.to_string(), value);
             Ok(())
         }
-        _ => Err(bad(format!("`{section}` is not a section"))),
     }
 }
 
@@ -933,7 +946,16 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
                 // A string that looks like a number or a bool (a model named 1234, a run dir
                 // "true") parses as one, in the file and after --set alike.
                 let wants_text = matches!(spec.kind, Kind::Str | Kind::StrOrList) && (val.is_integer() || val.is_float() || val.is_bool());
-                let quote = if wants_text { format!(" (quote it as text: {dotted} = \"{val}\", or --set '{dotted}=\"{val}\"')") } else { String::new() };
+                // `--set lora.targets=[q_proj]` is not TOML (bare words in a list) and so
+                // arrives as one string.
+                let bare_list = matches!(spec.kind, Kind::StrList | Kind::StrOrList) && val.as_str().is_some_and(|s| s.starts_with('['));
+                let quote = if wants_text {
+                    format!(" (quote it as text: {dotted} = \"{val}\", or --set '{dotted}=\"{val}\"')")
+                } else if bare_list {
+                    format!(" (quote each element: --set '{dotted}=[\"q_proj\", \"v_proj\"]')")
+                } else {
+                    String::new()
+                };
                 return Err(err(dotted, format!("expected {}, got {}{quote}", spec.kind.describe(), show(val))));
             }
             // TOML spells NaN and infinity (`nan`, `inf`); no recipe number means either, and a
@@ -1175,6 +1197,17 @@ dir = "out"
         assert!(e.contains("`data.max_tokens`") && e.contains("batch_by"), "{e}");
         load(MINIMAL, &["data.max_tokens=4096", "data.batch_by=\"tokens\""]).unwrap();
         load(MINIMAL, &["data.format=\"messages\"", "data.template=\"chatml\""]).unwrap();
+    }
+
+    #[test]
+    fn set_takes_table_keys_dates_as_text_and_says_what_a_bad_value_needs() {
+        let r = load(MINIMAL, &["data.format=prompt_completion", "data.columns.prompt=question", "output.dir= 2024-06-01"]).unwrap();
+        assert_eq!(r.recipe.data.columns.get("prompt").map(String::as_str), Some("question"));
+        assert_eq!(r.recipe.output.dir, PathBuf::from("2024-06-01"));
+        let e = err_text(MINIMAL, &["model.path="]);
+        assert!(e.contains("--set model.path=") && e.contains("no value"), "{e}");
+        let e = err_text(MINIMAL, &["lora.targets=[q_proj]"]);
+        assert!(e.contains("`lora.targets`") && e.contains("quote each element"), "{e}");
     }
 
     #[test]

@@ -261,7 +261,7 @@ fn plan_for_deepseek_7b_shards_the_base_over_1_2_4_8_gpus() {
 }
 
 #[test]
-fn plan_refuses_what_train_refuses_world_sizes_past_the_limit_and_a_sharded_quantized_base() {
+fn plan_refuses_what_train_refuses_world_sizes_past_the_limit_a_sharded_quantized_base_and_missing_targets() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let plan = |extra: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
@@ -278,6 +278,8 @@ fn plan_refuses_what_train_refuses_world_sizes_past_the_limit_and_a_sharded_quan
     let (ok, err) = plan(&["--world-size", "1,2", "--set", "model.quantize=q4_k", "--set", "dist.zero_stage=3"]);
     assert!(!ok && err.contains("dist.zero_stage") && err.contains("quantized base is not sharded"), "{err}");
     assert!(plan(&["--world-size", "1", "--set", "model.quantize=q4_k", "--set", "dist.zero_stage=3"]).0, "one rank shards nothing");
+    let (ok, err) = plan(&["--set", "lora.targets=[\"q_a_proj\"]"]);
+    assert!(!ok && err.contains("lora.targets") && err.contains("q_a_proj") && err.contains("this model has"), "{err}");
 }
 
 /// DeepSeek-V2 (MLA + MoE, the parity fixture's model) with adapters on every routed expert:

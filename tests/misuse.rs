@@ -290,6 +290,11 @@ fn init_from_refuses_the_adapters_export_refuses() {
         ("init_lora_weights", serde_json::json!("olora"), "changes the base weights"),
         ("init_lora_weights", serde_json::json!("loftq"), "changes the base weights"),
         ("init_lora_weights", serde_json::json!("corda"), "changes the base weights"),
+        ("modules_to_save", serde_json::json!(["lm_head"]), "modules_to_save"),
+        ("bias", serde_json::json!("lora_only"), "trained base biases"),
+        ("lora_bias", serde_json::json!(true), "lora_bias"),
+        ("layers_to_transform", serde_json::json!([0]), "layers_to_transform"),
+        ("exclude_modules", serde_json::json!(["o_proj"]), "exclude_modules"),
     ] {
         let bad = root.path().join(format!("bad-{key}"));
         copy_dir(&adapter, &bad);
@@ -308,6 +313,10 @@ fn init_from_refuses_the_adapters_export_refuses() {
             c["init_lora_weights"] = value.clone();
             c["alora_invocation_tokens"] = serde_json::Value::Null;
             c["target_parameters"] = serde_json::json!([]);
+            // As PEFT writes a plain LoRA's config.
+            c["bias"] = serde_json::json!("none");
+            c["modules_to_save"] = serde_json::Value::Null;
+            c["layers_pattern"] = serde_json::json!("layers");
         });
         finetune::export::PeftAdapter::open(&ok).unwrap_or_else(|e| panic!("init_lora_weights = {value}: {e}"));
     }
