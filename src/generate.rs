@@ -75,11 +75,18 @@ impl Generator {
             Some(dir) => crate::export::PeftAdapter::open(dir)?.load(&cfg)?,
             None => Adapters::none(&cfg)?,
         };
-        // A GGUF base is dequantised once, as it is first used, and kept: generation runs
-        // every layer per token, so dequantising per use would cost more than the forward.
-        let src: Arc<dyn crate::weights::WeightSource> = match &model.gguf {
-            Some(g) => {
-                let reader = Box::new(crate::gguf::GgufReader::new(crate::gguf::open(g)?));
+        // A quantized base (a GGUF file, a bitsandbytes checkpoint) is dequantised once, as it
+        // is first used, and kept: generation runs every layer per token, so dequantising per
+        // use would cost more than the forward.
+        let reader: Option<Box<dyn crate::weights::quantized::BlockReader>> = match &model.gguf {
+            Some(g) => Some(Box::new(crate::gguf::GgufReader::new(crate::gguf::open(g)?))),
+            None => {
+                let files = model.open_weights()?;
+                crate::weights::bnb::is_bnb(&files).then(|| Box::new(crate::weights::bnb::BnbReader { files, storage: DType::F32 }) as Box<dyn crate::weights::quantized::BlockReader>)
+            }
+        };
+        let src: Arc<dyn crate::weights::WeightSource> = match reader {
+            Some(reader) => {
                 let account = Arc::new(crate::dist::zero::Account::default());
                 Arc::new(crate::weights::quantized::QuantizedWeights::new(reader, cfg.num_hidden_layers, 0, DType::F32, DType::F32, Device::Cpu, account).keep_dequantised())
             }

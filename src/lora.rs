@@ -196,6 +196,14 @@ impl Adapters {
         if c.spec.alpha != self.spec.alpha {
             return Err(err(format!("adapter has lora_alpha = {} but lora.alpha = {}; set lora.alpha = {}", c.spec.alpha, self.spec.alpha, c.spec.alpha)));
         }
+        // Every module this adapts must be one target_modules names, as PEFT matches them (the
+        // name, or its dotted tail): paths naming some layers only adapt those in PEFT.
+        for (l, path, _) in self.iter() {
+            let module = format!("model.layers.{l}.{path}");
+            if !c.target_modules.iter().any(|t| module == *t || module.ends_with(&format!(".{t}"))) {
+                return Err(err(format!("adapter_config.json: target_modules does not name `{module}` (adapters on some layers or experts only are not supported)")));
+            }
+        }
         let file = dir.join("adapter_model.safetensors");
         if !file.is_file() {
             return Err(err("no adapter_model.safetensors (adapter_model.bin pickles are not read)".into()));
@@ -344,6 +352,8 @@ impl LoraLinear<'_> {
 pub struct AdapterConfig {
     pub spec: LoraSpec,
     pub base_model: Option<String>,
+    /// `target_modules` as written (leaf names, or module paths PEFT matches by their tail).
+    pub target_modules: Vec<String>,
 }
 
 impl AdapterConfig {
@@ -423,6 +433,12 @@ impl AdapterConfig {
             Some(serde_json::Value::String(s)) => return Err(err(format!("adapter_config.json: target_modules as a regex (`{s}`) is not supported"))),
             _ => return Err(err("adapter_config.json has no `target_modules` list".into())),
         };
+        // PEFT matches an entry against a module's name or its dotted tail, and writes full
+        // paths (`model.layers.1.mlp.up_proj`) for `target_modules = "all-linear"`: an entry
+        // means its last component. One that names only some layers or experts leaves the
+        // others without tensors, which loading refuses.
+        let target_modules = listed.clone();
+        let listed: Vec<String> = listed.iter().map(|t| t.rsplit('.').next().unwrap_or(t).to_string()).collect();
         for t in &listed {
             if !ALL_TARGETS.contains(&t.as_str()) {
                 return Err(err(format!("adapter_config.json: target module `{t}` is not one of {}", ALL_TARGETS.join(", "))));
@@ -434,7 +450,7 @@ impl AdapterConfig {
         let routed_experts = adapter_keys(&dir.join("adapter_model.safetensors"))?.iter().any(|k| k.contains(".mlp.experts."));
         let dropout = c.get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
         let base_model = c.get("base_model_name_or_path").and_then(|v| v.as_str()).map(String::from);
-        Ok(AdapterConfig { spec: LoraSpec { rank: rank as usize, alpha, dropout, targets, routed_experts }, base_model })
+        Ok(AdapterConfig { spec: LoraSpec { rank: rank as usize, alpha, dropout, targets, routed_experts }, base_model, target_modules })
     }
 }
 

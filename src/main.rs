@@ -347,6 +347,10 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
             if a.out.is_dir() {
                 anyhow::bail!("--out {}: with --format gguf, --out names the .gguf file to write, not a folder", a.out.display());
             }
+            // As the folder outputs refuse a non-empty --out: never replace a file unasked.
+            if a.out.exists() {
+                anyhow::bail!("--out {}: the file exists (choose another --out, or remove it first)", a.out.display());
+            }
             let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &a.out)?;
             finetune::note!("adapter (llama.cpp LoRA GGUF) written to {} ({} bytes); use it with: llama-cli -m <base>.gguf --lora {}", r.out.display(), r.total_bytes, r.out.display());
             return Ok(());

@@ -392,6 +392,11 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let sharded = r.dist.zero_stage == 3;
     let frozen = FrozenPlacement { storage: storage_dtype, compute: compute_dtype, matmul, device: device.clone(), account: account.clone() };
     let (src, quantized) = frozen_source(loaded, &model_dir, &cfg, comm.clone(), frozen)?;
+    if let (true, Some(crate::weights::quantized::Quantize::Ggml(q))) = (lead, r.model.quantize.as_deref().and_then(crate::weights::quantized::parse_quantize)) {
+        if let Some(n) = crate::weights::quantized::fallback_note(q, &cfg) {
+            crate::note!("{n}");
+        }
+    }
     let lora_spec = r.lora.spec(&cfg);
     // Same seed on every rank: every rank starts from the same adapters.
     let adapters = Adapters::init(&cfg, lora_spec, t.seed, &device)?;

@@ -209,6 +209,16 @@ fn export_refuses_to_overwrite_and_leaves_nothing_on_failure() {
     let e = merge(&base, &a, &out, &ExportOptions { merge: true, ..Default::default() }).unwrap_err().to_string();
     assert!(e.contains("not empty"), "{e}");
     assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "mine");
+    // A LoRA GGUF named by --out is not replaced either.
+    let gguf = d.path().join("adapter.gguf");
+    std::fs::write(&gguf, "mine").unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .args(["export", "--adapter", &run.join("adapter").display().to_string(), "--format", "gguf", "--out", &gguf.display().to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("the file exists"), "{err}");
+    assert_eq!(std::fs::read_to_string(&gguf).unwrap(), "mine");
 }
 
 #[test]

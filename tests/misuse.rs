@@ -322,6 +322,35 @@ fn init_from_refuses_the_adapters_export_refuses() {
     }
 }
 
+/// PEFT writes full module paths for `target_modules = "all-linear"` and matches entries by
+/// their dotted tail: such an adapter loads as the leaf names it covers; one whose paths name
+/// only some layers is refused (its other layers have no tensors), never half applied.
+#[test]
+fn target_modules_written_as_full_paths_load_as_their_leaf_names() {
+    let root = tiny_workspace(23, (4, 18), None);
+    let adapter = trained_adapter(root.path());
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap()).unwrap();
+    let leaves: Vec<String> = serde_json::from_value(cfg["target_modules"].clone()).unwrap();
+    let layers = finetune::config::ModelConfig::from_file(&root.path().join("model/config.json")).unwrap().num_hidden_layers;
+    let path_of = |l: usize, t: &str| format!("model.layers.{l}.{}.{t}", if ["gate_proj", "up_proj", "down_proj"].contains(&t) { "mlp" } else { "self_attn" });
+    let logits = |a: &Path| {
+        let dir = finetune::weights::ModelDir { dir: root.path().join("model"), name: String::new(), commit: None, gguf: None };
+        let (m, ad) = finetune::generate::Generator::load_model(&dir, Some(a)).unwrap();
+        m.logits(&candle_core::Tensor::new(&[[3u32, 5, 7]], &candle_core::Device::Cpu).unwrap(), &ad).unwrap()
+    };
+    let full = root.path().join("full-paths");
+    copy_dir(&adapter, &full);
+    edit_json(&full.join("adapter_config.json"), |c| c["target_modules"] = serde_json::json!((0..layers).flat_map(|l| leaves.iter().map(move |t| path_of(l, t))).collect::<Vec<_>>()));
+    assert_eq!(max_abs_diff(&logits(&full), &logits(&adapter)), 0.0);
+    let some = root.path().join("some-layers");
+    copy_dir(&adapter, &some);
+    edit_json(&some.join("adapter_config.json"), |c| c["target_modules"] = serde_json::json!(leaves.iter().map(|t| path_of(0, t)).collect::<Vec<_>>()));
+    // (The tensors of every layer are there; the paths name layer 0's: PEFT would apply only
+    // those, so loading all of them would be wrong.)
+    let e = finetune::export::PeftAdapter::open(&some).and_then(|a| a.load(&finetune::config::ModelConfig::from_file(&root.path().join("model/config.json")).unwrap()));
+    assert!(layers == 1 || e.is_err(), "an adapter whose target_modules name only layer 0 loaded whole");
+}
+
 #[test]
 fn an_adapter_holding_nan_is_refused_naming_the_tensor() {
     let root = tiny_workspace(23, (4, 18), None);

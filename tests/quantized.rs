@@ -338,3 +338,29 @@ fn deepseek2_gguf_tensors_equal_gguf_pys_dequantisation_mapped_back_to_hf() {
         assert_eq!(format!("{ours:?}"), format!("{theirs:?}"), "{v}: config");
     }
 }
+
+/// `logits` / `generate` / `eval` read a bitsandbytes base as training does (they refused its
+/// U8 blocks as "not a float weight"): its logits equal those of its dequantised copy.
+#[test]
+fn a_bitsandbytes_base_runs_in_logits_as_its_dequantised_copy() {
+    use finetune::weights::quantized::BlockReader;
+    let d = tempfile::tempdir().unwrap();
+    let bnb = fixture("parity-bnb-nf4").join("model");
+    let dir = |p: &Path| finetune::weights::ModelDir { dir: p.to_path_buf(), name: String::new(), commit: None, gguf: None };
+    let files = dir(&bnb).open_weights().unwrap();
+    let names: Vec<String> = files.names().filter(|n| n.ends_with(".weight") && !n.contains(".quant_state.")).cloned().collect();
+    let mut r = finetune::weights::bnb::BnbReader { files, storage: candle_core::DType::F32 };
+    let tensors: Vec<(String, candle_core::Tensor)> =
+        names.iter().map(|n| (n.clone(), r.read(n, &Device::Cpu).unwrap().dequantize(&Device::Cpu).unwrap())).collect();
+    let plain = d.path().join("plain");
+    std::fs::create_dir_all(&plain).unwrap();
+    finetune::gguf::write_weights(&plain, &tensors, u64::MAX).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bnb.join("config.json")).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(plain.join("config.json"), cfg.to_string()).unwrap();
+    let logits = |p: &Path| {
+        let (m, a) = finetune::generate::Generator::load_model(&dir(p), None).unwrap();
+        m.logits(&candle_core::Tensor::new(&[[1u32, 2, 3, 4]], &Device::Cpu).unwrap(), &a).unwrap()
+    };
+    assert_eq!(max_abs_diff(&logits(&bnb), &logits(&plain)), 0.0);
+}

@@ -223,12 +223,41 @@ pub fn nf4_quantizes(name: &str, dims: &[usize]) -> bool {
 pub fn quantized_format(target: GgmlDType, name: &str, dims: &[usize]) -> Option<GgmlDType> {
     let matrix = dims.len() == 2 && name.ends_with(".weight") && !name.contains("norm") && !name.ends_with("mlp.gate.weight");
     let cols = *dims.last()?;
+    // llama.cpp's fallbacks (`llama_tensor_get_type`), except q2_k / q3_k, whose iq4_nl
+    // candle does not write: q5_0 there.
     let fallback = match target {
         GgmlDType::Q4K | GgmlDType::Q3K | GgmlDType::Q2K => GgmlDType::Q5_0,
-        GgmlDType::Q5K | GgmlDType::Q6K => GgmlDType::Q8_0,
+        GgmlDType::Q5K => GgmlDType::Q5_1,
+        GgmlDType::Q6K => GgmlDType::Q8_0,
         other => other,
     };
     [target, fallback].into_iter().find(|d| matrix && cols % d.block_size() == 0)
+}
+
+/// What `model.quantize = target` does other than asked to the matrices of `cfg`: how many
+/// take the fallback type (rows not a multiple of the target's block) and how many stay
+/// unquantised (rows of no block at all), for a note at the start of a run.
+pub fn fallback_note(target: GgmlDType, cfg: &crate::config::ModelConfig) -> Option<String> {
+    let (mut fallback, mut kept, mut fell_to) = (0, 0, None);
+    for (n, s) in cfg.frozen_tensors() {
+        let matrix = s.len() == 2 && !n.contains("norm") && !n.ends_with("mlp.gate.weight");
+        match quantized_format(target, &n, &s) {
+            Some(d) if d != target => {
+                fallback += 1;
+                fell_to = Some(d);
+            }
+            None if matrix => kept += 1,
+            _ => {}
+        }
+    }
+    let mut parts = Vec::new();
+    if let Some(d) = fell_to {
+        parts.push(format!("{fallback} matrices whose rows are not a multiple of {} are stored as {d:?}, as llama.cpp does", target.block_size()));
+    }
+    if kept > 0 {
+        parts.push(format!("{kept} matrices whose rows split into no block stay unquantised"));
+    }
+    (!parts.is_empty()).then(|| format!("model.quantize = {target:?}: {}", parts.join("; ")))
 }
 
 /// Bytes of `elems` weights in ggml type `d`.
@@ -510,6 +539,23 @@ impl WeightSource for QuantizedWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn k_quant_fallbacks_are_llama_cpp_s_and_the_run_says_so() {
+        let w = |cols: usize| vec![64, cols];
+        assert_eq!(quantized_format(GgmlDType::Q4K, "model.layers.0.mlp.up_proj.weight", &w(512)), Some(GgmlDType::Q4K));
+        assert_eq!(quantized_format(GgmlDType::Q4K, "model.layers.0.mlp.up_proj.weight", &w(96)), Some(GgmlDType::Q5_0));
+        assert_eq!(quantized_format(GgmlDType::Q5K, "model.layers.0.mlp.up_proj.weight", &w(96)), Some(GgmlDType::Q5_1));
+        assert_eq!(quantized_format(GgmlDType::Q6K, "model.layers.0.mlp.up_proj.weight", &w(96)), Some(GgmlDType::Q8_0));
+        assert_eq!(quantized_format(GgmlDType::Q4K, "model.layers.0.mlp.up_proj.weight", &w(48)), None);
+        let cfg = |h: usize| {
+            let text = format!(r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":{h},"intermediate_size":512,"num_hidden_layers":1,"num_attention_heads":2,"vocab_size":64}}"#);
+            crate::config::ModelConfig::resolve(&serde_json::from_str(&text).unwrap()).unwrap()
+        };
+        assert_eq!(fallback_note(GgmlDType::Q4K, &cfg(512)), None);
+        let n = fallback_note(GgmlDType::Q4K, &cfg(96)).unwrap();
+        assert!(n.contains("not a multiple of 256") && n.contains("Q5_0"), "{n}");
+    }
 
     /// A chunk of rows dequantised alone equals those rows of the whole tensor, for block
     /// sizes 32 and 256, at chunk edges that are not block multiples of rows.
