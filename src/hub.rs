@@ -568,11 +568,12 @@ fn split_of(f: &str) -> String {
     }
 }
 
-/// The files of one split: the one named; else the default (`train` for training, `test` for
-/// evaluation) when the repo has files of that name, else every file when they all carry one
-/// name (a single-file dataset). Several splits and not the default, or one split spread over several folders (one per config) or
-/// file types, is an error listing what there is: training silently on test files, or on
-/// two configs at once, would be a wrong result with exit 0.
+/// The files of one split ([`Split::pick`]): the one named; else the default (`train` for
+/// training, `test` for evaluation) when the repo has files of that name, else every file
+/// when they all carry one name (a single-file dataset). Several splits and not the default,
+/// or one split spread over several folders (one per config) or file types, is an error
+/// listing what there is: training silently on test files, or on two configs at once, would
+/// be a wrong result with exit 0.
 fn choose_split(files: &[String], split: Split) -> std::result::Result<Vec<String>, String> {
     let mut splits: Vec<String> = files.iter().map(|f| split_of(f)).collect();
     splits.sort();

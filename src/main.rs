@@ -537,20 +537,16 @@ fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> any
     let on_gpu = layout.local.iter().any(|(_, d)| *d != finetune::device::DeviceSpec::Cpu) || r.model.kernels() == finetune::ops::Kernels::Portable;
     let worlds = if worlds.is_empty() { vec![layout.world] } else { worlds.to_vec() };
     // The bounds a recipe's dist.world_size has (past them the arithmetic would wrap).
-    if let Some(&w) = worlds.iter().find(|&&w| w == 0 || w > 1 << 16) {
-        anyhow::bail!("--world-size {w}: world sizes must be between 1 and {}", 1 << 16);
+    let max = finetune::recipe::MAX_WORLD_SIZE;
+    if let Some(&w) = worlds.iter().find(|&&w| w == 0 || w > max) {
+        anyhow::bail!("--world-size {w}: world sizes must be between 1 and {max}");
     }
     // The adapters `train` would refuse (a target this model lacks) are refused here too.
     finetune::lora::Adapters::check_spec(&cfg, &r.lora.spec(&cfg))?;
     let quant = finetune::weights::quantized::plan_base(&loaded, &cfg)?;
-    // As `train` refuses it: a quantized base is held whole by every rank.
-    if let (Some(_), 3, Some(&w)) = (&quant, r.dist.zero_stage, worlds.iter().find(|&&w| w > 1)) {
-        return Err(finetune::Error::Recipe {
-            file: recipe.display().to_string(),
-            key: "dist.zero_stage".into(),
-            msg: format!("a quantized base is not sharded: at --world-size {w} every rank holds the whole quantized base (set dist.zero_stage = 0)"),
-        }
-        .into());
+    // As `train` refuses it.
+    if quant.is_some() {
+        finetune::train::check_quantized_unsharded(&loaded, worlds.iter().copied().max().unwrap_or(1))?;
     }
     let plans: Vec<_> = worlds.iter().map(|&w| finetune::dist::plan::plan_with(&cfg, r, w, on_gpu, quant.as_ref())).collect();
     print!("{}", finetune::dist::plan::render(&cfg, r, &plans, on_gpu));

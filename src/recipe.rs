@@ -550,6 +550,8 @@ fn default_device() -> String {
     "cpu".into()
 }
 const DEFAULT_FORMAT: &str = "tokenized";
+/// The most ranks a run (or `finetune plan --world-size`) may have.
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
 fn default_format() -> String {
     DEFAULT_FORMAT.into()
 }
@@ -680,7 +682,7 @@ impl LoadedRecipe {
             ("lora.rank", r.lora.rank, 1 << 16, "LoRA rank"),
             ("dist.prefetch_layers", r.dist.prefetch_layers, 1 << 10, "layers gathered ahead"),
             ("dist.timeout_s", r.dist.timeout_s as usize, 10_000_000, "seconds (about 115 days)"),
-            ("dist.world_size", r.dist.world_size.unwrap_or(1), 1 << 16, "ranks"),
+            ("dist.world_size", r.dist.world_size.unwrap_or(1), MAX_WORLD_SIZE, "ranks"),
         ] {
             if v > max {
                 return Err(self.err(k, format!("{v} is more than this tool accepts ({max} {what})")));
@@ -897,7 +899,7 @@ pub fn expand_path(s: &str) -> std::result::Result<String, String> {
         }
         _ => s,
     };
-    let mut chars = rest.char_indices().peekable();
+    let mut chars = rest.char_indices();
     while let Some((i, c)) = chars.next() {
         if c != '$' {
             out.push(c);

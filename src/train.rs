@@ -136,7 +136,9 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     // the repo's download lock).
     ModelDir::of_recipe(loaded)?;
     let d = &r.data;
-    for role in [Role::Train, Role::Eval] {
+    // (Without data.eval the held-out rows come from data.train's sources: fetched once.)
+    let roles: &[Role] = if d.eval.is_some() { &[Role::Train, Role::Eval] } else { &[Role::Train] };
+    for &role in roles {
         let (specs, split) = data_sources(d, role);
         for p in specs {
             hub_dataset(loaded, &p, split)?;
@@ -1286,10 +1288,7 @@ fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig,
         }
     };
     if let Some(reader) = reader {
-        if r.dist.zero_stage == 3 && comm.world_size() > 1 {
-            let msg = "a quantized base is not sharded: every rank holds the whole quantized base (set dist.zero_stage = 0)".to_string();
-            return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "dist.zero_stage".into(), msg });
-        }
+        check_quantized_unsharded(loaded, comm.world_size())?;
         // No layers ahead: dequantising is not overlapped with compute, so a prefetched
         // layer would only cost memory.
         let q = QuantizedWeights::new(reader, n, 0, f.storage, f.compute, f.device, f.account);
@@ -1304,6 +1303,16 @@ fn frozen_source(loaded: &LoadedRecipe, model_dir: &ModelDir, cfg: &ModelConfig,
     // keeps it resident, as on a GPU, whose memory `finetune plan` figures it stands for).
     let row_tables = loaded.recipe.model.kernels().fused_on(&f.device);
     Ok((Arc::new(ResidentWeights::new(files, f.storage, f.compute, f.device).with_matmul_dtype(f.matmul).with_row_tables(row_tables)), false))
+}
+
+/// A quantized base is held whole by every rank: ZeRO-3 over `world` > 1 ranks is refused
+/// (by `train`, and by `plan` for the world sizes it is asked about).
+pub fn check_quantized_unsharded(loaded: &LoadedRecipe, world: usize) -> Result<()> {
+    if loaded.recipe.dist.zero_stage == 3 && world > 1 {
+        let msg = format!("a quantized base is not sharded: with {world} ranks every rank holds the whole quantized base (set dist.zero_stage = 0)");
+        return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "dist.zero_stage".into(), msg });
+    }
+    Ok(())
 }
 
 /// The recipe as checkpoints and `recipe.resolved.toml` record it: `lora.targets` resolved

@@ -124,17 +124,34 @@ fn only_assistant_turns_and_their_end_of_turn_are_trained() {
     assert_eq!(fmt.decode(&trained), "Blue.<|im_end|>\nGreen.<|im_end|>\n<|endoftext|>");
 }
 
+/// A model folder with tests/fixtures/spm-tokenizer's tokenizer (SentencePiece-style: it marks
+/// the start of a text with "▁" and adds BOS) over a tiny random model, and the fixture's
+/// expected.json.
+fn spm_tokenizer_model(dir: &Path) -> (PathBuf, serde_json::Value) {
+    let m = dir.join("model");
+    write_model(&m, &TinyShape { vocab: 400, hidden: 32, heads: 2, kv_heads: 1, inter: 64, layers: 1, ..Default::default() }, 0, 1).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture("spm-tokenizer").join(f), m.join(f)).unwrap();
+    }
+    let f = serde_json::from_str(&std::fs::read_to_string(fixture("spm-tokenizer/expected.json")).unwrap()).unwrap();
+    (m, f)
+}
+
+/// Make the model's tokenizer append EOS itself (offsets (0, 0), like its BOS).
+fn post_processor_appends_eos(model: &Path) {
+    let tj = model.join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
+    t["post_processor"]["single"].as_array_mut().unwrap().push(serde_json::json!({"SpecialToken": {"id": "</s>", "type_id": 0}}));
+    t["post_processor"]["special_tokens"]["</s>"] = serde_json::json!({"id": "</s>", "ids": [2], "tokens": ["</s>"]});
+    std::fs::write(&tj, t.to_string()).unwrap();
+}
+
 #[test]
 fn prompt_and_completion_are_tokenized_as_one_text_as_trl_does() {
     // tests/fixtures/spm-tokenizer: a SentencePiece-style tokenizer (it marks the start of a
     // text with "▁") and TRL's ids and labels for three records, one ending with EOS already.
     let d = tempfile::tempdir().unwrap();
-    let m = d.path().join("model");
-    write_model(&m, &TinyShape { vocab: 400, hidden: 32, heads: 2, kv_heads: 1, inter: 64, layers: 1, ..Default::default() }, 0, 1).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(fixture("spm-tokenizer").join(f), m.join(f)).unwrap();
-    }
-    let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("spm-tokenizer/expected.json")).unwrap()).unwrap();
+    let (m, f) = spm_tokenizer_model(d.path());
     let fmt = Formatter::new("prompt_completion", Some("raw"), &Default::default(), false, &m, 400).unwrap();
     for c in f["cases"].as_array().unwrap() {
         let rec = finetune::data::format::Record::PromptCompletion(c["prompt"].as_str().unwrap().into(), c["completion"].as_str().unwrap().into());
@@ -144,11 +161,7 @@ fn prompt_and_completion_are_tokenized_as_one_text_as_trl_does() {
     }
     // A tokenizer whose post-processor appends EOS itself (offsets (0, 0), like BOS): that EOS
     // ends the completion and is trained, once.
-    let tj = m.join("tokenizer.json");
-    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
-    t["post_processor"]["single"].as_array_mut().unwrap().push(serde_json::json!({"SpecialToken": {"id": "</s>", "type_id": 0}}));
-    t["post_processor"]["special_tokens"]["</s>"] = serde_json::json!({"id": "</s>", "ids": [2], "tokens": ["</s>"]});
-    std::fs::write(&tj, t.to_string()).unwrap();
+    post_processor_appends_eos(&m);
     let fmt = Formatter::new("prompt_completion", Some("raw"), &Default::default(), false, &m, 400).unwrap();
     let c = &f["cases"][0];
     let rec = finetune::data::format::Record::PromptCompletion(c["prompt"].as_str().unwrap().into(), c["completion"].as_str().unwrap().into());
@@ -162,12 +175,7 @@ fn generate_feeds_a_plain_prompt_with_bos_as_it_was_trained() {
     // A prompt without a chat template is tokenized as training tokenizes text records and as
     // transformers does (BOS first); a template-rendered one gets no added tokens.
     let d = tempfile::tempdir().unwrap();
-    let m = d.path().join("model");
-    write_model(&m, &TinyShape { vocab: 400, hidden: 32, heads: 2, kv_heads: 1, inter: 64, layers: 1, ..Default::default() }, 0, 1).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(fixture("spm-tokenizer").join(f), m.join(f)).unwrap();
-    }
-    let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("spm-tokenizer/expected.json")).unwrap()).unwrap();
+    let (m, f) = spm_tokenizer_model(d.path());
     let load = || finetune::generate::Generator::load(&finetune::weights::ModelDir::resolve(m.to_str().unwrap(), Path::new(".")).unwrap(), None).unwrap();
     let g = load();
     for c in f["cases"].as_array().unwrap() {
@@ -176,11 +184,7 @@ fn generate_feeds_a_plain_prompt_with_bos_as_it_was_trained() {
         assert_eq!(g.encode(c["prompt"].as_str().unwrap()).unwrap(), want[1..], "rendered text: no BOS added");
     }
     // A post-processor that also appends EOS: the prompt is to be continued, so no EOS.
-    let tj = m.join("tokenizer.json");
-    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
-    t["post_processor"]["single"].as_array_mut().unwrap().push(serde_json::json!({"SpecialToken": {"id": "</s>", "type_id": 0}}));
-    t["post_processor"]["special_tokens"]["</s>"] = serde_json::json!({"id": "</s>", "ids": [2], "tokens": ["</s>"]});
-    std::fs::write(&tj, t.to_string()).unwrap();
+    post_processor_appends_eos(&m);
     let c = &f["cases"][0];
     let want: Vec<u32> = serde_json::from_value(c["prompt_ids"].clone()).unwrap();
     assert_eq!(load().prompt_ids(c["prompt"].as_str().unwrap(), false).unwrap(), want);

@@ -29,6 +29,18 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub const FORMATS: &[&str] = &["tokenized", "text", "alpaca", "prompt_completion", "messages"];
+/// The columns a format reads, each with whether every row must have it (the others are
+/// read where present).
+fn format_columns(format: &str) -> &'static [(&'static str, bool)] {
+    match format {
+        "tokenized" => &[("input_ids", true), ("labels", false), ("attention_mask", false), ("completion_mask", false), ("assistant_masks", false)],
+        "text" => &[("text", true)],
+        "alpaca" => &[("instruction", true), ("input", false), ("output", true)],
+        "prompt_completion" => &[("prompt", true), ("completion", true)],
+        _ => &[("messages", true)],
+    }
+}
+
 pub const TEMPLATES: &[&str] = &["model", "alpaca", "raw", "chatml", "deepseek", "llama3"];
 
 /// ChatML (Qwen, SmolLM): `<|im_start|>role\ncontent<|im_end|>\n`.
@@ -215,14 +227,8 @@ impl Formatter {
     }
 
     /// Every column a format reads (the names `[data.columns]` may remap), required or not.
-    pub fn columns_read(format: &str) -> &'static [&'static str] {
-        match format {
-            "tokenized" => &["input_ids", "labels", "attention_mask", "completion_mask", "assistant_masks"],
-            "text" => &["text"],
-            "alpaca" => &["instruction", "input", "output"],
-            "prompt_completion" => &["prompt", "completion"],
-            _ => &["messages"],
-        }
+    pub fn columns_read(format: &str) -> Vec<&'static str> {
+        format_columns(format).iter().map(|(n, _)| *n).collect()
     }
 
     /// The dataset columns `[data.columns]` maps a read column to (for checking they exist).
@@ -232,14 +238,7 @@ impl Formatter {
 
     /// Columns a dataset must have for this format (after remapping).
     pub fn required_columns(&self) -> Vec<String> {
-        let names: &[&str] = match self.format.as_str() {
-            "tokenized" => &["input_ids"],
-            "text" => &["text"],
-            "alpaca" => &["instruction", "output"],
-            "prompt_completion" => &["prompt", "completion"],
-            _ => &["messages"],
-        };
-        names.iter().map(|n| self.col(n).to_string()).collect()
+        format_columns(&self.format).iter().filter(|(_, required)| *required).map(|(n, _)| self.col(n).to_string()).collect()
     }
 
     /// Read a row as a record. Problems with the row's content are `Ok(Err(BadRecord))`.

@@ -168,7 +168,8 @@ fn folder_files(path: &Path, split: Split) -> Result<Vec<PathBuf>> {
     if files.is_empty() {
         return Err(Error::data(path, "has no state.json and no .arrow, .parquet or .jsonl files"));
     }
-    let mut groups: Vec<&str> = files.iter().map(|f| split_of(f).unwrap_or(NO_SPLIT)).collect();
+    let tags: Vec<&str> = files.iter().map(|f| split_of(f).unwrap_or(NO_SPLIT)).collect();
+    let mut groups = tags.clone();
     groups.sort();
     groups.dedup();
     if groups == [NO_SPLIT] {
@@ -180,7 +181,7 @@ fn folder_files(path: &Path, split: Split) -> Result<Vec<PathBuf>> {
     let sp = Split { name: named, ..split }
         .pick(&groups)
         .map_err(|m| Error::data(path, format!("{m}, by its file names; pick one with `{}:<split>` (or data.split for data.train)", path.display())))?;
-    Ok(files.into_iter().filter(|f| split_of(f).unwrap_or(NO_SPLIT) == sp).collect())
+    Ok(files.into_iter().zip(tags).filter(|(_, t)| *t == sp).map(|(f, _)| f).collect())
 }
 
 /// Drop the pages of `range` from this process's resident set. The map is read-only and

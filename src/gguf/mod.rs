@@ -915,7 +915,17 @@ fn pre_tokenizer(m: &Meta) -> Result<serde_json::Value> {
             byte_level(false),
         ]}));
     }
-    if let Some(p) = pre.filter(|p| !PRE_GPT2.contains(p)) {
+    // Said once per file: a run opens its GGUF base more than once.
+    static NOTED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    let first_time = |f: &Path| {
+        let mut seen = NOTED.lock().unwrap_or_else(|e| e.into_inner());
+        let new = !seen.iter().any(|s| s == f);
+        if new {
+            seen.push(f.to_path_buf());
+        }
+        new
+    };
+    if let Some(p) = pre.filter(|p| !PRE_GPT2.contains(p) && first_time(m.file)) {
         crate::note!(
             "{}: tokenizer.ggml.pre = `{p}` is read with GPT-2's split, as transformers' GGUF loader reads it; \
              token ids may differ from the model's original tokenizer.json (use its HF folder for those)",

@@ -218,10 +218,16 @@ pub fn nf4_quantizes(name: &str, dims: &[usize]) -> bool {
     dims.len() == 2 && name.starts_with("model.layers.") && name.ends_with("_proj.weight") && !name.contains("norm")
 }
 
+/// Whether `model.quantize` (a ggml type) quantises tensor `name` of shape `dims`: every 2-D
+/// weight but the norms and the MoE router (whose scores pick experts).
+fn ggml_quantizes(name: &str, dims: &[usize]) -> bool {
+    dims.len() == 2 && name.ends_with(".weight") && !name.contains("norm") && !name.ends_with("mlp.gate.weight")
+}
+
 /// The type `model.quantize = target` stores tensor `name` of shape `dims` in (see
 /// [`QuantizeOnLoad`]); `None`: kept as it is.
 pub fn quantized_format(target: GgmlDType, name: &str, dims: &[usize]) -> Option<GgmlDType> {
-    let matrix = dims.len() == 2 && name.ends_with(".weight") && !name.contains("norm") && !name.ends_with("mlp.gate.weight");
+    let matrix = ggml_quantizes(name, dims);
     let cols = *dims.last()?;
     // llama.cpp's fallbacks (`llama_tensor_get_type`), except q2_k / q3_k, whose iq4_nl
     // candle does not write: q5_0 there.
@@ -240,13 +246,12 @@ pub fn quantized_format(target: GgmlDType, name: &str, dims: &[usize]) -> Option
 pub fn fallback_note(target: GgmlDType, cfg: &crate::config::ModelConfig) -> Option<String> {
     let (mut fallback, mut kept, mut fell_to) = (0, 0, None);
     for (n, s) in cfg.frozen_tensors() {
-        let matrix = s.len() == 2 && !n.contains("norm") && !n.ends_with("mlp.gate.weight");
         match quantized_format(target, &n, &s) {
             Some(d) if d != target => {
                 fallback += 1;
                 fell_to = Some(d);
             }
-            None if matrix => kept += 1,
+            None if ggml_quantizes(&n, &s) => kept += 1,
             _ => {}
         }
     }
