@@ -401,10 +401,11 @@ fn tensors_a_llama_folder_cannot_hold_are_errors_naming_the_tensor() {
 }
 
 #[test]
-fn each_pre_tokenizer_type_gives_transformers_ids() {
+fn each_pre_tokenizer_type_gives_the_original_tokenizers_ids() {
     // tests/fixtures/gguf-pre-tokenizers: one byte-level vocabulary, and what transformers'
     // GGUF loader tokenizes with it under each tokenizer.ggml.pre (GPT-2's split, Llama 3's,
-    // Qwen2's / R1-Distill-Qwen's).
+    // Qwen2's / R1-Distill-Qwen's), or for DeepSeek LLM/Coder/V3's own types, which that
+    // loader reads with GPT-2's split, what the original tokenizer.json's split gives.
     let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("gguf-pre-tokenizers/expected.json")).unwrap()).unwrap();
     let strs = |k: &str| -> Vec<String> { serde_json::from_value(f[k].clone()).unwrap() };
     let (tokens, merges, texts) = (strs("tokens"), strs("merges"), strs("texts"));

@@ -17,6 +17,7 @@
 //!   chat template and special tokens.
 
 mod deepseek2;
+mod pretok;
 mod rope;
 
 use crate::error::{Error, Result};
@@ -882,59 +883,6 @@ fn head_rows(w: &Tensor, heads: usize) -> candle_core::Result<(usize, usize, usi
 }
 
 /// Build an HF `tokenizer.json` (and the special-token part of `tokenizer_config.json`).
-/// How Llama 3 splits text before BPE (`llama-bpe` and the types llama.cpp gives its copies).
-const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-/// Qwen2's (and so DeepSeek-R1-Distill-Qwen's): Llama 3's with single digits.
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-/// `tokenizer.ggml.pre` values split as Llama 3 or Qwen2 do, as transformers' GGUF loader
-/// maps them; every other value gets GPT-2's byte-level split, as there.
-const PRE_SPLITS: &[(&str, &str)] = &[
-    ("llama3", LLAMA3_SPLIT),
-    ("llama-v3", LLAMA3_SPLIT),
-    ("llama-bpe", LLAMA3_SPLIT),
-    ("smaug-bpe", LLAMA3_SPLIT),
-    ("dbrx", LLAMA3_SPLIT),
-    ("falcon3", LLAMA3_SPLIT),
-    ("qwen2", QWEN2_SPLIT),
-    ("deepseek-r1-qwen", QWEN2_SPLIT),
-];
-/// Values whose own split is GPT-2's, or that transformers also reads with it.
-const PRE_GPT2: &[&str] = &["default", "gpt-2", "gpt2", "smollm", "olmo", "mpt", "starcoder", "jais", "refact"];
-
-/// tokenizer.json's `pre_tokenizer` for the file's `tokenizer.ggml.pre`: the split its model
-/// was trained with (a GPT-2 split on a Llama 3 or Qwen2 vocabulary gives other ids than
-/// transformers). A type transformers does not map either (DeepSeek LLM/Coder/V3's own) is
-/// read as transformers reads it, with a note that the ids may differ from the original
-/// tokenizer.json's.
-fn pre_tokenizer(m: &Meta) -> Result<serde_json::Value> {
-    let byte_level = |regex: bool| serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex});
-    let pre = m.string("tokenizer.ggml.pre")?;
-    if let Some(&(_, split)) = PRE_SPLITS.iter().find(|(p, _)| Some(*p) == pre) {
-        return Ok(serde_json::json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": false},
-            byte_level(false),
-        ]}));
-    }
-    // Said once per file: a run opens its GGUF base more than once.
-    static NOTED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
-    let first_time = |f: &Path| {
-        let mut seen = NOTED.lock().unwrap_or_else(|e| e.into_inner());
-        let new = !seen.iter().any(|s| s == f);
-        if new {
-            seen.push(f.to_path_buf());
-        }
-        new
-    };
-    if let Some(p) = pre.filter(|p| !PRE_GPT2.contains(p) && first_time(m.file)) {
-        crate::note!(
-            "{}: tokenizer.ggml.pre = `{p}` is read with GPT-2's split, as transformers' GGUF loader reads it; \
-             token ids may differ from the model's original tokenizer.json (use its HF folder for those)",
-            m.file.display()
-        );
-    }
-    Ok(byte_level(true))
-}
-
 fn tokenizer_files(m: &Meta, vocab: usize, context: usize) -> Result<(serde_json::Value, serde_json::Value)> {
     let model = m.string("tokenizer.ggml.model")?.ok_or_else(|| m.missing("tokenizer.ggml.model"))?;
     if model != "gpt2" {
@@ -1004,7 +952,7 @@ fn tokenizer_files(m: &Meta, vocab: usize, context: usize) -> Result<(serde_json
         "padding": null,
         "added_tokens": added,
         "normalizer": null,
-        "pre_tokenizer": pre_tokenizer(m)?,
+        "pre_tokenizer": pretok::pre_tokenizer(m.string("tokenizer.ggml.pre")?, m.file),
         "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special_tokens},
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": name(unk), "continuing_subword_prefix": null,
