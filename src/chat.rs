@@ -1,7 +1,8 @@
 //! Chat templates: the model's own Jinja `chat_template` (tokenizer_config.json or
 //! chat_template.jinja) rendered with minijinja the way transformers' `apply_chat_template`
 //! does: `messages`, `add_generation_prompt`, the special tokens as variables,
-//! `raise_exception`, and Python string methods (`.strip()`, `.startswith()`, ...).
+//! `raise_exception`, and Python string methods (`.strip()`, `.startswith()`, ...) with
+//! Python's whitespace and line breaks (`python_string_methods`).
 
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
@@ -130,7 +131,8 @@ impl ChatTemplate {
         self.usable()?;
         let err = |e: minijinja::Error| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {e}") };
         let mut env = minijinja::Environment::new();
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_string_methods);
+        env.add_filter("trim", |s: String, chars: Option<String>| trim(&s, chars.as_deref(), true, true));
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
@@ -162,6 +164,78 @@ impl ChatTemplate {
         })
         .map_err(err)
     }
+}
+
+/// Whitespace as Python's `str.isspace` has it (jinja2's `trim` and `.strip()` are Python's):
+/// Rust's `char::is_whitespace` plus the ASCII separators 0x1c-0x1f.
+fn py_space(c: char) -> bool {
+    c.is_whitespace() || ('\x1c'..='\x1f').contains(&c)
+}
+
+/// `s.strip(chars)` / `.lstrip` / `.rstrip` (`left`, `right`): `chars` or Python's whitespace.
+fn trim(s: &str, chars: Option<&str>, left: bool, right: bool) -> String {
+    let strip = |c: char| chars.map_or_else(|| py_space(c), |set| set.contains(c));
+    let s = if left { s.trim_start_matches(strip) } else { s };
+    let s = if right { s.trim_end_matches(strip) } else { s };
+    s.to_string()
+}
+
+/// minijinja-contrib's Python string methods, with Python's whitespace and line boundaries
+/// where they differ from Rust's: `strip`/`lstrip`/`rstrip` without arguments, `split()`
+/// without a separator, and `splitlines` (which also breaks at \r, \v, \f, 0x1c-0x1e,
+/// 0x85, U+2028 and U+2029, where Rust's `lines` breaks at \n only).
+fn python_string_methods(state: &mut minijinja::State, value: &minijinja::Value, method: &str, args: &[minijinja::Value]) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    use minijinja::value::from_args;
+    let Some(s) = value.as_str() else {
+        return minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args);
+    };
+    match method {
+        "strip" | "lstrip" | "rstrip" => {
+            let (chars,): (Option<&str>,) = from_args(args)?;
+            Ok(trim(s, chars, method != "rstrip", method != "lstrip").into())
+        }
+        "split" if args.first().is_none_or(|a| a.is_none()) => {
+            let (_, max): (Option<minijinja::Value>, Option<i64>) = from_args(args)?;
+            Ok(split_whitespace(s, max.filter(|&m| m >= 0).map(|m| m as usize)).into_iter().map(minijinja::Value::from).collect())
+        }
+        "splitlines" => {
+            let (keepends,): (Option<bool>,) = from_args(args)?;
+            Ok(splitlines(s, keepends.unwrap_or(false)).into_iter().map(minijinja::Value::from).collect())
+        }
+        _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
+    }
+}
+
+/// Python's `s.split(None, max)`: runs of whitespace separate, none at the ends.
+fn split_whitespace(s: &str, max: Option<usize>) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = s.trim_start_matches(py_space);
+    while !rest.is_empty() {
+        if max.is_some_and(|m| out.len() == m) {
+            out.push(rest.to_string());
+            break;
+        }
+        let end = rest.find(py_space).unwrap_or(rest.len());
+        out.push(rest[..end].to_string());
+        rest = rest[end..].trim_start_matches(py_space);
+    }
+    out
+}
+
+/// Python's `s.splitlines(keepends)`.
+fn splitlines(s: &str, keepends: bool) -> Vec<String> {
+    let boundary = |c: char| matches!(c, '\n' | '\r' | '\x0b' | '\x0c' | '\x1c' | '\x1d' | '\x1e' | '\u{85}' | '\u{2028}' | '\u{2029}');
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some(i) = rest.find(boundary) {
+        let end = if rest[i..].starts_with("\r\n") { i + 2 } else { i + rest[i..].chars().next().map_or(1, char::len_utf8) };
+        out.push(rest[..if keepends { end } else { i }].to_string());
+        rest = &rest[end..];
+    }
+    if !rest.is_empty() {
+        out.push(rest.to_string());
+    }
+    out
 }
 
 /// `source` with transformers' `{% generation %}` ... `{% endgeneration %}` (its jinja extension
@@ -269,6 +343,17 @@ fn strftime(fmt: &str, secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn string_methods_and_trim_follow_python_whitespace_and_line_breaks() {
+        // tests/fixtures/chat-templates/python-strings.json: transformers' renderer (jinja2) on
+        // contents with 0x1c-0x1f at the edges and every line break Python's splitlines honours.
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/chat-templates/python-strings.json");
+        let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let messages: Vec<Message> = serde_json::from_value(f["messages"].clone()).unwrap();
+        let t = ChatTemplate::from_source(f["template"].as_str().unwrap(), "", "");
+        assert_eq!(t.render(&messages, false).unwrap(), f["text"].as_str().unwrap());
+    }
 
     #[test]
     fn strftime_formats_as_python_does() {
