@@ -238,12 +238,18 @@ pub fn load(dir: &Path, adapters: &Adapters) -> Result<Loaded> {
         moments.exp_avg.extend(get("exp_avg")?);
         moments.exp_avg_sq.extend(get("exp_avg_sq")?);
     }
+    let (state, recipe) = read_state(dir)?;
+    Ok(Loaded { dir: dir.to_path_buf(), moments, adam_step, state, recipe })
+}
+
+/// A checkpoint's training state (`state.json`) and the recipe it was written with.
+pub fn read_state(dir: &Path) -> Result<(TrainState, String)> {
     let st_path = dir.join("state.json");
     let text = std::fs::read_to_string(&st_path).map_err(|e| Error::io(&st_path, e))?;
-    let state: TrainState = serde_json::from_str(&text).map_err(|e| bad(format!("state.json: {e}")))?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Train(format!("checkpoint {}: state.json: {e}", dir.display())))?;
     let rp = dir.join("recipe.toml");
     let recipe = std::fs::read_to_string(&rp).map_err(|e| Error::io(&rp, e))?;
-    Ok(Loaded { dir: dir.to_path_buf(), moments, adam_step, state, recipe })
+    Ok((state, recipe))
 }
 
 /// Keep the newest `keep_last` checkpoints (0 keeps all) and remove stale temporaries.

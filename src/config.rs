@@ -119,8 +119,12 @@ fn present_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Resul
 
 #[derive(Clone, Debug, Deserialize)]
 pub struct RopeScalingHf {
-    #[serde(default, alias = "type")]
+    /// transformers reads `rope_type`, else the older `type`; configs it saves may hold both
+    /// (a `type` kept from the file it read), which is why they are two fields here.
+    #[serde(default)]
     pub rope_type: Option<String>,
+    #[serde(default, rename = "type")]
+    pub legacy_type: Option<String>,
     #[serde(default)]
     pub rope_theta: Option<f64>,
     #[serde(default)]
@@ -250,6 +254,10 @@ pub struct ModelConfig {
     /// Layers stored after the last decoder layer that the model does not run (DeepSeek-V3's
     /// multi-token-prediction module): neither read nor counted as surplus.
     pub ignored_layers: usize,
+    /// A sliding window some layer has, accepted because it covers `max_position_embeddings`:
+    /// full attention equals it only while no position reaches it, so a longer sequence is
+    /// refused (`check_positions`), not run past it.
+    pub attention_window: Option<usize>,
 }
 
 pub const SUPPORTED: &[&str] = &["LlamaForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"];
@@ -309,7 +317,7 @@ impl ModelConfig {
                 return Err(format!("{key} = {v} is more than this tool accepts ({max})"));
             }
         }
-        check_sliding_window(hf)?;
+        let attention_window = check_sliding_window(hf)?;
         // DeepSeek: the rotary part of a head (transformers sets head_dim = qk_rope_head_dim).
         let head_dim = match &mla {
             Some(m) => m.qk_rope_head_dim,
@@ -327,7 +335,7 @@ impl ModelConfig {
         let scaling = hf.rope_scaling.as_ref().or(params);
         let rope_scaling = match scaling {
             None => RopeScaling::None,
-            Some(s) => match s.rope_type.as_deref().unwrap_or("default") {
+            Some(s) => match s.rope_type.as_deref().or(s.legacy_type.as_deref()).unwrap_or("default") {
                 "default" => RopeScaling::None,
                 "linear" => RopeScaling::Linear { factor: s.factor.ok_or("rope_scaling linear needs `factor`")? },
                 "llama3" => RopeScaling::Llama3 {
@@ -388,7 +396,20 @@ impl ModelConfig {
             mla,
             moe,
             ignored_layers: if arch == Arch::DeepseekV3 { hf.num_nextn_predict_layers.unwrap_or(0) } else { 0 },
+            attention_window,
         })
+    }
+
+    /// Refuse position ids that reach the sliding window (`attention_window`): there the model
+    /// attends to the last `window` positions only, where full attention sees them all.
+    pub fn check_positions(&self, longest: usize) -> std::result::Result<(), String> {
+        match self.attention_window {
+            Some(w) if longest > w => Err(format!(
+                "a sequence of {longest} tokens is longer than this model's sliding window (config.json sliding_window = {w}); \
+                 sliding-window attention is not implemented, and full attention past the window gives other logits than the model"
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// (in_features, out_features) of a Llama / Qwen2 projection by its HF module name.
@@ -694,27 +715,32 @@ fn positive(n: usize, key: &str) -> std::result::Result<usize, String> {
 /// Sliding-window attention is not implemented: a config whose layers slide (transformers'
 /// rule: `layer_types`, or Qwen2's `use_sliding_window` with a `sliding_window` from layer
 /// `max_window_layers` on) is refused, unless the window covers every position the model has.
-fn check_sliding_window(hf: &HfConfig) -> std::result::Result<(), String> {
+fn check_sliding_window(hf: &HfConfig) -> std::result::Result<Option<usize>, String> {
     let covers_all = |w: usize| hf.max_position_embeddings.is_some_and(|m| w >= m);
     if let Some(types) = &hf.layer_types {
         if let Some(i) = types.iter().position(|t| t != "full_attention") {
-            if !(types[i] == "sliding_attention" && hf.sliding_window.is_some_and(covers_all)) {
+            if let Some(bad) = types.iter().find(|t| *t != "full_attention" && *t != "sliding_attention") {
+                return Err(format!("layer_types has \"{bad}\": only full attention is implemented"));
+            }
+            if !hf.sliding_window.is_some_and(covers_all) {
                 return Err(format!("layer_types[{i}] = \"{}\": only full attention is implemented (sliding-window attention would give other logits)", types[i]));
             }
+            return Ok(hf.sliding_window);
         }
-        return Ok(());
+        return Ok(None);
     }
-    if hf.use_sliding_window == Some(true) {
-        if let Some(w) = hf.sliding_window.filter(|&w| !covers_all(w)) {
-            // transformers' Qwen2Config default.
-            if hf.max_window_layers.unwrap_or(28) < hf.num_hidden_layers {
+    // transformers' Qwen2Config default for max_window_layers.
+    if hf.use_sliding_window == Some(true) && hf.max_window_layers.unwrap_or(28) < hf.num_hidden_layers {
+        if let Some(w) = hf.sliding_window {
+            if !covers_all(w) {
                 return Err(format!(
                     "use_sliding_window = true with sliding_window = {w}: sliding-window attention is not implemented (it would give other logits past {w} tokens)"
                 ));
             }
+            return Ok(Some(w));
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
@@ -829,6 +855,31 @@ mod tests {
         cfg(r#","use_sliding_window":true,"sliding_window":4,"max_window_layers":2"#).unwrap();
         cfg(r#","use_sliding_window":true,"sliding_window":4096,"max_position_embeddings":4096,"max_window_layers":0"#).unwrap();
         cfg(r#","layer_types":["full_attention","full_attention"]"#).unwrap();
+    }
+
+    #[test]
+    fn a_window_that_covers_max_position_embeddings_still_bounds_the_sequence() {
+        // Accepted: full attention equals the window up to it, and no further.
+        let c = cfg(r#","use_sliding_window":true,"sliding_window":256,"max_position_embeddings":256,"max_window_layers":0"#).unwrap();
+        assert_eq!(c.attention_window, Some(256));
+        assert!(c.check_positions(256).is_ok());
+        let e = c.check_positions(257).unwrap_err();
+        assert!(e.contains("257 tokens") && e.contains("sliding_window = 256"), "{e}");
+        let c = cfg(r#","layer_types":["sliding_attention","full_attention"],"sliding_window":64,"max_position_embeddings":64"#).unwrap();
+        assert_eq!(c.attention_window, Some(64));
+        // No layer slides: no bound.
+        let c = cfg(r#","use_sliding_window":true,"sliding_window":4,"max_window_layers":2"#).unwrap();
+        assert_eq!(c.attention_window, None);
+        assert_eq!(cfg(r#","use_sliding_window":false,"sliding_window":4096"#).unwrap().attention_window, None);
+    }
+
+    #[test]
+    fn a_rope_scaling_with_both_type_keys_reads_as_rope_type() {
+        // transformers 5's save_pretrained keeps a 4.x `type` beside the `rope_type` it adds.
+        let both = cfg(r#","rope_parameters":{"rope_theta":10000.0,"factor":4.0,"rope_type":"linear","type":"linear"}"#).unwrap();
+        assert_eq!(both.rope_scaling, RopeScaling::Linear { factor: 4.0 });
+        let old = cfg(r#","rope_scaling":{"factor":4.0,"type":"linear"}"#).unwrap();
+        assert_eq!(old.rope_scaling, RopeScaling::Linear { factor: 4.0 });
     }
 
     #[test]

@@ -170,6 +170,11 @@ impl Generator {
         if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
             return Err(Error::Generate(format!("--top-p {}: expected a number in (0, 1]", opts.top_p)));
         }
+        // The last token sampled is not run: the longest sequence is one short of both.
+        let longest = prompt.len() + opts.max_new_tokens.saturating_sub(1);
+        self.model.cfg.check_positions(longest).map_err(|msg| {
+            Error::Generate(format!("{msg} (a prompt of {} tokens and --max-new-tokens {})", prompt.len(), opts.max_new_tokens))
+        })?;
         let mut caches: Vec<KvCache> = vec![None; self.model.cfg.num_hidden_layers];
         let mut rng = Rng::new(opts.seed);
         let mut out = Vec::new();

@@ -380,6 +380,11 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let lead = rank == 0;
     let model_dir = ModelDir::of_recipe(loaded)?;
     let cfg = ModelConfig::from_file(&model_dir.config_path())?;
+    cfg.check_positions(r.data.max_seq_len).map_err(|msg| Error::Recipe {
+        file: loaded.file.display().to_string(),
+        key: "data.max_seq_len".into(),
+        msg: format!("{msg}: set data.max_seq_len to at most {}", cfg.attention_window.unwrap_or(0)),
+    })?;
     let storage_dtype = parse_dtype(&r.model.dtype);
     // The fused CPU kernels compute in f32 (a bf16/f16 base is only the storage format of the
     // frozen weights there); GPUs and the portable path compute in the storage dtype.
@@ -541,7 +546,11 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
     let mut last_checkpoint = None;
     // The lead takes the folder (one run per folder) and sets aside what belongs to another
     // run; every rank learns whether it could before reading checkpoints.
-    let claimed = if lead { claim_output(loaded, &rk.out_dir).map(Some) } else { Ok(None) };
+    let same_run = |dir: &std::path::Path| -> Result<()> {
+        let (state, saved) = crate::checkpoint::read_state(dir)?;
+        check_same_run(rk, &state, &saved, dir)
+    };
+    let claimed = if lead { claim_output(loaded, &rk.out_dir, &same_run).map(Some) } else { Ok(None) };
     let said = from_lead(&*rk.comm, &rk.device, &[claimed.is_ok() as u8 as f64])?;
     let run_lock = claimed?;
     if said[0] == 0.0 {
@@ -916,7 +925,10 @@ fn non_finite_loss(loaded: &LoadedRecipe, step: usize, first: bool, loss: f64, a
 
 /// Take the output folder for this run (see `output`): lock it, clear half-written
 /// checkpoints, and move aside whatever belongs to a run this one does not continue.
-fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crate::output::RunLock> {
+///
+/// `same_run` is `check_same_run` on a checkpoint's state: it runs with the recipe checks,
+/// before anything moves.
+fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, same_run: &dyn Fn(&std::path::Path) -> Result<()>) -> Result<crate::output::RunLock> {
     use crate::output::{previous_run_files, set_aside};
     let file = loaded.file.display().to_string();
     let lock = crate::output::RunLock::acquire(out_dir, &file)?;
@@ -957,6 +969,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
                 }
                 Some((step, dir)) => {
                     check_resumable(loaded, dir)?;
+                    same_run(dir)?;
                     for (d, why) in &scan.damaged {
                         crate::note!("warning: checkpoint {} is damaged ({why})", d.display());
                     }
@@ -976,6 +989,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<crat
                 msg: format!("{} is not a valid checkpoint ({why}); nothing was changed", from.display()),
             })?;
             check_resumable(loaded, &from)?;
+            same_run(&from)?;
             let ours = crate::checkpoint::list(out_dir).into_iter().find(|(_, d)| same_path(d, &from));
             match ours {
                 // Continuing from an older checkpoint of this folder abandons the newer ones.

@@ -236,13 +236,39 @@ fn an_integer_weight_is_an_error_naming_the_tensor() {
 }
 
 #[test]
+fn a_resume_refused_for_its_global_batch_moves_nothing() {
+    // The newer checkpoints used to be set aside before the global batch was compared.
+    let root = tiny_workspace(23, (4, 18), None);
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=4", "checkpoint.keep_last=0"]).unwrap();
+    let out = dir.join("out");
+    let e = train(&dir, &["train.max_steps=4", "checkpoint.keep_last=0", "train.grad_accum_steps=2", "checkpoint.resume=out/checkpoints/step-000002"]).unwrap_err().to_string();
+    assert!(e.contains("train.grad_accum_steps"), "{e}");
+    assert_eq!(checkpoint_steps(&out), vec![1, 2, 3, 4]);
+    assert!(out.join("adapter").is_dir() && !out.join("previous").exists());
+}
+
+#[test]
+fn a_sliding_window_that_covers_the_positions_bounds_max_seq_len() {
+    // Accepted because it covers max_position_embeddings, the window still holds for longer
+    // sequences, which full attention would get wrong.
+    let root = tiny_workspace(23, (4, 18), None);
+    let dir = run_dir(root.path(), "run", RECIPE);
+    edit_json(&root.path().join("model/config.json"), |c| {
+        c["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention"]);
+        c["sliding_window"] = 16.into();
+        c["max_position_embeddings"] = 16.into();
+    });
+    let e = train(&dir, &[]).err().expect("max_seq_len 32 past a window of 16").to_string();
+    assert!(e.contains("data.max_seq_len") && e.contains("sliding_window = 16") && e.contains("at most 16"), "{e}");
+    train(&dir, &["data.max_seq_len=16", "train.max_steps=1"]).unwrap();
+}
+
+#[test]
 fn a_config_with_fewer_layers_than_the_weights_is_an_error() {
     let root = tiny_workspace(23, (4, 18), None);
     let dir = run_dir(root.path(), "run", RECIPE);
-    let cfg = root.path().join("model/config.json");
-    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
-    c["num_hidden_layers"] = 1.into();
-    std::fs::write(&cfg, c.to_string()).unwrap();
+    edit_json(&root.path().join("model/config.json"), |c| c["num_hidden_layers"] = 1.into());
     let e = train(&dir, &[]).err().expect("a truncated model must not train").to_string();
     assert!(e.contains("num_hidden_layers = 1") && e.contains("model.layers.1."), "{e}");
 }

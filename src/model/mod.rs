@@ -230,6 +230,8 @@ impl Model {
 
     /// The per-forward context for rows at `positions` (packed when `segments` is given).
     pub fn forward_ctx(&self, positions: &[Vec<u32>], segments: Option<&[Vec<u32>]>, dropout: Option<DropoutCtx>) -> Result<ForwardCtx> {
+        let longest = positions.iter().flatten().max().map_or(0, |&p| p as usize + 1);
+        self.cfg.check_positions(longest).map_err(|msg| crate::error::Error::Model { what: "sequence length".into(), msg })?;
         let rope = (&self.inv_freq[..], self.cfg.rope_attention_factor());
         ForwardCtx::new(positions, segments, rope, dropout, self.kernels, (self.src.compute_dtype(), self.src.matmul_dtype(), self.src.device()))
     }
