@@ -83,6 +83,27 @@ fn chat_templates_give_the_token_ids_transformers_gives() {
 }
 
 #[test]
+fn template_features_render_as_transformers_renders_them() {
+    // tests/fixtures/chat-templates/features.json (features.py): transformers' tojson, loop
+    // controls, dict order, tools and extra variables, special tokens, CRLF, rsplit.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("chat-templates/features.json")).unwrap()).unwrap();
+    for c in f.as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        std::fs::write(m.join("chat_template.jinja"), c["template"].as_str().unwrap()).unwrap();
+        let t = finetune::chat::ChatTemplate::from_model_dir(&m).unwrap().unwrap();
+        let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).unwrap();
+        let mut vars: finetune::chat::Vars = c["kwargs"].as_object().unwrap().clone();
+        if !c["tools"].is_null() {
+            vars.insert("tools".into(), c["tools"].clone());
+        }
+        let got = t.render_with(&msgs, &vars, c["add_generation_prompt"].as_bool().unwrap()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(got, c["text"].as_str().unwrap(), "{name}");
+    }
+}
+
+#[test]
 fn only_assistant_turns_and_their_end_of_turn_are_trained() {
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
@@ -391,6 +412,40 @@ fn messages_stored_as_arrow_structs_are_read() {
 }
 
 #[test]
+fn r1_distill_tool_calls_are_trained_with_their_turn() {
+    // llama.cpp's copy of DeepSeek-R1-Distill-Qwen-32B's template (chat-templates/r1-tools.jinja)
+    // writes a turn's tool calls before its content, after "<｜Assistant｜>", where the
+    // generation prompt has "<｜Assistant｜><think>\n": the calls were left untrained (found by
+    // content), the first special token of a null-content turn too (the span began one byte
+    // into it), and a turn with empty content was refused.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"];
+    let tj = m.join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
+    for (i, s) in specials.iter().enumerate() {
+        t["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({"id": 49152 + i, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+    }
+    std::fs::write(&tj, t.to_string()).unwrap();
+    std::fs::copy(fixture("chat-templates/r1-tools.jinja"), m.join("chat_template.jinja")).unwrap();
+    let f = Formatter::new("messages", None, &Default::default(), false, &m, 49152 + specials.len()).unwrap();
+    let call = serde_json::json!([{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]);
+    let calls = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>";
+    let answer = "It is sunny.<｜end▁of▁sentence｜>";
+    for (content, own) in [(serde_json::Value::Null, String::new()), ("Let me check.".into(), "<｜Assistant｜>Let me check.<｜end▁of▁sentence｜>".to_string()), ("".into(), "<｜Assistant｜><｜end▁of▁sentence｜>".to_string())] {
+        let mut turn = match content.as_str() {
+            Some(c) => Message::new("assistant", c),
+            None => Message::without_content("assistant"),
+        };
+        turn.extra.insert("tool_calls".into(), call.clone());
+        let msgs = [Message::new("user", "Weather in Paris?"), turn, Message::new("tool", "sunny"), Message::new("assistant", "It is sunny.")];
+        let ex = f.render_conversation(&msgs, 0).unwrap().unwrap_or_else(|b| panic!("{content}: {}", b.0));
+        let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+        assert_eq!(f.decode(&trained), format!("{calls}{own}{answer}"), "content {content}");
+    }
+}
+
+#[test]
 fn a_tool_call_turn_with_null_content_renders_its_calls() {
     // DeepSeek-R1-Distill's template renders an assistant turn's tool_calls only when its
     // content is None (OpenAI-style `"content": null`).
@@ -421,6 +476,38 @@ fn a_tool_call_turn_with_null_content_renders_its_calls() {
     let mut rows = finetune::data::source::Rows::open(&p).unwrap();
     let (r, _) = rows.next_row().unwrap();
     assert!(f.read(&r).unwrap().err().is_some_and(|b| b.0.contains("only an assistant turn's may be null")));
+}
+
+#[test]
+fn a_records_tools_and_chat_template_kwargs_reach_the_template() {
+    // As TRL's SFTTrainer passes them: apply_chat_template(messages, tools=row["tools"],
+    // **row["chat_template_kwargs"]). tools may be JSON text, as datasets often store it.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    std::fs::write(m.join("chat_template.jinja"), "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}{% if thinking %}<think>{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}").unwrap();
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]);
+    let msgs = serde_json::json!([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]);
+    let p = d.path().join("tools.jsonl");
+    let rows = [
+        serde_json::json!({"messages": msgs, "tools": tools, "chat_template_kwargs": {"thinking": true}}),
+        serde_json::json!({"messages": msgs, "tools": tools.to_string()}),
+        serde_json::json!({"messages": msgs}),
+        serde_json::json!({"messages": msgs, "tools": {"name": "weather"}}),
+        serde_json::json!({"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": true}}),
+    ];
+    write_jsonl(&p, &rows.iter().map(|r| r.to_string()).collect::<Vec<_>>());
+    let f = formatter(&m, "messages", None, false);
+    let mut it = finetune::data::source::Rows::open(&p).unwrap();
+    let mut next = || {
+        let (r, _) = it.next_row().unwrap();
+        f.read(&r).unwrap().map(|rec| f.decode(&f.tokenize(rec, 0).unwrap().ok().unwrap().input_ids)).map_err(|b| b.0)
+    };
+    let schema = r#"{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}"#;
+    assert_eq!(next().unwrap(), format!("{schema}<think>user: Hi\nassistant: Hello\n"));
+    assert_eq!(next().unwrap(), format!("{schema}user: Hi\nassistant: Hello\n"));
+    assert_eq!(next().unwrap(), "user: Hi\nassistant: Hello\n");
+    assert!(next().unwrap_err().contains("`tools` must be a list of tool schemas"));
+    assert!(next().unwrap_err().contains("sets `add_generation_prompt`"));
 }
 
 #[test]
@@ -588,7 +675,7 @@ fn record_formats_render_as_documented() {
     let m = smol_tokenizer_model(d.path());
     // prompt_completion through the model's chat template: only the completion (and end of turn) trained.
     let f = formatter(&m, "prompt_completion", None, false);
-    let ex = f.tokenize(Record::Conversation(vec![Message::new("user", "2+2?"), Message::new("assistant", "4")]), 0).unwrap().ok().unwrap();
+    let ex = f.tokenize(Record::Conversation(vec![Message::new("user", "2+2?"), Message::new("assistant", "4")], Default::default()), 0).unwrap().ok().unwrap();
     let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
     assert_eq!(f.decode(&trained), "4<|im_end|>\n");
     // text: every token trained, EOS appended.
@@ -1000,7 +1087,7 @@ fn rows_require_columns_names_the_missing_ones_and_the_file() {
     write_jsonl(&p, &["{broken".to_string(), serde_json::json!({"text": "a", "instruction": "b"}).to_string()]);
     let mut rows = finetune::data::source::Rows::open(&p).unwrap();
     let e = rows.require_columns(&["instruction", "output"]).err().unwrap().to_string();
-    assert!(e.contains("texts.jsonl") && e.contains("`output`") && !e.contains("`instruction`,") && e.contains("columns are: instruction, text"), "{e}");
+    assert!(e.contains("texts.jsonl") && e.contains("`output`") && !e.contains("`instruction`,") && e.contains("columns are: text, instruction"), "{e}");
     rows.require_columns(&["text"]).unwrap();
     rows.require_columns(&[]).unwrap();
     // A bad line read as a string is an error naming its line, not an empty cell.

@@ -37,7 +37,9 @@ fn format_columns(format: &str) -> &'static [(&'static str, bool)] {
         "text" => &[("text", true)],
         "alpaca" => &[("instruction", true), ("input", false), ("output", true)],
         "prompt_completion" => &[("prompt", true), ("completion", true)],
-        _ => &[("messages", true)],
+        // `tools` and `chat_template_kwargs` as TRL's SFTTrainer reads them: the template's
+        // `tools` and extra variables (V3.1's `thinking`, Qwen3's `enable_thinking`).
+        _ => &[("messages", true), ("tools", false), ("chat_template_kwargs", false)],
     }
 }
 
@@ -72,7 +74,8 @@ pub enum Record {
     Text(String),
     /// Single-turn prompt and answer (alpaca, prompt_completion).
     PromptCompletion(String, String),
-    Conversation(Vec<Message>),
+    /// A conversation and the template variables its record sets (`tools`, ...).
+    Conversation(Vec<Message>, crate::chat::Vars),
 }
 
 /// Why a record could not be used (reported, and skipped with on_bad_record = "skip").
@@ -318,7 +321,7 @@ impl Formatter {
                     Template::Raw => Record::PromptCompletion(if input.is_empty() { instruction } else { format!("{instruction}\n\n{input}") }, output),
                     Template::Chat(_) => {
                         let user = if input.is_empty() { instruction } else { format!("{instruction}\n\n{input}") };
-                        Record::Conversation(vec![Message::new("user", &user), Message::new("assistant", &output)])
+                        Record::Conversation(vec![Message::new("user", &user), Message::new("assistant", &output)], Default::default())
                     }
                 }
             }
@@ -330,7 +333,7 @@ impl Formatter {
                 match self.template {
                     Template::Alpaca => Record::PromptCompletion(alpaca_prompt(&p, ""), c),
                     Template::Raw => Record::PromptCompletion(p, c),
-                    Template::Chat(_) => Record::Conversation(vec![Message::new("user", &p), Message::new("assistant", &c)]),
+                    Template::Chat(_) => Record::Conversation(vec![Message::new("user", &p), Message::new("assistant", &c)], Default::default()),
                 }
             }
             _ => match r.messages(self.col("messages")) {
@@ -338,12 +341,50 @@ impl Formatter {
                     if !m.iter().any(|m| m.role == "assistant") {
                         return Ok(Err(BadRecord(format!("{}: no assistant turn in `{}`", r.at(), self.col("messages")))));
                     }
-                    Record::Conversation(m)
+                    match self.template_vars(r) {
+                        Ok(vars) => Record::Conversation(m, vars),
+                        Err(b) => return Ok(Err(b)),
+                    }
                 }
                 Ok(None) => return Ok(Err(BadRecord(format!("{}: `{}` is missing or null", r.at(), self.col("messages"))))),
                 Err(e) => return Ok(Err(bad(e))),
             },
         }))
+    }
+
+    /// A messages record's template variables, as TRL's SFTTrainer passes them to
+    /// `apply_chat_template`: `tools` (a list of tool schemas, or that list as JSON text, as
+    /// datasets often store it) and the entries of `chat_template_kwargs` (an object).
+    fn template_vars(&self, r: &crate::data::source::RowRef) -> std::result::Result<crate::chat::Vars, BadRecord> {
+        let bad = |msg: String| BadRecord(format!("{}: {msg}", r.at()));
+        let mut vars = crate::chat::Vars::new();
+        let (tools, kwargs) = (self.col("tools"), self.col("chat_template_kwargs"));
+        match r.json(tools).map_err(|e| BadRecord(e.to_string()))? {
+            None => {}
+            Some(serde_json::Value::String(s)) => match serde_json::from_str::<serde_json::Value>(&s) {
+                Ok(v @ serde_json::Value::Array(_)) => {
+                    vars.insert("tools".into(), v);
+                }
+                _ => return Err(bad(format!("`{tools}` is text that is not a JSON list of tool schemas"))),
+            },
+            Some(v @ serde_json::Value::Array(_)) => {
+                vars.insert("tools".into(), v);
+            }
+            Some(other) => return Err(bad(format!("`{tools}` must be a list of tool schemas, got {other}"))),
+        }
+        match r.json(kwargs).map_err(|e| BadRecord(e.to_string()))? {
+            None => {}
+            Some(serde_json::Value::Object(o)) => {
+                for (k, v) in o {
+                    if crate::chat::RESERVED_VARS.contains(&k.as_str()) {
+                        return Err(bad(format!("`{kwargs}` sets `{k}`, which the chat template is given by finetune itself")));
+                    }
+                    vars.insert(k, v);
+                }
+            }
+            Some(other) => return Err(bad(format!("`{kwargs}` must be an object of template variables, got {other}"))),
+        }
+        Ok(vars)
     }
 
     fn encode(&self, text: &str, special: bool) -> Result<tokenizers::Encoding> {
@@ -418,7 +459,7 @@ impl Formatter {
                 let from = p.len();
                 self.encode_trained_from(&(p + &c), from)?
             }
-            Record::Conversation(m) => match self.render_conversation(&m, index)? {
+            Record::Conversation(m, vars) => match self.render_conversation_with(&m, &vars, index)? {
                 Ok(ex) => ex,
                 Err(b) => return Ok(Err(b)),
             },
@@ -439,10 +480,15 @@ impl Formatter {
     /// in it ([`assistant_spans`]). A template error, or an assistant turn that cannot be
     /// found, makes the record bad (reported, or skipped with on_bad_record = "skip").
     pub fn render_conversation(&self, m: &[Message], index: u64) -> Result<std::result::Result<Example, BadRecord>> {
+        self.render_conversation_with(m, &Default::default(), index)
+    }
+
+    /// [`Self::render_conversation`] with template variables beside the conversation.
+    pub fn render_conversation_with(&self, m: &[Message], vars: &crate::chat::Vars, index: u64) -> Result<std::result::Result<Example, BadRecord>> {
         let Template::Chat(t) = &self.template else {
             return Ok(Err(BadRecord(format!("row {index}: the template cannot render conversations"))));
         };
-        let text = match t.render(m, false) {
+        let text = match t.render_with(m, vars, false) {
             Ok(s) => s,
             Err(e) => return Ok(Err(BadRecord(format!("row {index}: {e}")))),
         };
@@ -452,7 +498,7 @@ impl Formatter {
         let spans = if self.train_on_prompt {
             Vec::new()
         } else {
-            match assistant_spans(t, m, &text, kept.min(tokenized), enc.get_offsets()) {
+            match assistant_spans(t, m, vars, &text, kept.min(tokenized), enc.get_offsets()) {
                 Ok(s) => s,
                 Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
             }
@@ -461,7 +507,13 @@ impl Formatter {
         let labels = ids
             .iter()
             .zip(enc.get_offsets())
-            .map(|(&id, &(start, _))| if self.train_on_prompt || spans.iter().any(|s| s.contains(&start)) { id as i64 } else { IGNORE })
+            // A token that starts in a span, or straddles its start (a span found by bytes may
+            // start inside a token: "<" shared by a generation prompt and a tool call's first
+            // special token), is trained.
+            .map(|(&id, &(start, end))| {
+                let trained = spans.iter().any(|s| s.contains(&start) || (start < s.start && s.start < end));
+                if self.train_on_prompt || trained { id as i64 } else { IGNORE }
+            })
             .collect();
         Ok(Ok(Example::new(ids, labels)))
     }
@@ -497,8 +549,8 @@ fn char_floor(s: &str, n: usize) -> usize {
 /// or after the generation prompt where all of that is there, and ends with its end-of-turn
 /// marker: what the template writes after the content when the turn is the last one, as far
 /// as `text` has it.
-fn assistant_spans(t: &ChatTemplate, m: &[Message], text: &str, limit: usize, tokens: &[(usize, usize)]) -> std::result::Result<Vec<std::ops::Range<usize>>, String> {
-    let render = |msgs: &[Message], prompt: bool| t.render(msgs, prompt).map_err(|e| e.to_string());
+fn assistant_spans(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, text: &str, limit: usize, tokens: &[(usize, usize)]) -> std::result::Result<Vec<std::ops::Range<usize>>, String> {
+    let render = |msgs: &[Message], prompt: bool| t.render_with(msgs, vars, prompt).map_err(|e| e.to_string());
     let mut spans = Vec::new();
     for (i, msg) in m.iter().enumerate().filter(|(_, msg)| msg.role == "assistant") {
         let prompt = render(&m[..i], true)?;
@@ -521,14 +573,28 @@ fn assistant_spans(t: &ChatTemplate, m: &[Message], text: &str, limit: usize, to
         // prefix and suffix run into a content that starts or ends like its surroundings).
         let mut marked = m.to_vec();
         marked[i] = msg.with_content(PLACEHOLDER);
-        let (from, to) = differing(text, &render(&marked, false)?);
-        if to <= from {
+        let marked_text = render(&marked, false)?;
+        let (from, to) = differing(text, &marked_text);
+        // (An empty content, or one the template renders as nothing, such as R1's reasoning
+        // alone, is found where the placeholder goes: from == to.)
+        if to < from || marked_text == text {
             return Err(format!("assistant turn {i} cannot be found in the chat template's rendering of the conversation (set data.train_on_prompt = true, or choose data.template)"));
         }
-        // Where the generation prompt is not all there (R1's "<think>\n", or a template that
-        // writes a system prompt with the first turn when the conversation opens with the
-        // assistant), the turn's own text starts with its content.
-        let start = if start == prompt.len() { start.min(from) } else { from };
+        // Where the generation prompt is not all there (R1's "<think>\n"), the turn starts
+        // where the text leaves it, so what the template writes in the turn before its content
+        // (R1-Distill's tool calls) is trained, as long as the conversation before the turn
+        // renders as it does without it. Where the whole generation prompt stands right before
+        // the content, only moved (a template that writes a system prompt with the first turn
+        // when the conversation opens with the assistant), the turn starts with its content.
+        let before = render(&m[..i], false)?;
+        let generation_prompt = prompt.strip_prefix(before.as_str()).unwrap_or("");
+        let start = if start == prompt.len() {
+            start.min(from)
+        } else if !text[..from].ends_with(generation_prompt) && text.starts_with(&before) && start >= before.len() && start <= from {
+            start
+        } else {
+            from
+        };
         let end = if ends_as_rendered && through.len() > to {
             through.len()
         } else {

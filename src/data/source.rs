@@ -892,6 +892,20 @@ impl RowRef<'_> {
         }
     }
 
+    /// Any cell as JSON (an Arrow struct as an object, a list as an array); `None` when the
+    /// column is absent or the cell is null.
+    pub fn json(&self, column: &str) -> Result<Option<serde_json::Value>> {
+        match &self.row {
+            Row::BadLine { .. } => Err(self.bad_line_err()),
+            Row::Json { fields, .. } => Ok(fields.get(column).filter(|v| !v.is_null()).cloned()),
+            Row::Arrow { batch, row } => {
+                let Some(col) = batch.column_by_name(column) else { return Ok(None) };
+                let v = arrow_json_value(col.as_ref(), *row).map_err(|t| self.err(column, format!("holds {t}, which has no JSON form")))?;
+                Ok(Some(v).filter(|v| !v.is_null()))
+            }
+        }
+    }
+
     /// A string cell; `None` when the column is absent or the cell is null.
     pub fn string(&self, column: &str) -> Result<Option<String>> {
         match &self.row {

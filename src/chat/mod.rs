@@ -1,8 +1,11 @@
 //! Chat templates: the model's own Jinja `chat_template` (tokenizer_config.json or
 //! chat_template.jinja) rendered with minijinja the way transformers' `apply_chat_template`
 //! does: `messages`, `add_generation_prompt`, the special tokens as variables,
-//! `raise_exception`, and Python string methods (`.strip()`, `.startswith()`, ...) with
-//! Python's whitespace and line breaks (`python_string_methods`).
+//! `raise_exception`, `tools` and `documents` (None unless a record has `tools`), a record's
+//! `chat_template_kwargs` as TRL passes them, jinja2's loop controls, dicts in insertion
+//! order, and Python's string methods and transformers' `tojson` (`python.rs`).
+
+mod python;
 
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
@@ -37,11 +40,21 @@ impl Message {
     }
 }
 
+/// Template variables beyond the conversation, by name (a record's `tools`, its
+/// `chat_template_kwargs`).
+pub type Vars = serde_json::Map<String, serde_json::Value>;
+
+/// Names `apply_chat_template` binds itself: a record's `chat_template_kwargs` cannot set them.
+pub const RESERVED_VARS: &[&str] = &["messages", "add_generation_prompt", "tools", "documents", "conversation", "chat_template", "continue_final_message", "tokenize"];
+
 pub struct ChatTemplate {
     source: String,
     origin: PathBuf,
     bos_token: String,
     eos_token: String,
+    /// tokenizer_config.json's other special tokens (`unk_token`, `pad_token`, ...), which
+    /// transformers also hands the template.
+    other_tokens: Vec<(String, String)>,
     /// Why this template cannot be used (kept rather than failing at load, so a model whose
     /// template is unusable still loads for plain generation).
     problem: Option<String>,
@@ -53,13 +66,20 @@ fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// `bos_token` and `eos_token` of a tokenizer_config.json (plain strings or {content: ...}).
+/// A special token of a tokenizer_config.json (a plain string or {content: ...}).
+fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
+    let t = cfg.get(key)?;
+    t.as_str().map(String::from).or_else(|| t.get("content").and_then(|c| c.as_str()).map(String::from))
+}
+
+/// `bos_token` and `eos_token` of a tokenizer_config.json.
 pub fn special_tokens(cfg: &serde_json::Value) -> (Option<String>, Option<String>) {
-    let get = |k: &str| {
-        let t = cfg.get(k)?;
-        t.as_str().map(String::from).or_else(|| t.get("content").and_then(|c| c.as_str()).map(String::from))
-    };
-    (get("bos_token"), get("eos_token"))
+    (special_token(cfg, "bos_token"), special_token(cfg, "eos_token"))
+}
+
+/// The special tokens other than BOS and EOS that tokenizer_config.json names.
+fn other_special_tokens(cfg: &serde_json::Value) -> Vec<(String, String)> {
+    ["unk_token", "sep_token", "pad_token", "cls_token", "mask_token"].iter().filter_map(|k| Some((k.to_string(), special_token(cfg, k)?))).collect()
 }
 
 impl ChatTemplate {
@@ -73,10 +93,11 @@ impl ChatTemplate {
         };
         let (bos, eos) = special_tokens(&cfg);
         let (bos_token, eos_token) = (bos.unwrap_or_default(), eos.unwrap_or_default());
+        let other_tokens = other_special_tokens(&cfg);
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
             let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
-            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token, problem: None, now: unix_now() }));
+            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token, other_tokens, problem: None, now: unix_now() }));
         }
         let source = match cfg.get("chat_template") {
             Some(serde_json::Value::String(s)) => s.clone(),
@@ -98,15 +119,23 @@ impl ChatTemplate {
             }
             _ => return Ok(None),
         };
-        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token, problem: None, now: unix_now() }))
+        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token, other_tokens, problem: None, now: unix_now() }))
     }
 
     fn unusable(origin: PathBuf, problem: String) -> Self {
-        ChatTemplate { source: String::new(), origin, bos_token: String::new(), eos_token: String::new(), problem: Some(problem), now: 0 }
+        ChatTemplate { source: String::new(), origin, bos_token: String::new(), eos_token: String::new(), other_tokens: Vec::new(), problem: Some(problem), now: 0 }
     }
 
     pub fn from_source(source: &str, bos_token: &str, eos_token: &str) -> Self {
-        ChatTemplate { source: source.into(), origin: PathBuf::from("(built-in)"), bos_token: bos_token.into(), eos_token: eos_token.into(), problem: None, now: unix_now() }
+        ChatTemplate {
+            source: source.into(),
+            origin: PathBuf::from("(built-in)"),
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+            other_tokens: Vec::new(),
+            problem: None,
+            now: unix_now(),
+        }
     }
 
     /// What `strftime_now` formats (seconds since the epoch): a resumed run renders with the
@@ -128,11 +157,20 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, &Vars::new(), add_generation_prompt)
+    }
+
+    /// Render with template variables `vars` beside the conversation (a record's `tools`
+    /// and `chat_template_kwargs`), as transformers' `apply_chat_template` renders.
+    pub fn render_with(&self, messages: &[Message], vars: &Vars, add_generation_prompt: bool) -> Result<String> {
+        use minijinja::Value;
         self.usable()?;
         let err = |e: minijinja::Error| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {e}") };
         let mut env = minijinja::Environment::new();
-        env.set_unknown_method_callback(python_string_methods);
-        env.add_filter("trim", |s: String, chars: Option<String>| trim(&s, chars.as_deref(), true, true));
+        env.set_unknown_method_callback(python::string_methods);
+        env.add_filter("trim", |s: String, chars: Option<String>| python::trim(&s, chars.as_deref(), true, true));
+        env.add_filter("tojson", python::tojson);
+        env.set_formatter(python::formatter);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
@@ -143,99 +181,39 @@ impl ChatTemplate {
         // transformers renders with jinja2's trim_blocks and lstrip_blocks on.
         let syntax = minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(err)?;
         env.set_syntax(syntax);
-        let source = without_generation_tags(&self.source);
+        // jinja2 reads every line break of a template (\r\n, \r) as \n.
+        let source = without_generation_tags(&self.source).replace("\r\n", "\n").replace('\r', "\n");
         env.add_template("chat", &source).map_err(err)?;
         let t = env.get_template("chat").map_err(err)?;
-        t.render(minijinja::context! {
-            messages => messages
-                .iter()
-                .map(|m| {
-                    let mut o: std::collections::BTreeMap<String, minijinja::Value> = m.extra.iter().map(|(k, v)| (k.clone(), jinja_value(v))).collect();
-                    o.insert("role".into(), m.role.clone().into());
-                    if !m.extra.contains_key("content") {
-                        o.insert("content".into(), m.content.clone().into());
-                    }
-                    minijinja::Value::from_object(o)
-                })
-                .collect::<Vec<_>>(),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.clone(),
-            eos_token => self.eos_token.clone(),
-        })
-        .map_err(err)
-    }
-}
-
-/// Whitespace as Python's `str.isspace` has it (jinja2's `trim` and `.strip()` are Python's):
-/// Rust's `char::is_whitespace` plus the ASCII separators 0x1c-0x1f.
-fn py_space(c: char) -> bool {
-    c.is_whitespace() || ('\x1c'..='\x1f').contains(&c)
-}
-
-/// `s.strip(chars)` / `.lstrip` / `.rstrip` (`left`, `right`): `chars` or Python's whitespace.
-fn trim(s: &str, chars: Option<&str>, left: bool, right: bool) -> String {
-    let strip = |c: char| chars.map_or_else(|| py_space(c), |set| set.contains(c));
-    let s = if left { s.trim_start_matches(strip) } else { s };
-    let s = if right { s.trim_end_matches(strip) } else { s };
-    s.to_string()
-}
-
-/// minijinja-contrib's Python string methods, with Python's whitespace and line boundaries
-/// where they differ from Rust's: `strip`/`lstrip`/`rstrip` without arguments, `split()`
-/// without a separator, and `splitlines` (which also breaks at \r, \v, \f, 0x1c-0x1e,
-/// 0x85, U+2028 and U+2029, where Rust's `lines` breaks at \n only).
-fn python_string_methods(state: &mut minijinja::State, value: &minijinja::Value, method: &str, args: &[minijinja::Value]) -> std::result::Result<minijinja::Value, minijinja::Error> {
-    use minijinja::value::from_args;
-    let Some(s) = value.as_str() else {
-        return minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args);
-    };
-    match method {
-        "strip" | "lstrip" | "rstrip" => {
-            let (chars,): (Option<&str>,) = from_args(args)?;
-            Ok(trim(s, chars, method != "rstrip", method != "lstrip").into())
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                // A message's keys in the record's order (Python dicts keep it): role and
+                // content first, as records have them, then the others.
+                let mut o: indexmap::IndexMap<Value, Value> = indexmap::IndexMap::new();
+                o.insert("role".into(), m.role.clone().into());
+                if !m.extra.contains_key("content") {
+                    o.insert("content".into(), m.content.clone().into());
+                }
+                o.extend(m.extra.iter().map(|(k, v)| (Value::from(k.clone()), jinja_value(v))));
+                Value::from_object(o)
+            })
+            .collect();
+        let mut ctx: indexmap::IndexMap<Value, Value> = indexmap::IndexMap::new();
+        ctx.insert("messages".into(), Value::from(messages));
+        ctx.insert("tools".into(), Value::from(()));
+        ctx.insert("documents".into(), Value::from(()));
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        ctx.insert("bos_token".into(), self.bos_token.clone().into());
+        ctx.insert("eos_token".into(), self.eos_token.clone().into());
+        for (k, v) in &self.other_tokens {
+            ctx.insert(k.clone().into(), v.clone().into());
         }
-        "split" if args.first().is_none_or(|a| a.is_none()) => {
-            let (_, max): (Option<minijinja::Value>, Option<i64>) = from_args(args)?;
-            Ok(split_whitespace(s, max.filter(|&m| m >= 0).map(|m| m as usize)).into_iter().map(minijinja::Value::from).collect())
+        for (k, v) in vars {
+            ctx.insert(k.clone().into(), jinja_value(v));
         }
-        "splitlines" => {
-            let (keepends,): (Option<bool>,) = from_args(args)?;
-            Ok(splitlines(s, keepends.unwrap_or(false)).into_iter().map(minijinja::Value::from).collect())
-        }
-        _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
+        t.render(Value::from_object(ctx)).map_err(err)
     }
-}
-
-/// Python's `s.split(None, max)`: runs of whitespace separate, none at the ends.
-fn split_whitespace(s: &str, max: Option<usize>) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = s.trim_start_matches(py_space);
-    while !rest.is_empty() {
-        if max.is_some_and(|m| out.len() == m) {
-            out.push(rest.to_string());
-            break;
-        }
-        let end = rest.find(py_space).unwrap_or(rest.len());
-        out.push(rest[..end].to_string());
-        rest = rest[end..].trim_start_matches(py_space);
-    }
-    out
-}
-
-/// Python's `s.splitlines(keepends)`.
-fn splitlines(s: &str, keepends: bool) -> Vec<String> {
-    let boundary = |c: char| matches!(c, '\n' | '\r' | '\x0b' | '\x0c' | '\x1c' | '\x1d' | '\x1e' | '\u{85}' | '\u{2028}' | '\u{2029}');
-    let mut out = Vec::new();
-    let mut rest = s;
-    while let Some(i) = rest.find(boundary) {
-        let end = if rest[i..].starts_with("\r\n") { i + 2 } else { i + rest[i..].chars().next().map_or(1, char::len_utf8) };
-        out.push(rest[..if keepends { end } else { i }].to_string());
-        rest = &rest[end..];
-    }
-    if !rest.is_empty() {
-        out.push(rest.to_string());
-    }
-    out
 }
 
 /// `source` with transformers' `{% generation %}` ... `{% endgeneration %}` (its jinja extension
@@ -291,7 +269,7 @@ fn jinja_value(v: &serde_json::Value) -> minijinja::Value {
         },
         serde_json::Value::String(s) => Value::from(s.clone()),
         serde_json::Value::Array(a) => a.iter().map(jinja_value).collect(),
-        serde_json::Value::Object(o) => Value::from_object(o.iter().map(|(k, v)| (k.clone(), jinja_value(v))).collect::<std::collections::BTreeMap<String, Value>>()),
+        serde_json::Value::Object(o) => Value::from_object(o.iter().map(|(k, v)| (Value::from(k.clone()), jinja_value(v))).collect::<indexmap::IndexMap<Value, Value>>()),
     }
 }
 
