@@ -454,9 +454,10 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
     let adapter_file = |f: &str| f.contains("adapter_model");
     match e {
         E::Recipe { .. } => Some("fix the key in the recipe, or override it with --set section.key=value"),
-        // Says itself which sequence and which limit.
-        E::Model { what, .. } if what == "sequence length" => None,
-        E::Model { what, .. } if what.starts_with("lora.") => Some("fix the key in the recipe, or override it with --set section.key=value"),
+        // Say themselves which sequence or token and which limit.
+        E::Model { what, .. } if what == "sequence length" || what == "token ids" => None,
+        E::Model { what, .. } if what.starts_with("lora.") && recipe => Some("fix the key in the recipe, or override it with --set section.key=value"),
+        E::Model { what, .. } if what.starts_with("lora.") => Some("the adapter names modules this base does not have: use it with the base named in its adapter_config.json"),
         E::Model { .. } if recipe => {
             Some("model.path must name a local HF folder (config.json + *.safetensors), a llama.cpp .gguf file, or a hub repo id (org/name)")
         }

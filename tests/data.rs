@@ -417,31 +417,42 @@ fn r1_distill_tool_calls_are_trained_with_their_turn() {
     // writes a turn's tool calls before its content, after "<｜Assistant｜>", where the
     // generation prompt has "<｜Assistant｜><think>\n": the calls were left untrained (found by
     // content), the first special token of a null-content turn too (the span began one byte
-    // into it), and a turn with empty content was refused.
-    let d = tempfile::tempdir().unwrap();
-    let m = smol_tokenizer_model(d.path());
+    // into it), and a turn with empty content was refused. With a tokenizer that has no tool
+    // tokens (R1-Distill's own), the "<" opening the calls is a token of its own, which the
+    // generation prompt's "<think>" also opens: it was left untrained.
     let specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"];
-    let tj = m.join("tokenizer.json");
-    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
-    for (i, s) in specials.iter().enumerate() {
-        t["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({"id": 49152 + i, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
-    }
-    std::fs::write(&tj, t.to_string()).unwrap();
-    std::fs::copy(fixture("chat-templates/r1-tools.jinja"), m.join("chat_template.jinja")).unwrap();
-    let f = Formatter::new("messages", None, &Default::default(), false, &m, 49152 + specials.len()).unwrap();
-    let call = serde_json::json!([{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]);
-    let calls = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>";
-    let answer = "It is sunny.<｜end▁of▁sentence｜>";
-    for (content, own) in [(serde_json::Value::Null, String::new()), ("Let me check.".into(), "<｜Assistant｜>Let me check.<｜end▁of▁sentence｜>".to_string()), ("".into(), "<｜Assistant｜><｜end▁of▁sentence｜>".to_string())] {
-        let mut turn = match content.as_str() {
-            Some(c) => Message::new("assistant", c),
-            None => Message::without_content("assistant"),
-        };
-        turn.extra.insert("tool_calls".into(), call.clone());
-        let msgs = [Message::new("user", "Weather in Paris?"), turn, Message::new("tool", "sunny"), Message::new("assistant", "It is sunny.")];
-        let ex = f.render_conversation(&msgs, 0).unwrap().unwrap_or_else(|b| panic!("{content}: {}", b.0));
-        let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
-        assert_eq!(f.decode(&trained), format!("{calls}{own}{answer}"), "content {content}");
+    for n_special in [specials.len(), 4] {
+        let d = tempfile::tempdir().unwrap();
+        let m = smol_tokenizer_model(d.path());
+        let tj = m.join("tokenizer.json");
+        let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
+        for (i, s) in specials[..n_special].iter().enumerate() {
+            t["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({"id": 49152 + i, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+        }
+        std::fs::write(&tj, t.to_string()).unwrap();
+        std::fs::copy(fixture("chat-templates/r1-tools.jinja"), m.join("chat_template.jinja")).unwrap();
+        let f = Formatter::new("messages", None, &Default::default(), false, &m, 49152 + n_special).unwrap();
+        let call = serde_json::json!([{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]);
+        let calls = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>";
+        let answer = "It is sunny.<｜end▁of▁sentence｜>";
+        for (content, own) in [(serde_json::Value::Null, String::new()), ("Let me check.".into(), "<｜Assistant｜>Let me check.<｜end▁of▁sentence｜>".to_string()), ("".into(), "<｜Assistant｜><｜end▁of▁sentence｜>".to_string())] {
+            let mut turn = match content.as_str() {
+                Some(c) => Message::new("assistant", c),
+                None => Message::without_content("assistant"),
+            };
+            turn.extra.insert("tool_calls".into(), call.clone());
+            let msgs = [Message::new("user", "Weather in Paris?"), turn, Message::new("tool", "sunny"), Message::new("assistant", "It is sunny.")];
+            let ex = f.render_conversation(&msgs, 0).unwrap().unwrap_or_else(|b| panic!("{content}: {}", b.0));
+            let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+            let trained = f.decode(&trained);
+            if n_special == specials.len() {
+                assert_eq!(trained, format!("{calls}{own}{answer}"), "content {content}");
+            } else {
+                // (Plain-text tool markers may merge with what follows the turn: only the start
+                // is exact here.)
+                assert!(trained.starts_with("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"), "content {content}: {trained}");
+            }
+        }
     }
 }
 

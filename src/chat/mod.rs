@@ -195,7 +195,11 @@ impl ChatTemplate {
                 if !m.extra.contains_key("content") {
                     o.insert("content".into(), m.content.clone().into());
                 }
-                o.extend(m.extra.iter().map(|(k, v)| (Value::from(k.clone()), jinja_value(v))));
+                // Keys whose value is None are left out, as transformers 5 leaves them out
+                // (Arrow gives every message every key any message has: `tool_calls: None`
+                // on plain turns, which `'tool_calls' in message` templates would render as
+                // tool calls), except `content`, whose None marks a tool-call turn.
+                o.extend(m.extra.iter().filter(|(k, v)| !v.is_null() || k.as_str() == "content").map(|(k, v)| (Value::from(k.clone()), jinja_value(v))));
                 Value::from_object(o)
             })
             .collect();

@@ -554,7 +554,19 @@ fn assistant_spans(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, te
     let mut spans = Vec::new();
     for (i, msg) in m.iter().enumerate().filter(|(_, msg)| msg.role == "assistant") {
         let prompt = render(&m[..i], true)?;
-        let start = common_prefix(text, &prompt);
+        let before = render(&m[..i], false)?;
+        let mut start = common_prefix(text, &prompt);
+        if start < prompt.len() && prompt.starts_with(&before) {
+            // Bytes agree by chance past the role header: "<" opens both R1's "<think>" and
+            // its tool calls, which tokenizers without DeepSeek's tool tokens split off as a
+            // token of its own. The header ends where a plain turn leaves the generation prompt.
+            let mut plain = m[..i].to_vec();
+            plain.push(Message::new("assistant", PLACEHOLDER));
+            let header = common_prefix(&render(&plain, false)?, &prompt);
+            if (before.len()..start).contains(&header) {
+                start = header;
+            }
+        }
         if start >= limit {
             break;
         }
@@ -586,7 +598,6 @@ fn assistant_spans(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, te
         // renders as it does without it. Where the whole generation prompt stands right before
         // the content, only moved (a template that writes a system prompt with the first turn
         // when the conversation opens with the assistant), the turn starts with its content.
-        let before = render(&m[..i], false)?;
         let generation_prompt = prompt.strip_prefix(before.as_str()).unwrap_or("");
         let start = if start == prompt.len() {
             start.min(from)

@@ -89,7 +89,7 @@ pub fn shard_files(spec: &Path, split: Split) -> Result<Vec<PathBuf>> {
         return Ok(vec![path.to_path_buf()]);
     }
     if !path.is_dir() {
-        return Err(Error::data(path, "does not exist (check data.train)"));
+        return Err(Error::data(path, "does not exist"));
     }
     let state = path.join("state.json");
     if state.is_file() {

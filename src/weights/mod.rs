@@ -544,7 +544,8 @@ impl RowTable {
         let mut buf = vec![0u8; ids.len() * row];
         for (dst, &id) in buf.chunks_exact_mut(row.max(1)).zip(ids) {
             if id as usize >= self.rows {
-                return Err(Error::Train(format!("token id {id} is past the {} rows of `{}` (the model's vocab_size)", self.rows, self.name)));
+                let msg = format!("token id {id} is past the {} rows of `{}` (the model's vocab_size; a tokenizer of another model?)", self.rows, self.name);
+                return Err(Error::Model { what: "token ids".into(), msg });
             }
             self.file.read_exact_at(dst, self.offset + (id as usize * row) as u64).map_err(|e| Error::io(&self.path, e))?;
         }
