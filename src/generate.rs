@@ -32,6 +32,9 @@ pub struct Generator {
     pub adapters: Adapters,
     pub tokenizer: tokenizers::Tokenizer,
     pub chat: Option<ChatTemplate>,
+    /// Variables the chat template is given beside the conversation (`--chat-template-kwargs`:
+    /// DeepSeek-V3.1's `thinking`, Qwen3's `enable_thinking`).
+    pub chat_vars: crate::chat::Vars,
     stop: Vec<u32>,
     tok_path: std::path::PathBuf,
 }
@@ -64,7 +67,7 @@ impl Generator {
                 stop.push(id);
             }
         }
-        Ok(Generator { model: llama, adapters, tokenizer, chat, stop, tok_path })
+        Ok(Generator { model: llama, adapters, tokenizer, chat, chat_vars: Default::default(), stop, tok_path })
     }
 
     /// The model (f32 compute) with an optional PEFT adapter, without a tokenizer (what
@@ -102,6 +105,19 @@ impl Generator {
     }
 
     /// Adapters that change nothing (for the base model's answers).
+    /// Set the chat template's variables from `--chat-template-kwargs` (a JSON object, as
+    /// transformers' `apply_chat_template(**kwargs)` takes them).
+    pub fn set_chat_template_kwargs(&mut self, json: &str) -> Result<()> {
+        let bad = |msg: String| Error::Generate(format!("--chat-template-kwargs: {msg}"));
+        let v: serde_json::Value = serde_json::from_str(json).map_err(|e| bad(format!("not JSON ({e}); expected an object such as '{{\"thinking\": true}}'")))?;
+        let serde_json::Value::Object(vars) = v else { return Err(bad(format!("expected a JSON object of template variables, got {v}"))) };
+        if let Some(k) = vars.keys().find(|k| crate::chat::RESERVED_VARS.contains(&k.as_str())) {
+            return Err(bad(format!("`{k}` is set by finetune itself")));
+        }
+        self.chat_vars = vars;
+        Ok(())
+    }
+
     pub fn no_adapters(&self) -> Result<Adapters> {
         Adapters::none(&self.model.cfg)
     }
@@ -111,7 +127,7 @@ impl Generator {
         let t = self.chat.as_ref().ok_or_else(|| {
             Error::Generate(format!("--chat: {} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja); drop --chat to use the prompt as plain text", self.tok_path.parent().unwrap_or(&self.tok_path).display()))
         })?;
-        t.render(&[Message::new("user", user)], true)
+        t.render_with(&[Message::new("user", user)], &self.chat_vars, true)
     }
 
     /// Token ids of text the chat template rendered: no special tokens added (the template

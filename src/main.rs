@@ -77,6 +77,10 @@ enum Command {
         /// Wrap the prompt as a user turn in the model's chat template.
         #[arg(long)]
         chat: bool,
+        /// With --chat: template variables as a JSON object, e.g. '{"thinking": true}'
+        /// (DeepSeek-V3.1) or '{"enable_thinking": false}' (Qwen3).
+        #[arg(long, requires = "chat")]
+        chat_template_kwargs: Option<String>,
         #[arg(long, default_value_t = 128)]
         max_new_tokens: usize,
         /// 0 = greedy.
@@ -114,6 +118,9 @@ enum Command {
         /// Wrap prompts in the model's chat template instead of the Alpaca prompt.
         #[arg(long)]
         chat: bool,
+        /// With --chat: template variables as a JSON object, e.g. '{"thinking": true}'.
+        #[arg(long, requires = "chat")]
+        chat_template_kwargs: Option<String>,
     },
     /// Write <run>/report.html and <run>/loss.png: the loss (and eval loss) against steps and
     /// tokens with the learning rate, the recipe, data statistics, throughput and memory.
@@ -387,10 +394,13 @@ fn logits(model: &str, adapter: Option<&std::path::Path>, tokens: &str) -> anyho
     Ok(())
 }
 
-fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, max_new_tokens: usize, chat: bool) -> anyhow::Result<()> {
+fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, max_new_tokens: usize, chat: bool, chat_kwargs: Option<&str>) -> anyhow::Result<()> {
     use finetune::data::source::Rows;
     let dir = finetune::weights::ModelDir::resolve(model, std::path::Path::new("."))?;
-    let g = finetune::generate::Generator::load(&dir, adapter)?;
+    let mut g = finetune::generate::Generator::load(&dir, adapter)?;
+    if let Some(k) = chat_kwargs {
+        g.set_chat_template_kwargs(k)?;
+    }
     let base = g.no_adapters()?;
     let mut rows = Rows::open(data)?;
     rows.require_columns(&["instruction", "output"])?;
@@ -625,9 +635,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let r = finetune::gguf::import(&gguf, &out, dtype, limit)?;
             finetune::note!("imported {} tensors into {} ({} shard(s))", r.tensors, out.display(), r.shards);
         }
-        (Some(Command::Generate { model, adapter, prompt, chat, max_new_tokens, temperature, top_p, seed }), _) => {
+        (Some(Command::Generate { model, adapter, prompt, chat, chat_template_kwargs, max_new_tokens, temperature, top_p, seed }), _) => {
             let dir = finetune::weights::ModelDir::resolve(&model, std::path::Path::new("."))?;
-            let g = finetune::generate::Generator::load(&dir, adapter.as_deref())?;
+            let mut g = finetune::generate::Generator::load(&dir, adapter.as_deref())?;
+            if let Some(k) = &chat_template_kwargs {
+                g.set_chat_template_kwargs(k)?;
+            }
             let opts = finetune::generate::SampleOptions { max_new_tokens, temperature, top_p, seed };
             println!("{}", g.generate(&prompt, chat, &opts)?);
         }
@@ -637,7 +650,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         (Some(Command::Plan { recipe, world_size, overrides }), _) => plan(&recipe, &world_size, &overrides)?,
         (Some(Command::Logits { model, adapter, tokens }), _) => logits(&model, adapter.as_deref(), &tokens)?,
-        (Some(Command::Eval { model, adapter, data, max_new_tokens, chat }), _) => eval(&model, adapter.as_deref(), &data, max_new_tokens, chat)?,
+        (Some(Command::Eval { model, adapter, data, max_new_tokens, chat, chat_template_kwargs }), _) => {
+            eval(&model, adapter.as_deref(), &data, max_new_tokens, chat, chat_template_kwargs.as_deref())?
+        }
         (Some(Command::Synth { out, shape, arch, rows, tie, seq_min, seq_max, seed, dtype, gguf }), _) => {
             synth(&out, (&shape, &arch, &dtype), rows, tie, (seq_min, seq_max), seed, gguf.as_deref())?
         }

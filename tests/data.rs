@@ -215,6 +215,22 @@ fn generate_feeds_a_plain_prompt_with_bos_as_it_was_trained() {
 }
 
 #[test]
+fn generate_chat_template_kwargs_reach_the_template() {
+    // DeepSeek-V3.1's shape: the generation prompt opens <think> only with thinking = true.
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = spm_tokenizer_model(d.path());
+    std::fs::write(m.join("chat_template.jinja"), "{% for m in messages %}U:{{ m.content }}{% endfor %}{% if add_generation_prompt %}A:{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}").unwrap();
+    let mut g = finetune::generate::Generator::load(&finetune::weights::ModelDir::resolve(m.to_str().unwrap(), Path::new(".")).unwrap(), None).unwrap();
+    assert_eq!(g.chat_prompt("hi").unwrap(), "U:hiA:</think>");
+    g.set_chat_template_kwargs(r#"{"thinking": true}"#).unwrap();
+    assert_eq!(g.chat_prompt("hi").unwrap(), "U:hiA:<think>");
+    for (bad, says) in [("[1]", "expected a JSON object"), ("{thinking}", "not JSON"), (r#"{"add_generation_prompt": false}"#, "set by finetune itself")] {
+        let e = g.set_chat_template_kwargs(bad).unwrap_err().to_string();
+        assert!(e.contains("--chat-template-kwargs") && e.contains(says), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn pretokenized_rows_take_trls_masks_and_drop_padding() {
     // What SFTTrainer's tokenized datasets hold: no labels, a completion_mask (or
     // assistant_masks), and an attention_mask whose zeros are padding.
