@@ -506,6 +506,44 @@ fn a_tool_call_turn_with_null_content_renders_its_calls() {
 }
 
 #[test]
+fn conversational_prompt_completion_trains_the_completion_as_trl_does() {
+    // tests/fixtures/chat-templates/prompt-completion.json (prompt_completion.py): TRL's
+    // tokenization of `prompt` / `completion` lists of messages: everything after the prompt
+    // rendered with its generation prompt is trained, the completion's tool turn included.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("chat-templates/prompt-completion.json")).unwrap()).unwrap();
+    let p = d.path().join("pc.jsonl");
+    write_jsonl(&p, &f.as_array().unwrap().iter().map(|c| c["record"].to_string()).collect::<Vec<_>>());
+    let fmt = formatter(&m, "prompt_completion", None, false);
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    for c in f.as_array().unwrap() {
+        let (r, _) = rows.next_row().unwrap();
+        let ex = fmt.tokenize(fmt.read(&r).unwrap().unwrap_or_else(|b| panic!("{}", b.0)), 0).unwrap().unwrap_or_else(|b| panic!("{}", b.0));
+        let ids: Vec<u32> = serde_json::from_value(c["ids"].clone()).unwrap();
+        let mask: Vec<u8> = serde_json::from_value(c["completion_mask"].clone()).unwrap();
+        let labels: Vec<i64> = ids.iter().zip(&mask).map(|(&t, &k)| if k == 1 { t as i64 } else { IGNORE }).collect();
+        assert_eq!(ex.input_ids, ids, "{}", c["record"]);
+        assert_eq!(ex.labels, labels, "{}", c["record"]);
+    }
+    // A completion that does not open with the assistant, or a prompt list without a chat
+    // template, is a bad record naming why.
+    write_jsonl(&p, &[serde_json::json!({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "user", "content": "x"}]}).to_string()]);
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let (r, _) = rows.next_row().unwrap();
+    assert!(fmt.read(&r).unwrap().err().is_some_and(|b| b.0.contains("must open with an assistant turn")));
+    let raw = formatter(&m, "prompt_completion", Some("raw"), false);
+    assert!(raw.read(&r).unwrap().err().is_some_and(|b| b.0.contains("needs a chat template")));
+    // A cell of the wrong type: the record's message names the row and column, and leaves the
+    // file to the error that reports it (it was named twice).
+    write_jsonl(&p, &[serde_json::json!({"prompt": "hi", "completion": 5}).to_string()]);
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let (r, _) = rows.next_row().unwrap();
+    let b = fmt.read(&r).unwrap().err().unwrap().0;
+    assert!(b.starts_with("row 0 (line 1): column `completion`: expected a string"), "{b}");
+}
+
+#[test]
 fn a_records_tools_and_chat_template_kwargs_reach_the_template() {
     // As TRL's SFTTrainer passes them: apply_chat_template(messages, tools=row["tools"],
     // **row["chat_template_kwargs"]). tools may be JSON text, as datasets often store it.
@@ -702,7 +740,7 @@ fn record_formats_render_as_documented() {
     let m = smol_tokenizer_model(d.path());
     // prompt_completion through the model's chat template: only the completion (and end of turn) trained.
     let f = formatter(&m, "prompt_completion", None, false);
-    let ex = f.tokenize(Record::Conversation(vec![Message::new("user", "2+2?"), Message::new("assistant", "4")], Default::default()), 0).unwrap().ok().unwrap();
+    let ex = f.tokenize(Record::Conversation(vec![Message::new("user", "2+2?"), Message::new("assistant", "4")], Default::default(), None), 0).unwrap().ok().unwrap();
     let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
     assert_eq!(f.decode(&trained), "4<|im_end|>\n");
     // text: every token trained, EOS appended.

@@ -36,7 +36,7 @@ fn format_columns(format: &str) -> &'static [(&'static str, bool)] {
         "tokenized" => &[("input_ids", true), ("labels", false), ("attention_mask", false), ("completion_mask", false), ("assistant_masks", false)],
         "text" => &[("text", true)],
         "alpaca" => &[("instruction", true), ("input", false), ("output", true)],
-        "prompt_completion" => &[("prompt", true), ("completion", true)],
+        "prompt_completion" => &[("prompt", true), ("completion", true), ("tools", false), ("chat_template_kwargs", false)],
         // `tools` and `chat_template_kwargs` as TRL's SFTTrainer reads them: the template's
         // `tools` and extra variables (V3.1's `thinking`, Qwen3's `enable_thinking`).
         _ => &[("messages", true), ("tools", false), ("chat_template_kwargs", false)],
@@ -74,12 +74,25 @@ pub enum Record {
     Text(String),
     /// Single-turn prompt and answer (alpaca, prompt_completion).
     PromptCompletion(String, String),
-    /// A conversation and the template variables its record sets (`tools`, ...).
-    Conversation(Vec<Message>, crate::chat::Vars),
+    /// A conversation, the template variables its record sets (`tools`, ...), and where a
+    /// conversational prompt/completion record's completion starts (everything from there
+    /// is trained, as TRL trains it; `None`: a messages record, whose assistant turns are).
+    Conversation(Vec<Message>, crate::chat::Vars, Option<usize>),
 }
 
 /// Why a record could not be used (reported, and skipped with on_bad_record = "skip").
 pub struct BadRecord(pub String);
+
+impl BadRecord {
+    /// A row's read error as a bad record: its message without the file, which whoever
+    /// reports the record names once.
+    fn from_row_error(e: Error) -> Self {
+        match e {
+            Error::Data { msg, .. } => BadRecord(msg),
+            e => BadRecord(e.to_string()),
+        }
+    }
+}
 
 enum Template {
     Alpaca,
@@ -249,7 +262,7 @@ impl Formatter {
         if let Some(msg) = r.bad_line() {
             return Ok(Err(BadRecord(msg)));
         }
-        let bad = |e: Error| BadRecord(e.to_string());
+        let bad = BadRecord::from_row_error;
         let need = |c: &str| -> std::result::Result<String, BadRecord> {
             r.string(self.col(c)).map_err(bad)?.ok_or_else(|| BadRecord(format!("{}: `{}` is missing or null", r.at(), self.col(c))))
         };
@@ -321,10 +334,15 @@ impl Formatter {
                     Template::Raw => Record::PromptCompletion(if input.is_empty() { instruction } else { format!("{instruction}\n\n{input}") }, output),
                     Template::Chat(_) => {
                         let user = if input.is_empty() { instruction } else { format!("{instruction}\n\n{input}") };
-                        Record::Conversation(vec![Message::new("user", &user), Message::new("assistant", &output)], Default::default())
+                        Record::Conversation(vec![Message::new("user", &user), Message::new("assistant", &output)], Default::default(), None)
                     }
                 }
             }
+            // TRL's conversational prompt/completion: both columns lists of messages.
+            "prompt_completion" if matches!(r.json(self.col("prompt")), Ok(Some(serde_json::Value::Array(_)))) => match self.conversational_pair(r) {
+                Ok(rec) => rec,
+                Err(b) => return Ok(Err(b)),
+            },
             "prompt_completion" => {
                 let (p, c) = match (need("prompt"), need("completion")) {
                     (Ok(p), Ok(c)) => (p, c),
@@ -333,7 +351,7 @@ impl Formatter {
                 match self.template {
                     Template::Alpaca => Record::PromptCompletion(alpaca_prompt(&p, ""), c),
                     Template::Raw => Record::PromptCompletion(p, c),
-                    Template::Chat(_) => Record::Conversation(vec![Message::new("user", &p), Message::new("assistant", &c)], Default::default()),
+                    Template::Chat(_) => Record::Conversation(vec![Message::new("user", &p), Message::new("assistant", &c)], Default::default(), None),
                 }
             }
             _ => match r.messages(self.col("messages")) {
@@ -342,7 +360,7 @@ impl Formatter {
                         return Ok(Err(BadRecord(format!("{}: no assistant turn in `{}`", r.at(), self.col("messages")))));
                     }
                     match self.template_vars(r) {
-                        Ok(vars) => Record::Conversation(m, vars),
+                        Ok(vars) => Record::Conversation(m, vars, None),
                         Err(b) => return Ok(Err(b)),
                     }
                 }
@@ -352,6 +370,28 @@ impl Formatter {
         }))
     }
 
+    /// A conversational prompt/completion record (TRL's format: `prompt` and `completion`
+    /// lists of messages, the completion opening with the assistant) as one conversation
+    /// whose completion is trained.
+    fn conversational_pair(&self, r: &crate::data::source::RowRef) -> std::result::Result<Record, BadRecord> {
+        let (pc, cc) = (self.col("prompt"), self.col("completion"));
+        if !matches!(self.template, Template::Chat(_)) {
+            return Err(BadRecord(format!("{}: `{pc}` is a list of messages, which needs a chat template (data.template = \"model\" with a model that has one, or chatml / deepseek / llama3)", r.at())));
+        }
+        let list = |c: &str| match r.messages(c) {
+            Ok(Some(m)) => Ok(m),
+            Ok(None) => Err(BadRecord(format!("{}: `{c}` is missing or null", r.at()))),
+            Err(e) => Err(BadRecord::from_row_error(e)),
+        };
+        let (mut messages, completion) = (list(pc)?, list(cc)?);
+        if completion.first().is_none_or(|m| m.role != "assistant") {
+            return Err(BadRecord(format!("{}: `{cc}` must open with an assistant turn", r.at())));
+        }
+        let from = messages.len();
+        messages.extend(completion);
+        Ok(Record::Conversation(messages, self.template_vars(r)?, Some(from)))
+    }
+
     /// A messages record's template variables, as TRL's SFTTrainer passes them to
     /// `apply_chat_template`: `tools` (a list of tool schemas, or that list as JSON text, as
     /// datasets often store it) and the entries of `chat_template_kwargs` (an object).
@@ -359,7 +399,7 @@ impl Formatter {
         let bad = |msg: String| BadRecord(format!("{}: {msg}", r.at()));
         let mut vars = crate::chat::Vars::new();
         let (tools, kwargs) = (self.col("tools"), self.col("chat_template_kwargs"));
-        match r.json(tools).map_err(|e| BadRecord(e.to_string()))? {
+        match r.json(tools).map_err(BadRecord::from_row_error)? {
             None => {}
             Some(serde_json::Value::String(s)) => match serde_json::from_str::<serde_json::Value>(&s) {
                 Ok(v @ serde_json::Value::Array(_)) => {
@@ -372,7 +412,7 @@ impl Formatter {
             }
             Some(other) => return Err(bad(format!("`{tools}` must be a list of tool schemas, got {other}"))),
         }
-        match r.json(kwargs).map_err(|e| BadRecord(e.to_string()))? {
+        match r.json(kwargs).map_err(BadRecord::from_row_error)? {
             None => {}
             Some(serde_json::Value::Object(o)) => {
                 for (k, v) in o {
@@ -459,7 +499,7 @@ impl Formatter {
                 let from = p.len();
                 self.encode_trained_from(&(p + &c), from)?
             }
-            Record::Conversation(m, vars) => match self.render_conversation_with(&m, &vars, index)? {
+            Record::Conversation(m, vars, completion_from) => match self.render_conversation_with(&m, &vars, completion_from, index)? {
                 Ok(ex) => ex,
                 Err(b) => return Ok(Err(b)),
             },
@@ -480,11 +520,13 @@ impl Formatter {
     /// in it ([`assistant_spans`]). A template error, or an assistant turn that cannot be
     /// found, makes the record bad (reported, or skipped with on_bad_record = "skip").
     pub fn render_conversation(&self, m: &[Message], index: u64) -> Result<std::result::Result<Example, BadRecord>> {
-        self.render_conversation_with(m, &Default::default(), index)
+        self.render_conversation_with(m, &Default::default(), None, index)
     }
 
-    /// [`Self::render_conversation`] with template variables beside the conversation.
-    pub fn render_conversation_with(&self, m: &[Message], vars: &crate::chat::Vars, index: u64) -> Result<std::result::Result<Example, BadRecord>> {
+    /// [`Self::render_conversation`] with template variables beside the conversation; with
+    /// `completion_from`, a prompt/completion pair: the completion (messages from that index)
+    /// is trained from where its first turn starts to the end, as TRL trains it.
+    pub fn render_conversation_with(&self, m: &[Message], vars: &crate::chat::Vars, completion_from: Option<usize>, index: u64) -> Result<std::result::Result<Example, BadRecord>> {
         let Template::Chat(t) = &self.template else {
             return Ok(Err(BadRecord(format!("row {index}: the template cannot render conversations"))));
         };
@@ -498,7 +540,12 @@ impl Formatter {
         let spans = if self.train_on_prompt {
             Vec::new()
         } else {
-            match assistant_spans(t, m, vars, &text, kept.min(tokenized), enc.get_offsets()) {
+            let limit = kept.min(tokenized);
+            let spans = match completion_from {
+                Some(k) => turn_span(t, m, vars, k, &text, limit, enc.get_offsets()).map(|s| s.map(|s| s.start..text.len()).into_iter().collect()),
+                None => assistant_spans(t, m, vars, &text, limit, enc.get_offsets()),
+            };
+            match spans {
                 Ok(s) => s,
                 Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
             }
@@ -550,79 +597,88 @@ fn char_floor(s: &str, n: usize) -> usize {
 /// marker: what the template writes after the content when the turn is the last one, as far
 /// as `text` has it.
 fn assistant_spans(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, text: &str, limit: usize, tokens: &[(usize, usize)]) -> std::result::Result<Vec<std::ops::Range<usize>>, String> {
-    let render = |msgs: &[Message], prompt: bool| t.render_with(msgs, vars, prompt).map_err(|e| e.to_string());
     let mut spans = Vec::new();
-    for (i, msg) in m.iter().enumerate().filter(|(_, msg)| msg.role == "assistant") {
-        let prompt = render(&m[..i], true)?;
-        let before = render(&m[..i], false)?;
-        let mut start = common_prefix(text, &prompt);
-        if start < prompt.len() && prompt.starts_with(&before) {
-            // Bytes agree by chance past the role header: "<" opens both R1's "<think>" and
-            // its tool calls, which tokenizers without DeepSeek's tool tokens split off as a
-            // token of its own. The header ends where a plain turn leaves the generation prompt.
-            let mut plain = m[..i].to_vec();
-            plain.push(Message::new("assistant", PLACEHOLDER));
-            let header = common_prefix(&render(&plain, false)?, &prompt);
-            if (before.len()..start).contains(&header) {
-                start = header;
-            }
+    for i in (0..m.len()).filter(|&i| m[i].role == "assistant") {
+        match turn_span(t, m, vars, i, text, limit, tokens)? {
+            Some(s) => spans.push(s),
+            None => break,
         }
-        if start >= limit {
-            break;
-        }
-        let through = render(&m[..=i], false)?;
-        let ends_as_rendered = text.starts_with(&through);
-        // As rendered: after the whole generation prompt; or, for a turn with no content (a
-        // tool call), which cannot be found by its content below, from where the generation
-        // prompt stops agreeing (R1's "<think>\n" is not written before tool calls).
-        let no_content = msg.extra.get("content").is_some_and(serde_json::Value::is_null);
-        if (start == prompt.len() || no_content) && ends_as_rendered && through.len() > start {
-            spans.push(start..through.len());
-            continue;
-        }
-        // Found by its content: the whole conversation with this turn's content replaced by a
-        // character no template writes around it (an empty content would let the common
-        // prefix and suffix run into a content that starts or ends like its surroundings).
-        let mut marked = m.to_vec();
-        marked[i] = msg.with_content(PLACEHOLDER);
-        let marked_text = render(&marked, false)?;
-        let (from, to) = differing(text, &marked_text);
-        // (An empty content, or one the template renders as nothing, such as R1's reasoning
-        // alone, is found where the placeholder goes: from == to.)
-        if to < from || marked_text == text {
-            return Err(format!("assistant turn {i} cannot be found in the chat template's rendering of the conversation (set data.train_on_prompt = true, or choose data.template)"));
-        }
-        // Where the generation prompt is not all there (R1's "<think>\n"), the turn starts
-        // where the text leaves it, so what the template writes in the turn before its content
-        // (R1-Distill's tool calls) is trained, as long as the conversation before the turn
-        // renders as it does without it. Where the whole generation prompt stands right before
-        // the content, only moved (a template that writes a system prompt with the first turn
-        // when the conversation opens with the assistant), the turn starts with its content.
-        let generation_prompt = prompt.strip_prefix(before.as_str()).unwrap_or("");
-        let start = if start == prompt.len() {
-            start.min(from)
-        } else if !text[..from].ends_with(generation_prompt) && text.starts_with(&before) && start >= before.len() && start <= from {
-            start
-        } else {
-            from
-        };
-        let end = if ends_as_rendered && through.len() > to {
-            through.len()
-        } else {
-            // Its end-of-turn marker: what the template writes after the turn's content when
-            // the turn is the last one, as far as `text` has it.
-            let mut alone = m[..=i].to_vec();
-            alone[i] = msg.with_content(PLACEHOLDER);
-            let marker = &through[differing(&through, &render(&alone, false)?).1..];
-            let end = to + common_prefix(&text[to..], marker);
-            // A marker that agrees only in part may run into the next turn's first token
-            // (Phi-3's "<|end|>\n<|endoftext|>" against "<|end|>\n<|user|>" agree on "<|"):
-            // it ends where that token starts.
-            tokens.iter().find(|&&(s, e)| s >= to && s < end && end < e).map_or(end, |&(s, _)| s)
-        };
-        spans.push(start..end);
     }
     Ok(spans)
+}
+
+/// The byte span of assistant turn `i` of `m` in `text` (see [`assistant_spans`]); `None`
+/// when it starts at or past `limit`.
+fn turn_span(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize, text: &str, limit: usize, tokens: &[(usize, usize)]) -> std::result::Result<Option<std::ops::Range<usize>>, String> {
+    let render = |msgs: &[Message], prompt: bool| t.render_with(msgs, vars, prompt).map_err(|e| e.to_string());
+    let msg = &m[i];
+    let prompt = render(&m[..i], true)?;
+    let before = render(&m[..i], false)?;
+    let mut start = common_prefix(text, &prompt);
+    if start < prompt.len() && prompt.starts_with(&before) {
+        // Bytes agree by chance past the role header: "<" opens both R1's "<think>" and
+        // its tool calls, which tokenizers without DeepSeek's tool tokens split off as a
+        // token of its own. The header ends where a plain turn leaves the generation prompt.
+        let mut plain = m[..i].to_vec();
+        plain.push(Message::new("assistant", PLACEHOLDER));
+        let header = common_prefix(&render(&plain, false)?, &prompt);
+        if (before.len()..start).contains(&header) {
+            start = header;
+        }
+    }
+    if start >= limit {
+        return Ok(None);
+    }
+    let through = render(&m[..=i], false)?;
+    let ends_as_rendered = text.starts_with(&through);
+    // As rendered: after the whole generation prompt; or, for a turn with no content (a
+    // tool call), which cannot be found by its content below, from where the generation
+    // prompt stops agreeing (R1's "<think>\n" is not written before tool calls).
+    let no_content = msg.extra.get("content").is_some_and(serde_json::Value::is_null);
+    if (start == prompt.len() || no_content) && ends_as_rendered && through.len() > start {
+        return Ok(Some(start..through.len()));
+    }
+    // Found by its content: the whole conversation with this turn's content replaced by a
+    // character no template writes around it (an empty content would let the common
+    // prefix and suffix run into a content that starts or ends like its surroundings).
+    let mut marked = m.to_vec();
+    marked[i] = msg.with_content(PLACEHOLDER);
+    let marked_text = render(&marked, false)?;
+    let (from, to) = differing(text, &marked_text);
+    // (An empty content, or one the template renders as nothing, such as R1's reasoning
+    // alone, is found where the placeholder goes: from == to.)
+    if to < from || marked_text == text {
+        return Err(format!("assistant turn {i} cannot be found in the chat template's rendering of the conversation (set data.train_on_prompt = true, or choose data.template)"));
+    }
+    // Where the generation prompt is not all there (R1's "<think>\n"), the turn starts
+    // where the text leaves it, so what the template writes in the turn before its content
+    // (R1-Distill's tool calls) is trained, as long as the conversation before the turn
+    // renders as it does without it. Where the whole generation prompt stands right before
+    // the content, only moved (a template that writes a system prompt with the first turn
+    // when the conversation opens with the assistant), the turn starts with its content.
+    let generation_prompt = prompt.strip_prefix(before.as_str()).unwrap_or("");
+    let start = if start == prompt.len() {
+        start.min(from)
+    } else if !text[..from].ends_with(generation_prompt) && text.starts_with(&before) && start >= before.len() && start <= from {
+        start
+    } else {
+        from
+    };
+    let end = if ends_as_rendered && through.len() > to {
+        through.len()
+    } else {
+        // Its end-of-turn marker: what the template writes after the turn's content when
+        // the turn is the last one, as far as `text` has it.
+        let mut alone = m[..=i].to_vec();
+        alone[i] = msg.with_content(PLACEHOLDER);
+        let marker = &through[differing(&through, &render(&alone, false)?).1..];
+        let end = to + common_prefix(&text[to..], marker);
+        // A marker that agrees only in part may run into the next turn's first token
+        // (Phi-3's "<|end|>\n<|endoftext|>" against "<|end|>\n<|user|>" agree on "<|"):
+        // it ends where that token starts.
+        tokens.iter().find(|&&(s, e)| s >= to && s < end && end < e).map_or(end, |&(s, _)| s)
+    };
+    Ok(Some(start..end))
 }
 
 /// Content that stands for an assistant turn's while it is looked for (a private-use char).
