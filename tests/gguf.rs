@@ -435,6 +435,32 @@ fn each_pre_tokenizer_type_gives_the_original_tokenizers_ids() {
 }
 
 #[test]
+fn a_cached_description_from_another_version_is_rebuilt() {
+    // The description of a GGUF base is cached by the file's header; one written before the
+    // description changed (no version stamp: DeepSeek's pre-tokenizers read as GPT-2's) was
+    // reused, so the fix never reached a cache that had it.
+    test_cache();
+    let (d, mut md, qs) = good_parts();
+    // A header no other test writes, so this test owns its cache folder.
+    set(&mut md, "general.name", Value::String("cache-version-test".into()));
+    let g = d.path().join("m.gguf");
+    write_parts(&md, &qs, &g);
+    let dir = finetune::gguf::describe_in_cache(&g).unwrap();
+    let tok = dir.join("tokenizer.json");
+    let fresh = std::fs::read(&tok).unwrap();
+    // As an older finetune left it: other contents, no stamp.
+    std::fs::write(&tok, b"{}").unwrap();
+    std::fs::remove_file(dir.join("finetune-description-version")).unwrap();
+    assert_eq!(finetune::gguf::describe_in_cache(&g).unwrap(), dir);
+    assert_eq!(std::fs::read(&tok).unwrap(), fresh, "rebuilt, not reused");
+    // A complete folder of this version is reused as it is.
+    std::fs::write(&tok, b"{}").unwrap();
+    finetune::gguf::describe_in_cache(&g).unwrap();
+    assert_eq!(std::fs::read(&tok).unwrap(), b"{}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_gguf_s_rope_scaling_comes_back_in_config_json() {
     use finetune::config::ModelConfig;
     let imported_config = |md: &[(String, Value)], qs: &[(String, QTensor)], d: &Path| {

@@ -1155,6 +1155,13 @@ pub fn cache_root() -> Result<PathBuf> {
         .ok_or_else(|| Error::model("FINETUNE_CACHE", "no cache folder: set FINETUNE_CACHE (or HOME) to a writable folder"))
 }
 
+/// The version of what `write_description` writes, kept in a cached description's folder:
+/// one written by a finetune that described GGUF files otherwise (before the DeepSeek
+/// pre-tokenizers or Llama 3's rope scaling were read) is rebuilt, never reused. Bump it when
+/// the output of `write_description` changes.
+const DESCRIPTION_VERSION: &str = "2";
+const DESCRIPTION_STAMP: &str = "finetune-description-version";
+
 /// The HF description of `gguf` (config.json, tokenizer files, generation_config.json)
 /// in a folder of the cache named by the digest of the file's header, written on first use
 /// (whole or not at all): the folder `model.path = "x.gguf"` resolves to. The weights stay
@@ -1172,14 +1179,21 @@ pub fn describe_in_cache(gguf: &Path) -> Result<PathBuf> {
     let hex: String = digest.iter().take(10).map(|b| format!("{b:02x}")).collect();
     let stem = gguf.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let dir = cache_root()?.join("gguf").join(format!("{hex}-{}", stem.chars().filter(|c| c.is_ascii_alphanumeric() || "-_.".contains(*c)).take(60).collect::<String>()));
-    let complete = |d: &Path| g.description_files().iter().all(|f| d.join(f).is_file());
+    // Complete, and written by a finetune that describes GGUF files as this one does.
+    let stamp = |d: &Path| std::fs::read_to_string(d.join(DESCRIPTION_STAMP)).is_ok_and(|v| v.trim() == DESCRIPTION_VERSION);
+    let complete = |d: &Path| stamp(d) && g.description_files().iter().all(|f| d.join(f).is_file());
     if !complete(&dir) {
         if dir.exists() {
-            // Incomplete (written by hand, or damaged): rebuilt whole.
+            // Incomplete (written by hand, or damaged) or written by another version: rebuilt
+            // whole.
             let _ = std::fs::remove_dir_all(&dir);
         }
         // Another process may have written it meanwhile: its copy is the same.
-        if let Err(e) = write_folder(&dir, |tmp| g.write_description(tmp)) {
+        let write = |tmp: &Path| {
+            g.write_description(tmp)?;
+            crate::fsutil::write_atomic(&tmp.join(DESCRIPTION_STAMP), DESCRIPTION_VERSION.as_bytes())
+        };
+        if let Err(e) = write_folder(&dir, write) {
             if !complete(&dir) {
                 return Err(e);
             }
