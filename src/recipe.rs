@@ -724,6 +724,14 @@ impl LoadedRecipe {
                 format!("`{k}` is not a column data.format = \"{}\" reads; it reads {}", r.data.format, read.join(", ")),
             ));
         }
+        // Two read columns from one dataset column (`tools = "messages"`) would hand one
+        // column's content to both: the effective column of every read name must differ.
+        let effective = |k: &'static str| -> &str { r.data.columns.get(k).map_or(k, String::as_str) };
+        for (i, a) in read.iter().enumerate() {
+            if let Some(b) = read[i + 1..].iter().find(|&&b| effective(b) == effective(a)) {
+                return Err(self.err("data.columns", format!("`{a}` and `{b}` would both read the dataset column `{}`", effective(a))));
+            }
+        }
         if r.train.eval_every > 0 && r.data.eval.is_none() && r.data.eval_fraction == 0.0 {
             return Err(self.err("train.eval_every", "there is nothing to evaluate on: set data.eval (a held-out source) or data.eval_fraction, or train.eval_every = 0"));
         }
@@ -1167,6 +1175,11 @@ dir = "out"
         let e = err_text(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ inpt = \"context\" }"]);
         assert!(e.contains("`data.columns`") && e.contains("`inpt`") && e.contains("instruction, input, output"), "{e}");
         load(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ input = \"context\" }"]).unwrap();
+        let e = err_text(MINIMAL, &["data.format=\"messages\"", "data.columns={ tools = \"messages\" }"]);
+        assert!(e.contains("`messages` and `tools` would both read the dataset column `messages`"), "{e}");
+        let e = err_text(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ instruction = \"q\", output = \"q\" }"]);
+        assert!(e.contains("`instruction` and `output`"), "{e}");
+        load(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ instruction = \"output\", output = \"instruction\" }"]).unwrap();
     }
 
     #[test]
