@@ -139,7 +139,8 @@ enum Command {
         /// Output folder: <out>/model and <out>/data are written.
         #[arg(long)]
         out: PathBuf,
-        /// Model shape: "tiny" (hidden 64, 2 layers) or "smollm2-135m" (the benchmark shape).
+        /// Model shape: "tiny" (hidden 64, 2 layers), "smollm2-135m" (the benchmark shape) or
+        /// "deepseek-llm-7b" (7B: use --gguf, which writes one tensor at a time; an f32 HF folder needs ~28 GB of memory).
         #[arg(long, default_value = "tiny")]
         shape: String,
         /// Architecture: llama or qwen2.
@@ -463,6 +464,8 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
     use finetune::Error as E;
     let adapter_file = |f: &str| f.contains("adapter_model");
     match e {
+        // Not a key: the file is not TOML (the message says where).
+        E::Recipe { key, .. } if key == "(syntax)" => Some("the recipe must be TOML: fix the line and column named above"),
         E::Recipe { .. } => Some("fix the key in the recipe, or override it with --set section.key=value"),
         // Say themselves which sequence or token and which limit.
         E::Model { what, .. } if what == "sequence length" || what == "token ids" => None,
@@ -485,11 +488,12 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
         E::Data { .. } if recipe => Some("check data.train and data.format in the recipe"),
         E::Data { .. } => Some("--data must name a .jsonl, .parquet or .arrow file, or a datasets folder"),
         E::Hub { .. } => Some(
-            "HF_TOKEN for gated repos, HF_ENDPOINT for a mirror, HF_HUB_OFFLINE=1 for the cache alone (HF_HUB_CACHE or HF_HOME say where it is); or set model.path to a local folder",
+            "HF_TOKEN for gated repos, HF_ENDPOINT for a mirror, HF_HUB_OFFLINE=1 for the cache alone (HF_HUB_CACHE or HF_HOME say where it is); or name a local folder instead (model.path / data.train, or --model / --data)",
         ),
         E::Adapter { .. } if recipe => Some("an adapter must be a plain LoRA in PEFT's format (adapter_config.json + adapter_model.safetensors); as lora.init_from it must also match lora.rank, lora.alpha and lora.targets"),
         E::Adapter { .. } => Some("an adapter must be a plain LoRA in PEFT's format (adapter_config.json + adapter_model.safetensors) trained on this base model"),
-        E::Tokenizer { .. } => Some("the model folder needs tokenizer.json for text formats"),
+        // The message names the file and what it lacks.
+        E::Tokenizer { .. } => None,
         E::Dist { .. } | E::PeerFailed { .. } => {
             Some("a rank failed or stalled; the newest checkpoint is intact: rerun to resume (dist.timeout_s sets how long ranks wait)")
         }

@@ -936,6 +936,32 @@ pub fn expand_path(s: &str) -> std::result::Result<String, String> {
     Ok(out)
 }
 
+/// Keys as transformers' TrainingArguments, PEFT's LoraConfig and TRL's SFTConfig name them,
+/// with this recipe's key: the first thing a user of those tools types, in any section.
+const HF_NAMES: &[(&str, &str)] = &[
+    ("learning_rate", "train.lr"),
+    ("per_device_train_batch_size", "train.micro_batch_size"),
+    ("gradient_accumulation_steps", "train.grad_accum_steps"),
+    ("lr_scheduler_type", "train.lr_scheduler"),
+    ("gradient_checkpointing", "train.activation_checkpointing"),
+    ("logging_steps", "train.log_every"),
+    ("eval_steps", "train.eval_every"),
+    ("warmup_ratio", "train.warmup_steps"),
+    ("num_train_epochs", "train.max_steps"),
+    ("adam_epsilon", "train.adam_eps"),
+    ("r", "lora.rank"),
+    ("lora_r", "lora.rank"),
+    ("lora_alpha", "lora.alpha"),
+    ("lora_dropout", "lora.dropout"),
+    ("target_modules", "lora.targets"),
+    ("max_length", "data.max_seq_len"),
+    ("max_seq_length", "data.max_seq_len"),
+    ("completion_only_loss", "data.train_on_prompt (inverted)"),
+    ("save_steps", "checkpoint.every_steps"),
+    ("save_total_limit", "checkpoint.keep_last"),
+    ("output_dir", "output.dir"),
+];
+
 fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
     let err = |key: String, msg: String| Error::Recipe { file: file.into(), key, msg };
     let sections: Vec<&str> = SCHEMA.iter().map(|s| s.0).collect();
@@ -950,7 +976,11 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
         for (k, val) in tab {
             let dotted = format!("{name}.{k}");
             let Some(spec) = keys.iter().find(|s| s.name == k) else {
-                return Err(err(dotted, format!("unknown key{}; valid keys in [{name}]: {}", suggest(k, &names), names.join(", "))));
+                let hint = match HF_NAMES.iter().find(|(hf, _)| *hf == k) {
+                    Some((hf, ours)) => format!(" (`{hf}` in transformers / PEFT / TRL is `{ours}` here)"),
+                    None => suggest(k, &names),
+                };
+                return Err(err(dotted, format!("unknown key{hint}; valid keys in [{name}]: {}", names.join(", "))));
             };
             if !spec.kind.accepts(val) {
                 // A string that looks like a number or a bool (a model named 1234, a run dir
@@ -1038,6 +1068,20 @@ fn edit_distance(a: &str, b: &str) -> usize {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_7b_recipe_lists_every_key() {
+        // README: "every key is listed in recipes/deepseek-7b-lora.toml with what it trades
+        // off" (set, or commented out with its default or an example).
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/recipes/deepseek-7b-lora.toml")).unwrap();
+        for (section, _, keys) in SCHEMA {
+            assert!(text.contains(&format!("[{section}]")), "[{section}] missing");
+            for k in keys.iter().map(|k| k.name) {
+                let listed = text.lines().any(|l| l.trim_start_matches(['#', ' ']).split_once('=').is_some_and(|(name, _)| name.trim() == k));
+                assert!(listed, "{section}.{k} is not in the recipe");
+            }
+        }
+    }
+
     const MINIMAL: &str = r#"
 [model]
 path = "m"
@@ -1106,6 +1150,11 @@ dir = "out"
     fn unknown_key_is_named_with_suggestion() {
         let e = err_text(MINIMAL, &["train.lrr=0.1"]);
         assert!(e.contains("`train.lrr`") && e.contains("did you mean \"lr\""), "{e}");
+        // The names transformers / PEFT / TRL users type first.
+        let e = err_text(MINIMAL, &["train.learning_rate=1e-4"]);
+        assert!(e.contains("`learning_rate` in transformers / PEFT / TRL is `train.lr` here"), "{e}");
+        let e = err_text(MINIMAL, &["train.max_seq_length=512"]);
+        assert!(e.contains("is `data.max_seq_len` here"), "{e}");
         let e = err_text(&MINIMAL.replace("[output]", "[outptu]"), &[]);
         assert!(e.contains("did you mean \"output\""), "{e}");
     }

@@ -179,11 +179,11 @@ impl Formatter {
             _ => {
                 let t = ChatTemplate::from_model_dir(model_dir)?.ok_or_else(|| Error::Tokenizer {
                     path: model_dir.join("tokenizer_config.json"),
-                    msg: "the model has no chat template; set data.template to chatml, deepseek, llama3 or alpaca".into(),
+                    msg: "the model has no chat template; set data.template to chatml, deepseek or llama3 (or alpaca or raw for single-turn records)".into(),
                 })?;
                 // Before any record: an unusable template would make every one of them bad.
                 t.usable().map_err(|e| match e {
-                    Error::Tokenizer { path, msg } => Error::Tokenizer { path, msg: format!("{msg}; set data.template to chatml, deepseek, llama3 or alpaca") },
+                    Error::Tokenizer { path, msg } => Error::Tokenizer { path, msg: format!("{msg}; set data.template to chatml, deepseek or llama3 (or alpaca or raw for single-turn records)") },
                     other => other,
                 })?;
                 Template::Chat(t)

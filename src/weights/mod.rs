@@ -199,7 +199,9 @@ impl ModelDir {
             let commit = dir.file_name().map(|c| c.to_string_lossy().to_string());
             return Ok(ModelDir { dir, name: path.to_string(), commit, gguf: None });
         }
-        Err(Error::model(path, format!("folder {} does not exist (check model.path)", local.display())))
+        // (The caller's hint names the recipe key or the flag that gave the path.)
+        let what = if path.to_ascii_lowercase().ends_with(".gguf") { "file" } else { "folder" };
+        Err(Error::model(path, format!("{what} {} does not exist", local.display())))
     }
 
     /// The config a plan needs: a local folder's or the cache's; else the copy shipped for
