@@ -613,8 +613,10 @@ fn turn_span(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize
     let render = |msgs: &[Message], prompt: bool| t.render_with(msgs, vars, prompt).map_err(|e| e.to_string());
     let msg = &m[i];
     let prompt = render(&m[..i], true)?;
-    let before = render(&m[..i], false)?;
     let mut start = common_prefix(text, &prompt);
+    // The conversation before the turn, where the generation prompt is not all there (the
+    // usual case renders no more than it needs).
+    let before = if start < prompt.len() { render(&m[..i], false)? } else { String::new() };
     if start < prompt.len() && prompt.starts_with(&before) {
         // Bytes agree by chance past the role header: "<" opens both R1's "<think>" and
         // its tool calls, which tokenizers without DeepSeek's tool tokens split off as a
