@@ -797,8 +797,15 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             finetune::note!("error: {e}");
+            // Printed once: a cause whose text its error already carries (an I/O error
+            // names its file and then its OS error) is not repeated.
+            let mut said = e.to_string();
             for cause in e.chain().skip(1) {
-                finetune::note!("  caused by: {cause}");
+                let text = cause.to_string();
+                if !said.contains(&text) {
+                    finetune::note!("  caused by: {text}");
+                    said = text;
+                }
             }
             if let Some(h) = e.downcast_ref::<finetune::Error>().and_then(|e| hint(e, recipe)) {
                 finetune::note!("hint: {h}");

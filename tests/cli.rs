@@ -64,6 +64,16 @@ fn the_setup_itself_trains() {
 }
 
 #[test]
+fn an_error_s_cause_is_said_once() {
+    // An I/O error names its file and its OS error; the cause chain used to repeat the latter.
+    let d = setup();
+    let out = Command::new(env!("CARGO_BIN_EXE_finetune")).args(["report", "--run"]).arg(d.path().join("no-such-run")).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+}
+
+#[test]
 fn missing_model_dir_is_named() {
     let d = setup();
     assert_clean_failure(d.path(), &["model.path=no-such-model"], &["no-such-model", "does not exist"]);
