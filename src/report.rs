@@ -517,7 +517,10 @@ fn summary_table(h: &mut String, t: &Totals, summary: Option<&Summary>) {
     rows.push(("world size", s.and_then(|s| s.world_size).map(|w| w.to_string()).unwrap_or_else(na)));
     rows.push(("CPU", s.and_then(|s| s.cpu.as_deref()).map(esc).unwrap_or_else(na)));
     let interrupted = match s {
-        None => na(),
+        // A run writes summary.json when it ends, signalled or not: without it, it has not
+        // ended (still running) or did not end cleanly (killed, or stopped by an error such
+        // as a NaN loss).
+        None => "<span class=\"warn\">no summary.json: still running, or killed or stopped by an error</span>".into(),
         Some(Summary { interrupted: None, .. }) => "no, ran to the end".into(),
         Some(Summary { interrupted: Some(sig), .. }) => format!("<span class=\"warn\">yes, by {}</span>", signal_name(*sig)),
     };
@@ -762,6 +765,8 @@ mod tests {
         assert_eq!(png_size(&std::fs::read(&paths.png).unwrap()), (PNG_WIDTH, PNG_HEIGHT));
         let html = std::fs::read_to_string(&paths.html).unwrap();
         assert!(html.contains("No recipe.resolved.toml") && html.contains("no memory account"), "{html}");
+        // Killed or stopped by an error is not "n/a".
+        assert!(html.contains("no summary.json: still running, or killed or stopped by an error"), "{html}");
     }
 
     #[test]
