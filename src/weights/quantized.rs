@@ -212,10 +212,14 @@ pub fn parse_quantize(s: &str) -> Option<Quantize> {
 }
 
 /// Whether `model.quantize = "nf4"` quantises tensor `name` of shape `dims`: a decoder
-/// layer's 2-D projection (bitsandbytes replaces the Linear modules of the layers; the
-/// MoE router `mlp.gate` stays, as PEFT + bitsandbytes runs DeepSeek with it unquantised).
+/// layer's 2-D linear weight (bitsandbytes replaces the Linear modules of the layers:
+/// DeepSeek's `kv_a_proj_with_mqa` too, which a `_proj.weight` test missed), not its norms,
+/// nor the MoE router `mlp.gate`, which PEFT + bitsandbytes leaves unquantised. The routed
+/// experts are quantised, as bitsandbytes quantises them where they are Linear modules
+/// (transformers 4's DeepSeek code); transformers 5 stacks them into parameters it leaves in
+/// full precision, which would keep most of a MoE model's weights out of the 4 bits.
 pub fn nf4_quantizes(name: &str, dims: &[usize]) -> bool {
-    dims.len() == 2 && name.starts_with("model.layers.") && name.ends_with("_proj.weight") && !name.contains("norm")
+    dims.len() == 2 && name.starts_with("model.layers.") && name.ends_with(".weight") && !name.contains("norm") && !name.ends_with("mlp.gate.weight")
 }
 
 /// Whether `model.quantize` (a ggml type) quantises tensor `name` of shape `dims`: every 2-D
@@ -544,6 +548,19 @@ impl WeightSource for QuantizedWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nf4_quantizes_every_linear_of_a_deepseek_layer_but_the_router() {
+        let q = |n: &str| nf4_quantizes(&format!("model.layers.3.{n}"), &[64, 32]);
+        for n in ["self_attn.q_proj.weight", "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.experts.7.down_proj.weight", "mlp.shared_experts.up_proj.weight", "mlp.gate_proj.weight"] {
+            assert!(q(n), "{n}");
+        }
+        for n in ["mlp.gate.weight", "self_attn.kv_a_layernorm.weight", "input_layernorm.weight"] {
+            assert!(!q(n), "{n}");
+        }
+        assert!(!nf4_quantizes("model.embed_tokens.weight", &[64, 32]) && !nf4_quantizes("lm_head.weight", &[64, 32]));
+        assert!(!nf4_quantizes("model.layers.0.mlp.gate.e_score_correction_bias", &[8]));
+    }
 
     #[test]
     fn k_quant_fallbacks_are_llama_cpp_s_and_the_run_says_so() {
