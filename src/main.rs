@@ -484,7 +484,7 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
         E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => Some(
             "free space on that disk (or point output.dir elsewhere) and rerun: the newest complete checkpoint is intact and the run resumes from it",
         ),
-        E::Gguf { .. } => Some("the GGUF file must be a llama-architecture model llama.cpp loads; check the key named above"),
+        E::Gguf { .. } => Some("the GGUF file must be a model llama.cpp loads (llama, qwen2 or deepseek2 architecture); check the key or tensor named above"),
         E::Data { .. } if recipe => Some("check data.train and data.format in the recipe"),
         E::Data { .. } => Some("--data must name a .jsonl, .parquet or .arrow file, or a datasets folder"),
         E::Hub { .. } => Some(

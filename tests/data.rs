@@ -473,6 +473,26 @@ fn r1_distill_tool_calls_are_trained_with_their_turn() {
 }
 
 #[test]
+fn a_qwen3_tool_call_turn_with_null_content_is_found_and_trained() {
+    // Qwen3 writes "<think>\n\n</think>\n\n" into an answer after the last question only when it
+    // is the last turn, so a tool-call turn is found by its content; a null content could not
+    // be replaced (the placeholder kept the null) and every such record was bad.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    // Qwen3's template as its tokenizer_config.json ships it (with tool calls).
+    std::fs::copy(fixture("chat-templates/qwen3-tools.jinja"), m.join("chat_template.jinja")).unwrap();
+    let f = formatter(&m, "messages", None, false);
+    let mut turn = Message::without_content("assistant");
+    turn.extra.insert("tool_calls".into(), serde_json::json!([{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]));
+    let msgs = [Message::new("user", "Weather in Paris?"), turn, Message::new("tool", "sunny"), Message::new("assistant", "It is sunny.")];
+    let ex = f.render_conversation(&msgs, 0).unwrap().unwrap_or_else(|b| panic!("{}", b.0));
+    let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+    let trained = f.decode(&trained);
+    assert!(trained.starts_with("<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"), "{trained}");
+    assert!(trained.ends_with("It is sunny.<|im_end|>\n") && !trained.contains("sunny</tool_response>"), "{trained}");
+}
+
+#[test]
 fn a_tool_call_turn_with_null_content_renders_its_calls() {
     // DeepSeek-R1-Distill's template renders an assistant turn's tool_calls only when its
     // content is None (OpenAI-style `"content": null`).

@@ -50,6 +50,19 @@ fn cached_generation_steps_equal_the_full_forward_on_mla() {
 }
 
 #[test]
+fn a_gguf_adapter_of_a_deepseek_base_is_refused_as_an_export_error() {
+    // llama.cpp adapters are written for llama and qwen2 bases; the refusal is export's (its
+    // hint named --model, which export --run does not take).
+    let base = ModelDir { dir: fixture(V2).join("model"), name: String::new(), commit: None, gguf: None };
+    let adapter = finetune::export::PeftAdapter::open(&fixture(V2).join("expected/adapter")).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let e = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &out.path().join("a.gguf")).unwrap_err();
+    assert!(matches!(e, finetune::Error::Export(_)), "{e:?}");
+    assert!(e.to_string().contains("model_type `deepseek_v2`") && e.to_string().contains("export the PEFT adapter instead"), "{e}");
+    assert!(!out.path().join("a.gguf").exists());
+}
+
+#[test]
 fn merged_deepseek_export_verifies_and_equals_base_plus_adapter() {
     let out = tempfile::tempdir().unwrap();
     let base = ModelDir { dir: fixture(V2).join("model"), name: String::new(), commit: None, gguf: None };

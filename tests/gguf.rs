@@ -522,7 +522,7 @@ fn cli_import_of_a_zero_head_count_fails_naming_the_key_and_writes_nothing() {
     assert!(!r.status.success(), "exit {:?}: {stderr}", r.status);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(stderr.contains("llama.attention.head_count") && stderr.contains("zero-heads.gguf"), "{stderr}");
-    assert!(stderr.contains("hint: the GGUF file must be a llama-architecture model"), "{stderr}");
+    assert!(stderr.contains("hint: the GGUF file must be a model llama.cpp loads"), "{stderr}");
     assert!(!stderr.contains("data.train"), "the dataset hint is not for import: {stderr}");
     assert!(!out.exists(), "a failed import left {}", out.display());
 }

@@ -26,9 +26,11 @@ impl Message {
         Message { role: role.into(), content: content.into(), extra: Default::default() }
     }
 
-    /// The same message with other content (its other keys kept).
+    /// The same message with other content (its other keys kept; a `content: null` replaced).
     pub fn with_content(&self, content: &str) -> Self {
-        Message { content: content.into(), ..self.clone() }
+        let mut m = Message { content: content.into(), ..self.clone() };
+        m.extra.remove("content");
+        m
     }
 
     /// An assistant message with no content (`"content": null`, as OpenAI-style tool-call

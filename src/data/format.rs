@@ -449,29 +449,28 @@ impl Formatter {
         }
     }
 
-    /// Ids of `text` (or of a prefix long enough for the token limit) with the tokens whose
-    /// text starts at or after byte `from` trained (all with train_on_prompt), then EOS unless
-    /// the text already ends with it. TRL's tokenization: the prompt and the completion as one
-    /// text, so a tokenizer that marks the start of a text (SentencePiece's "▁") does so once,
-    /// and an EOS the data already has is not doubled.
+    /// Ids of `text` (or of a prefix long enough for the token limit), trained from where
+    /// they stop agreeing with the ids of its first `from` bytes (the prompt) tokenized alone
+    /// (all with train_on_prompt), then EOS unless the text already ends with it. TRL's
+    /// tokenization: the prompt and the completion as one text, so a tokenizer that marks the
+    /// start of a text (SentencePiece's "▁") does so once, a token that spans the boundary is
+    /// the completion's (TRL's `common_prefix_length`), and an EOS the data already has is not
+    /// doubled.
     fn encode_trained_from(&self, text: &str, from: usize) -> Result<Example> {
-        let (enc, _) = self.encode_prefix(text, true)?;
-        let mut ids = enc.get_ids().to_vec();
-        // Special tokens the tokenizer adds have no text (offsets (0, 0)): one before the text
-        // (BOS) belongs to the prompt, one after it (an EOS its post-processor appends) to
-        // where the text ended.
-        let mut at = 0;
-        let mut labels: Vec<i64> = Vec::with_capacity(ids.len());
-        for ((&id, &(start, end)), &special) in ids.iter().zip(enc.get_offsets()).zip(enc.get_special_tokens_mask()) {
-            let start = if special == 1 && (start, end) == (0, 0) { at } else { start };
-            at = at.max(end);
-            labels.push(if self.train_on_prompt || start >= from { id as i64 } else { IGNORE });
-        }
+        let mut ids = self.encode_prefix(text, true)?.0.get_ids().to_vec();
+        let mut labels = self.trained_after_prefix(&ids, &self.encode_prefix(&text[..from], true)?.0);
         if let Some(eos) = self.eos.filter(|&e| ids.last() != Some(&e)) {
             ids.push(eos);
             labels.push(eos as i64);
         }
         Ok(Example::new(ids, labels))
+    }
+
+    /// Labels of `ids`, trained from where they stop agreeing with `prompt`'s ids (TRL's
+    /// `common_prefix_length`), or all of them with train_on_prompt.
+    fn trained_after_prefix(&self, ids: &[u32], prompt: &tokenizers::Encoding) -> Vec<i64> {
+        let n = if self.train_on_prompt { 0 } else { ids.iter().zip(prompt.get_ids()).take_while(|(a, b)| a == b).count() };
+        ids.iter().enumerate().map(|(i, &t)| if i >= n { t as i64 } else { IGNORE }).collect()
     }
 
     /// Tokenize a record. `index` names the row in messages.
@@ -535,22 +534,27 @@ impl Formatter {
             Err(e) => return Ok(Err(BadRecord(format!("row {index}: {e}")))),
         };
         let (enc, tokenized) = self.encode_prefix(&text, false)?;
+        let ids = enc.get_ids().to_vec();
+        if let Some(k) = completion_from {
+            // TRL's rule: the completion starts where the ids of the prompt rendered with its
+            // generation prompt stop agreeing with the whole conversation's.
+            let prompt = match t.render_with(&m[..k], vars, true) {
+                Ok(s) => s,
+                Err(e) => return Ok(Err(BadRecord(format!("row {index}: {e}")))),
+            };
+            let labels = self.trained_after_prefix(&ids, &self.encode_prefix(&prompt, false)?.0);
+            return Ok(Ok(Example::new(ids, labels)));
+        }
         // Turns that start past the tokens kept need not be looked for (each costs renders).
         let kept = self.token_limit.and_then(|l| enc.get_offsets().get(l.saturating_sub(1)).map(|o| o.1 + 1)).unwrap_or(tokenized);
         let spans = if self.train_on_prompt {
             Vec::new()
         } else {
-            let limit = kept.min(tokenized);
-            let spans = match completion_from {
-                Some(k) => turn_span(t, m, vars, k, &text, limit, enc.get_offsets()).map(|s| s.map(|s| s.start..text.len()).into_iter().collect()),
-                None => assistant_spans(t, m, vars, &text, limit, enc.get_offsets()),
-            };
-            match spans {
+            match assistant_spans(t, m, vars, &text, kept.min(tokenized), enc.get_offsets()) {
                 Ok(s) => s,
                 Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
             }
         };
-        let ids = enc.get_ids().to_vec();
         let labels = ids
             .iter()
             .zip(enc.get_offsets())

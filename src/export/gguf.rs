@@ -37,13 +37,13 @@ pub fn export_gguf_adapter(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -
     let adapters = adapter.load(&cfg)?;
     let model_type = read_model_type(&base.config_path())?;
     let arch = llama_cpp_arch(&model_type).ok_or_else(|| {
-        Error::model(base.config_path().display().to_string(), format!("model_type `{model_type}`: GGUF adapters are written for llama and qwen2 bases"))
+        Error::Export(format!("{}: model_type `{model_type}`: GGUF adapters are written for llama and qwen2 bases (export the PEFT adapter instead)", base.config_path().display()))
     })?;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     for (layer, path, ad) in adapters.iter() {
         let hf = format!("model.layers.{layer}.{path}.weight");
         let g = crate::gguf::gguf_name(&hf)
-            .ok_or_else(|| Error::model(&hf, "has no llama.cpp tensor name; GGUF adapters cover the attention and MLP projections"))?;
+            .ok_or_else(|| Error::Export(format!("{hf} has no llama.cpp tensor name; GGUF adapters cover the attention and MLP projections")))?;
         let a = ad.a.as_tensor().to_dtype(candle_core::DType::F32)?; // [r, in]
         let mut b = ad.b.as_tensor().to_dtype(candle_core::DType::F32)?; // [out, r]
         if arch == "llama" {
@@ -57,7 +57,7 @@ pub fn export_gguf_adapter(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -
         tensors.push((format!("{g}.lora_b"), QTensor::quantize(&b, GgmlDType::F32)?));
     }
     if tensors.is_empty() {
-        return Err(Error::model(adapter.dir.display().to_string(), "the adapter adapts no projection"));
+        return Err(Error::Export(format!("{}: the adapter adapts no projection", adapter.dir.display())));
     }
     let md: Vec<(&str, Value)> = vec![
         ("general.architecture", Value::String(arch.into())),
