@@ -62,6 +62,9 @@ pub struct ChatTemplate {
     problem: Option<String>,
     /// Seconds since the Unix epoch when the template was loaded (what `strftime_now` formats).
     now: u64,
+    /// The template compiled once, on first use (a record's turns render it several times
+    /// each), or why it does not compile.
+    env: std::sync::OnceLock<std::result::Result<minijinja::Environment<'static>, String>>,
 }
 
 fn unix_now() -> u64 {
@@ -99,7 +102,7 @@ impl ChatTemplate {
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
             let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
-            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token, other_tokens, problem: None, now: unix_now() }));
+            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token, other_tokens, problem: None, now: unix_now(), env: Default::default() }));
         }
         let source = match cfg.get("chat_template") {
             Some(serde_json::Value::String(s)) => s.clone(),
@@ -121,11 +124,11 @@ impl ChatTemplate {
             }
             _ => return Ok(None),
         };
-        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token, other_tokens, problem: None, now: unix_now() }))
+        Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token, other_tokens, problem: None, now: unix_now(), env: Default::default() }))
     }
 
     fn unusable(origin: PathBuf, problem: String) -> Self {
-        ChatTemplate { source: String::new(), origin, bos_token: String::new(), eos_token: String::new(), other_tokens: Vec::new(), problem: Some(problem), now: 0 }
+        ChatTemplate { source: String::new(), origin, bos_token: String::new(), eos_token: String::new(), other_tokens: Vec::new(), problem: Some(problem), now: 0, env: Default::default() }
     }
 
     pub fn from_source(source: &str, bos_token: &str, eos_token: &str) -> Self {
@@ -137,6 +140,7 @@ impl ChatTemplate {
             other_tokens: Vec::new(),
             problem: None,
             now: unix_now(),
+            env: Default::default(),
         }
     }
 
@@ -148,6 +152,8 @@ impl ChatTemplate {
 
     pub fn set_now(&mut self, secs: u64) {
         self.now = secs;
+        // Compiled with the old time in `strftime_now`: compiled again on next use.
+        self.env = Default::default();
     }
 
     /// Whether the template can render at all (an error naming the file and why not).
@@ -167,26 +173,9 @@ impl ChatTemplate {
     pub fn render_with(&self, messages: &[Message], vars: &Vars, add_generation_prompt: bool) -> Result<String> {
         use minijinja::Value;
         self.usable()?;
-        let err = |e: minijinja::Error| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {e}") };
-        let mut env = minijinja::Environment::new();
-        env.set_unknown_method_callback(python::string_methods);
-        env.add_filter("trim", |s: String, chars: Option<String>| python::trim(&s, chars.as_deref(), true, true));
-        env.add_filter("tojson", python::tojson);
-        env.set_formatter(python::formatter);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        // transformers: `datetime.now().strftime(format)` (Llama 3.x's "Today Date"). The time
-        // is the template's (when the run loaded it), so one run renders one date throughout.
-        let now = self.now;
-        env.add_function("strftime_now", move |fmt: String| -> String { strftime(&fmt, now) });
-        // transformers renders with jinja2's trim_blocks and lstrip_blocks on.
-        let syntax = minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(err)?;
-        env.set_syntax(syntax);
-        // jinja2 reads every line break of a template (\r\n, \r) as \n.
-        let source = without_generation_tags(&self.source).replace("\r\n", "\n").replace('\r', "\n");
-        env.add_template("chat", &source).map_err(err)?;
-        let t = env.get_template("chat").map_err(err)?;
+        let err = |msg: String| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {msg}") };
+        let env = self.env.get_or_init(|| self.compile().map_err(|e| e.to_string())).as_ref().map_err(|m| err(m.clone()))?;
+        let t = env.get_template("chat").map_err(|e| err(e.to_string()))?;
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -218,7 +207,29 @@ impl ChatTemplate {
         for (k, v) in vars {
             ctx.insert(k.clone().into(), jinja_value(v));
         }
-        t.render(Value::from_object(ctx)).map_err(err)
+        t.render(Value::from_object(ctx)).map_err(|e| err(e.to_string()))
+    }
+
+    /// The template in an environment set up as transformers renders chat templates.
+    fn compile(&self) -> std::result::Result<minijinja::Environment<'static>, minijinja::Error> {
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(python::string_methods);
+        env.add_filter("trim", |s: String, chars: Option<String>| python::trim(&s, chars.as_deref(), true, true));
+        env.add_filter("tojson", python::tojson);
+        env.set_formatter(python::formatter);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        // transformers: `datetime.now().strftime(format)` (Llama 3.x's "Today Date"). The time
+        // is the template's (when the run loaded it), so one run renders one date throughout.
+        let now = self.now;
+        env.add_function("strftime_now", move |fmt: String| -> String { strftime(&fmt, now) });
+        // transformers renders with jinja2's trim_blocks and lstrip_blocks on.
+        env.set_syntax(minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build()?);
+        // jinja2 reads every line break of a template (\r\n, \r) as \n.
+        let source = without_generation_tags(&self.source).replace("\r\n", "\n").replace('\r', "\n");
+        env.add_template_owned("chat", source)?;
+        Ok(env)
     }
 }
 
