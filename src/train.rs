@@ -546,11 +546,14 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
     let mut last_checkpoint = None;
     // The lead takes the folder (one run per folder) and sets aside what belongs to another
     // run; every rank learns whether it could before reading checkpoints.
-    let same_run = |dir: &std::path::Path| -> Result<()> {
+    // Whether a checkpoint may be continued: its recipe allows this one, and it is the same
+    // run (global batch, passes, files). Checked before anything in the folder moves.
+    let resumable = |dir: &std::path::Path| -> Result<()> {
+        check_resumable(loaded, dir)?;
         let (state, saved) = crate::checkpoint::read_state(dir)?;
         check_same_run(rk, &state, &saved, dir)
     };
-    let claimed = if lead { claim_output(loaded, &rk.out_dir, &same_run).map(Some) } else { Ok(None) };
+    let claimed = if lead { claim_output(loaded, &rk.out_dir, &resumable).map(Some) } else { Ok(None) };
     let said = from_lead(&*rk.comm, &rk.device, &[claimed.is_ok() as u8 as f64])?;
     let run_lock = claimed?;
     if said[0] == 0.0 {
@@ -926,9 +929,8 @@ fn non_finite_loss(loaded: &LoadedRecipe, step: usize, first: bool, loss: f64, a
 /// Take the output folder for this run (see `output`): lock it, clear half-written
 /// checkpoints, and move aside whatever belongs to a run this one does not continue.
 ///
-/// `same_run` is `check_same_run` on a checkpoint's state: it runs with the recipe checks,
-/// before anything moves.
-fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, same_run: &dyn Fn(&std::path::Path) -> Result<()>) -> Result<crate::output::RunLock> {
+/// `resumable` refuses a checkpoint this run may not continue; it runs before anything moves.
+fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, resumable: &dyn Fn(&std::path::Path) -> Result<()>) -> Result<crate::output::RunLock> {
     use crate::output::{previous_run_files, set_aside};
     let file = loaded.file.display().to_string();
     let lock = crate::output::RunLock::acquire(out_dir, &file)?;
@@ -968,8 +970,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, same_run: &dyn
                     say(moved, "no checkpoint to continue from; the previous run's files");
                 }
                 Some((step, dir)) => {
-                    check_resumable(loaded, dir)?;
-                    same_run(dir)?;
+                    resumable(dir)?;
                     for (d, why) in &scan.damaged {
                         crate::note!("warning: checkpoint {} is damaged ({why})", d.display());
                     }
@@ -988,8 +989,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, same_run: &dyn
                 key: "checkpoint.resume".into(),
                 msg: format!("{} is not a valid checkpoint ({why}); nothing was changed", from.display()),
             })?;
-            check_resumable(loaded, &from)?;
-            same_run(&from)?;
+            resumable(&from)?;
             let ours = crate::checkpoint::list(out_dir).into_iter().find(|(_, d)| same_path(d, &from));
             match ours {
                 // Continuing from an older checkpoint of this folder abandons the newer ones.

@@ -399,18 +399,13 @@ impl Formatter {
         let bad = |msg: String| BadRecord(format!("{}: {msg}", r.at()));
         let mut vars = crate::chat::Vars::new();
         let (tools, kwargs) = (self.col("tools"), self.col("chat_template_kwargs"));
-        match r.json(tools).map_err(BadRecord::from_row_error)? {
-            None => {}
-            Some(serde_json::Value::String(s)) => match serde_json::from_str::<serde_json::Value>(&s) {
-                Ok(v @ serde_json::Value::Array(_)) => {
-                    vars.insert("tools".into(), v);
-                }
-                _ => return Err(bad(format!("`{tools}` is text that is not a JSON list of tool schemas"))),
-            },
-            Some(v @ serde_json::Value::Array(_)) => {
-                vars.insert("tools".into(), v);
-            }
-            Some(other) => return Err(bad(format!("`{tools}` must be a list of tool schemas, got {other}"))),
+        if let Some(v) = r.json(tools).map_err(BadRecord::from_row_error)? {
+            let list = match v {
+                serde_json::Value::String(s) => serde_json::from_str(&s).ok().filter(serde_json::Value::is_array).ok_or_else(|| bad(format!("`{tools}` is text that is not a JSON list of tool schemas")))?,
+                v @ serde_json::Value::Array(_) => v,
+                other => return Err(bad(format!("`{tools}` must be a list of tool schemas, got {other}"))),
+            };
+            vars.insert("tools".into(), list);
         }
         match r.json(kwargs).map_err(BadRecord::from_row_error)? {
             None => {}
@@ -524,7 +519,8 @@ impl Formatter {
 
     /// [`Self::render_conversation`] with template variables beside the conversation; with
     /// `completion_from`, a prompt/completion pair: the completion (messages from that index)
-    /// is trained from where its first turn starts to the end, as TRL trains it.
+    /// is trained from where the conversation's ids stop agreeing with those of the prompt
+    /// rendered with its generation prompt, as TRL trains it.
     pub fn render_conversation_with(&self, m: &[Message], vars: &crate::chat::Vars, completion_from: Option<usize>, index: u64) -> Result<std::result::Result<Example, BadRecord>> {
         let Template::Chat(t) = &self.template else {
             return Ok(Err(BadRecord(format!("row {index}: the template cannot render conversations"))));
