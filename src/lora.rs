@@ -323,6 +323,11 @@ impl LoraLinear<'_> {
     /// As [`Self::forward`], for a linear whose output activation checkpointing may keep
     /// (`keep`: its layer's, `ops::checkpoint`).
     pub fn forward_kept(&self, kern: crate::ops::Kernels, x: &Tensor, drop: Option<DropoutCtx>, keep: &Keep) -> Result<Tensor> {
+        // A checkpointed forward's graph is dropped unread (its layer's input is all backward
+        // starts from): with the adapter's weights detached there, the only tensors that
+        // require a gradient, no graph is built, and each op's activations are freed as soon
+        // as the next op has read them instead of living to the end of the layer.
+        let untracked = keep.pass == crate::ops::checkpoint::Pass::Checkpointed;
         let keep = keep.linear(self.site.1);
         let y = match self.lora {
             None => crate::ops::frozen_linear_kept(kern, x, &self.weight, keep)?,
@@ -335,7 +340,8 @@ impl LoraLinear<'_> {
                     }
                     _ => None,
                 };
-                crate::ops::lora_linear(kern, x, &self.weight, (ad.a.as_tensor(), ad.b.as_tensor(), self.scale), mask, keep)?
+                let (a, b) = if untracked { (ad.a.as_tensor().detach(), ad.b.as_tensor().detach()) } else { (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()) };
+                crate::ops::lora_linear(kern, x, &self.weight, (&a, &b, self.scale), mask, keep)?
             }
         };
         Ok(match &self.bias {

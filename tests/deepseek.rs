@@ -562,11 +562,12 @@ fn an_fp8_base_shards_under_zero3_and_trains_as_on_one_rank() {
     assert!(d < 1e-6, "adapters differ by {d}");
 }
 
-/// Activation checkpointing on MLA that keeps the projections' outputs (q_a / q_b,
-/// kv_a_proj_with_mqa, kv_b_proj, o_proj) and the attention output for the recomputation
-/// gives the bits of recomputing everything, and the gradients of no checkpointing.
+/// Activation checkpointing on MLA + MoE that keeps the projections' outputs (q_a / q_b,
+/// kv_a_proj_with_mqa, kv_b_proj, o_proj), the attention output and the SwiGLU inputs (the
+/// dense MLP's; in MoE layers every routed and shared expert's) for the recomputation gives
+/// the bits of recomputing everything, and the gradients of no checkpointing.
 #[test]
-fn mla_checkpointing_that_keeps_projection_outputs_gives_the_bits_of_recomputing_everything() {
+fn mla_and_moe_checkpointing_that_keeps_projection_outputs_and_expert_inputs_gives_the_bits_of_recomputing_everything() {
     use finetune::data::{Example, MicroBatch};
     use finetune::ops::checkpoint::KeepLayer;
     let dir = fixture("parity-deepseek-v3").join("model");
@@ -589,7 +590,8 @@ fn mla_checkpointing_that_keeps_projection_outputs_gives_the_bits_of_recomputing
     };
     let layers = cfg.num_hidden_layers;
     let (plain, recompute) = (run(None), run(Some(&vec![KeepLayer::default(); layers])));
-    for keep in [KeepLayer { linears: true, ..KeepLayer::default() }, KeepLayer { linears: true, attention: true, ..KeepLayer::default() }] {
+    let all = KeepLayer { linears: true, attention: true, swiglu: true, whole: false };
+    for keep in [KeepLayer { linears: true, ..KeepLayer::default() }, KeepLayer { linears: true, attention: true, ..KeepLayer::default() }, all] {
         let kept = run(Some(&vec![keep; layers]));
         assert_eq!(kept.0, recompute.0, "{keep:?}");
         // The summed gradients are f64.

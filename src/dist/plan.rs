@@ -95,9 +95,10 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
         }
         (frozen, replay_peak(cfg, r.dist.prefetch_layers, &unit_bytes, true))
     } else {
-        // On the host an untied token embedding stays in its file and only the rows a batch
-        // picks are read (`weights::RowTable`).
-        let in_file = |n: &str| !on_gpu && !cfg.tie_word_embeddings && n == "model.embed_tokens.weight";
+        // On the host an untied token embedding and head stay in their file: only the rows a
+        // batch picks are read of the one, a chunk of rows at a time of the other
+        // (`weights::RowTable`, `ops::loss`).
+        let in_file = |n: &str| !on_gpu && !cfg.tie_word_embeddings && (n == "model.embed_tokens.weight" || n == "lm_head.weight");
         (tensors.iter().filter(|(n, _)| !in_file(n)).map(|(n, s)| numel(s) * es_of(n)).sum(), 0)
     };
     let lora: usize = crate::train::trainable_parameters(cfg, &r.lora.spec(cfg)).0 as usize;

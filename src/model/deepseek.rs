@@ -27,7 +27,7 @@ use super::{linear, ForwardCtx, KvCache};
 use crate::config::{Mla, ModelConfig, Moe as MoeConfig, Routing};
 use crate::error::{Error, Result};
 use crate::lora::{Adapters, DropoutCtx, LoraLinear};
-use crate::ops::checkpoint::Pass;
+use crate::ops::checkpoint::Keep;
 use crate::ops::{self, Kernels};
 use crate::weights::Frozen;
 use candle_core::{DType, Tensor, D};
@@ -177,9 +177,9 @@ impl<'a> Moe<'a> {
         Ok(Moe { gate, e_score_correction_bias, experts, shared_experts, cfg: m })
     }
 
-    /// x [N, H] -> [N, H]: Σ_k weight_k · expert_k(x) + shared_experts(x). `pass`:
+    /// x [N, H] -> [N, H]: Σ_k weight_k · expert_k(x) + shared_experts(x). `keep`:
     /// activation checkpointing's (`ops::checkpoint`).
-    pub fn forward(&self, kern: Kernels, x: &Tensor, drop: Option<DropoutCtx>, pass: Pass) -> Result<Tensor> {
+    pub fn forward(&self, kern: Kernels, x: &Tensor, drop: Option<DropoutCtx>, keep: Keep) -> Result<Tensor> {
         let n = x.dim(0)?;
         let (e, k) = (self.cfg.n_routed_experts, self.cfg.num_experts_per_tok);
         // Router in f32; gradients reach x through the routing weights (the router is frozen).
@@ -196,17 +196,20 @@ impl<'a> Moe<'a> {
             w = w.broadcast_div(&(w.sum_keepdim(1)? + 1e-20)?)?; // [N, K]
         }
         let w = (w * self.cfg.routed_scaling_factor)?; // [N, K] f32
-        // One op for all routed experts where the fused kernels run and none is adapted.
+        // One op for all routed experts where the fused kernels run and none is adapted; the
+        // shared experts join it when they are not adapted either.
         let frozen: Option<Vec<_>> = self.experts.iter().map(|m| m.frozen_weights()).collect();
+        let shared_frozen = self.shared_experts.as_ref().and_then(|m| m.frozen_weights());
         let fused = match &frozen {
-            Some(experts) => ops::routed_experts(kern, x, &w, &chosen, experts, pass)?,
+            Some(experts) => ops::routed_experts(kern, x, &w, &chosen, experts, shared_frozen, keep)?,
             None => None,
         };
-        let routed = match fused {
-            Some(routed) => routed, // [N, H]
-            None => self.routed_by_ops(kern, x, &w, &chosen, drop)?,
+        let (routed, shared) = match fused {
+            Some(y) if shared_frozen.is_some() => return Ok(y), // [N, H], the shared experts' included
+            Some(routed) => (routed, self.shared_experts.as_ref()), // [N, H]
+            None => (self.routed_by_ops(kern, x, &w, &chosen, drop)?, self.shared_experts.as_ref()),
         };
-        Ok(match &self.shared_experts {
+        Ok(match shared {
             Some(sh) => (routed + sh.forward(kern, x, drop)?)?,
             None => routed,
         })

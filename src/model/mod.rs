@@ -170,7 +170,7 @@ impl<'a> DecoderLayer<'a> {
                 let n = ops::rms_norm(kern, &x, &self.post_attention_layernorm, self.eps)?; // [N, H]
                 let m = match &self.mlp {
                     Ffn::Dense(m) => m.forward(kern, &n, ctx.dropout)?,
-                    Ffn::Moe(m) => m.forward(kern, &n, ctx.dropout, ctx.keep(self.layer).pass)?,
+                    Ffn::Moe(m) => m.forward(kern, &n, ctx.dropout, ctx.keep(self.layer))?,
                 }; // [N, H]
                 (x + m)?
             }
@@ -199,7 +199,11 @@ impl Model {
             m.src.check_rows("model.embed_tokens.weight", &[v, h])?;
         }
         m.src.check("model.norm.weight", &[h])?;
-        m.src.check(m.lm_head_name(), &[v, h])?;
+        if m.cfg.tie_word_embeddings {
+            m.src.check(m.lm_head_name(), &[v, h])?;
+        } else {
+            m.src.check_head(m.lm_head_name(), &[v, h])?; // read by the loss in chunks
+        }
         let vb = Frozen::new(&*m.src);
         for i in 0..m.cfg.num_hidden_layers {
             DecoderLayer::load(&vb.pp(format!("model.layers.{i}")), &m.cfg, i, lora)?;

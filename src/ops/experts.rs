@@ -1,8 +1,10 @@
-//! DeepSeekMoE's routed experts as one op, when none of them is adapted: gather each expert's
-//! tokens, run its frozen SwiGLU MLP over them, and sum the outputs weighted by the router.
+//! DeepSeekMoE's routed experts (and its shared experts, when frozen) as one op, when none of
+//! the routed experts is adapted: gather each expert's tokens, run its frozen SwiGLU MLP over
+//! them, sum the outputs weighted by the router, and add the shared experts' MLP of every token.
 //!
 //! Dimensions: N tokens, H hidden, K experts per token, I an expert's intermediate size,
-//! Ne the tokens routed to expert e. A (token, slot) "pair" t·K + s is token t's s-th choice.
+//! Ne the tokens routed to expert e, Is the shared experts' intermediate size. A (token,
+//! slot) "pair" t·K + s is token t's s-th choice.
 //!
 //! Why: built from candle ops (what the portable path and CUDA run, `Moe::routed_by_ops`), the
 //! routed half of a layer is per expert an index_select, three matmuls and a SwiGLU, then a
@@ -11,31 +13,39 @@
 //! index_select whose backward copies the whole [N, H] gradient once per expert (256 MB a
 //! layer at 1 x 512 on DeepSeek-V2-Lite's shapes). With frozen experts nothing in there is
 //! trained, so one op with a hand-written backward does the same sums:
-//!   y_p = down(silu(gate(x_t)) ⊙ up(x_t)) for each pair p = (t, s) routed to its expert,
-//!   out_t = Σ_s w_ts y_p                         (f32, s in order, as the portable sum)
-//!   dw_ts = Σ_h dy_th y_ph,   dx_t = Σ_s expert'(x_t)ᵀ (w_ts dy_t)
-//! The gradient into x through the routing weights (the router's softmax/sigmoid) is candle's,
-//! from dw. Compute stays sparse: an expert with no tokens runs nothing.
+//!   s_p = silu(gate(x_t)) ⊙ up(x_t),  y_p = down(s_p)   for each pair p = (t, s) routed
+//!   out_t = Σ_s w_ts y_p (+ shared(x_t))                   (f32, s in order, as the portable sum)
+//!   ds'_p = down'(dy_t),  dw_ts = Σ_i ds'_pi s_pi,  dx_t = Σ_s (gate, up)'(x_t)ᵀ swiglu'(w_ts ds'_p)
+//! dw is Σ_h dy_th y_ph summed over the intermediate dimension instead (y = down(s), so
+//! dy·y = down'(dy)·s): the backward then needs the SwiGLU inputs only, not the [N·K, H]
+//! expert outputs (25 MB a layer at 1 x 512 on V2-Lite's shapes), and reads nothing the
+//! gradient GEMMs do not compute anyway. The gradient into x through the routing weights (the
+//! router's softmax/sigmoid) is candle's, from dw. Compute stays sparse: an expert with no
+//! tokens runs nothing.
 //!
-//! Checkpointing: a checkpointed forward keeps nothing (its graph is dropped); the
-//! recomputation keeps the SwiGLU inputs and the expert outputs for the backward, as the
-//! separate ops' graph would.
+//! Checkpointing (`ops::checkpoint`): a checkpointed forward keeps nothing, or, where the
+//! layer keeps its SwiGLU inputs, leaves every expert's g and u in the layer's slot; the
+//! recomputation then runs no GEMM at all (its value is never read: it returns zeros), else
+//! only the gate and up GEMMs.
 
-use super::checkpoint::Pass;
+use super::checkpoint::{Keep, Pass, SwiGluInputs};
 use super::linear::frozen_gemm;
 use super::mlp::{swiglu_rows, swiglu_rows_bwd};
 use super::{cpu_f32, f32_elems, par_zeroed, zeros_f32, Kernels, Op, Path};
 use candle_core::{Result, Tensor};
 use std::sync::Mutex;
 
-/// One routed expert's frozen weights: gate [I, H], up [I, H], down [H, I].
+/// One expert's frozen weights (routed or shared): gate [I, H], up [I, H], down [H, I].
 pub type ExpertWeights<'w> = [&'w Tensor; 3];
 
 /// The routed experts' output [N, H] for x [N, H] (f32), routing weights `w` [N, K] (f32,
-/// differentiable) and `chosen` (the N·K expert ids, token-major), as one op where the fused
-/// kernels run; `None` on the portable path (the caller then builds it from the separate ops).
-pub fn routed_experts(k: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], experts: &[ExpertWeights], pass: Pass) -> Result<Option<Tensor>> {
-    let weights: Vec<&Tensor> = experts.iter().flatten().copied().collect();
+/// differentiable) and `chosen` (the N·K expert ids, token-major), plus the shared experts'
+/// MLP of x where `shared` is given, as one op where the fused kernels run; `None` on the
+/// portable path (the caller then builds it from the separate ops). `keep`: activation
+/// checkpointing's pass and the layer's slot.
+pub fn routed_experts(k: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], experts: &[ExpertWeights], shared: Option<ExpertWeights>, keep: Keep) -> Result<Option<Tensor>> {
+    let mut weights: Vec<&Tensor> = experts.iter().flatten().copied().collect();
+    weights.extend(shared.iter().flatten().copied());
     if x.rank() != 2 || k.pick(Op::RoutedExperts, x, &weights) == Path::Portable {
         return Ok(None);
     }
@@ -44,18 +54,22 @@ pub fn routed_experts(k: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], expert
     if w.dims() != [n, slots] || chosen.len() != n * slots || w.dtype() != x.dtype() {
         candle_core::bail!("routed-experts: x {:?}, weights {:?} {:?} and {} choices do not match", x.dims(), w.dims(), w.dtype(), chosen.len());
     }
-    let mut groups = Vec::new();
-    for (e, pairs) in pairs_by_expert(chosen, experts.len())?.into_iter().enumerate() {
-        let [gate, up, down] = experts[e];
+    let mlp = |what: &str, [gate, up, down]: ExpertWeights, rows: Vec<u32>, shared: bool| -> Result<Group> {
         let i = gate.dim(0)?;
         if gate.dims() != [i, h] || up.dims() != [i, h] || down.dims() != [h, i] {
-            candle_core::bail!("routed-experts: expert {e}'s gate {:?}, up {:?}, down {:?} do not form an MLP on {h}", gate.dims(), up.dims(), down.dims());
+            candle_core::bail!("routed-experts: {what}'s gate {:?}, up {:?}, down {:?} do not form an MLP on {h}", gate.dims(), up.dims(), down.dims());
         }
-        if !pairs.is_empty() {
-            groups.push(Group { pairs, gate: gate.contiguous()?, up: up.contiguous()?, down: down.contiguous()? });
+        Ok(Group { rows, shared, inter: i, gate: gate.contiguous()?, up: up.contiguous()?, down: down.contiguous()? })
+    };
+    let mut groups = Vec::new();
+    for (e, pairs) in pairs_by_expert(chosen, experts.len())?.into_iter().enumerate() {
+        let group = mlp(&format!("expert {e}"), experts[e], pairs, false)?;
+        if !group.rows.is_empty() {
+            groups.push(group);
         }
     }
-    let op = RoutedExperts { groups, slots, keep: pass != Pass::Checkpointed, kept: Mutex::new(None) };
+    let shared = shared.map(|m| mlp("the shared experts", m, (0..n as u32).collect(), true)).transpose()?;
+    let op = RoutedExperts { groups, shared, slots, keep, kept: Mutex::new(None) };
     Ok(Some(x.contiguous()?.apply_op2(&w.contiguous()?, op)?))
 }
 
@@ -72,9 +86,14 @@ pub fn pairs_by_expert(chosen: &[u32], experts: usize) -> Result<Vec<Vec<u32>>> 
     Ok(by_expert)
 }
 
-/// One expert with tokens: its pairs (t·K + s, ascending) and frozen weights.
+/// One MLP and the rows it runs on: a routed expert with tokens (its pairs t·K + s,
+/// ascending), or the shared experts (every token t).
 struct Group {
-    pairs: Vec<u32>,
+    rows: Vec<u32>,
+    /// The shared experts: rows are tokens, and no routing weight scales them.
+    shared: bool,
+    /// I: the intermediate size.
+    inter: usize,
     gate: Tensor,
     up: Tensor,
     down: Tensor,
@@ -82,24 +101,34 @@ struct Group {
 
 struct RoutedExperts {
     groups: Vec<Group>,
+    shared: Option<Group>,
     /// K: experts per token.
     slots: usize,
-    /// Whether the forward keeps what the backward reads (not in a checkpointed forward).
-    keep: bool,
-    kept: Mutex<Option<Kept>>,
-}
-
-/// What the backward reads: each group's SwiGLU inputs g, u [Ne, I], and every pair's expert
-/// output y [N·K, H] (for the routing weights' gradient).
-struct Kept {
-    swiglu: Vec<(Vec<f32>, Vec<f32>)>,
-    y: Vec<f32>,
+    /// The checkpointing pass, and where a checkpointed forward leaves the SwiGLU inputs.
+    keep: Keep,
+    /// Every group's SwiGLU inputs g, u [Ne, I] one after the other (the routed experts in
+    /// order, then the shared experts), from the forward for the backward.
+    kept: Mutex<Option<SwiGluInputs>>,
 }
 
 /// Rows `rows[r]` of x [_, H], gathered [rows.len(), H].
 fn gather_rows(x: &[f32], h: usize, rows: impl Iterator<Item = usize>) -> Vec<f32> {
     let rows: Vec<usize> = rows.collect();
     par_zeroed(rows.len() * h, h.max(1), |r, dst: &mut [f32]| dst.copy_from_slice(&x[rows[r] * h..][..h]))
+}
+
+impl RoutedExperts {
+    /// The routed groups, then the shared experts, each with the token of each of its rows.
+    fn all_groups(&self) -> impl Iterator<Item = (&Group, Vec<usize>)> {
+        let k = self.slots;
+        let routed = self.groups.iter().map(move |g| (g, g.rows.iter().map(|&p| p as usize / k).collect()));
+        routed.chain(self.shared.iter().map(|g| (g, g.rows.iter().map(|&t| t as usize).collect())))
+    }
+
+    /// Σ Ne·I over the groups: the length of the kept g (and of u).
+    fn kept_len(&self) -> usize {
+        self.groups.iter().chain(&self.shared).map(|g| g.rows.len() * g.inter).sum()
+    }
 }
 
 impl candle_core::CustomOp2 for RoutedExperts {
@@ -111,29 +140,58 @@ impl candle_core::CustomOp2 for RoutedExperts {
         let (x, w) = (cpu_f32("routed-experts", s1, l1)?, cpu_f32("routed-experts", s2, l2)?);
         let (n, h) = l1.shape().dims2()?;
         let k = self.slots;
-        let mut y = zeros_f32(n * k * h); // [N·K, H] by pair
-        let mut swiglu = Vec::with_capacity(self.groups.len());
-        for g in &self.groups {
-            let ne = g.pairs.len();
-            let xe = gather_rows(x, h, g.pairs.iter().map(|&p| p as usize / k)); // [Ne, H]
-            let (gv, uv) = (frozen_gemm(&xe, ne, &g.gate, false)?, frozen_gemm(&xe, ne, &g.up, false)?); // [Ne, I] each
-            let ye = frozen_gemm(&swiglu_rows(&gv, &uv), ne, &g.down, false)?; // [Ne, H]
-            for (r, &p) in g.pairs.iter().enumerate() {
-                y[p as usize * h..][..h].copy_from_slice(&ye[r * h..][..h]);
-            }
-            if self.keep {
-                swiglu.push((gv, uv));
-            }
+        let recompute = self.keep.pass == Pass::Recompute;
+        let from_forward = match (self.keep.pass, &self.keep.slot) {
+            (Pass::Recompute, Some(slot)) => slot.take_swiglu().filter(|(g, u)| g.len() == self.kept_len() && u.len() == g.len()),
+            _ => None,
+        };
+        if let Some(gu) = from_forward {
+            // The checkpointed forward's g and u: nothing to run, and the value is never read.
+            *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some(gu);
+            return Ok((candle_core::CpuStorage::F32(zeros_f32(n * h)), l1.shape().clone()));
         }
-        // out_t = Σ_s w_ts y_(t,s): each product rounded, then summed from 0 in slot order.
-        let out = par_zeroed(n * h, h.max(1), |t, row: &mut [f32]| {
-            for s in 0..k {
-                let ws = w[t * k + s];
-                row.iter_mut().zip(&y[(t * k + s) * h..][..h]).for_each(|(o, &v)| *o += v * ws);
+        let len = self.kept_len();
+        let (mut g_all, mut u_all) = (zeros_f32(len), zeros_f32(len));
+        let mut y = if recompute { Vec::new() } else { zeros_f32(n * k * h) }; // [N·K, H] by pair
+        let mut shared_out = Vec::new(); // [N, H]
+        let mut at = 0;
+        for (gr, tokens) in self.all_groups() {
+            let ne = tokens.len();
+            let xe = gather_rows(x, h, tokens.into_iter()); // [Ne, H]
+            let (gv, uv) = (frozen_gemm(&xe, ne, &gr.gate, false)?, frozen_gemm(&xe, ne, &gr.up, false)?); // [Ne, I] each
+            if !recompute {
+                let ye = frozen_gemm(&swiglu_rows(&gv, &uv), ne, &gr.down, false)?; // [Ne, H]
+                if gr.shared {
+                    shared_out = ye;
+                } else {
+                    for (r, &p) in gr.rows.iter().enumerate() {
+                        y[p as usize * h..][..h].copy_from_slice(&ye[r * h..][..h]);
+                    }
+                }
             }
-        });
-        if self.keep {
-            *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some(Kept { swiglu, y });
+            g_all[at..][..gv.len()].copy_from_slice(&gv);
+            u_all[at..][..uv.len()].copy_from_slice(&uv);
+            at += gv.len();
+        }
+        // out_t = Σ_s w_ts y_(t,s): each product rounded, then summed from 0 in slot order;
+        // then the shared experts' output added, as `routed + shared` in separate ops.
+        let out = if recompute {
+            zeros_f32(n * h) // the recomputation's value is never read
+        } else {
+            par_zeroed(n * h, h.max(1), |t, row: &mut [f32]| {
+                for s in 0..k {
+                    let ws = w[t * k + s];
+                    row.iter_mut().zip(&y[(t * k + s) * h..][..h]).for_each(|(o, &v)| *o += v * ws);
+                }
+                if !shared_out.is_empty() {
+                    row.iter_mut().zip(&shared_out[t * h..][..h]).for_each(|(o, &v)| *o += v);
+                }
+            })
+        };
+        match (self.keep.pass, &self.keep.slot) {
+            (Pass::Checkpointed, Some(slot)) => slot.put_swiglu((g_all, u_all)),
+            (Pass::Checkpointed, None) => {}
+            _ => *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some((g_all, u_all)),
         }
         Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
     }
@@ -141,33 +199,42 @@ impl candle_core::CustomOp2 for RoutedExperts {
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (n, h) = x.dims2()?;
         let k = self.slots;
-        let Some(kept) = self.kept.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        let Some((g_all, u_all)) = self.kept.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             candle_core::bail!("routed-experts: backward without a kept forward");
         };
         let (wv, dyv) = (f32_elems(w)?, f32_elems(dy)?);
-        // dw_ts = Σ_h dy_th y_(t,s)h
-        let dw = par_zeroed(n * k, k.max(1), |t, row: &mut [f32]| {
-            let d = &dyv[t * h..][..h];
-            for (s, o) in row.iter_mut().enumerate() {
-                *o = d.iter().zip(&kept.y[(t * k + s) * h..][..h]).map(|(&a, &b)| a * b).sum();
-            }
-        });
-        drop(kept.y);
+        let mut dw = zeros_f32(n * k);
         let mut dx = zeros_f32(n * h);
-        for (g, (gv, uv)) in self.groups.iter().zip(kept.swiglu) {
-            let ne = g.pairs.len();
-            // The expert's upstream gradient: w_ts dy_t for each of its pairs [Ne, H].
-            let mut dye = gather_rows(&dyv, h, g.pairs.iter().map(|&p| p as usize / k));
-            for (r, &p) in g.pairs.iter().enumerate() {
-                let ws = wv[p as usize];
-                dye[r * h..][..h].iter_mut().for_each(|v| *v *= ws);
+        let mut at = 0;
+        for (gr, tokens) in self.all_groups() {
+            let (ne, i) = (tokens.len(), gr.inter);
+            let (gv, uv) = (&g_all[at..][..ne * i], &u_all[at..][..ne * i]);
+            at += ne * i;
+            let dye = gather_rows(&dyv, h, tokens.iter().copied()); // [Ne, H]: dy of each row's token
+            let mut ds = frozen_gemm(&dye, ne, &gr.down, true)?; // [Ne, I]: ds' = down'(dy)
+            if !gr.shared {
+                // dw_p = ds'_p · s_p, then the expert's gradient is w_p ds'_p.
+                use rayon::prelude::*;
+                let s = swiglu_rows(gv, uv);
+                let dots: Vec<f32> = ds
+                    .par_chunks_mut(i)
+                    .zip(s.par_chunks(i))
+                    .zip(gr.rows.par_iter())
+                    .map(|((d, sr), &p)| {
+                        let dot = super::dot_f32(d, sr);
+                        let ws = wv[p as usize];
+                        d.iter_mut().for_each(|v| *v *= ws);
+                        dot
+                    })
+                    .collect();
+                for (&p, dot) in gr.rows.iter().zip(dots) {
+                    dw[p as usize] = dot;
+                }
             }
-            let ds = frozen_gemm(&dye, ne, &g.down, true)?; // [Ne, I]
-            let (dg, du) = swiglu_rows_bwd(&gv, &uv, &ds);
-            let mut dxe = frozen_gemm(&dg, ne, &g.gate, true)?; // [Ne, H]
-            super::add_into(&mut dxe, &frozen_gemm(&du, ne, &g.up, true)?);
-            for (r, &p) in g.pairs.iter().enumerate() {
-                let t = p as usize / k;
+            let (dg, du) = swiglu_rows_bwd(gv, uv, &ds);
+            let mut dxe = frozen_gemm(&dg, ne, &gr.gate, true)?; // [Ne, H]
+            super::add_into(&mut dxe, &frozen_gemm(&du, ne, &gr.up, true)?);
+            for (r, &t) in tokens.iter().enumerate() {
                 dx[t * h..][..h].iter_mut().zip(&dxe[r * h..][..h]).for_each(|(o, &v)| *o += v);
             }
         }
@@ -189,7 +256,7 @@ mod tests {
     fn separate(kern: Kernels, x: &Tensor, w: &Tensor, chosen: &[u32], experts: &[ExpertWeights]) -> Result<Tensor> {
         let (n, h) = x.dims2()?;
         let k = w.dim(1)?;
-        let mut out = Tensor::zeros((n, h), DType::F32, x.device())?;
+        let mut out = Tensor::zeros((n, h), x.dtype(), x.device())?;
         for (p, &e) in chosen.iter().enumerate() {
             let (t, s) = (p / k, p % k);
             let [gate, up, down] = experts[e as usize];
@@ -202,50 +269,137 @@ mod tests {
         Ok(out)
     }
 
-    /// Value and the gradients of x and w, fused against the separate ops, for `dtype` weights.
-    fn check(dtype: DType, pass: Pass) -> Result<(f32, f32, f32)> {
-        let dev = Device::Cpu;
-        let (n, h, i, e, k) = (13, 64, 32, 5, 2);
-        // Expert 4 gets no token; expert 0 gets most.
-        let chosen: Vec<u32> = (0..n * k).map(|p| [0, 1, 0, 2, 3, 0][p % 6]).collect();
-        let ws: Vec<[Tensor; 3]> = (0..e)
-            .map(|j| {
-                let m = |r, c, seed| Tensor::from_vec(pseudo(r * c, seed), (r, c), &dev)?.affine(0.2, 0.0)?.to_dtype(dtype);
-                Ok([m(i, h, 10 + 3 * j)?, m(i, h, 11 + 3 * j)?, m(h, i, 12 + 3 * j)?])
-            })
-            .collect::<Result<_>>()?;
-        let experts: Vec<ExpertWeights> = ws.iter().map(|[a, b, c]| [a, b, c]).collect();
-        let x = Var::from_vec(pseudo(n * h, 1), (n, h), &dev)?;
-        let w = Var::from_vec(pseudo(n * k, 2), (n, k), &dev)?;
-        let fused = routed_experts(Kernels::Auto, &x, &w, &chosen, &experts, pass)?.expect("the fused path on CPU f32");
-        let reference = separate(Kernels::Auto, &x, &w, &chosen, &experts)?;
-        let g = Tensor::from_vec(pseudo(n * h, 3), (n, h), &dev)?;
-        let gf = (fused.clone() * &g)?.sum_all()?.backward()?;
-        let gr = (reference.clone() * &g)?.sum_all()?.backward()?;
-        // Max differences relative to the reference's largest magnitude (the two sum in
-        // different orders: an expert's rows together here, one row at a time there).
-        let rel = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok(max_diff(a, b)? / b.abs()?.max_all()?.to_scalar::<f32>()?) };
-        let d = |v: &Tensor| rel(gf.get(v).expect("grad"), gr.get(v).expect("grad"));
-        Ok((rel(&fused, &reference)?, d(&x)?, d(&w)?))
+    /// The shared experts' MLP of every token from separate ops [N, H].
+    fn shared_mlp(kern: Kernels, x: &Tensor, [gate, up, down]: ExpertWeights) -> Result<Tensor> {
+        frozen_linear(kern, &swiglu(kern, &frozen_linear(kern, x, gate)?, &frozen_linear(kern, x, up)?)?, down)
+    }
+
+    /// A small MoE: 13 tokens, 5 experts of which 4 gets no token and 0 most, top 2, and
+    /// shared experts of another intermediate size.
+    struct Case {
+        x: Var,
+        w: Var,
+        chosen: Vec<u32>,
+        experts: Vec<[Tensor; 3]>,
+        shared: [Tensor; 3],
+    }
+
+    impl Case {
+        fn new(dtype: DType) -> Result<Self> {
+            let dev = Device::Cpu;
+            let (n, h, i, e, k) = (13, 64, 32, 5, 2);
+            let chosen: Vec<u32> = (0..n * k).map(|p| [0, 1, 0, 2, 3, 0][p % 6]).collect();
+            let m = |r, c, seed| Tensor::from_vec(pseudo(r * c, seed), (r, c), &dev)?.affine(0.2, 0.0)?.to_dtype(dtype);
+            let experts = (0..e).map(|j| Ok([m(i, h, 10 + 3 * j)?, m(i, h, 11 + 3 * j)?, m(h, i, 12 + 3 * j)?])).collect::<Result<_>>()?;
+            let shared = [m(48, h, 7)?, m(48, h, 8)?, m(h, 48, 9)?];
+            Ok(Case { x: Var::from_vec(pseudo(n * h, 1), (n, h), &dev)?, w: Var::from_vec(pseudo(n * k, 2), (n, k), &dev)?, chosen, experts, shared })
+        }
+
+        fn experts(&self) -> Vec<ExpertWeights<'_>> {
+            self.experts.iter().map(|[a, b, c]| [a, b, c]).collect()
+        }
+
+        fn shared(&self) -> ExpertWeights<'_> {
+            let [a, b, c] = &self.shared;
+            [a, b, c]
+        }
+
+        /// The fused op's value and the gradients of x and w for an upstream gradient.
+        fn fused(&self, with_shared: bool, keep: Keep) -> Result<(Tensor, Tensor, Tensor)> {
+            let y = routed_experts(Kernels::Auto, &self.x, &self.w, &self.chosen, &self.experts(), with_shared.then(|| self.shared()), keep)?;
+            self.grads(y.expect("the fused path on the CPU"))
+        }
+
+        /// The same from the separate ops.
+        fn separate(&self, with_shared: bool) -> Result<(Tensor, Tensor, Tensor)> {
+            let mut y = separate(Kernels::Auto, &self.x, &self.w, &self.chosen, &self.experts())?;
+            if with_shared {
+                y = (y + shared_mlp(Kernels::Auto, &self.x, self.shared())?)?;
+            }
+            self.grads(y)
+        }
+
+        fn grads(&self, y: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+            let g = Tensor::from_vec(pseudo(y.elem_count(), 3), y.shape(), y.device())?;
+            let store = (y.clone() * &g)?.sum_all()?.backward()?;
+            let get = |v: &Var| store.get(v).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+            Ok((y, get(&self.x)?, get(&self.w)?))
+        }
+    }
+
+    /// Max difference relative to the reference's largest magnitude (the two sum in different
+    /// orders: an expert's rows together in the op, one row at a time in the separate ops).
+    fn rel(a: &Tensor, b: &Tensor) -> Result<f32> {
+        Ok(max_diff(a, b)? / b.abs()?.max_all()?.to_scalar::<f32>()?)
+    }
+
+    /// The separate ops' value and gradients in f64 on the same (bf16- or f32-valued) weights:
+    /// the exact sums both paths round.
+    fn exact(case: &Case, with_shared: bool) -> Result<(Tensor, Tensor, Tensor)> {
+        let f64s = |t: &Tensor| t.to_dtype(DType::F64);
+        let experts64: Vec<[Tensor; 3]> = case.experts.iter().map(|m| Ok([f64s(&m[0])?, f64s(&m[1])?, f64s(&m[2])?])).collect::<Result<_>>()?;
+        let shared64 = [f64s(&case.shared[0])?, f64s(&case.shared[1])?, f64s(&case.shared[2])?];
+        let (x, w) = (Var::from_tensor(&f64s(&case.x)?)?, Var::from_tensor(&f64s(&case.w)?)?);
+        let ex: Vec<ExpertWeights> = experts64.iter().map(|[a, b, c]| [a, b, c]).collect();
+        let mut y = separate(Kernels::Portable, &x, &w, &case.chosen, &ex)?;
+        if with_shared {
+            y = (y + shared_mlp(Kernels::Portable, &x, [&shared64[0], &shared64[1], &shared64[2]])?)?;
+        }
+        let g = Tensor::from_vec(pseudo(y.elem_count(), 3), y.shape(), y.device())?.to_dtype(DType::F64)?;
+        let store = (y.clone() * &g)?.sum_all()?.backward()?;
+        let get = |v: &Var| store.get(v).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+        let f32s = |t: Tensor| t.to_dtype(DType::F32);
+        Ok((f32s(y)?, f32s(get(&x)?)?, f32s(get(&w)?)?))
     }
 
     #[test]
     fn routed_experts_equal_the_separate_ops_in_value_and_both_gradients() -> Result<()> {
         for dtype in [DType::F32, DType::BF16] {
-            let (dv, dx, dw) = check(dtype, Pass::Plain)?;
-            println!("routed experts {dtype:?}: value {dv:.1e}, grad x {dx:.1e}, grad w {dw:.1e}");
-            // Zen 5: f32 3.6e-7, 1.6e-7, 3.5e-7; bf16 (the same dot kernel both ways) 0, 0, 1.6e-7.
-            assert!(dv < 1e-6 && dx < 1e-6 && dw < 1e-6, "{dtype:?}: value {dv:e}, grad x {dx:e}, grad w {dw:e}");
+            for with_shared in [false, true] {
+                let case = Case::new(dtype)?;
+                let (fy, fx, fw) = case.fused(with_shared, Keep::plain())?;
+                let (ry, rx, rw) = case.separate(with_shared)?;
+                let (dv, dx, dw) = (rel(&fy, &ry)?, rel(&fx, &rx)?, rel(&fw, &rw)?);
+                println!("routed experts {dtype:?}, shared {with_shared}: value {dv:.1e}, grad x {dx:.1e}, grad w {dw:.1e}");
+                if dtype == DType::F32 {
+                    // Zen 5: at most 3.6e-7, 4.3e-7, 3.9e-7.
+                    assert!(dv < 1e-6 && dx < 1e-6 && dw < 1e-6, "shared {with_shared}: value {dv:e}, grad x {dx:e}, grad w {dw:e}");
+                    continue;
+                }
+                // bf16 weights: where a bf16 unit runs the GEMMs their operands are rounded to
+                // bf16, and the op rounds down'(dy) where the separate ops round w·dy (and s
+                // for dw): as far from the exact sums as they are, not the same bits.
+                let (ey, ex, ew) = exact(&case, with_shared)?;
+                let (fx_err, rx_err, fw_err, rw_err) = (rel(&fx, &ex)?, rel(&rx, &ex)?, rel(&fw, &ew)?, rel(&rw, &ew)?);
+                println!("  against f64: value {:.1e} / {:.1e}, grad x {fx_err:.1e} / {rx_err:.1e}, grad w {fw_err:.1e} / {rw_err:.1e} (op / separate)", rel(&fy, &ey)?, rel(&ry, &ey)?);
+                assert!(dv < 1e-6, "shared {with_shared}: value {dv:e}");
+                assert!(fx_err <= 1.1 * rx_err + 1e-6 && fw_err <= 1.1 * rw_err + 1e-6, "shared {with_shared}: grad x {fx_err:e} against {rx_err:e}, grad w {fw_err:e} against {rw_err:e}");
+            }
         }
         Ok(())
     }
 
     #[test]
-    fn a_checkpointed_forward_keeps_nothing_for_backward() -> Result<()> {
-        let err = check(DType::F32, Pass::Checkpointed).unwrap_err().to_string();
+    fn a_checkpointed_forward_keeps_nothing_for_backward_unless_its_slot_keeps_the_swiglu_inputs() -> Result<()> {
+        let case = Case::new(DType::F32)?;
+        let checkpointed = Keep { pass: Pass::Checkpointed, slot: None };
+        let err = case.fused(true, checkpointed).unwrap_err().to_string();
         assert!(err.contains("without a kept forward"), "{err}");
-        let (dv, dx, dw) = check(DType::F32, Pass::Recompute)?;
-        assert!(dv < 1e-6 && dx < 1e-6 && dw < 1e-6);
+        let (_, px, pw) = case.fused(true, Keep::plain())?;
+        // Recomputed without a slot: the gate and up GEMMs run again, the same gradients.
+        let (ry, rx, rw) = case.fused(true, Keep { pass: Pass::Recompute, slot: None })?;
+        assert_eq!((max_diff(&rx, &px)?, max_diff(&rw, &pw)?), (0.0, 0.0));
+        assert_eq!(ry.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "the recomputation's value is a placeholder");
+        // With the SwiGLU inputs kept: the checkpointed forward's value is the plain one's, and
+        // the recomputation takes g and u from the slot (it is empty after) for the same bits.
+        let kept = crate::ops::checkpoint::Kept::new(&[crate::ops::checkpoint::KeepLayer { swiglu: true, ..Default::default() }]);
+        let checkpointed = Keep { pass: Pass::Checkpointed, slot: kept.slot(0) };
+        let cy = routed_experts(Kernels::Auto, &case.x, &case.w, &case.chosen, &case.experts(), Some(case.shared()), checkpointed)?.expect("fused");
+        assert_eq!(max_diff(&cy, &case.fused(true, Keep::plain())?.0)?, 0.0);
+        assert!(kept.bytes() > 0, "g and u are in the slot");
+        let (_, kx, kw) = case.fused(true, Keep { pass: Pass::Recompute, slot: kept.slot(0) })?;
+        assert_eq!(kept.bytes(), 0, "taken by the recomputation");
+        assert_eq!((max_diff(&kx, &px)?, max_diff(&kw, &pw)?), (0.0, 0.0));
         Ok(())
     }
 
@@ -256,7 +410,7 @@ mod tests {
         let w = Tensor::zeros((2, 1), DType::F32, &dev)?;
         let m = Tensor::zeros((4, 8), DType::F32, &dev)?;
         let d = Tensor::zeros((8, 4), DType::F32, &dev)?;
-        let err = routed_experts(Kernels::Auto, &x, &w, &[0, 1], &[[&m, &m, &d]], Pass::Plain).unwrap_err().to_string();
+        let err = routed_experts(Kernels::Auto, &x, &w, &[0, 1], &[[&m, &m, &d]], None, Keep::plain()).unwrap_err().to_string();
         assert!(err.contains("expert 1 chosen of 1"), "{err}");
         Ok(())
     }

@@ -104,7 +104,12 @@ pub fn cross_entropy_sum_and_grad(k: Kernels, rows: &Tensor, head: &HeadRows, ta
         if runs.is_empty() {
             runs = spans.iter().map(|&(_, c)| Running::new(path, c, rows.device())).collect::<Result<_>>()?;
         }
+        if want_grad {
+            picked = Some(add_target_rows(picked, &w, targets, v0, m)?);
+        }
+        // A chunk read from the file (not a view of a held head) is dropped once prepared.
         let hd = Head::new(path, &w)?;
+        drop(w);
         for (run, &(r0, c)) in runs.iter_mut().zip(&spans) {
             let x = rows.narrow(0, r0, c)?; // [C, H]
             let logits = hd.logits(&x)?; // [C, n] f32
@@ -116,9 +121,6 @@ pub fn cross_entropy_sum_and_grad(k: Kernels, rows: &Tensor, head: &HeadRows, ta
                     None => g,
                 });
             }
-        }
-        if want_grad {
-            picked = Some(add_target_rows(picked, &w, targets, v0, m)?);
         }
     }
     let mut total = 0f64;

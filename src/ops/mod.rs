@@ -74,6 +74,19 @@ pub fn sum_f32(x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// Σ a_i b_i with eight running sums, as [`sum_f32`].
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(&x, &y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// `len` zeros, zeroed in parallel chunks of `chunk`, each chunk then handed to `fill(index,
 /// chunk)`. Why not `vec![0; len]` and a parallel fill: that zeroes the whole buffer on the
 /// calling thread first, a serial memset (and page faults) of up to tens of MB per GEMM or op

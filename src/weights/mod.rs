@@ -53,7 +53,15 @@ pub trait WeightSource: Send + Sync {
     fn check_rows(&self, name: &str, shape: &[usize]) -> Result<()> {
         self.check(name, shape)
     }
-    /// Bytes of the base (in the storage dtype) left in files by `check_rows`, not held.
+    /// Check a table the model reads only in runs of rows through
+    /// [`get_matmul_rows`](Self::get_matmul_rows) (an untied LM head, which the loss reads in
+    /// chunks). A resident base told to (`ResidentWeights::with_head_in_file`) leaves it in its
+    /// file.
+    fn check_head(&self, name: &str, shape: &[usize]) -> Result<()> {
+        self.check(name, shape)
+    }
+    /// Bytes of the base (in the storage dtype) left in files by `check_rows` and
+    /// `check_head`, not held.
     fn bytes_in_files(&self) -> usize {
         0
     }
@@ -540,6 +548,32 @@ impl RowTable {
         Ok(Tensor::from_raw_buffer(&self.read_bytes(ids)?, self.dtype, &[ids.len(), self.cols], &Device::Cpu)?)
     }
 
+    /// Rows start..start+len as stored, [len, cols] on the host: one read of contiguous bytes,
+    /// straight into the tensor's buffer.
+    pub fn read_range(&self, start: usize, len: usize) -> Result<Tensor> {
+        if start + len > self.rows {
+            let msg = format!("rows {start}..{} asked of the {} rows of `{}`", start + len, self.rows, self.name);
+            return Err(Error::Model { what: "row range".into(), msg });
+        }
+        let (n, at) = (len * self.cols, self.offset + (start * self.cols * self.dtype.size_in_bytes()) as u64);
+        let shape = (len, self.cols);
+        Ok(match self.dtype {
+            DType::BF16 => Tensor::from_vec(self.read_into(vec![half::bf16::ZERO; n], at)?, shape, &Device::Cpu)?,
+            DType::F16 => Tensor::from_vec(self.read_into(vec![half::f16::ZERO; n], at)?, shape, &Device::Cpu)?,
+            _ => Tensor::from_vec(self.read_into(vec![0f32; n], at)?, shape, &Device::Cpu)?,
+        })
+    }
+
+    /// `buf` (of f32, bf16 or f16) filled from the file at byte `at`.
+    fn read_into<T: candle_core::WithDType>(&self, mut buf: Vec<T>, at: u64) -> Result<Vec<T>> {
+        use std::os::unix::fs::FileExt;
+        // SAFETY: f32, bf16 and f16 are plain bits (every bit pattern is a value, no padding),
+        // and the byte view covers exactly the vector's initialised elements.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, std::mem::size_of_val(buf.as_slice())) };
+        self.file.read_exact_at(bytes, at).map_err(|e| Error::io(&self.path, e))?;
+        Ok(buf)
+    }
+
     fn read_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {
         use std::os::unix::fs::FileExt;
         let row = self.cols * self.dtype.size_in_bytes();
@@ -623,6 +657,14 @@ impl SafetensorsFiles {
     }
 }
 
+/// A row table asked for as `shape`: an error naming the tensor and its file when it is not.
+fn check_table_shape(name: &str, t: &RowTable, shape: &[usize]) -> Result<()> {
+    if shape != [t.rows, t.cols] {
+        return Err(Error::Shape { name: name.into(), file: t.path.display().to_string(), expected: shape.to_vec(), got: vec![t.rows, t.cols] });
+    }
+    Ok(())
+}
+
 /// Tell the kernel this process no longer needs the mapped file pages under `bytes` (whole
 /// pages inside it only). The mapping is read-only, so a later read faults the same bytes back
 /// in from the file: nothing can change, only memory is returned.
@@ -656,6 +698,8 @@ pub struct ResidentWeights {
     tables: std::sync::RwLock<HashMap<String, RowTable>>,
     /// Whether `check_rows` may leave a table in its file (`with_row_tables`).
     row_tables: bool,
+    /// Whether `check_head` leaves the head in its file (`with_head_in_file`).
+    head_in_file: bool,
     storage_dtype: DType,
     compute_dtype: DType,
     matmul_dtype: DType,
@@ -671,6 +715,7 @@ impl ResidentWeights {
             tensors: Default::default(),
             tables: Default::default(),
             row_tables: device.is_cpu(),
+            head_in_file: false,
             storage_dtype,
             compute_dtype,
             matmul_dtype: compute_dtype,
@@ -692,6 +737,45 @@ impl ResidentWeights {
         self
     }
 
+    /// Leave an untied LM head in its file (on the host only), where it is read in chunks of
+    /// rows by every step's loss (`ops::loss`) and never held whole: a step then re-reads
+    /// the head from the page cache (~40 ms per GB on a 2-core Zen 5 VM), which the kernel
+    /// may drop under memory pressure (the next step then reads it from disk). Training on
+    /// the fused CPU ops only: `Model::logits` and `generate` read the head whole, each time.
+    pub fn with_head_in_file(mut self, allowed: bool) -> Self {
+        self.head_in_file = allowed && self.device.is_cpu();
+        self
+    }
+
+    /// `name`'s table when it was left in its file (and not also copied).
+    fn table<T>(&self, name: &str, f: impl FnOnce(&RowTable) -> Result<T>) -> Option<Result<T>> {
+        if self.tensors.read().unwrap_or_else(|e| e.into_inner()).contains_key(name) {
+            return None;
+        }
+        self.tables.read().unwrap_or_else(|e| e.into_inner()).get(name).map(f)
+    }
+
+    /// A table's rows as stored, converted as a copy would have been (storage dtype, then
+    /// `dtype`): the same values.
+    fn table_rows(&self, name: &str, rows: Tensor, dtype: DType) -> Result<Tensor> {
+        Ok(rows.to_dtype(stored_dtype(name, self.storage_dtype))?.to_dtype(dtype)?.to_device(&self.device)?)
+    }
+
+    /// Leave `name` in its file as a row table when `allowed` and it can be read so.
+    fn leave_in_file(&self, name: &str, shape: &[usize], allowed: bool) -> Result<()> {
+        let table = match &*self.files.read().unwrap_or_else(|e| e.into_inner()) {
+            Some(files) if allowed => files.row_table(name, shape)?,
+            _ => None,
+        };
+        match table {
+            Some(t) => {
+                self.tables.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), t);
+                Ok(())
+            }
+            None => self.check(name, shape),
+        }
+    }
+
     /// Bytes of frozen tensors held.
     pub fn resident_bytes(&self) -> usize {
         let t = self.tensors.read().unwrap_or_else(|e| e.into_inner());
@@ -710,6 +794,13 @@ impl WeightSource for ResidentWeights {
         self.matmul_dtype
     }
     fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        // A table left in its file, asked for whole: read it all, and keep nothing.
+        if let Some(read) = self.table(name, |t| {
+            check_table_shape(name, t, shape)?;
+            self.table_rows(name, t.read_range(0, t.rows)?, stored_dtype(name, self.storage_dtype))
+        }) {
+            return read;
+        }
         let cached = self.tensors.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned();
         let t = match cached {
             Some(t) => {
@@ -741,33 +832,33 @@ impl WeightSource for ResidentWeights {
     /// On the host a table read only by rows stays in its file. (On a GPU it is copied as
     /// before: reading rows from the file there is not tested yet.)
     fn check_rows(&self, name: &str, shape: &[usize]) -> Result<()> {
-        let table = match &*self.files.read().unwrap_or_else(|e| e.into_inner()) {
-            Some(files) if self.row_tables => files.row_table(name, shape)?,
-            _ => None,
-        };
-        match table {
-            Some(t) => {
-                self.tables.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), t);
-                Ok(())
-            }
-            None => self.check(name, shape),
-        }
+        self.leave_in_file(name, shape, self.row_tables)
+    }
+    fn check_head(&self, name: &str, shape: &[usize]) -> Result<()> {
+        self.leave_in_file(name, shape, self.head_in_file)
     }
     /// A table kept whole (a tied head asked for it) is read from the copy; one left in its
     /// file is read there, row by row, and converted as a copy would have been (storage dtype,
     /// then compute dtype): the same values.
     fn embedding(&self, name: &str, shape: &[usize], ids: &Tensor) -> Result<Tensor> {
-        let resident = self.tensors.read().unwrap_or_else(|e| e.into_inner()).contains_key(name);
-        if !resident {
-            if let Some(t) = self.tables.read().unwrap_or_else(|e| e.into_inner()).get(name) {
-                if shape != [t.rows, t.cols] {
-                    return Err(Error::Shape { name: name.into(), file: t.path.display().to_string(), expected: shape.to_vec(), got: vec![t.rows, t.cols] });
-                }
-                let rows = t.read(&ids.to_dtype(DType::U32)?.to_vec1::<u32>()?)?; // [N, H] as stored
-                return Ok(rows.to_dtype(stored_dtype(name, self.storage_dtype))?.to_dtype(self.compute_dtype)?.to_device(&self.device)?);
-            }
+        if let Some(read) = self.table(name, |t| {
+            check_table_shape(name, t, shape)?;
+            let rows = t.read(&ids.to_dtype(DType::U32)?.to_vec1::<u32>()?)?; // [N, H] as stored
+            self.table_rows(name, rows, self.compute_dtype)
+        }) {
+            return read;
         }
         Ok(self.get_stored(name, shape)?.index_select(ids, 0)?.to_dtype(self.compute_dtype())?)
+    }
+    /// A head left in its file is read there, the asked rows only, in one read.
+    fn get_matmul_rows(&self, name: &str, shape: &[usize], start: usize, len: usize) -> Result<Tensor> {
+        if let Some(read) = self.table(name, |t| {
+            check_table_shape(name, t, shape)?;
+            self.table_rows(name, t.read_range(start, len)?, self.matmul_dtype)
+        }) {
+            return read;
+        }
+        Ok(self.get_stored(name, shape)?.narrow(0, start, len)?.to_dtype(self.matmul_dtype)?)
     }
     fn bytes_in_files(&self) -> usize {
         let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
@@ -863,5 +954,41 @@ mod tests {
         let want = rows_of(&emb, &[8, 2, 2]).to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
         let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert_eq!(diff, 0.0);
+    }
+
+    /// A head left in its file hands the loss the rows a resident copy would (an f32 table
+    /// in a bf16 run with bf16 matmuls: rounded to bf16), a run of rows per read, and reads
+    /// whole when asked for whole; only a source told to leaves it there.
+    #[test]
+    fn a_resident_base_reads_head_row_chunks_from_the_file_as_its_copy_would() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let head = table(9, 4, DType::F32, 2.0);
+        let map = HashMap::from([("a.norm".to_string(), table(1, 3, DType::F32, 0.0).flatten_all().unwrap()), ("lm_head.weight".to_string(), head.clone())]);
+        candle_core::safetensors::save(&map, &path).unwrap();
+        let open = |in_file: bool| {
+            let src = ResidentWeights::new(SafetensorsFiles::open(std::slice::from_ref(&path)).unwrap(), DType::BF16, DType::F32, Device::Cpu);
+            let src = src.with_matmul_dtype(DType::BF16).with_head_in_file(in_file);
+            src.check_head("lm_head.weight", &[9, 4]).unwrap();
+            src.seal();
+            src
+        };
+        let (file, copy) = (open(true), open(false));
+        assert_eq!((file.resident_bytes(), file.bytes_in_files()), (0, 9 * 4 * 2), "the head is not copied, and counted as bf16 left in the file");
+        assert_eq!((copy.resident_bytes(), copy.bytes_in_files()), (9 * 4 * 2, 0), "not told to: held");
+        let same = |a: Tensor, b: Tensor| {
+            assert_eq!((a.dtype(), a.dims()), (b.dtype(), b.dims()));
+            let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+        };
+        for (start, len) in [(0, 9), (2, 5), (8, 1)] {
+            let got = file.get_matmul_rows("lm_head.weight", &[9, 4], start, len).unwrap();
+            same(got.clone(), copy.get_matmul_rows("lm_head.weight", &[9, 4], start, len).unwrap());
+            same(got, head.narrow(0, start, len).unwrap().to_dtype(DType::BF16).unwrap());
+        }
+        same(file.get_matmul("lm_head.weight", &[9, 4]).unwrap(), copy.get_matmul("lm_head.weight", &[9, 4]).unwrap());
+        let err = file.get_matmul_rows("lm_head.weight", &[9, 4], 5, 5).unwrap_err().to_string();
+        assert!(err.contains("rows 5..10") && err.contains("9 rows") && err.contains("lm_head.weight"), "{err}");
+        assert!(matches!(file.get_matmul_rows("lm_head.weight", &[9, 5], 0, 1), Err(Error::Shape { .. })));
     }
 }
