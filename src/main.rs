@@ -565,7 +565,8 @@ fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> any
     if quant.is_some() {
         finetune::train::check_quantized_unsharded(&loaded, worlds.iter().copied().max().unwrap_or(1))?;
     }
-    let plans: Vec<_> = worlds.iter().map(|&w| finetune::dist::plan::plan_with(&cfg, r, w, on_gpu, quant.as_ref())).collect();
+    let copied = finetune::weights::tables_copied(&loaded);
+    let plans: Vec<_> = worlds.iter().map(|&w| finetune::dist::plan::plan_with(&cfg, r, w, on_gpu, quant.as_ref(), &copied)).collect();
     print!("{}", finetune::dist::plan::render(&cfg, r, &plans, on_gpu));
     Ok(())
 }

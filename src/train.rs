@@ -385,6 +385,13 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
         key: "data.max_seq_len".into(),
         msg: format!("{msg}: set data.max_seq_len to at most {}", cfg.attention_window.unwrap_or(0)),
     })?;
+    if r.export.gguf {
+        // Refused now, not after the run trained.
+        crate::export::gguf::adapter_arch(&model_dir).map_err(|e| match e {
+            Error::Export(msg) => Error::Recipe { file: loaded.file.display().to_string(), key: "export.gguf".into(), msg },
+            other => other,
+        })?;
+    }
     let storage_dtype = parse_dtype(&r.model.dtype);
     // The fused CPU kernels compute in f32 (a bf16/f16 base is only the storage format of the
     // frozen weights there); GPUs and the portable path compute in the storage dtype.
@@ -414,7 +421,9 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     src.seal();
     if !sharded && !quantized {
         // ShardedWeights and QuantizedWeights count what they hold as they read it.
-        let bytes = model.cfg.base_param_count() as usize * storage_dtype.size_in_bytes() - src.bytes_in_files();
+        let frozen = model.cfg.frozen_tensors().into_iter();
+        let held: usize = frozen.map(|(n, s)| s.iter().product::<usize>() * crate::weights::stored_dtype(&n, storage_dtype).size_in_bytes()).sum();
+        let bytes = held - src.bytes_in_files();
         account.frozen.store(bytes, Ordering::SeqCst);
     }
     let loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;

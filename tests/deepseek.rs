@@ -168,6 +168,33 @@ fn quantise_fixture(root: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     (fp8_dir, deq_dir)
 }
 
+/// An untied head stays in its file on the host only where it can be read by rows: an FP8
+/// head is dequantised and held, and `finetune plan` (`weights::tables_copied`) counts it
+/// so, as it counts a plain head as left in its file: the plan's frozen bytes are the run's.
+#[test]
+fn the_plan_counts_an_fp8_head_as_held_and_a_plain_one_as_left_in_its_file() {
+    let root = tempfile::tempdir().unwrap();
+    let (fp8_dir, _) = quantise_fixture(root.path());
+    let fp8_head = root.path().join("fp8-head");
+    std::fs::create_dir_all(&fp8_head).unwrap();
+    std::fs::copy(fp8_dir.join("config.json"), fp8_head.join("config.json")).unwrap();
+    let mut map = load_tensors(&fp8_dir.join("model.safetensors"));
+    let (q, scale, _) = fp8_quantise(&map["lm_head.weight"]);
+    map.insert("lm_head.weight".into(), q);
+    map.insert("lm_head.weight_scale_inv".into(), scale);
+    candle_core::safetensors::save(&map, fp8_head.join("model.safetensors")).unwrap();
+    for (dir, held) in [(&fp8_dir, false), (&fp8_head, true)] {
+        let out = root.path().join(format!("out-{held}"));
+        let r = recipe(V2, &out, &[&format!("model.path={}", dir.display()), "train.max_steps=1"]);
+        let copied = finetune::weights::tables_copied(&r);
+        assert_eq!(copied.contains(&"lm_head.weight".to_string()), held, "{copied:?}");
+        let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+        let planned = finetune::dist::plan::plan_with(&cfg, &r.recipe, 1, false, None, &copied).frozen;
+        let ran = finetune::train::run(&r).unwrap().memory[0].frozen;
+        assert_eq!(planned, ran, "head held: {held}");
+    }
+}
+
 #[test]
 fn an_fp8_base_trains_exactly_like_its_dequantised_copy_and_merges_to_bf16() {
     let root = tempfile::tempdir().unwrap();
@@ -237,11 +264,12 @@ fn the_plan_covers_deepseek_v2_lite_and_v3() {
         assert!(out.status.success(), "{recipe_file}");
         assert!(text.contains("frozen base kept") && text.contains("optimizer state per rank"));
     }
-    // A rank's frozen shard is 1/N of the bf16 base (per-tensor padding aside).
+    // A rank's frozen shard is 1/N of the bf16 base, its routers f32 (per-tensor padding aside).
     let r = finetune::recipe::LoadedRecipe::load(&root.join("recipes/deepseek-v3-lora.toml"), &[]).unwrap().recipe;
+    let f32_elems: usize = v3.frozen_tensors().iter().filter(|(n, _)| n.ends_with("mlp.gate.weight") || n.ends_with("e_score_correction_bias")).map(|(_, s)| s.iter().product::<usize>()).sum();
     for w in [8usize, 64] {
         let p = finetune::dist::plan::plan(&v3, &r, w, true);
-        let share = (p3 * 2.0 / w as f64) as usize;
+        let share = ((p3 * 2.0 + f32_elems as f64 * 2.0) / w as f64) as usize;
         assert!(p.frozen >= share && p.frozen <= share + v3.frozen_tensors().len() * 2, "world {w}: {} vs {share}", p.frozen);
     }
 }
@@ -524,18 +552,37 @@ fn default_targets_resume_under_an_explicit_list_in_any_order() {
 }
 
 #[test]
-fn the_v3_router_bias_stays_f32_under_a_bf16_base() {
-    // transformers keeps e_score_correction_bias in f32 in a bf16 model; rounding it would
-    // change which experts win close calls.
+fn the_router_and_v3_router_bias_stay_f32_under_a_bf16_base_and_in_a_bf16_merge() {
+    // transformers keeps the router (`gate.weight`, V2 and V3) and V3's e_score_correction_bias
+    // in f32 in a bf16 model (`_keep_in_fp32_modules_strict`); rounding them would change which
+    // experts win close calls.
     let dir = fixture("parity-deepseek-v3").join("model");
     let md = ModelDir { dir: dir.clone(), name: String::new(), commit: None, gguf: None };
     let src = ResidentWeights::new(md.open_weights().unwrap(), DType::BF16, DType::BF16, Device::Cpu);
-    let name = "model.layers.1.mlp.gate.e_score_correction_bias";
-    let got = finetune::weights::Frozen::new(&src).get_f32(&[8], name).unwrap();
     let files = md.open_weights().unwrap();
-    let want = files.load(name, &[8], &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-    assert_eq!(max_abs_diff(&got, &want), 0.0);
-    assert!(max_abs_diff(&want.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(), &want) > 0.0, "the test needs a bias bf16 cannot hold");
+    let names = [("model.layers.1.mlp.gate.e_score_correction_bias", vec![8]), ("model.layers.1.mlp.gate.weight", vec![8, 48])];
+    for (name, shape) in &names {
+        let got = finetune::weights::Frozen::new(&src).get_f32(shape, name).unwrap();
+        let want = files.load(name, shape, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+        assert_eq!(max_abs_diff(&got, &want), 0.0, "{name}");
+        assert!(max_abs_diff(&want.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap(), &want) > 0.0, "the test needs a {name} bf16 cannot hold");
+    }
+    // A merge written in bf16 keeps them f32, as transformers' save_pretrained of a bf16 model does.
+    let root = tempfile::tempdir().unwrap();
+    let out = root.path().join("run");
+    finetune::train::run(&recipe("parity-deepseek-v3", &out, &["train.max_steps=1"])).unwrap();
+    let adapter = finetune::export::PeftAdapter::open(&out.join("adapter")).unwrap();
+    let merged = root.path().join("merged");
+    let opts = finetune::export::ExportOptions { merge: true, dtype: Some(DType::BF16), no_verify: true, ..Default::default() };
+    finetune::export::merge(&md, &adapter, &merged, &opts).unwrap();
+    let mut t = std::collections::HashMap::new();
+    for f in std::fs::read_dir(&merged).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
+        t.extend(load_tensors(&f));
+    }
+    for (name, _) in &names {
+        assert_eq!(t[*name].dtype(), DType::F32, "{name}");
+    }
+    assert_eq!(t["model.layers.1.self_attn.o_proj.weight"].dtype(), DType::BF16);
 }
 
 #[test]
@@ -600,5 +647,41 @@ fn mla_and_moe_checkpointing_that_keeps_projection_outputs_and_expert_inputs_giv
             assert_eq!(diff(k, r), 0.0, "{keep:?}");
             assert!(diff(k, p) < 1e-6, "{keep:?}: {} from no checkpointing", diff(k, p));
         }
+    }
+}
+
+#[test]
+fn a_gguf_adapter_export_on_a_deepseek_recipe_is_refused_before_any_step() {
+    // llama.cpp LoRA GGUFs are written for llama and qwen2 bases only: a DeepSeek recipe that
+    // asks for one is refused at start, not after the run has trained.
+    let root = tempfile::tempdir().unwrap();
+    let out = root.path().join("run");
+    let err = finetune::train::run(&recipe(V2, &out, &["export.gguf=true"])).unwrap_err();
+    assert!(matches!(&err, finetune::Error::Recipe { key, msg, .. } if key == "export.gguf" && msg.contains("deepseek_v2") && msg.contains("llama and qwen2")), "{err}");
+    assert!(!out.join("metrics.jsonl").exists(), "no step ran");
+}
+
+#[test]
+fn a_merge_copies_the_remote_code_modules_its_config_names() {
+    // Hub DeepSeek-V2/V3 folders name their modeling code in config.json's `auto_map`; the
+    // merged folder keeps that config, so it needs those files beside it to load with
+    // trust_remote_code (code in another repo, `org/repo--module.Class`, is not copied).
+    let root = tempfile::tempdir().unwrap();
+    let base = root.path().join("base");
+    copy_dir(&fixture(V2).join("model"), &base);
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
+    c["auto_map"] = serde_json::json!({"AutoConfig": "configuration_deepseek.DeepseekV2Config", "AutoModelForCausalLM": ["modeling_deepseek.DeepseekV2ForCausalLM", null], "AutoTokenizer": "org/other--tokenization_x.T"});
+    std::fs::write(base.join("config.json"), c.to_string()).unwrap();
+    for f in ["configuration_deepseek.py", "modeling_deepseek.py", "tokenization_x.py", "unrelated.py"] {
+        std::fs::write(base.join(f), format!("# {f}\n")).unwrap();
+    }
+    let out = root.path().join("run");
+    finetune::train::run(&recipe(V2, &out, &["train.max_steps=1", &format!("model.path={}", base.display())])).unwrap();
+    let adapter = finetune::export::PeftAdapter::open(&out.join("adapter")).unwrap();
+    let merged = root.path().join("merged");
+    let md = ModelDir { dir: base.clone(), name: String::new(), commit: None, gguf: None };
+    finetune::export::merge(&md, &adapter, &merged, &finetune::export::ExportOptions { merge: true, no_verify: true, ..Default::default() }).unwrap();
+    for (f, copied) in [("configuration_deepseek.py", true), ("modeling_deepseek.py", true), ("tokenization_x.py", false), ("unrelated.py", false)] {
+        assert_eq!(merged.join(f).is_file(), copied, "{f}");
     }
 }

@@ -106,7 +106,9 @@ fn check_world_sizes_with(root: tempfile::TempDir, arch: &'static str, tie: bool
     // The resident base as the plan counts it: an untied embedding left in its file on the
     // fused CPU path, held on the portable one.
     assert_eq!(one.memory[0].frozen, finetune::dist::plan::plan(&cfg, &single_recipe, 1, portable).frozen, "resident base bytes (tie={tie}, portable={portable})");
-    let base_bytes = cfg.base_param_count() as usize * es;
+    // The routers (MoE) are held in f32 whatever the storage dtype, as transformers holds them.
+    let storage = finetune::weights::parse_dtype(&single_recipe.model.dtype);
+    let base_bytes: usize = cfg.frozen_tensors().iter().map(|(n, s)| s.iter().product::<usize>() * finetune::weights::stored_dtype(n, storage).size_in_bytes()).sum();
     for (world, accum) in [(1, 4), (2, 2), (4, 1)] {
         let name = format!("w{world}");
         let o = with(&[format!("dist.world_size={world}"), format!("train.grad_accum_steps={accum}")]);

@@ -116,7 +116,7 @@ fn a_gguf_base_is_held_as_its_quantized_bytes_plus_one_dequantised_layer() {
     let loaded = finetune::recipe::LoadedRecipe::load(&d.path().join("gguf/recipe.toml"), &[]).unwrap();
     let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded).unwrap()).unwrap();
     let q = finetune::weights::quantized::plan_base(&loaded, &cfg).unwrap().expect("a quantized base");
-    let p = finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q));
+    let p = finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q), &[]);
     assert_eq!((p.frozen, p.gathered_peak), (m.frozen, m.gathered_peak));
     assert!(finetune::dist::plan::render(&cfg, &loaded.recipe, &[p], false).contains("GGUF blocks (Q4_0"));
 }
@@ -142,7 +142,7 @@ fn quantize_on_load_matches(quantize: &str, roundtrip: impl Fn(&str, &candle_cor
     let loaded = finetune::recipe::LoadedRecipe::load(&d.path().join("q/recipe.toml"), &[set]).unwrap();
     let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded).unwrap()).unwrap();
     let q = finetune::weights::quantized::plan_base(&loaded, &cfg).unwrap().expect("a quantized base");
-    assert_eq!(finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q)).frozen, m.frozen);
+    assert_eq!(finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q), &[]).frozen, m.frozen);
 }
 
 #[test]

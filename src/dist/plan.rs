@@ -56,13 +56,15 @@ pub struct QuantizedBase {
 /// `model.kernels = "portable"` allocates on a CPU): activations in the storage dtype and
 /// tall attention strips; otherwise the fused CPU path (f32 activations).
 pub fn plan(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool) -> Plan {
-    plan_with(cfg, r, world, on_gpu, None)
+    plan_with(cfg, r, world, on_gpu, None, &[])
 }
 
 /// [`plan`], for a quantized base when `quant` is given: every rank holds the blocks whole
 /// (a quantized base is not sharded) and dequantises one layer at a time into the storage
-/// dtype (`weights::quantized`, no layers prefetched).
-pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quant: Option<&QuantizedBase>) -> Plan {
+/// dtype (`weights::quantized`, no layers prefetched). `copied`: tables the files hold in a
+/// form that cannot be read by rows (`weights::tables_copied`), which a resident base on the
+/// host copies instead of leaving them in their file.
+pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quant: Option<&QuantizedBase>, copied: &[String]) -> Plan {
     let storage = crate::weights::parse_dtype(&r.model.dtype);
     let es = storage.size_in_bytes();
     let es_of = |name: &str| crate::weights::stored_dtype(name, storage).size_in_bytes();
@@ -98,7 +100,8 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
         // On the host an untied token embedding and head stay in their file: only the rows a
         // batch picks are read of the one, a chunk of rows at a time of the other
         // (`weights::RowTable`, `ops::loss`).
-        let in_file = |n: &str| !on_gpu && !cfg.tie_word_embeddings && (n == "model.embed_tokens.weight" || n == "lm_head.weight");
+        let table = |n: &str| n == "model.embed_tokens.weight" || n == "lm_head.weight";
+        let in_file = |n: &str| !on_gpu && !cfg.tie_word_embeddings && table(n) && !copied.iter().any(|c| c == n);
         (tensors.iter().filter(|(n, _)| !in_file(n)).map(|(n, s)| numel(s) * es_of(n)).sum(), 0)
     };
     let lora: usize = crate::train::trainable_parameters(cfg, &r.lora.spec(cfg)).0 as usize;

@@ -30,15 +30,21 @@ fn llama_cpp_arch(model_type: &str) -> Option<&'static str> {
     }
 }
 
+/// The llama.cpp architecture a GGUF adapter for `base` is written for, or why there is none
+/// (also checked by training when the recipe asks for `export.gguf`, before any step).
+pub fn adapter_arch(base: &ModelDir) -> Result<&'static str> {
+    let model_type = read_model_type(&base.config_path())?;
+    llama_cpp_arch(&model_type).ok_or_else(|| {
+        Error::Export(format!("{}: model_type `{model_type}`: GGUF adapters are written for llama and qwen2 bases (export the PEFT adapter instead)", base.config_path().display()))
+    })
+}
+
 /// Write `adapter` (trained on `base`) to `out`, a `.gguf` file path; `out` appears whole or
 /// not at all.
 pub fn export_gguf_adapter(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -> Result<ExportReport> {
     let cfg = ModelConfig::from_file(&base.config_path())?;
     let adapters = adapter.load(&cfg)?;
-    let model_type = read_model_type(&base.config_path())?;
-    let arch = llama_cpp_arch(&model_type).ok_or_else(|| {
-        Error::Export(format!("{}: model_type `{model_type}`: GGUF adapters are written for llama and qwen2 bases (export the PEFT adapter instead)", base.config_path().display()))
-    })?;
+    let arch = adapter_arch(base)?;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     for (layer, path, ad) in adapters.iter() {
         let hf = format!("model.layers.{layer}.{path}.weight");

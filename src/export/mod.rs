@@ -158,6 +158,32 @@ const SIDE_FILES: &[&str] = &[
     "chat_template.json",
 ];
 
+/// Copy the side files `base` has into `dst`: [`SIDE_FILES`], and the remote-code modules its
+/// config.json's `auto_map` names (`modeling_deepseek.py`, ...), which the copied config still
+/// points to (transformers copies them too when it saves a remote-code model).
+fn copy_side_files(base: &Path, dst: &Path, config: &serde_json::Value) -> Result<()> {
+    let mut names: Vec<String> = SIDE_FILES.iter().map(|f| f.to_string()).collect();
+    let refs = config.get("auto_map").and_then(|m| m.as_object()).into_iter().flat_map(|m| m.values());
+    for r in refs.flat_map(|v| match v {
+        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>(),
+        v => v.as_str().into_iter().collect(),
+    }) {
+        // "module.Class", or "org/repo--module.Class" for code in another repo (not copied).
+        if let Some((module, _)) = r.rsplit_once('.').filter(|(m, _)| !m.contains("--") && !m.contains('/') && !m.contains('\\')) {
+            names.push(format!("{module}.py"));
+        }
+    }
+    names.sort();
+    names.dedup();
+    for f in names {
+        let src = base.join(&f);
+        if src.is_file() {
+            std::fs::copy(&src, dst.join(&f)).map_err(|e| Error::io(&src, e))?;
+        }
+    }
+    Ok(())
+}
+
 /// Make `out` appear whole: build in a sibling temporary, then rename.
 fn staged<T>(out: &Path, build: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
     if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
@@ -233,7 +259,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
                     }
                     let v = files.raw_view(name)?;
                     let stored = if v.dtype() == safetensors::Dtype::F8_E4M3 { 2 } else { v.dtype().bitsize() / 8 };
-                    let out_elem = opts.dtype.map(|d| d.size_in_bytes()).unwrap_or(stored);
+                    let out_elem = opts.dtype.map(|d| crate::weights::stored_dtype(name, d).size_in_bytes()).unwrap_or(stored);
                     let bytes = (v.shape().iter().product::<usize>() * out_elem) as u64;
                     if !cur.is_empty() && size + bytes > limit {
                         plan.push(std::mem::take(&mut cur));
@@ -263,7 +289,8 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
                 let v = files.raw_view(name)?;
                 let fp8 = v.dtype() == safetensors::Dtype::F8_E4M3;
                 let stored = if fp8 { Some(DType::BF16) } else { candle_dtype(v.dtype()) };
-                let out_dtype = opts.dtype.or(stored);
+                // --dtype keeps what transformers keeps in f32 in a 16-bit model (the router).
+                let out_dtype = opts.dtype.map(|d| crate::weights::stored_dtype(name, d)).or(stored);
                 let t = if let Some((a, b)) = lora.get(name) {
                     let w = files.load(name, v.shape(), &Device::Cpu)?.to_dtype(DType::F32)?;
                     let delta = (b.matmul(a)? * scale)?; // [out, R] x [R, in] -> [out, in]
@@ -310,12 +337,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
         }
         let text = serde_json::to_string_pretty(&config).map_err(|e| Error::Export(e.to_string()))?;
         crate::fsutil::write_atomic(&tmp.join("config.json"), text.as_bytes())?;
-        for f in SIDE_FILES {
-            let src = base.dir.join(f);
-            if src.is_file() {
-                std::fs::copy(&src, tmp.join(f)).map_err(|e| Error::io(&src, e))?;
-            }
-        }
+        copy_side_files(&base.dir, tmp, &config)?;
         if !opts.no_verify {
             let diff = verify_merge(base, &adapters, tmp, opts)?;
             rep.max_logit_diff = Some(diff);
@@ -349,7 +371,8 @@ fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: 
         let mut tensors = Vec::new();
         for n in names {
             let t = r.read(&n, &Device::Cpu)?.dequantize(&Device::Cpu)?;
-            tensors.push((n, t.to_dtype(opts.dtype.unwrap_or(DType::F32))?));
+            let d = crate::weights::stored_dtype(&n, opts.dtype.unwrap_or(DType::F32));
+            tensors.push((n, t.to_dtype(d)?));
         }
         crate::gguf::write_weights(deq, &tensors, u64::MAX)?;
         let cp = base.config_path();
@@ -359,12 +382,7 @@ fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: 
             crate::weights::set_config_dtype(o, opts.dtype.unwrap_or(DType::F32));
         }
         crate::fsutil::write_atomic(&deq.join("config.json"), config.to_string().as_bytes())?;
-        for f in SIDE_FILES {
-            if base.dir.join(f).is_file() {
-                std::fs::copy(base.dir.join(f), deq.join(f)).map_err(|e| Error::io(base.dir.join(f), e))?;
-            }
-        }
-        Ok(())
+        copy_side_files(&base.dir, deq, &config)
     })
 }
 

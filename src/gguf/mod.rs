@@ -1220,7 +1220,9 @@ pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Re
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     for hf in g.hf_names() {
         let t = g.dequantize(&hf)?;
-        tensors.push((hf.clone(), t.to_dtype(dtype).map_err(|e| gguf_err(gguf, &hf, crate::error::candle_msg(&e)))?));
+        // The MoE router stays f32 in a 16-bit folder, as transformers keeps it.
+        let d = crate::weights::stored_dtype(&hf, dtype);
+        tensors.push((hf.clone(), t.to_dtype(d).map_err(|e| gguf_err(gguf, &hf, crate::error::candle_msg(&e)))?));
     }
     if let Some(o) = g.config.as_object_mut() {
         crate::weights::set_config_dtype(o, dtype);

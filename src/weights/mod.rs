@@ -121,11 +121,25 @@ impl<'a> Frozen<'a> {
     }
 }
 
-/// The dtype a frozen tensor is kept in: the run's storage dtype, except DeepSeek-V3's
-/// router bias, which transformers keeps in f32 (`_keep_in_fp32_modules_strict`): expert
-/// scores differ by less than bf16's rounding of it, so rounding it would change the choice.
+/// The tables a resident base on the host would leave in their file (an untied embedding
+/// and LM head) that the recipe's model files hold in a form read whole instead (FP8, f64):
+/// those are copied at load, and `finetune plan` counts them so. Empty where the plan has no
+/// weights to look at (config.json alone, or a GGUF file).
+pub fn tables_copied(loaded: &crate::recipe::LoadedRecipe) -> Vec<String> {
+    let m = &loaded.recipe.model;
+    let files = loaded.dir.join(&m.path).is_dir().then(|| ModelDir::resolve(&m.path, &loaded.dir).and_then(|d| d.open_weights()).ok()).flatten();
+    let Some(files) = files else { return Vec::new() };
+    let tables = ["model.embed_tokens.weight", "lm_head.weight"];
+    tables.into_iter().filter(|n| files.file_of(n).is_some() && !files.rows_readable(n)).map(String::from).collect()
+}
+
+/// The dtype a frozen tensor is kept in: the run's storage dtype, except the MoE router
+/// (`mlp.gate.weight`) and DeepSeek-V3's router bias, which transformers keeps in f32 in a
+/// 16-bit model (`_keep_in_fp32_modules_strict`): expert scores differ by less than bf16's
+/// rounding of them, so rounding would change the choice. (The router runs in f32 whatever
+/// the base dtype: held in bf16, its weights would be bf16 values.)
 pub fn stored_dtype(name: &str, storage: DType) -> DType {
-    if name.ends_with("e_score_correction_bias") {
+    if name.ends_with("e_score_correction_bias") || name.ends_with("mlp.gate.weight") {
         DType::F32
     } else {
         storage
@@ -442,6 +456,12 @@ impl SafetensorsFiles {
     }
 
     /// Whether `name` is stored as FP8 (e4m3) with DeepSeek-V3's block scales beside it.
+    /// Whether `name` can be read a row at a time where it lies (`row_table`): an f32, bf16 or
+    /// f16 tensor (an FP8 one is dequantised whole at load).
+    pub fn rows_readable(&self, name: &str) -> bool {
+        !self.is_fp8(name) && self.raw_view(name).is_ok_and(|v| candle_dtype(v.dtype()).is_some())
+    }
+
     pub fn is_fp8(&self, name: &str) -> bool {
         self.raw_view(name).is_ok_and(|v| v.dtype() == safetensors::Dtype::F8_E4M3)
     }
@@ -627,8 +647,8 @@ impl SafetensorsFiles {
     /// `data_offsets`), and the first and last rows are checked against the map.
     pub fn row_table(&self, name: &str, shape: &[usize]) -> Result<Option<RowTable>> {
         use std::io::Read;
-        if self.is_fp8(name) {
-            return Ok(None); // dequantised whole at load
+        if !self.rows_readable(name) {
+            return Ok(None); // FP8 (dequantised whole at load) or a dtype `view` names
         }
         let view = self.view(name)?;
         let path = self.file_of(name).map(Path::to_path_buf).unwrap_or_default();
