@@ -47,7 +47,8 @@ impl Generator {
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
         let chat = ChatTemplate::from_model_dir(&model.dir)?;
         // Stop on the eos ids of config.json and generation_config.json (what transformers'
-        // generate stops on), on tokenizer_config.json's eos_token, and on the chat
+        // generate stops on), on the tokenizer's eos_token (tokenizer_config.json, else
+        // special_tokens_map.json), and on the chat
         // end-of-turn tokens the vocabulary has.
         let mut stop = Vec::new();
         let json = |name: &str| std::fs::read_to_string(model.dir.join(name)).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
@@ -58,10 +59,8 @@ impl Generator {
                 None => {}
             }
         }
-        if let Some(v) = json("tokenizer_config.json") {
-            let eos = v.get("eos_token").and_then(|e| e.as_str().or_else(|| e.get("content").and_then(|c| c.as_str())));
-            stop.extend(eos.and_then(|e| tokenizer.token_to_id(e)));
-        }
+        let tokens = crate::chat::with_special_tokens_map(&model.dir, json("tokenizer_config.json").unwrap_or_default());
+        stop.extend(crate::chat::special_tokens(&tokens).1.and_then(|e| tokenizer.token_to_id(&e)));
         for t in ["<|im_end|>", "<|eot_id|>", "<|end_of_sentence|>", "<｜end▁of▁sentence｜>", "</s>"] {
             if let Some(id) = tokenizer.token_to_id(t) {
                 stop.push(id);

@@ -1366,3 +1366,49 @@ fn cutting_a_long_conversation_keeps_the_turns_a_lookahead_template_reads() {
     let cut = l.next_example().unwrap();
     assert_eq!((&cut.input_ids[..], &cut.labels[..]), (&whole.input_ids[..300], &whole.labels[..300]));
 }
+
+#[test]
+fn bos_and_eos_named_only_in_special_tokens_map_json_are_the_tokenizers() {
+    // transformers takes the special tokens tokenizer_config.json does not set from
+    // special_tokens_map.json (older and minimal repos name BOS and EOS only there). Read from
+    // tokenizer_config.json alone, a template's {{ bos_token }} / {{ eos_token }} rendered
+    // empty (every assistant turn lost its end), and without config.json's eos_token_id an
+    // alpaca answer got no EOS.
+    let d = tempfile::tempdir().unwrap();
+    let both = smol_tokenizer_model(d.path());
+    let map_only = d.path().join("map-only");
+    copy_dir(&both, &map_only);
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(both.join("tokenizer_config.json")).unwrap()).unwrap();
+    let mut map = serde_json::Map::new();
+    for k in ["bos_token", "eos_token"] {
+        map.insert(k.into(), serde_json::json!({"content": cfg[k].clone(), "lstrip": false}));
+        cfg.as_object_mut().unwrap().remove(k);
+    }
+    std::fs::write(map_only.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    std::fs::write(map_only.join("special_tokens_map.json"), serde_json::Value::Object(map).to_string()).unwrap();
+    for dir in [&both, &map_only] {
+        let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        c.as_object_mut().unwrap().remove("eos_token_id");
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    }
+    let msgs = [Message::new("user", "hi"), Message::new("assistant", "yo")];
+    let rendered = |m: &Path| {
+        let ex = formatter(m, "messages", Some("deepseek"), false).render_conversation(&msgs, 0).unwrap().unwrap_or_else(|b| panic!("{}", b.0));
+        (ex.input_ids, ex.labels)
+    };
+    let want = rendered(&both);
+    let f = formatter(&both, "messages", Some("deepseek"), false);
+    assert!(f.decode(&want.0).starts_with("<|im_start|>User: hi") && f.decode(&want.0).ends_with("Assistant: yo<|im_end|>"), "{}", f.decode(&want.0));
+    assert_eq!(rendered(&map_only), want);
+    let p = d.path().join("a.jsonl");
+    write_jsonl(&p, &[serde_json::json!({"instruction": "Say yo", "input": "", "output": "yo"}).to_string()]);
+    let alpaca = |m: &Path| {
+        let f = formatter(m, "alpaca", Some("raw"), false);
+        let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+        let (r, _) = rows.next_row().unwrap();
+        let ex = f.tokenize(f.read(&r).unwrap().ok().unwrap(), 0).unwrap().unwrap_or_else(|b| panic!("{}", b.0));
+        f.decode(&ex.input_ids)
+    };
+    assert!(alpaca(&both).ends_with("yo<|im_end|>"), "{}", alpaca(&both));
+    assert_eq!(alpaca(&map_only), alpaca(&both));
+}

@@ -364,3 +364,53 @@ fn a_bitsandbytes_base_runs_in_logits_as_its_dequantised_copy() {
     };
     assert_eq!(max_abs_diff(&logits(&bnb), &logits(&plain)), 0.0);
 }
+
+/// `fixture` (a deepseek2 GGUF) rewritten to `out` with `edit` applied to its metadata and
+/// tensors.
+fn edited_deepseek_gguf(fixture: &Path, out: &Path, edit: impl FnOnce(&mut Vec<(String, candle_core::quantized::gguf_file::Value)>, &mut Vec<(String, QTensor)>)) {
+    use candle_core::quantized::gguf_file;
+    let mut f = std::fs::File::open(fixture).unwrap();
+    let c = gguf_file::Content::read(&mut f).unwrap();
+    let mut md: Vec<(String, gguf_file::Value)> = c.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut ts: Vec<(String, QTensor)> = c.tensor_infos.keys().map(|n| (n.clone(), c.tensor(&mut f, n, &Device::Cpu).unwrap())).collect();
+    edit(&mut md, &mut ts);
+    let md_refs: Vec<(&str, &gguf_file::Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(out).unwrap(), &md_refs, &t_refs).unwrap();
+}
+
+/// What llama.cpp requires of a deepseek2 file is required here too, by name: a default would
+/// train a different model (a missing expert_weights_scale read as 1 scaled V3's routed
+/// experts by 1 instead of 2.5, with exit 0). Values llama.cpp accepts are accepted.
+#[test]
+fn deepseek2_gguf_metadata_llama_cpp_requires_is_required_by_name() {
+    use candle_core::quantized::gguf_file::Value;
+    let fx = fixture("gguf-deepseek").join("model-v3-q8_0.gguf");
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("m.gguf");
+    let drop = |key: &'static str| move |md: &mut Vec<(String, Value)>, _: &mut Vec<(String, QTensor)>| md.retain(|(k, _)| k != key);
+    let set = |key: &'static str, v: Value| move |md: &mut Vec<(String, Value)>, _: &mut Vec<(String, QTensor)>| md.iter_mut().filter(|(k, _)| k == key).for_each(|(_, x)| *x = v.clone());
+    let refused = |edit: &dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>), key: &str, says: &str| {
+        edited_deepseek_gguf(&fx, &p, |m, t| edit(m, t));
+        let e = finetune::gguf::open(&p).err().unwrap_or_else(|| panic!("{key}: accepted")).to_string();
+        assert!(e.contains(key) && e.contains(says), "{key}: {e}");
+    };
+    for key in ["deepseek2.expert_weights_scale", "deepseek2.expert_shared_count", "deepseek2.leading_dense_block_count"] {
+        refused(&drop(key), key, "missing");
+    }
+    refused(&drop("deepseek2.expert_group_used_count"), "deepseek2.expert_group_used_count", "missing");
+    refused(&drop("deepseek2.expert_gating_func"), "deepseek2.expert_gating_func", "exp_probs_b");
+    refused(&set("deepseek2.vocab_size", Value::U32(300)), "deepseek2.vocab_size", "288 rows");
+    // mscale_all_dim 0, as the converter writes it: accepted, as a missing key is.
+    edited_deepseek_gguf(&fx, &p, set("deepseek2.rope.scaling.yarn_log_multiplier", Value::F32(0.0)));
+    let zero = finetune::gguf::open(&p).unwrap().config["rope_scaling"]["mscale_all_dim"].clone();
+    edited_deepseek_gguf(&fx, &p, drop("deepseek2.rope.scaling.yarn_log_multiplier"));
+    assert_eq!(zero, finetune::gguf::open(&p).unwrap().config["rope_scaling"]["mscale_all_dim"]);
+    // Q8_1 (an activation format candle cannot dequantise, as Q8_K) is refused with the header.
+    edited_deepseek_gguf(&fx, &p, |_, ts| {
+        let (_, t) = ts.iter_mut().find(|(n, _)| n == "blk.0.ffn_down.weight").unwrap();
+        *t = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::Q8_1).unwrap();
+    });
+    let e = finetune::gguf::open(&p).err().expect("Q8_1 accepted").to_string();
+    assert!(e.contains("blk.0.ffn_down.weight") && e.contains("tensor type 9"), "{e}");
+}

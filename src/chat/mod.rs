@@ -73,13 +73,39 @@ fn unix_now() -> u64 {
 
 /// A special token of a tokenizer_config.json (a plain string or {content: ...}).
 fn special_token(cfg: &serde_json::Value, key: &str) -> Option<String> {
-    let t = cfg.get(key)?;
+    token_text(cfg.get(key)?)
+}
+
+/// A special token's text: a plain string or {content: ...}.
+fn token_text(t: &serde_json::Value) -> Option<String> {
     t.as_str().map(String::from).or_else(|| t.get("content").and_then(|c| c.as_str()).map(String::from))
 }
 
 /// `bos_token` and `eos_token` of a tokenizer_config.json.
 pub fn special_tokens(cfg: &serde_json::Value) -> (Option<String>, Option<String>) {
     (special_token(cfg, "bos_token"), special_token(cfg, "eos_token"))
+}
+
+/// The special tokens a model folder's tokenizer has, as transformers reads them: those of
+/// tokenizer_config.json, and each one it does not set from special_tokens_map.json (older
+/// and minimal repos name BOS and EOS only there; without it a template's `{{ eos_token }}`
+/// rendered empty and every assistant turn lost its end). `cfg` is tokenizer_config.json's
+/// object (Null where there is none).
+pub fn with_special_tokens_map(dir: &Path, mut cfg: serde_json::Value) -> serde_json::Value {
+    let map = std::fs::read_to_string(dir.join("special_tokens_map.json")).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    let Some(serde_json::Value::Object(map)) = map else { return cfg };
+    if cfg.is_null() {
+        cfg = serde_json::Value::Object(Default::default());
+    }
+    if let Some(obj) = cfg.as_object_mut() {
+        for key in ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"] {
+            let unset = obj.get(key).is_none_or(|v| v.is_null());
+            if let (true, Some(v)) = (unset, map.get(key).filter(|v| token_text(v).is_some())) {
+                obj.insert(key.into(), v.clone());
+            }
+        }
+    }
+    cfg
 }
 
 /// The special tokens other than BOS and EOS that tokenizer_config.json names.
@@ -96,6 +122,7 @@ impl ChatTemplate {
             Ok(t) => serde_json::from_str(&t).map_err(|e| Error::Tokenizer { path: cfg_path.clone(), msg: format!("not valid JSON: {e}") })?,
             Err(_) => serde_json::Value::Null,
         };
+        let cfg = with_special_tokens_map(dir, cfg);
         let (bos, eos) = special_tokens(&cfg);
         let (bos_token, eos_token) = (bos.unwrap_or_default(), eos.unwrap_or_default());
         let other_tokens = other_special_tokens(&cfg);

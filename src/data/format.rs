@@ -708,9 +708,9 @@ fn common_suffix(a: &str, b: &str) -> usize {
 }
 
 fn special_tokens(model_dir: &Path) -> (Option<String>, Option<String>) {
-    let Ok(text) = std::fs::read_to_string(model_dir.join("tokenizer_config.json")) else { return (None, None) };
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return (None, None) };
-    crate::chat::special_tokens(&v)
+    let text = std::fs::read_to_string(model_dir.join("tokenizer_config.json")).ok();
+    let v = text.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()).unwrap_or_default();
+    crate::chat::special_tokens(&crate::chat::with_special_tokens_map(model_dir, v))
 }
 
 fn eos_from_config(model_dir: &Path) -> Option<u32> {

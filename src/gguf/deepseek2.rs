@@ -60,7 +60,9 @@ pub(super) fn describe(m: &Meta) -> Result<Described> {
     let theta = m.positive_float(&k("rope.freq_base"))?.unwrap_or(10000.0);
     refuse_foreign_keys(m)?;
     let (groups, groups_used) = expert_groups(m, &d)?;
-    let scale = m.positive_float(&k("expert_weights_scale"))?.unwrap_or(1.0);
+    // Required, as llama.cpp requires it: the routed experts' output is scaled by it (2.5 in
+    // DeepSeek-V3), so a default would train a different model.
+    let scale = m.positive_float(&k("expert_weights_scale"))?.ok_or_else(|| m.missing(&k("expert_weights_scale")))?;
     let norm = m.bool(&k("expert_weights_norm"))?.unwrap_or(false);
     let (arch, model_type, topk) = match (d.sigmoid, groups_used < groups) {
         (true, _) => ("DeepseekV3ForCausalLM", "deepseek_v3", "noaux_tc"),
@@ -144,7 +146,10 @@ fn expert_groups(m: &Meta, d: &Dims) -> Result<(usize, usize)> {
     let groups = m.uint(&k("expert_group_count"))?.map(|n| m.positive(&k("expert_group_count"), n, "expert group")).transpose()?;
     let used = m.uint(&k("expert_group_used_count"))?.map(|n| m.positive(&k("expert_group_used_count"), n, "expert group")).transpose()?;
     let (groups, used) = match (groups, used) {
-        (Some(g), u) => (g, u.unwrap_or(g)),
+        (Some(1), u) => (1, u.unwrap_or(1)),
+        // llama.cpp reads a missing count as 0 groups: neither it nor "all groups" is safe to assume.
+        (Some(g), None) => return Err(m.err(&k("expert_group_used_count"), format!("missing, while deepseek2.expert_group_count is {g}: how many groups a token may use"))),
+        (Some(g), Some(u)) => (g, u),
         (None, Some(_)) => return Err(m.err(&k("expert_group_used_count"), "is set but deepseek2.expert_group_count is not")),
         (None, None) => match (d.sigmoid, d.experts) {
             (true, 256) | (false, 160) => {
@@ -198,9 +203,10 @@ fn dims(m: &Meta) -> Result<Dims> {
     if used > experts {
         return Err(m.err(&k("expert_used_count"), format!("is {used}, more than deepseek2.expert_count {experts}")));
     }
-    let shared = m.uint(&k("expert_shared_count"))?.unwrap_or(0) as usize;
+    // Both required, as llama.cpp requires them (0 is a value).
+    let shared = m.uint(&k("expert_shared_count"))?.ok_or_else(|| m.missing(&k("expert_shared_count")))? as usize;
     let moe_inter = m.count(&k("expert_feed_forward_length"), "expert feed-forward unit")?;
-    let dense = m.uint(&k("leading_dense_block_count"))?.unwrap_or(0) as usize;
+    let dense = m.uint(&k("leading_dense_block_count"))?.ok_or_else(|| m.missing(&k("leading_dense_block_count")))? as usize;
     let sigmoid = match m.uint(&k("expert_gating_func"))? {
         None | Some(1) => false,
         Some(2) => true,
@@ -211,6 +217,15 @@ fn dims(m: &Meta) -> Result<Dims> {
         [v, w] if v > 0 && w == hidden => v,
         ref s => return Err(m.err("token_embd.weight", format!("has shape {s:?}, expected [vocabulary, deepseek2.embedding_length {hidden}]"))),
     };
+    if let Some(v) = m.uint(&k("vocab_size"))? {
+        if v as usize != vocab {
+            return Err(m.err(&k("vocab_size"), format!("is {v} but token_embd.weight has {vocab} rows")));
+        }
+    }
+    if !sigmoid && m.c.tensor_infos.keys().any(|n| n.ends_with(".exp_probs_b.bias")) {
+        let said = if m.c.metadata.contains_key(&k("expert_gating_func")) { "is 1 (softmax)" } else { "is missing (softmax, DeepSeek-V2)" };
+        return Err(m.err(&k("expert_gating_func"), format!("{said}, but the file has exp_probs_b tensors, DeepSeek-V3's sigmoid router bias: expected 2 (sigmoid)")));
+    }
     Ok(Dims { hidden, layers, heads, inter, vocab, q_lora, kv_lora, nope: qk - rope, rope, v, experts, used, shared, moe_inter, dense, sigmoid })
 }
 
@@ -225,7 +240,9 @@ fn rope_scaling(m: &Meta) -> Result<serde_json::Value> {
     let factor = m.positive_float(&k("factor"))?.ok_or_else(|| m.missing(&k("factor")))?;
     let original = m.count(&k("original_context_length"), "position")?;
     // Written as 0.1 x mscale_all_dim (a float32): read back to the 6 decimals configs use.
-    let mscale = match m.positive_float(&k("yarn_log_multiplier"))? {
+    // 0 (mscale_all_dim 0: no attention scaling) is what the converter writes for such
+    // configs, and what a missing key means.
+    let mscale = match m.non_negative_float(&k("yarn_log_multiplier"))? {
         Some(mul) => (mul / 0.1 * 1e6).round() / 1e6,
         None => 0.0,
     };
@@ -347,9 +364,14 @@ mod tests {
         assert_eq!(expert_groups(&m, &dims(64, true))?, (1, 1), "Moonlight");
         let written = content(&[("expert_group_count", Value::U32(4)), ("expert_group_used_count", Value::U32(2))]);
         assert_eq!(expert_groups(&Meta { c: &written, file }, &dims(256, true))?, (4, 2), "the file's keys win");
-        let uneven = content(&[("expert_group_count", Value::U32(3))]);
+        let uneven = content(&[("expert_group_count", Value::U32(3)), ("expert_group_used_count", Value::U32(2))]);
         let e = expert_groups(&Meta { c: &uneven, file }, &dims(64, false)).unwrap_err().to_string();
         assert!(e.contains("expert_group") && e.contains("equal size"), "{e}");
+        // A group count without the used count is neither llama.cpp's reading (0 groups) nor
+        // "all groups" for sure: refused by name.
+        let half = content(&[("expert_group_count", Value::U32(8))]);
+        let e = expert_groups(&Meta { c: &half, file }, &dims(256, true)).unwrap_err().to_string();
+        assert!(e.contains("deepseek2.expert_group_used_count") && e.contains("missing"), "{e}");
         Ok(())
     }
 

@@ -240,13 +240,13 @@ fn ggml_dtype(code: u32) -> Option<GgmlDType> {
         6 => GgmlDType::Q5_0,
         7 => GgmlDType::Q5_1,
         8 => GgmlDType::Q8_0,
-        9 => GgmlDType::Q8_1,
+        // Q8_1 (9) and Q8_K (15) are llama.cpp's intermediate formats for activations, never
+        // a model file's weights, and candle cannot dequantise them: refused with the header.
         10 => GgmlDType::Q2K,
         11 => GgmlDType::Q3K,
         12 => GgmlDType::Q4K,
         13 => GgmlDType::Q5K,
         14 => GgmlDType::Q6K,
-        15 => GgmlDType::Q8K,
         30 => GgmlDType::BF16,
         _ => return None,
     })
@@ -318,7 +318,7 @@ pub fn read_header(gguf: &Path) -> Result<(std::fs::File, Content)> {
             dims.push(usize::try_from(d).map_err(|_| r.err(&name, format!("dimension {d} does not fit this machine's address space")))?);
         }
         let code = r.u32(&name, "the tensor type")?;
-        let dtype = ggml_dtype(code).ok_or_else(|| r.err(&name, format!("tensor type {code} is not one candle reads (f32, f16, bf16, q4_0..q8_1, q2_k..q8_k)")))?;
+        let dtype = ggml_dtype(code).ok_or_else(|| r.err(&name, format!("tensor type {code} is not one candle reads (f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k..q6_k)")))?;
         let offset = r.u64(&name, "the data offset")?;
         records.push((name, dims, dtype, offset));
     }
@@ -468,6 +468,14 @@ impl Meta<'_> {
             return Err(self.err(key, format!("is {x}, expected a finite positive number")));
         }
         Ok(Some(x))
+    }
+
+    /// [`positive_float`](Self::positive_float), where 0 is a value too.
+    fn non_negative_float(&self, key: &str) -> Result<Option<f64>> {
+        if let Some(Value::F32(0.0) | Value::F64(0.0)) = self.c.metadata.get(key) {
+            return Ok(Some(0.0));
+        }
+        self.positive_float(key)
     }
 
     fn string(&self, key: &str) -> Result<Option<&str>> {
