@@ -332,16 +332,26 @@ impl ModelConfig {
             .and_then(|p| p.rope_theta)
             .or(hf.rope_theta)
             .unwrap_or(10000.0);
+        // Values that give NaN or meaningless rotations (a non-positive base or factor), and a
+        // negative norm epsilon, are config errors, not a model trained on NaN logits.
+        let positive = |key: &str, v: f64| if v.is_finite() && v > 0.0 { Ok(v) } else { Err(format!("{key} must be a positive number, got {v}")) };
+        positive("rope_theta", rope_theta)?;
+        if let Some(eps) = hf.rms_norm_eps {
+            if !(eps.is_finite() && eps >= 0.0) {
+                return Err(format!("rms_norm_eps must be a non-negative number, got {eps}"));
+            }
+        }
         let scaling = hf.rope_scaling.as_ref().or(params);
+        let factor = |s: &RopeScalingHf, kind: &str| -> std::result::Result<f64, String> { positive("rope_scaling.factor", s.factor.ok_or(format!("rope_scaling {kind} needs `factor`"))?) };
         let rope_scaling = match scaling {
             None => RopeScaling::None,
             Some(s) => match s.rope_type.as_deref().or(s.legacy_type.as_deref()).unwrap_or("default") {
                 "default" => RopeScaling::None,
-                "linear" => RopeScaling::Linear { factor: s.factor.ok_or("rope_scaling linear needs `factor`")? },
+                "linear" => RopeScaling::Linear { factor: factor(s, "linear")? },
                 "llama3" => RopeScaling::Llama3 {
-                    factor: s.factor.ok_or("rope_scaling llama3 needs `factor`")?,
-                    low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
-                    high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
+                    factor: factor(s, "llama3")?,
+                    low_freq_factor: positive("rope_scaling.low_freq_factor", s.low_freq_factor.unwrap_or(1.0))?,
+                    high_freq_factor: positive("rope_scaling.high_freq_factor", s.high_freq_factor.unwrap_or(4.0))?,
                     original_max_position_embeddings: s.original_max_position_embeddings.unwrap_or(8192),
                 },
                 "yarn" => {
@@ -895,6 +905,24 @@ mod tests {
         let e = ModelConfig::resolve(&serde_json::from_str(text).unwrap()).unwrap_err();
         assert!(e.contains("intermediate_size must be positive"), "{e}");
         assert!(cfg("").is_ok());
+    }
+
+    #[test]
+    fn rope_and_norm_values_that_give_nan_are_errors_naming_the_key() {
+        // They loaded, and every forward gave NaN logits (`logits` printed them as JSON null,
+        // exit 0; training blamed the weights).
+        for (extra, key) in [
+            (r#","rope_theta":0.0"#, "rope_theta"),
+            (r#","rope_theta":-10000.0"#, "rope_theta"),
+            (r#","rms_norm_eps":-1e-6"#, "rms_norm_eps"),
+            (r#","rope_scaling":{"rope_type":"linear","factor":0.0}"#, "rope_scaling.factor"),
+            (r#","rope_scaling":{"rope_type":"llama3","factor":-8.0}"#, "rope_scaling.factor"),
+            (r#","rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":0.0}"#, "rope_scaling.low_freq_factor"),
+        ] {
+            let e = cfg(extra).unwrap_err();
+            assert!(e.contains(key) && (e.contains("positive") || e.contains("non-negative")), "{extra}: {e}");
+        }
+        assert!(cfg(r#","rms_norm_eps":0.0"#).is_ok(), "an epsilon of 0 is a value (transformers adds it as given)");
     }
 
     #[test]

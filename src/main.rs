@@ -81,7 +81,8 @@ enum Command {
         /// (DeepSeek-V3.1) or '{"enable_thinking": false}' (Qwen3).
         #[arg(long, requires = "chat")]
         chat_template_kwargs: Option<String>,
-        #[arg(long, default_value_t = 128)]
+        /// At least 1.
+        #[arg(long, default_value_t = 128, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         max_new_tokens: usize,
         /// 0 = greedy.
         #[arg(long, default_value_t = 0.0)]
@@ -113,7 +114,8 @@ enum Command {
         /// An HF datasets folder or .arrow file of alpaca records.
         #[arg(long)]
         data: PathBuf,
-        #[arg(long, default_value_t = 48)]
+        /// At least 1 (0 would score an empty expected output as correct).
+        #[arg(long, default_value_t = 48, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         max_new_tokens: usize,
         /// Wrap prompts in the model's chat template instead of the Alpaca prompt.
         #[arg(long)]
@@ -341,6 +343,9 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
         anyhow::anyhow!("the adapter names no base model; pass --base MODEL")
     })?;
     let base = finetune::weights::ModelDir::resolve(&base_name, std::path::Path::new("."))?;
+    if let Some(run) = &a.run {
+        finetune::train::check_export_base(run, a.checkpoint.as_deref(), &base)?;
+    }
     let dtype = match a.dtype.as_deref() {
         None => None,
         Some("f32") => Some(candle_core::DType::F32),
@@ -391,6 +396,10 @@ fn logits(model: &str, adapter: Option<&std::path::Path>, tokens: &str) -> anyho
     let n = ids.len();
     let t = candle_core::Tensor::from_vec(ids, (1, n), &candle_core::Device::Cpu)?;
     let l: Vec<Vec<f32>> = model.logits(&t, &adapters)?.squeeze(0)?.to_vec2()?;
+    // JSON has no NaN: serde would print null, a "result" that reads as data with exit 0.
+    if let Some(p) = l.iter().position(|row| row.iter().any(|x| !x.is_finite())) {
+        anyhow::bail!("the logits hold NaN or inf at position {p}: the model's weights{} are not finite, or its config gives non-finite values", if adapter.is_some() { " or the adapter's" } else { "" });
+    }
     println!("{}", serde_json::json!({ "logits": l }));
     Ok(())
 }
@@ -474,7 +483,7 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
         E::Model { .. } if recipe => {
             Some("model.path must name a local HF folder (config.json + *.safetensors), a llama.cpp .gguf file, or a hub repo id (org/name)")
         }
-        E::Model { .. } => Some("--model must name a local HF folder (config.json + *.safetensors), a llama.cpp .gguf file, or a hub repo id (org/name)"),
+        E::Model { .. } => Some("--model (export: --base, or the base the adapter names) must name a local HF folder (config.json + *.safetensors), a llama.cpp .gguf file, or a hub repo id (org/name)"),
         // The message names the config.json key and what is supported.
         E::Config { .. } => None,
         E::Shape { file, .. } if adapter_file(file) => Some("the adapter was trained on another base model (or with another rank): use the base it names in adapter_config.json"),
@@ -485,7 +494,7 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
             "free space on that disk (or point output.dir elsewhere) and rerun: the newest complete checkpoint is intact and the run resumes from it",
         ),
         E::Gguf { .. } => Some("the GGUF file must be a model llama.cpp loads (llama, qwen2 or deepseek2 architecture); check the key or tensor named above"),
-        E::Data { .. } if recipe => Some("check data.train and data.format in the recipe"),
+        E::Data { .. } if recipe => Some("check the data.train or data.eval named above, and data.format, in the recipe"),
         E::Data { .. } => Some("--data must name a .jsonl, .parquet or .arrow file, or a datasets folder"),
         E::Hub { .. } => Some(
             "HF_TOKEN for gated repos, HF_ENDPOINT for a mirror, HF_HUB_OFFLINE=1 for the cache alone (HF_HUB_CACHE or HF_HOME say where it is); or name a local folder instead (model.path / data.train, or --model / --data)",

@@ -694,6 +694,11 @@ impl LoadedRecipe {
         if r.data.packing && r.data.batch_by == "tokens" {
             return Err(self.err("data.packing", "cannot be combined with data.batch_by = \"tokens\" (token batches group whole records by length; set one of them)"));
         }
+        // A buffer of 0 or 1 rows shuffles nothing within a block: the run would look shuffled
+        // and read rows in the file's order.
+        if r.data.shuffle && r.data.shuffle_buffer < 2 {
+            return Err(self.err("data.shuffle_buffer", format!("is {}; with data.shuffle = true it must hold at least 2 rows (or set data.shuffle = false for the files' order)", r.data.shuffle_buffer)));
+        }
         if r.lora.alpha <= 0.0 {
             return Err(self.err("lora.alpha", "must be > 0 (the LoRA update is scaled by alpha / rank)"));
         }
@@ -1180,6 +1185,16 @@ dir = "out"
         assert_eq!(r.recipe.model.path, "/abs/model");
         assert_eq!(r.recipe.lora.targets, Some(vec!["q_proj".to_string()]));
         assert_eq!(r.resolve(&r.recipe.output.dir), PathBuf::from("/recipes/out"));
+    }
+
+    #[test]
+    fn a_shuffle_buffer_that_cannot_shuffle_is_refused_when_shuffling() {
+        for n in ["0", "1"] {
+            let e = err_text(MINIMAL, &["data.shuffle=true", &format!("data.shuffle_buffer={n}")]);
+            assert!(e.contains("`data.shuffle_buffer`") && e.contains("at least 2"), "{n}: {e}");
+        }
+        let ok = |o: &[&str]| load(MINIMAL, o).is_ok();
+        assert!(ok(&["data.shuffle=false", "data.shuffle_buffer=0"]) && ok(&["data.shuffle=true", "data.shuffle_buffer=2"]));
     }
 
     #[test]

@@ -942,6 +942,7 @@ fn non_finite_loss(loaded: &LoadedRecipe, step: usize, first: bool, loss: f64, a
 fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, resumable: &dyn Fn(&std::path::Path) -> Result<()>) -> Result<crate::output::RunLock> {
     use crate::output::{previous_run_files, set_aside};
     let file = loaded.file.display().to_string();
+    check_output_is_its_own(loaded, out_dir)?;
     let lock = crate::output::RunLock::acquire(out_dir, &file)?;
     crate::checkpoint::clean_temporaries(out_dir);
     let resume = loaded.recipe.checkpoint.resume.as_str();
@@ -1098,15 +1099,49 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
 /// were it inside) and of the files the training loader reads (its shards, as it resolved
 /// them: a DatasetDict split, a hub dataset's cached files).
 fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir, loader: &Loader) -> (String, String) {
+    let out = canonical(loaded.resolve(&loaded.recipe.output.dir));
+    let data: Vec<PathBuf> = loader.files().into_iter().map(canonical).collect();
+    (model_fingerprint(model_dir, &out), crate::fsutil::fingerprint(&data, &|_| true, &out))
+}
+
+fn canonical(p: PathBuf) -> PathBuf {
+    p.canonicalize().unwrap_or(p)
+}
+
+/// The fingerprint of the model's files training reads (not looking into `out`, the run's
+/// folder, were it inside).
+fn model_fingerprint(model_dir: &ModelDir, out: &std::path::Path) -> String {
     let model_files = |n: &str| {
         n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json") || n.ends_with(".gguf")
             || ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"].contains(&n)
     };
-    let canonical = |p: PathBuf| p.canonicalize().unwrap_or(p);
-    let out = canonical(loaded.resolve(&loaded.recipe.output.dir));
     let model: Vec<PathBuf> = std::iter::once(model_dir.dir.clone()).chain(model_dir.gguf.clone()).map(canonical).collect();
-    let data: Vec<PathBuf> = loader.files().into_iter().map(canonical).collect();
-    (crate::fsutil::fingerprint(&model, &model_files, &out), crate::fsutil::fingerprint(&data, &|_| true, &out))
+    crate::fsutil::fingerprint(&model, &model_files, out)
+}
+
+/// `export --run`: the base about to be merged into (or described) must be the one the run
+/// trained on, as resume requires (its checkpoints record the model's fingerprint): a base
+/// replaced at the same path since would be merged into and verified against itself, exit 0.
+/// `checkpoint` names the one exported (else the newest valid one); a run without
+/// checkpoints has nothing recorded to compare.
+pub fn check_export_base(run: &std::path::Path, checkpoint: Option<&str>, base: &ModelDir) -> Result<()> {
+    let dir = match checkpoint {
+        Some(c) => Some(run.join("checkpoints").join(c)),
+        None => crate::checkpoint::latest_valid(run),
+    };
+    let Some(dir) = dir.filter(|d| d.join("state.json").is_file()) else { return Ok(()) };
+    let (state, _) = crate::checkpoint::read_state(&dir)?;
+    let Some(want) = state.model_fingerprint else { return Ok(()) };
+    if model_fingerprint(base, &canonical(run.to_path_buf())) != want {
+        return Err(Error::Export(format!(
+            "the base {}'s files (config.json, weights, tokenizer) differ from those run {} was trained on (recorded in {}): merge into the base it trained on, or pass --adapter {} and --base to use this one on purpose",
+            base.dir.display(),
+            run.display(),
+            dir.join("state.json").display(),
+            run.join("adapter").display()
+        )));
+    }
+    Ok(())
 }
 
 /// Set aside `newer` (checkpoints after `step`, the one continued from) with what they
@@ -1188,6 +1223,24 @@ pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, ro
 /// The data entries a role reads, and which split of them. data.split belongs to data.train
 /// (and the eval_fraction held out of it): data.eval names its own (`dir:validation`), else
 /// reads `test` where there are several, never the train split.
+/// `output.dir` must be a folder of its own: not a filesystem root, not the model's folder
+/// (its adapter, checkpoints and metrics would be written among the weights), and not a data
+/// folder (the next run would read its own metrics.jsonl as data). A folder inside either is
+/// fine: the fingerprints and the loader skip it.
+fn check_output_is_its_own(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<()> {
+    let out = canonical(out_dir.to_path_buf());
+    let d = &loaded.recipe.data;
+    let data = d.train.list().into_iter().map(|p| ("data.train", p)).chain(d.eval.iter().flat_map(|e| e.list()).map(|p| ("data.eval", p)));
+    let named = std::iter::once(("model.path", loaded.resolve(std::path::Path::new(&loaded.recipe.model.path)))).chain(data.map(|(k, p)| (k, loaded.resolve(&p))));
+    let clash = named.filter(|(_, p)| p.is_dir()).find(|(_, p)| canonical(p.clone()) == out);
+    let msg = match clash {
+        _ if out.parent().is_none() => "is a filesystem root; give the run a folder of its own".to_string(),
+        Some((key, p)) => format!("is the folder {key} names ({}); give the run a folder of its own (a folder inside it is fine)", p.display()),
+        None => return Ok(()),
+    };
+    Err(Error::Recipe { file: loaded.file.display().to_string(), key: "output.dir".into(), msg: format!("{} {msg}", out_dir.display()) })
+}
+
 fn data_sources(d: &crate::recipe::DataSection, role: Role) -> (Vec<PathBuf>, Split<'_>) {
     match (&d.eval, role) {
         (Some(e), Role::Eval) => (e.list(), Split::eval(None)),

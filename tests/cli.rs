@@ -241,3 +241,21 @@ fn a_closed_stderr_does_not_stop_a_run() {
     assert!(status.success(), "{status:?}");
     assert!(d.path().join("out/adapter/adapter_model.safetensors").is_file());
 }
+
+#[test]
+fn logits_that_are_not_finite_are_an_error_not_json_nulls() {
+    // serde_json prints NaN as null: `finetune logits` exited 0 with a page of nulls.
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("model");
+    write_model(&m, &TinyShape::default(), 0, 1).unwrap();
+    let file = m.join("model.safetensors");
+    let mut t = common::load_tensors(&file);
+    let name = "model.layers.0.self_attn.q_proj.weight";
+    let w = t[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let bad: Vec<f32> = w.iter().enumerate().map(|(i, &x)| if i == 0 { f32::NAN } else { x }).collect();
+    t.insert(name.into(), candle_core::Tensor::from_vec(bad, t[name].shape(), &candle_core::Device::Cpu).unwrap());
+    candle_core::safetensors::save(&t, &file).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_finetune")).args(["logits", "--model"]).arg(&m).args(["--tokens", "1,2,3"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("NaN or inf at position") && o.stdout.is_empty(), "{err}");
+}

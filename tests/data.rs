@@ -1412,3 +1412,30 @@ fn bos_and_eos_named_only_in_special_tokens_map_json_are_the_tokenizers() {
     assert!(alpaca(&both).ends_with("yo<|im_end|>"), "{}", alpaca(&both));
     assert_eq!(alpaca(&map_only), alpaca(&both));
 }
+
+#[test]
+fn an_eos_token_the_vocabulary_lacks_or_an_eos_id_past_it_is_an_error_naming_where_it_came_from() {
+    // A tokenizer_config.json eos_token not in the vocabulary silently fell back to
+    // config.json's id (another token trained as EOS); an id past u32 wrapped; an id past the
+    // vocabulary was blamed on the first data row.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let edit = |file: &str, f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(m.join(file)).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(m.join(file), v.to_string()).unwrap();
+    };
+    let err = || Formatter::new("alpaca", None, &Default::default(), false, &m, 49152).err().expect("accepted").to_string();
+    edit("tokenizer_config.json", &|v| v["eos_token"] = "<|nonexistent|>".into());
+    let e = err();
+    assert!(e.contains("tokenizer_config.json") && e.contains("eos_token `<|nonexistent|>`") && e.contains("not a token"), "{e}");
+    edit("tokenizer_config.json", &|v| {
+        v.as_object_mut().unwrap().remove("eos_token");
+    });
+    edit("config.json", &|v| v["eos_token_id"] = 4294967301u64.into());
+    let e = err();
+    assert!(e.contains("config.json") && e.contains("eos_token_id 4294967301"), "{e}");
+    edit("config.json", &|v| v["eos_token_id"] = 99999.into());
+    let e = err();
+    assert!(e.contains("config.json") && e.contains("id 99999, past the model's vocabulary of 49152"), "{e}");
+}

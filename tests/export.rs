@@ -269,3 +269,33 @@ fn recipe_export_merged_writes_a_verified_merged_folder_via_the_cli() {
     assert!(!bad.status.success() && err.contains("damaged") && err.contains("does not match its checksum"), "{err}");
     assert!(!d.path().join("from-damaged").exists());
 }
+
+#[test]
+fn export_run_refuses_a_base_replaced_since_the_run_trained_on_it() {
+    // The checkpoints record the model's fingerprint (resume refuses a changed base); export
+    // --run merged into whatever now sits at the path and verified the merge against that
+    // same new base, exit 0.
+    let (d, run) = trained(TinyShape::default(), 1);
+    let export = |out: &str, extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+            .current_dir(d.path())
+            .args(["export", "--run", &run.display().to_string(), "--merge", "--out", out])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let ok = export("merged-1", &[]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    write_model(&d.path().join("model"), &TinyShape::default(), 99, 1).unwrap(); // other weights, same shape
+    let bad = export("merged-2", &[]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && err.contains("differ from those run") && err.contains("--adapter"), "{err}");
+    assert!(!d.path().join("merged-2").exists());
+    // On purpose, through the adapter folder: merged into the new base.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .current_dir(d.path())
+        .args(["export", "--adapter", &run.join("adapter").display().to_string(), "--base", "model", "--merge", "--out", "merged-3"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

@@ -7,7 +7,7 @@ use candle_core::{DType, Tensor};
 use common::*;
 use finetune::recipe::LoadedRecipe;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const RECIPE: &str = r#"
@@ -463,4 +463,26 @@ fn a_resume_path_that_cannot_be_continued_moves_nothing() {
     // And the folder's run continues as if nothing had happened.
     let s = train(&dir, &["train.max_steps=5", "checkpoint.keep_last=0"]).unwrap();
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![5]);
+}
+
+#[test]
+fn an_output_dir_that_is_the_model_or_data_folder_or_a_root_is_refused_before_anything_is_written() {
+    // The run wrote adapter/, checkpoints/ and metrics.jsonl among the weights, into the data
+    // folder (whose next run read metrics.jsonl as data), or into `/`.
+    let root = tiny_workspace(23, (4, 18), None);
+    let dir = run_dir(root.path(), "run", RECIPE);
+    let listing = |p: &Path| {
+        let mut v: Vec<String> = std::fs::read_dir(p).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    };
+    for (out, key) in [("../model", "model.path"), ("../data", "data.train"), ("/", "filesystem root")] {
+        let watched = if out == "/" { PathBuf::from("/") } else { dir.join(out) };
+        let before = listing(&watched);
+        let e = train(&dir, &[&format!("output.dir={out}")]).err().unwrap_or_else(|| panic!("{out}: accepted")).to_string();
+        assert!(e.contains("output.dir") && e.contains(key), "{out}: {e}");
+        assert_eq!(listing(&watched), before, "{out}: nothing written");
+    }
+    // A folder inside the model's is a folder of its own.
+    train(&dir, &["output.dir=../model/run-1", "train.max_steps=1"]).unwrap();
 }

@@ -162,7 +162,20 @@ impl Formatter {
             .unwrap_or(1)
             .clamp(1, MAX_TOKEN_BYTES);
         let (bos_s, eos_s) = special_tokens(model_dir);
-        let eos = tokenizer.as_ref().and_then(|t| eos_s.as_deref().and_then(|e| t.token_to_id(e))).or_else(|| eos_from_config(model_dir));
+        // The EOS appended to answers: the tokenizer's eos_token, else config.json's id. A
+        // token named but not in the vocabulary, or an id past the model's, is an error
+        // naming where it came from (falling back to the other silently trained another token).
+        let eos = match (tokenizer.as_ref(), eos_s.as_deref()) {
+            (Some(t), Some(e)) => Some(t.token_to_id(e).ok_or_else(|| Error::Tokenizer {
+                path: model_dir.join("tokenizer_config.json"),
+                msg: format!("eos_token `{e}` (here or in special_tokens_map.json) is not a token of {}", tok_path.display()),
+            })?),
+            _ => eos_from_config(model_dir)?,
+        };
+        if let Some(id) = eos.filter(|&id| id as usize >= vocab) {
+            let path = model_dir.join(if eos_s.is_some() { "tokenizer_config.json" } else { "config.json" });
+            return Err(Error::Tokenizer { path, msg: format!("the end-of-sequence token is id {id}, past the model's vocabulary of {vocab} (config.json vocab_size)") });
+        }
         let name = template.unwrap_or(match format {
             "alpaca" => "alpaca",
             "prompt_completion" | "messages" => "model",
@@ -713,11 +726,14 @@ fn special_tokens(model_dir: &Path) -> (Option<String>, Option<String>) {
     crate::chat::special_tokens(&crate::chat::with_special_tokens_map(model_dir, v))
 }
 
-fn eos_from_config(model_dir: &Path) -> Option<u32> {
-    let text = std::fs::read_to_string(model_dir.join("config.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let id = v.get("eos_token_id")?;
-    id.as_u64().or_else(|| id.get(0).and_then(|x| x.as_u64())).map(|x| x as u32)
+/// config.json's `eos_token_id` (the first of a list); an id no u32 holds is an error.
+fn eos_from_config(model_dir: &Path) -> Result<Option<u32>> {
+    let path = model_dir.join("config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return Ok(None) };
+    let Some(id) = v.get("eos_token_id") else { return Ok(None) };
+    let Some(n) = id.as_u64().or_else(|| id.get(0).and_then(|x| x.as_u64())) else { return Ok(None) };
+    u32::try_from(n).map(Some).map_err(|_| Error::Tokenizer { path, msg: format!("eos_token_id {n} is not a token id") })
 }
 
 #[cfg(test)]
