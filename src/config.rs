@@ -362,9 +362,7 @@ impl ModelConfig {
                         (None, Some(max)) => max as f64 / original as f64,
                         (None, None) => return Err("rope_scaling yarn needs `factor` (or max_position_embeddings)".into()),
                     };
-                    if !(factor.is_finite() && factor > 0.0) {
-                        return Err(format!("rope_scaling.factor must be a positive number, got {factor}"));
-                    }
+                    let factor = positive("rope_scaling.factor", factor)?;
                     RopeScaling::Yarn {
                         factor,
                         original_max_position_embeddings: original,

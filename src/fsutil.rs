@@ -165,12 +165,12 @@ mod tests {
 }
 
 /// A cheap fingerprint of the files at `paths` (a folder: the files below it whose names
-/// `keep` accepts, in path order, not looking into `skip` or hidden folders; a path that does
-/// not exist counts as absent): each file's
+/// `keep` accepts, in path order, not looking into `skip` or hidden folders, nor into any
+/// subfolder unless `descend`; a path that does not exist counts as absent): each file's
 /// path below its root, its size, and its first and last MiB, hashed. It tells another model
 /// or dataset put at the same path (other weights, other rows) from the one that was there
 /// without reading gigabytes; a change confined to the middle of a file goes unseen.
-pub fn fingerprint(paths: &[std::path::PathBuf], keep: &dyn Fn(&str) -> bool, skip: &Path) -> String {
+pub fn fingerprint(paths: &[std::path::PathBuf], keep: &dyn Fn(&str) -> bool, skip: &Path, descend: bool) -> String {
     use sha2::{Digest, Sha256};
     use std::io::{Read, Seek, SeekFrom};
     const MIB: u64 = 1 << 20;
@@ -181,7 +181,7 @@ pub fn fingerprint(paths: &[std::path::PathBuf], keep: &dyn Fn(&str) -> bool, sk
         while let Some(p) = todo.pop() {
             match std::fs::metadata(&p) {
                 // (Hidden folders, such as .git or .cache, are not the data.)
-                Ok(m) if m.is_dir() && p != skip && (p == *root || !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'))) => {
+                Ok(m) if m.is_dir() && p != skip && (p == *root || descend && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'))) => {
                     todo.extend(std::fs::read_dir(&p).into_iter().flatten().flatten().map(|e| e.path()))
                 }
                 Ok(m) if m.is_file() && (p == *root || p.file_name().and_then(|n| n.to_str()).is_some_and(keep)) => files.push((p, m.len())),

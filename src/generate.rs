@@ -59,8 +59,7 @@ impl Generator {
                 None => {}
             }
         }
-        let tokens = crate::chat::with_special_tokens_map(&model.dir, json("tokenizer_config.json").unwrap_or_default());
-        stop.extend(crate::chat::special_tokens(&tokens).1.and_then(|e| tokenizer.token_to_id(&e)));
+        stop.extend(crate::chat::model_special_tokens(&model.dir).1.and_then(|e| tokenizer.token_to_id(&e)));
         for t in ["<|im_end|>", "<|eot_id|>", "<|end_of_sentence|>", "<｜end▁of▁sentence｜>", "</s>"] {
             if let Some(id) = tokenizer.token_to_id(t) {
                 stop.push(id);

@@ -421,9 +421,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     src.seal();
     if !sharded && !quantized {
         // ShardedWeights and QuantizedWeights count what they hold as they read it.
-        let frozen = model.cfg.frozen_tensors().into_iter();
-        let held: usize = frozen.map(|(n, s)| s.iter().product::<usize>() * crate::weights::stored_dtype(&n, storage_dtype).size_in_bytes()).sum();
-        let bytes = held - src.bytes_in_files();
+        let bytes = crate::weights::frozen_bytes(&model.cfg, storage_dtype) - src.bytes_in_files();
         account.frozen.store(bytes, Ordering::SeqCst);
     }
     let loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
@@ -1101,22 +1099,23 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
 fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir, loader: &Loader) -> (String, String) {
     let out = canonical(loaded.resolve(&loaded.recipe.output.dir));
     let data: Vec<PathBuf> = loader.files().into_iter().map(canonical).collect();
-    (model_fingerprint(model_dir, &out), crate::fsutil::fingerprint(&data, &|_| true, &out))
+    (model_fingerprint(model_dir, &out), crate::fsutil::fingerprint(&data, &|_| true, &out, true))
 }
 
 fn canonical(p: PathBuf) -> PathBuf {
     p.canonicalize().unwrap_or(p)
 }
 
-/// The fingerprint of the model's files training reads (not looking into `out`, the run's
-/// folder, were it inside).
+/// The fingerprint of the model's files training reads: those at the top of its folder (a
+/// model folder is flat; runs, merged exports or other models kept in subfolders of it are
+/// not its files).
 fn model_fingerprint(model_dir: &ModelDir, out: &std::path::Path) -> String {
     let model_files = |n: &str| {
         n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json") || n.ends_with(".gguf")
             || ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"].contains(&n)
     };
     let model: Vec<PathBuf> = std::iter::once(model_dir.dir.clone()).chain(model_dir.gguf.clone()).map(canonical).collect();
-    crate::fsutil::fingerprint(&model, &model_files, out)
+    crate::fsutil::fingerprint(&model, &model_files, out, false)
 }
 
 /// `export --run`: the base about to be merged into (or described) must be the one the run
@@ -1220,9 +1219,6 @@ pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, ro
     Loader::open(&files, split, fmt, opts)
 }
 
-/// The data entries a role reads, and which split of them. data.split belongs to data.train
-/// (and the eval_fraction held out of it): data.eval names its own (`dir:validation`), else
-/// reads `test` where there are several, never the train split.
 /// `output.dir` must be a folder of its own: not a filesystem root, not the model's folder
 /// (its adapter, checkpoints and metrics would be written among the weights), and not a data
 /// folder (the next run would read its own metrics.jsonl as data). A folder inside either is
@@ -1241,6 +1237,9 @@ fn check_output_is_its_own(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> 
     Err(Error::Recipe { file: loaded.file.display().to_string(), key: "output.dir".into(), msg: format!("{} {msg}", out_dir.display()) })
 }
 
+/// The data entries a role reads, and which split of them. data.split belongs to data.train
+/// (and the eval_fraction held out of it): data.eval names its own (`dir:validation`), else
+/// reads `test` where there are several, never the train split.
 fn data_sources(d: &crate::recipe::DataSection, role: Role) -> (Vec<PathBuf>, Split<'_>) {
     match (&d.eval, role) {
         (Some(e), Role::Eval) => (e.list(), Split::eval(None)),
@@ -1455,12 +1454,17 @@ pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bo
             let eligible = |i: usize| KeepLayer { attention: fused, swiglu: swiglu(i), linears: fused, whole: fused && resident };
             let base = cfg.base_param_count() as usize * parse_dtype(&r.model.dtype).size_in_bytes();
             if fused && resident && r.train.activation_memory_mb.is_none() && l * costs.whole <= base / 4 {
-                // The base dwarfs the activations (a MoE model at short sequences): every layer
-                // keeps all it can that is costly to recompute, and the recomputation runs only
-                // norms, RoPE, the router and element-wise ops. On make bench's MoE cut at
-                // 1 x 512 (2-core Zen 5) that ran as fast as no checkpointing (334-343 against
-                // 318-347 tokens/s) at 194 MB less peak RSS (2850 against 3044 MB).
-                return Some((0..l).map(|i| KeepLayer { whole: false, ..eligible(i) }).collect());
+                // The base dwarfs the activations (a MoE model at short sequences). Where every
+                // layer can keep its SwiGLU inputs (no MLP or routed expert adapted), each keeps
+                // all that is costly to recompute, and the recomputation runs only norms, RoPE,
+                // the router and element-wise ops: on make bench's MoE cut at 1 x 512 (2-core
+                // Zen 5) as fast as no checkpointing (334-343 against 318-347 tokens/s) at 194 MB
+                // less peak RSS (2850 against 3044 MB). Otherwise the MLPs would be recomputed
+                // whole, and no layer is checkpointed.
+                if (0..l).all(swiglu) {
+                    return Some((0..l).map(|i| KeepLayer { whole: false, ..eligible(i) }).collect());
+                }
+                return Some(vec![KeepLayer { whole: true, ..KeepLayer::default() }; l]);
             }
             let budget = r.train.activation_memory_mb.map_or_else(|| default_keep_budget(r, cfg, costs, shape.0 * shape.1), |mb| mb << 20);
             Some(crate::ops::checkpoint::layers_to_keep(l, costs, budget, eligible))

@@ -108,7 +108,7 @@ fn check_world_sizes_with(root: tempfile::TempDir, arch: &'static str, tie: bool
     assert_eq!(one.memory[0].frozen, finetune::dist::plan::plan(&cfg, &single_recipe, 1, portable).frozen, "resident base bytes (tie={tie}, portable={portable})");
     // The routers (MoE) are held in f32 whatever the storage dtype, as transformers holds them.
     let storage = finetune::weights::parse_dtype(&single_recipe.model.dtype);
-    let base_bytes: usize = cfg.frozen_tensors().iter().map(|(n, s)| s.iter().product::<usize>() * finetune::weights::stored_dtype(n, storage).size_in_bytes()).sum();
+    let base_bytes = finetune::weights::frozen_bytes(&cfg, storage);
     for (world, accum) in [(1, 4), (2, 2), (4, 1)] {
         let name = format!("w{world}");
         let o = with(&[format!("dist.world_size={world}"), format!("train.grad_accum_steps={accum}")]);

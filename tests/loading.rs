@@ -252,7 +252,8 @@ fn auto_checkpointing_leaves_layers_whole_only_where_the_base_stays_resident() {
 /// With no `train.activation_memory_mb`, "auto" keeps everything costly to recompute in every
 /// layer of a model whose layers all fit whole in a quarter of its base (a large vocabulary,
 /// short rows: the base dwarfs the activations, as a MoE model's does), and never a whole
-/// layer; elsewhere it keeps what the default budget holds.
+/// layer, unless an MLP is adapted (then none is checkpointed); elsewhere it keeps what the
+/// default budget holds.
 #[test]
 fn auto_checkpointing_without_a_budget_keeps_all_that_is_costly_to_recompute_where_the_base_dwarfs_the_activations() {
     let big_vocab = TinyShape { vocab: 50_000, ..TinyShape::default() };
@@ -266,6 +267,12 @@ fn auto_checkpointing_without_a_budget_keeps_all_that_is_costly_to_recompute_whe
         let said = summary["kernels"].as_str().unwrap();
         assert!(said.contains(want) && !said.contains("not checkpointed"), "vocab {}: {said}", shape.vocab);
     }
+    // With an MLP adapted its SwiGLU inputs cannot be kept: the MLPs would be recomputed whole,
+    // so no layer is checkpointed there.
+    let ws = workspace(&TinyShape { vocab: 50_000, ..TinyShape::default() }, 1);
+    train(ws.path(), &["train.max_steps=1", "data.max_seq_len=16", "train.activation_checkpointing=auto", "lora.targets=[\"q_proj\", \"down_proj\"]"]);
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ws.path().join("out/summary.json")).unwrap()).unwrap();
+    assert!(summary["kernels"].as_str().unwrap().contains("none needed"), "{}", summary["kernels"]);
 }
 
 #[test]

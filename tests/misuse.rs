@@ -483,6 +483,11 @@ fn an_output_dir_that_is_the_model_or_data_folder_or_a_root_is_refused_before_an
         assert!(e.contains("output.dir") && e.contains(key), "{out}: {e}");
         assert_eq!(listing(&watched), before, "{out}: nothing written");
     }
-    // A folder inside the model's is a folder of its own.
+    // A folder inside the model's is a folder of its own, and what is written there (another
+    // run, a merged export) is not the model's files: the first run still resumes and exports.
     train(&dir, &["output.dir=../model/run-1", "train.max_steps=1"]).unwrap();
+    train(&dir, &["output.dir=../model/run-2", "train.max_steps=1"]).unwrap();
+    let model = finetune::weights::ModelDir { dir: dir.join("../model"), name: String::new(), commit: None, gguf: None };
+    finetune::train::check_export_base(&dir.join("../model/run-1"), None, &model).unwrap();
+    train(&dir, &["output.dir=../model/run-1", "train.max_steps=2"]).unwrap();
 }

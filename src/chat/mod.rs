@@ -86,11 +86,19 @@ pub fn special_tokens(cfg: &serde_json::Value) -> (Option<String>, Option<String
     (special_token(cfg, "bos_token"), special_token(cfg, "eos_token"))
 }
 
-/// The special tokens a model folder's tokenizer has, as transformers reads them: those of
-/// tokenizer_config.json, and each one it does not set from special_tokens_map.json (older
-/// and minimal repos name BOS and EOS only there; without it a template's `{{ eos_token }}`
-/// rendered empty and every assistant turn lost its end). `cfg` is tokenizer_config.json's
-/// object (Null where there is none).
+/// BOS and EOS of a model folder's tokenizer ([`with_special_tokens_map`]).
+pub fn model_special_tokens(dir: &Path) -> (Option<String>, Option<String>) {
+    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok();
+    let cfg = text.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()).unwrap_or_default();
+    special_tokens(&with_special_tokens_map(dir, cfg))
+}
+
+/// The special tokens a model folder's tokenizer has: those of tokenizer_config.json, and
+/// each one it does not set from special_tokens_map.json (older and minimal repos name BOS
+/// and EOS only there; without it a template's `{{ eos_token }}` rendered empty and every
+/// assistant turn lost its end). transformers reads the map too (in its legacy path the map
+/// wins where the two disagree; here tokenizer_config.json does). `cfg` is
+/// tokenizer_config.json's object (Null where there is none).
 pub fn with_special_tokens_map(dir: &Path, mut cfg: serde_json::Value) -> serde_json::Value {
     let map = std::fs::read_to_string(dir.join("special_tokens_map.json")).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
     let Some(serde_json::Value::Object(map)) = map else { return cfg };

@@ -161,20 +161,23 @@ impl Formatter {
             .and_then(|t| t.get_vocab(true).keys().map(String::len).max())
             .unwrap_or(1)
             .clamp(1, MAX_TOKEN_BYTES);
-        let (bos_s, eos_s) = special_tokens(model_dir);
+        let (bos_s, eos_s) = crate::chat::model_special_tokens(model_dir);
         // The EOS appended to answers: the tokenizer's eos_token, else config.json's id. A
         // token named but not in the vocabulary, or an id past the model's, is an error
         // naming where it came from (falling back to the other silently trained another token).
-        let eos = match (tokenizer.as_ref(), eos_s.as_deref()) {
-            (Some(t), Some(e)) => Some(t.token_to_id(e).ok_or_else(|| Error::Tokenizer {
-                path: model_dir.join("tokenizer_config.json"),
-                msg: format!("eos_token `{e}` (here or in special_tokens_map.json) is not a token of {}", tok_path.display()),
-            })?),
-            _ => eos_from_config(model_dir)?,
+        let (eos, eos_from) = match (tokenizer.as_ref(), eos_s.as_deref()) {
+            (Some(t), Some(e)) => {
+                let id = t.token_to_id(e).ok_or_else(|| Error::Tokenizer {
+                    path: model_dir.join("tokenizer_config.json"),
+                    msg: format!("eos_token `{e}` (here or in special_tokens_map.json) is not a token of {}", tok_path.display()),
+                })?;
+                (Some(id), "tokenizer_config.json")
+            }
+            _ => (eos_from_config(model_dir)?, "config.json"),
         };
         if let Some(id) = eos.filter(|&id| id as usize >= vocab) {
-            let path = model_dir.join(if eos_s.is_some() { "tokenizer_config.json" } else { "config.json" });
-            return Err(Error::Tokenizer { path, msg: format!("the end-of-sequence token is id {id}, past the model's vocabulary of {vocab} (config.json vocab_size)") });
+            let msg = format!("the end-of-sequence token it names is id {id}, past the model's vocabulary of {vocab} (config.json vocab_size)");
+            return Err(Error::Tokenizer { path: model_dir.join(eos_from), msg });
         }
         let name = template.unwrap_or(match format {
             "alpaca" => "alpaca",
@@ -718,12 +721,6 @@ fn common_suffix(a: &str, b: &str) -> usize {
         n -= 1;
     }
     n
-}
-
-fn special_tokens(model_dir: &Path) -> (Option<String>, Option<String>) {
-    let text = std::fs::read_to_string(model_dir.join("tokenizer_config.json")).ok();
-    let v = text.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()).unwrap_or_default();
-    crate::chat::special_tokens(&crate::chat::with_special_tokens_map(model_dir, v))
 }
 
 /// config.json's `eos_token_id` (the first of a list); an id no u32 holds is an error.

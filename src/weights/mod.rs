@@ -123,14 +123,19 @@ impl<'a> Frozen<'a> {
 
 /// The tables a resident base on the host would leave in their file (an untied embedding
 /// and LM head) that the recipe's model files hold in a form read whole instead (FP8, f64):
-/// those are copied at load, and `finetune plan` counts them so. Empty where the plan has no
-/// weights to look at (config.json alone, or a GGUF file).
+/// those are copied at load, and `finetune plan` counts them so. Empty where the plan does not
+/// look at weights (config.json alone, a GGUF file, a hub repo id).
 pub fn tables_copied(loaded: &crate::recipe::LoadedRecipe) -> Vec<String> {
     let m = &loaded.recipe.model;
     let files = loaded.dir.join(&m.path).is_dir().then(|| ModelDir::resolve(&m.path, &loaded.dir).and_then(|d| d.open_weights()).ok()).flatten();
     let Some(files) = files else { return Vec::new() };
     let tables = ["model.embed_tokens.weight", "lm_head.weight"];
     tables.into_iter().filter(|n| files.file_of(n).is_some() && !files.rows_readable(n)).map(String::from).collect()
+}
+
+/// Bytes of the whole frozen base held in `storage` (each tensor in its [`stored_dtype`]).
+pub fn frozen_bytes(cfg: &crate::config::ModelConfig, storage: DType) -> usize {
+    cfg.frozen_tensors().iter().map(|(n, s)| s.iter().product::<usize>() * stored_dtype(n, storage).size_in_bytes()).sum()
 }
 
 /// The dtype a frozen tensor is kept in: the run's storage dtype, except the MoE router
@@ -455,13 +460,13 @@ impl SafetensorsFiles {
             .collect()
     }
 
-    /// Whether `name` is stored as FP8 (e4m3) with DeepSeek-V3's block scales beside it.
     /// Whether `name` can be read a row at a time where it lies (`row_table`): an f32, bf16 or
     /// f16 tensor (an FP8 one is dequantised whole at load).
     pub fn rows_readable(&self, name: &str) -> bool {
         !self.is_fp8(name) && self.raw_view(name).is_ok_and(|v| candle_dtype(v.dtype()).is_some())
     }
 
+    /// Whether `name` is stored as FP8 (e4m3) with DeepSeek-V3's block scales beside it.
     pub fn is_fp8(&self, name: &str) -> bool {
         self.raw_view(name).is_ok_and(|v| v.dtype() == safetensors::Dtype::F8_E4M3)
     }
