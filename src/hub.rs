@@ -71,14 +71,21 @@ impl Hub {
     /// The cache, endpoint, token and offline switch, read as huggingface_hub reads them.
     pub fn from_env() -> Result<Hub> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        // huggingface_hub expands a leading `~` in these (an env file or a Dockerfile's ENV
+        // leaves it unexpanded).
+        let path = |v: String| match (v.strip_prefix('~'), var("HOME")) {
+            (Some(rest), Some(home)) if rest.is_empty() || rest.starts_with('/') => PathBuf::from(format!("{home}{rest}")),
+            _ => PathBuf::from(v),
+        };
         let hf_home = match (var("HF_HOME"), var("XDG_CACHE_HOME"), var("HOME")) {
-            (Some(h), _, _) => Some(PathBuf::from(h)),
-            (None, Some(x), _) => Some(PathBuf::from(x).join("huggingface")),
+            (Some(h), _, _) => Some(path(h)),
+            (None, Some(x), _) => Some(path(x).join("huggingface")),
             (None, None, Some(home)) => Some(PathBuf::from(home).join(".cache/huggingface")),
             (None, None, None) => None,
         };
-        let cache = match (var("HF_HUB_CACHE"), &hf_home) {
-            (Some(c), _) => PathBuf::from(c),
+        // HUGGINGFACE_HUB_CACHE: the older name huggingface_hub still reads.
+        let cache = match (var("HF_HUB_CACHE").or_else(|| var("HUGGINGFACE_HUB_CACHE")), &hf_home) {
+            (Some(c), _) => path(c),
             (None, Some(h)) => h.join("hub"),
             (None, None) => {
                 return Err(Error::Hub { repo: "(any)".into(), msg: "none of HF_HUB_CACHE, HF_HOME or HOME is set, so there is no hub cache folder".into() })
@@ -86,9 +93,11 @@ impl Hub {
         };
         // HF_TOKEN wins over the file `huggingface-cli login` saves (HF_TOKEN_PATH, else
         // HF_HOME/token), wherever the cache itself lives.
-        let token_file = var("HF_TOKEN_PATH").map(PathBuf::from).or_else(|| hf_home.map(|h| h.join("token")));
+        let token_file = var("HF_TOKEN_PATH").map(path).or_else(|| hf_home.map(|h| h.join("token")));
         let token = var("HF_TOKEN").or_else(|| std::fs::read_to_string(token_file?).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty()));
-        let offline = var("HF_HUB_OFFLINE").is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+        // TRANSFORMERS_OFFLINE=1 means offline to huggingface_hub too.
+        let on = |k: &str| var(k).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+        let offline = on("HF_HUB_OFFLINE") || on("TRANSFORMERS_OFFLINE");
         let endpoint = var("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".into()).trim_end_matches('/').to_string();
         Ok(Hub { cache, endpoint, token, offline })
     }
@@ -172,7 +181,10 @@ impl Hub {
     pub fn dataset(&self, id: &str, revision: Option<&str>, split: Split) -> Result<Vec<PathBuf>> {
         let repo = CachedRepo::new(self, id, RepoType::Dataset, revision)?;
         let cached = |repo: &CachedRepo| -> Result<Option<Vec<PathBuf>>> {
-            let Some((commit, all)) = repo.saved_listing() else { return Ok(None) };
+            let Some((commit, all, walked)) = repo.saved_listing() else { return Ok(None) };
+            if walked {
+                check_partial_snapshot(&all, split).map_err(|m| repo.err(m))?;
+            }
             let chosen = choose_split(&all, split).map_err(|m| repo.err(m))?;
             let snap = repo.snapshot(&commit);
             Ok(chosen.iter().all(|f| snap.join(f).is_file()).then(|| chosen.iter().map(|f| snap.join(f)).collect()))
@@ -482,10 +494,13 @@ impl<'a> CachedRepo<'a> {
 
     /// The dataset's data files at the revision's commit: our saved listing, or (offline, for
     /// a snapshot another tool filled) the data files the snapshot holds.
-    fn saved_listing(&self) -> Option<(String, Vec<String>)> {
+    /// The commit the ref names and the repo's data files: as the listing saved when they
+    /// were fetched, or offline, without one (a cache another tool filled), the files its
+    /// snapshot holds, which may be only part of the repo (`walked` true).
+    fn saved_listing(&self) -> Option<(String, Vec<String>, bool)> {
         let commit = self.commit_of_ref()?;
         if let Some(files) = std::fs::read_to_string(self.listing_path(&commit)).ok().and_then(|t| serde_json::from_str(&t).ok()) {
-            return Some((commit, files));
+            return Some((commit, files, false));
         }
         if !self.hub.offline {
             return None;
@@ -495,7 +510,7 @@ impl<'a> CachedRepo<'a> {
         walk_files(&snap, &snap, &mut files);
         files.retain(|f| is_data_file(f));
         files.sort();
-        (!files.is_empty()).then_some((commit, files))
+        (!files.is_empty()).then_some((commit, files, true))
     }
 
     fn save_listing(&self, commit: &str, files: &[String]) -> Result<()> {
@@ -594,6 +609,35 @@ fn choose_split(files: &[String], split: Split) -> std::result::Result<Vec<Strin
     Ok(chosen)
 }
 
+/// What a snapshot another tool filled must show before its files stand for the repo's
+/// (offline, the repo's own listing is unknown): the default split itself when none is
+/// named (a snapshot holding only `test` files would otherwise pass for the only split and be
+/// trained on), and every shard of a `-NNNNN-of-MMMMM` set (an interrupted download left part
+/// of it). `datasets` refuses such a repo offline altogether.
+fn check_partial_snapshot(files: &[String], split: Split) -> std::result::Result<(), String> {
+    let fix = "another tool filled this cache, and offline the repo's own file list is unknown: unset HF_HUB_OFFLINE to complete it";
+    let mut splits: Vec<String> = files.iter().map(|f| split_of(f)).collect();
+    splits.sort();
+    splits.dedup();
+    if split.name.is_none() && !splits.iter().any(|s| s == split.default) {
+        return Err(format!("its cached snapshot holds no `{}` split (only {}); {fix}, or name the split (`:<split>` after the repo id)", split.default, splits.join(", ")));
+    }
+    let mut sets: std::collections::BTreeMap<(String, usize), std::collections::HashSet<usize>> = Default::default();
+    for f in files {
+        let Some((stem, _)) = f.rsplit_once('.') else { continue };
+        let parts: Vec<&str> = stem.rsplitn(4, '-').collect(); // [total, "of", index, prefix]
+        if let [total, "of", index, prefix] = parts[..] {
+            if let (Ok(t), Ok(i)) = (total.parse::<usize>(), index.parse::<usize>()) {
+                sets.entry((prefix.to_string(), t)).or_default().insert(i);
+            }
+        }
+    }
+    if let Some(((prefix, total), got)) = sets.iter().find(|((_, t), got)| got.len() < *t) {
+        return Err(format!("its cached snapshot holds {} of the {total} shards of {prefix}-*-of-{total:05}; {fix}", got.len()));
+    }
+    Ok(())
+}
+
 /// The checks hf-hub does not make: the size the hub announced, and the sha256 an LFS ETag is.
 fn verify_blob(blob: &Path, announced: Option<usize>) -> std::result::Result<(), String> {
     let len = std::fs::metadata(blob).map_err(|e| e.to_string())?.len();
@@ -661,6 +705,23 @@ mod tests {
 
     fn names(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_partial_snapshot_read_offline_must_hold_the_default_split_and_whole_shard_sets() {
+        // Offline without a saved listing, the snapshot's files stood for the repo's: only
+        // the test file downloaded was "the only split" and trained on; half the train shards
+        // were trained on as all of them.
+        let train = Split::train(None);
+        let only_test = names(&["data/test-00000-of-00001.parquet"]);
+        let e = check_partial_snapshot(&only_test, train).unwrap_err();
+        assert!(e.contains("no `train` split") && e.contains("HF_HUB_OFFLINE"), "{e}");
+        assert!(check_partial_snapshot(&only_test, train.named("test")).is_ok(), "named: what is there is what was asked for");
+        let half = names(&["data/train-00000-of-00002.parquet", "data/test-00000-of-00001.parquet"]);
+        let e = check_partial_snapshot(&half, train).unwrap_err();
+        assert!(e.contains("1 of the 2 shards of data/train-*-of-00002"), "{e}");
+        let whole = names(&["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet", "train.jsonl"]);
+        assert!(check_partial_snapshot(&whole, train).is_ok());
     }
 
     #[test]

@@ -342,7 +342,11 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
     let base_name = a.base.clone().or(adapter.base_model.clone()).ok_or_else(|| {
         anyhow::anyhow!("the adapter names no base model; pass --base MODEL")
     })?;
-    let base = finetune::weights::ModelDir::resolve(&base_name, std::path::Path::new("."))?;
+    let base = match (&a.run, &a.base) {
+        // The run's own base: at the hub commit it trained on.
+        (Some(run), None) => finetune::weights::ModelDir::of_run(run, &base_name, std::path::Path::new("."))?,
+        _ => finetune::weights::ModelDir::resolve(&base_name, std::path::Path::new("."))?,
+    };
     if let Some(run) = &a.run {
         finetune::train::check_export_base(run, a.checkpoint.as_deref(), &base)?;
     }
@@ -601,7 +605,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let e = &recipe.recipe.export;
                 let run = &summary.output_dir;
                 let adapter = finetune::export::PeftAdapter::open(&run.join("adapter"))?;
-                let base = finetune::weights::ModelDir::of_recipe(&recipe)?;
+                let base = finetune::weights::ModelDir::of_run(run, &recipe.recipe.model.path, &recipe.dir)?;
+                finetune::train::check_export_base(run, None, &base)?;
                 let out = run.join("merged");
                 if out.exists() {
                     std::fs::remove_dir_all(&out)?;
@@ -617,7 +622,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             if summary.interrupted.is_none() && recipe.recipe.export.gguf && summary.lock.is_some() {
                 let adapter = finetune::export::PeftAdapter::open(&summary.output_dir.join("adapter"))?;
-                let base = finetune::weights::ModelDir::of_recipe(&recipe)?;
+                let base = finetune::weights::ModelDir::of_run(&summary.output_dir, &recipe.recipe.model.path, &recipe.dir)?;
+                finetune::train::check_export_base(&summary.output_dir, None, &base)?;
                 let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &summary.output_dir.join("adapter.gguf"))?;
                 finetune::note!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
             }

@@ -472,3 +472,65 @@ fn plan_of_the_shipped_recipes_needs_no_network() {
         assert!(String::from_utf8_lossy(&o.stdout).contains("GiB"), "{r}: {}", String::from_utf8_lossy(&o.stdout));
     }
 }
+
+#[test]
+fn export_of_a_run_merges_into_the_commit_it_trained_on_after_the_branch_moved() {
+    // The base is recorded at its commit; `export --run` (and the end-of-run merge) resolved
+    // the branch again, so after another job's download moved `main` they merged the adapter
+    // into other weights. `org/name@rev` names a revision as --base too.
+    let e = setup("models/tiny-org/tiny-llama", None, "tiny-org/tiny-llama", "../data", "[checkpoint]\nevery_steps = 1\n");
+    let o = e.finetune(&[], &["--recipe", "recipe.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let commit = e.hub.state.lock().unwrap().repos["models/tiny-org/tiny-llama"].commit.clone();
+    let cache = e.home.path().join("hub/models--tiny-org--tiny-llama");
+    let moved = "f".repeat(40);
+    copy_tree(&cache.join("snapshots").join(&commit), &cache.join("snapshots").join(&moved));
+    let other = e.ws.path().join("other");
+    finetune::synth::write_model(&other, &finetune::synth::TinyShape { vocab: 64, ..Default::default() }, 77, 1).unwrap();
+    let weights = cache.join("snapshots").join(&moved).join("model.safetensors");
+    std::fs::remove_file(&weights).unwrap();
+    std::fs::copy(other.join("model.safetensors"), &weights).unwrap();
+    std::fs::write(cache.join("refs/main"), &moved).unwrap();
+    let offline = [("HF_HUB_OFFLINE", "1")];
+    let embed = |dir: &Path| common::load_tensors(&dir.join("model.safetensors"))["model.embed_tokens.weight"].clone();
+    let trained = embed(&cache.join("snapshots").join(&commit));
+    let o = e.finetune(&offline, &["export", "--run", "out", "--merge", "--out", "m1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(common::max_abs_diff(&embed(&e.run.join("m1")), &trained), 0.0, "merged into the commit the run trained on");
+    let pinned = format!("tiny-org/tiny-llama@{commit}");
+    let o = e.finetune(&offline, &["export", "--run", "out", "--merge", "--base", &pinned, "--out", "m2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = e.finetune(&offline, &["export", "--run", "out", "--merge", "--base", "tiny-org/tiny-llama", "--out", "m3"]);
+    assert!(!o.status.success() && stderr(&o).contains("differ from those run"), "{}", stderr(&o));
+}
+
+#[test]
+fn the_cache_and_offline_switch_are_read_from_the_environment_as_huggingface_hub_reads_them() {
+    // The older HUGGINGFACE_HUB_CACHE, a `~` left unexpanded in HF_HOME, and
+    // TRANSFORMERS_OFFLINE=1 (offline to huggingface_hub too) were ignored: the run looked in
+    // another cache, or tried the network.
+    let e = setup("models/tiny-org/tiny-llama", None, "tiny-org/tiny-llama", "../data", "");
+    let o = e.finetune(&[], &["plan", "--recipe", "recipe.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let home = e.home.path().to_str().unwrap().to_string();
+    let before = e.hub.requests().len();
+    let run = |env: &[(&str, &str)], unset: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"));
+        cmd.current_dir(&e.run).args(["plan", "--recipe", "recipe.toml"]).env("HF_ENDPOINT", "http://127.0.0.1:9");
+        for k in ["HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "XDG_CACHE_HOME"].iter().chain(unset) {
+            cmd.env_remove(k);
+        }
+        cmd.envs(env.iter().copied()).output().unwrap()
+    };
+    let legacy = format!("{home}/hub");
+    for (env, what) in [
+        (vec![("HUGGINGFACE_HUB_CACHE", legacy.as_str()), ("HF_HUB_OFFLINE", "1")], "HUGGINGFACE_HUB_CACHE"),
+        (vec![("HOME", home.as_str()), ("HF_HOME", "~/"), ("HF_HUB_OFFLINE", "1")], "HF_HOME with ~"),
+        (vec![("HF_HOME", home.as_str()), ("TRANSFORMERS_OFFLINE", "1")], "TRANSFORMERS_OFFLINE"),
+    ] {
+        let o = run(&env, &[]);
+        assert!(o.status.success(), "{what}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("could not reach"), "{what} asked the network: {}", stderr(&o));
+    }
+    assert_eq!(e.hub.requests().len(), before);
+}

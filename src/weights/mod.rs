@@ -207,11 +207,32 @@ impl ModelDir {
         Self::resolve_at(&m.path, m.revision.as_deref(), &loaded.dir, crate::hub::Want::Model)
     }
 
+    /// The base a finished run trained on: `path` (the recipe's model.path, or the base its
+    /// adapter names) at the hub commit the run recorded in its recipe.resolved.toml, so a
+    /// branch that moved since (another job's download) is not what gets merged into.
+    pub fn of_run(run: &Path, path: &str, recipe_dir: &Path) -> Result<Self> {
+        let resolved = std::fs::read_to_string(run.join("recipe.resolved.toml")).ok().and_then(|t| t.parse::<toml::Table>().ok());
+        let commit = resolved.as_ref().and_then(|t| t.get("model")?.get("revision")?.as_str().map(String::from));
+        let repo = path.split_once('@').map_or(path, |(repo, _)| repo);
+        match commit.filter(|_| !recipe_dir.join(path).exists() && crate::hub::looks_like_repo(repo)) {
+            Some(c) => Self::resolve_at(repo, Some(&c), recipe_dir, crate::hub::Want::Model),
+            None => Self::resolve_at(path, None, recipe_dir, crate::hub::Want::Model),
+        }
+    }
+
     /// Resolve `model.path`: a local folder (relative to the recipe folder), or a repo id
     /// (`org/name`) in the hub cache, downloaded there first when the cache lacks what `want`
     /// needs (see `hub`).
     pub fn resolve_at(path: &str, revision: Option<&str>, recipe_dir: &Path, want: crate::hub::Want) -> Result<Self> {
         let local = recipe_dir.join(path);
+        // `org/name@rev` names a revision as data.train's hub ids do (a local path with an `@`
+        // in it stays a path).
+        if let Some((repo, rev)) = path.split_once('@').filter(|(repo, _)| !local.exists() && crate::hub::looks_like_repo(repo)) {
+            if let Some(other) = revision.filter(|r| *r != rev) {
+                return Err(Error::Model { what: path.into(), msg: format!("names revision `{rev}`, and model.revision says `{other}`: give it once") });
+            }
+            return Self::resolve_at(repo, Some(rev), recipe_dir, want);
+        }
         if local.is_dir() {
             let abs = local.canonicalize().map_err(|e| Error::io(&local, e))?;
             return Ok(ModelDir { name: abs.display().to_string(), dir: abs, commit: None, gguf: None });
