@@ -44,6 +44,12 @@ impl Generator {
     pub fn load(model: &ModelDir, adapter: Option<&Path>) -> Result<Self> {
         let (llama, adapters) = Self::load_model(model, adapter)?;
         let tok_path = model.dir.join("tokenizer.json");
+        if let (Some(gguf), false) = (&model.gguf, tok_path.is_file()) {
+            // A GGUF's tokenizer is described from its metadata into the cache: name the key
+            // the file lacks, not the cache file.
+            let msg = "missing: the file holds no tokenizer, and generate needs one (training on tokenized data does not)";
+            return Err(Error::Gguf { file: gguf.clone(), key: "tokenizer.ggml.model".into(), msg: msg.into() });
+        }
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
         let chat = ChatTemplate::from_model_dir(&model.dir)?;
         // Stop on the eos ids of config.json and generation_config.json (what transformers'

@@ -259,3 +259,14 @@ fn logits_that_are_not_finite_are_an_error_not_json_nulls() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("NaN or inf at position") && o.stdout.is_empty(), "{err}");
 }
+
+#[test]
+fn generate_on_a_gguf_without_a_tokenizer_names_the_gguf_key() {
+    // It named the tokenizer.json of finetune's own description cache, a file the user never made.
+    let d = tempfile::tempdir().unwrap();
+    let s = Command::new(env!("CARGO_BIN_EXE_finetune")).args(["synth", "--out"]).arg(d.path().join("s")).args(["--gguf", "q8_0"]).output().unwrap();
+    assert!(s.status.success(), "{}", String::from_utf8_lossy(&s.stderr));
+    let o = Command::new(env!("CARGO_BIN_EXE_finetune")).args(["generate", "--model"]).arg(d.path().join("s/model.gguf")).args(["--prompt", "hi"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("model.gguf") && err.contains("tokenizer.ggml.model"), "{err}");
+}
