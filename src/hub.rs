@@ -583,6 +583,14 @@ fn split_of(f: &str) -> String {
     }
 }
 
+/// The splits `files` hold, by the hub's file naming, sorted, each once.
+fn split_names(files: &[String]) -> Vec<String> {
+    let mut splits: Vec<String> = files.iter().map(|f| split_of(f)).collect();
+    splits.sort();
+    splits.dedup();
+    splits
+}
+
 /// The files of one split ([`Split::pick`]): the one named; else the default (`train` for
 /// training, `test` for evaluation) when the repo has files of that name, else every file
 /// when they all carry one name (a single-file dataset). Several splits and not the default,
@@ -590,9 +598,7 @@ fn split_of(f: &str) -> String {
 /// listing what there is: training silently on test files, or on two configs at once, would
 /// be a wrong result with exit 0.
 fn choose_split(files: &[String], split: Split) -> std::result::Result<Vec<String>, String> {
-    let mut splits: Vec<String> = files.iter().map(|f| split_of(f)).collect();
-    splits.sort();
-    splits.dedup();
+    let splits = split_names(files);
     let names: Vec<&str> = splits.iter().map(String::as_str).collect();
     let pick = split.pick(&names).map_err(|m| format!("{m}; pick one with `:<split>` after the repo id (or data.split for data.train)"))?;
     let chosen: Vec<String> = files.iter().filter(|f| split_of(f) == pick).cloned().collect();
@@ -616,9 +622,7 @@ fn choose_split(files: &[String], split: Split) -> std::result::Result<Vec<Strin
 /// of it). `datasets` refuses such a repo offline altogether.
 fn check_partial_snapshot(files: &[String], split: Split) -> std::result::Result<(), String> {
     let fix = "another tool filled this cache, and offline the repo's own file list is unknown: unset HF_HUB_OFFLINE to complete it";
-    let mut splits: Vec<String> = files.iter().map(|f| split_of(f)).collect();
-    splits.sort();
-    splits.dedup();
+    let splits = split_names(files);
     if split.name.is_none() && !splits.iter().any(|s| s == split.default) {
         return Err(format!("its cached snapshot holds no `{}` split (only {}); {fix}, or name the split (`:<split>` after the repo id)", split.default, splits.join(", ")));
     }

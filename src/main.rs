@@ -605,8 +605,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let e = &recipe.recipe.export;
                 let run = &summary.output_dir;
                 let adapter = finetune::export::PeftAdapter::open(&run.join("adapter"))?;
-                let base = finetune::weights::ModelDir::of_run(run, &recipe.recipe.model.path, &recipe.dir)?;
-                finetune::train::check_export_base(run, None, &base)?;
+                let base = finetune::train::run_base(run, &recipe.recipe.model.path, &recipe.dir)?;
                 let out = run.join("merged");
                 if out.exists() {
                     std::fs::remove_dir_all(&out)?;
@@ -622,8 +621,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             if summary.interrupted.is_none() && recipe.recipe.export.gguf && summary.lock.is_some() {
                 let adapter = finetune::export::PeftAdapter::open(&summary.output_dir.join("adapter"))?;
-                let base = finetune::weights::ModelDir::of_run(&summary.output_dir, &recipe.recipe.model.path, &recipe.dir)?;
-                finetune::train::check_export_base(&summary.output_dir, None, &base)?;
+                let base = finetune::train::run_base(&summary.output_dir, &recipe.recipe.model.path, &recipe.dir)?;
                 let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &summary.output_dir.join("adapter.gguf"))?;
                 finetune::note!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
             }

@@ -1118,6 +1118,15 @@ fn model_fingerprint(model_dir: &ModelDir, out: &std::path::Path) -> String {
     crate::fsutil::fingerprint(&model, &model_files, out, false)
 }
 
+/// The base a run that just finished trained on (`ModelDir::of_run`: `path` at its recorded
+/// hub commit), checked against the files it trained on ([`check_export_base`]): what the
+/// end-of-run merge and GGUF export write from.
+pub fn run_base(run: &std::path::Path, path: &str, recipe_dir: &std::path::Path) -> Result<ModelDir> {
+    let base = ModelDir::of_run(run, path, recipe_dir)?;
+    check_export_base(run, None, &base)?;
+    Ok(base)
+}
+
 /// `export --run`: the base about to be merged into (or described) must be the one the run
 /// trained on, as resume requires (its checkpoints record the model's fingerprint): a base
 /// replaced at the same path since would be merged into and verified against itself, exit 0.

@@ -1378,18 +1378,18 @@ fn bos_and_eos_named_only_in_special_tokens_map_json_are_the_tokenizers() {
     let both = smol_tokenizer_model(d.path());
     let map_only = d.path().join("map-only");
     copy_dir(&both, &map_only);
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(both.join("tokenizer_config.json")).unwrap()).unwrap();
-    let mut map = serde_json::Map::new();
-    for k in ["bos_token", "eos_token"] {
-        map.insert(k.into(), serde_json::json!({"content": cfg[k].clone(), "lstrip": false}));
-        cfg.as_object_mut().unwrap().remove(k);
-    }
-    std::fs::write(map_only.join("tokenizer_config.json"), cfg.to_string()).unwrap();
-    std::fs::write(map_only.join("special_tokens_map.json"), serde_json::Value::Object(map).to_string()).unwrap();
+    let map = std::cell::RefCell::new(serde_json::Map::new());
+    edit_json(&map_only.join("tokenizer_config.json"), |cfg| {
+        for k in ["bos_token", "eos_token"] {
+            map.borrow_mut().insert(k.into(), serde_json::json!({"content": cfg[k].clone(), "lstrip": false}));
+            cfg.as_object_mut().unwrap().remove(k);
+        }
+    });
+    std::fs::write(map_only.join("special_tokens_map.json"), serde_json::Value::Object(map.into_inner()).to_string()).unwrap();
     for dir in [&both, &map_only] {
-        let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-        c.as_object_mut().unwrap().remove("eos_token_id");
-        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        edit_json(&dir.join("config.json"), |c| {
+            c.as_object_mut().unwrap().remove("eos_token_id");
+        });
     }
     let msgs = [Message::new("user", "hi"), Message::new("assistant", "yo")];
     let rendered = |m: &Path| {
@@ -1420,11 +1420,7 @@ fn an_eos_token_the_vocabulary_lacks_or_an_eos_id_past_it_is_an_error_naming_whe
     // vocabulary was blamed on the first data row.
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
-    let edit = |file: &str, f: &dyn Fn(&mut serde_json::Value)| {
-        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(m.join(file)).unwrap()).unwrap();
-        f(&mut v);
-        std::fs::write(m.join(file), v.to_string()).unwrap();
-    };
+    let edit = |file: &str, f: &dyn Fn(&mut serde_json::Value)| edit_json(&m.join(file), f);
     let err = || Formatter::new("alpaca", None, &Default::default(), false, &m, 49152).err().expect("accepted").to_string();
     edit("tokenizer_config.json", &|v| v["eos_token"] = "<|nonexistent|>".into());
     let e = err();

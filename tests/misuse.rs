@@ -290,12 +290,6 @@ fn trained_adapter(root: &Path) -> std::path::PathBuf {
     dir.join("out/adapter")
 }
 
-fn edit_json(path: &Path, f: impl Fn(&mut serde_json::Value)) {
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    f(&mut v);
-    std::fs::write(path, v.to_string()).unwrap();
-}
-
 #[test]
 fn init_from_refuses_the_adapters_export_refuses() {
     let root = tiny_workspace(23, (4, 18), None);

@@ -320,11 +320,16 @@ mod tests {
         }
 
         fn grads(&self, y: Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-            let g = Tensor::from_vec(pseudo(y.elem_count(), 3), y.shape(), y.device())?;
-            let store = (y.clone() * &g)?.sum_all()?.backward()?;
-            let get = |v: &Var| store.get(v).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
-            Ok((y, get(&self.x)?, get(&self.w)?))
+            grads_of(y, &self.x, &self.w)
         }
+    }
+
+    /// y, and the gradients of x and w for a fixed upstream gradient of y's dtype.
+    fn grads_of(y: Tensor, x: &Var, w: &Var) -> Result<(Tensor, Tensor, Tensor)> {
+        let g = Tensor::from_vec(pseudo(y.elem_count(), 3), y.shape(), y.device())?.to_dtype(y.dtype())?;
+        let store = (y.clone() * &g)?.sum_all()?.backward()?;
+        let get = |v: &Var| store.get(v).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+        Ok((y, get(x)?, get(w)?))
     }
 
     /// Max difference relative to the reference's largest magnitude (the two sum in different
@@ -345,11 +350,9 @@ mod tests {
         if with_shared {
             y = (y + shared_mlp(Kernels::Portable, &x, [&shared64[0], &shared64[1], &shared64[2]])?)?;
         }
-        let g = Tensor::from_vec(pseudo(y.elem_count(), 3), y.shape(), y.device())?.to_dtype(DType::F64)?;
-        let store = (y.clone() * &g)?.sum_all()?.backward()?;
-        let get = |v: &Var| store.get(v).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+        let (y, gx, gw) = grads_of(y, &x, &w)?;
         let f32s = |t: Tensor| t.to_dtype(DType::F32);
-        Ok((f32s(y)?, f32s(get(&x)?)?, f32s(get(&w)?)?))
+        Ok((f32s(y)?, f32s(gx)?, f32s(gw)?))
     }
 
     #[test]

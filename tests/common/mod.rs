@@ -122,3 +122,10 @@ pub fn wait_for_steps(dir: &Path, n: usize, child: &mut std::process::Child) {
 pub fn two_token_rows() -> Vec<(Vec<i32>, Vec<i64>)> {
     (0..40).map(|i| (vec![1 + i % 199, 1 + (7 * i + 3) % 199], vec![1 + i as i64 % 199, 1 + (7 * i as i64 + 3) % 199])).collect()
 }
+
+/// Rewrite the JSON file at `path` with `f` applied.
+pub fn edit_json(path: &Path, f: impl Fn(&mut serde_json::Value)) {
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(path, v.to_string()).unwrap();
+}
