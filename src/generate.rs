@@ -2,7 +2,6 @@
 //! template, an adapter applied unmerged (or a merged model loaded directly).
 
 use crate::chat::{ChatTemplate, Message};
-use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::lora::Adapters;
 use crate::model::{KvCache, Model};
@@ -77,7 +76,7 @@ impl Generator {
     /// The model (f32 compute) with an optional PEFT adapter, without a tokenizer (what
     /// `finetune logits` needs: it is given token ids).
     pub fn load_model(model: &ModelDir, adapter: Option<&Path>) -> Result<(Model, Adapters)> {
-        let cfg = ModelConfig::from_file(&model.config_path())?;
+        let cfg = model.config()?;
         let adapters = match adapter {
             Some(dir) => crate::export::PeftAdapter::open(dir)?.load(&cfg)?,
             None => Adapters::none(&cfg)?,

@@ -201,7 +201,7 @@ enum DataCmd {
 fn stream(t: &TrainArgs, rows: u64) -> anyhow::Result<()> {
     let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
     let model_dir = finetune::weights::ModelDir::of_recipe(&recipe)?;
-    let cfg = finetune::config::ModelConfig::from_file(&model_dir.config_path())?;
+    let cfg = model_dir.config()?;
     let started = std::time::Instant::now();
     let mut loader = finetune::train::open_loader(&recipe, &model_dir, cfg.vocab_size, finetune::data::Role::Train)?;
     let mut tokens = 0usize;
@@ -225,7 +225,7 @@ fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     recipe.recipe.data.packing = false;
     let r = &recipe.recipe;
     let model_dir = finetune::weights::ModelDir::of_recipe(&recipe)?;
-    let cfg = finetune::config::ModelConfig::from_file(&model_dir.config_path())?;
+    let cfg = model_dir.config()?;
     let mut loader = finetune::train::open_loader(&recipe, &model_dir, cfg.vocab_size, finetune::data::Role::Train)?;
     let color = std::io::stdout().is_terminal();
     let (open, close) = if color { ("\x1b[32m", "\x1b[0m") } else { ("«", "»") };
@@ -378,7 +378,7 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
     if !a.merge {
         let r = export_adapter_only(&adapter, &base, &a.out)?;
         finetune::note!("adapter (PEFT format) written to {} ({} bytes)", r.out.display(), r.total_bytes);
-        if let Some(c) = finetune::config::ModelConfig::from_file(&base.config_path()).ok().and_then(|cfg| adapter.spec.peft_caveat(&cfg)) {
+        if let Some(c) = base.config().ok().and_then(|cfg| adapter.spec.peft_caveat(&cfg)) {
             finetune::note!("{c}");
         }
         return Ok(());

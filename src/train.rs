@@ -379,7 +379,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let (rank, world) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
     let model_dir = ModelDir::of_recipe(loaded)?;
-    let cfg = ModelConfig::from_file(&model_dir.config_path())?;
+    let cfg = model_dir.config()?;
     cfg.check_positions(r.data.max_seq_len).map_err(|msg| Error::Recipe {
         file: loaded.file.display().to_string(),
         key: "data.max_seq_len".into(),
@@ -1021,7 +1021,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, resumable: &dy
 fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
     let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
     let model_dir = ModelDir::of_recipe(loaded)?;
-    let cfg = ModelConfig::from_file(&model_dir.config_path())?;
+    let cfg = model_dir.config()?;
     let current = recorded_recipe(&loaded.recipe, &cfg, &model_dir)?;
     crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|msg| Error::Recipe {
         file: loaded.file.display().to_string(),

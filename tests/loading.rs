@@ -108,6 +108,34 @@ fn qwen2_tied_without_lm_head_tensor_loads() {
     assert_eq!(train(ws.path(), &[]).len(), 3);
 }
 
+/// A tied config beside a stored lm_head.weight that differs from the embedding: transformers
+/// (5.24) keeps the stored head ("both are present in the checkpoints with different values,
+/// so we will NOT tie them"), so training must see the model an untied config describes.
+#[test]
+fn a_tied_config_with_a_different_stored_head_trains_on_the_stored_head() {
+    let ws = workspace(&TinyShape::default(), 2);
+    assert!(load_tensors(&ws.path().join("model/model-00002-of-00002.safetensors")).contains_key("lm_head.weight"));
+    let untied = losses(&train(ws.path(), &[]));
+    common::edit_json(&ws.path().join("model/config.json"), |c| c["tie_word_embeddings"] = true.into());
+    let cfg = finetune::weights::ModelDir::resolve("model", ws.path()).unwrap().config().unwrap();
+    assert!(!cfg.tie_word_embeddings, "the stored head differs, so the model is untied");
+    assert_eq!(losses(&train(ws.path(), &[])), untied);
+}
+
+/// A stored head equal to the embedding (some tools save both) keeps the model tied: one table.
+#[test]
+fn a_tied_config_with_an_equal_stored_head_stays_tied() {
+    let ws = workspace(&TinyShape { tie: true, ..Default::default() }, 1);
+    let path = ws.path().join("model/model.safetensors");
+    let tied = losses(&train(ws.path(), &[]));
+    let mut st = load_tensors(&path);
+    st.insert("lm_head.weight".into(), st["model.embed_tokens.weight"].clone());
+    candle_core::safetensors::save(&st, &path).unwrap();
+    let cfg = finetune::weights::ModelDir::resolve("model", ws.path()).unwrap().config().unwrap();
+    assert!(cfg.tie_word_embeddings);
+    assert_eq!(losses(&train(ws.path(), &[])), tied);
+}
+
 #[test]
 fn repo_id_resolves_through_the_hf_hub_cache() {
     let ws = workspace(&TinyShape::default(), 1);

@@ -12,7 +12,6 @@
 //!   RoPE, so B's rows (the output dimension) get the same permutation and A none, as the
 //!   converter does. Qwen2's are not permuted.
 
-use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::export::{ExportReport, PeftAdapter};
 use crate::weights::ModelDir;
@@ -42,7 +41,7 @@ pub fn adapter_arch(base: &ModelDir) -> Result<&'static str> {
 /// Write `adapter` (trained on `base`) to `out`, a `.gguf` file path; `out` appears whole or
 /// not at all.
 pub fn export_gguf_adapter(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -> Result<ExportReport> {
-    let cfg = ModelConfig::from_file(&base.config_path())?;
+    let cfg = base.config()?;
     let adapters = adapter.load(&cfg)?;
     let arch = adapter_arch(base)?;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();

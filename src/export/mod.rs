@@ -212,7 +212,7 @@ fn staged<T>(out: &Path, build: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
 
 /// Copy a PEFT adapter folder (after checking it loads against `base`).
 pub fn export_adapter_only(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -> Result<ExportReport> {
-    let cfg = ModelConfig::from_file(&base.config_path())?;
+    let cfg = base.config()?;
     adapter.load(&cfg)?;
     staged(out, |tmp| {
         let mut total = 0;
@@ -231,7 +231,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
     if let Some(g) = &base.gguf {
         return merge_gguf(g, adapter, out, opts);
     }
-    let cfg = ModelConfig::from_file(&base.config_path())?;
+    let cfg = base.config()?;
     let adapters = adapter.load(&cfg)?;
     let files = base.open_weights()?;
     if crate::weights::bnb::is_bnb(&files) {
@@ -402,7 +402,7 @@ fn merge_dequantised(name: String, adapter: &PeftAdapter, out: &Path, opts: &Exp
 /// disagree beyond what the output dtype's rounding explains.
 fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &ExportOptions) -> Result<f32> {
     let out_dtype = opts.dtype;
-    let cfg = ModelConfig::from_file(&base.config_path())?;
+    let cfg = base.config()?;
     let reference_has_experts = cfg.moe.is_some();
     let mut rng = crate::rng::Rng::new(0x5EED);
     let ids: Vec<u32> = (0..2 * 16).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();

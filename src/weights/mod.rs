@@ -277,6 +277,31 @@ impl ModelDir {
         self.dir.join("config.json")
     }
 
+    /// config.json as the weights beside it make it: a tied config whose checkpoint also
+    /// stores an `lm_head.weight` that differs from the embedding is untied, as transformers
+    /// (5.x) loads it: it keeps the file's head and warns, so the embedding as head would give
+    /// other logits than every tool the user compares with. An equal stored head keeps the
+    /// model tied (one table held). Weights that cannot be opened leave the config as it is;
+    /// loading them names what is wrong.
+    pub fn config(&self) -> Result<crate::config::ModelConfig> {
+        let mut cfg = crate::config::ModelConfig::from_file(&self.config_path())?;
+        let (embed, head) = ("model.embed_tokens.weight", "lm_head.weight");
+        if !cfg.tie_word_embeddings || self.gguf.is_some() {
+            return Ok(cfg); // a GGUF's description is tied exactly when it has no output.weight
+        }
+        let Ok(files) = self.open_weights() else { return Ok(cfg) };
+        if files.contains(head) && files.contains(embed) && !files.tables_equal(embed, head)? {
+            crate::note!(
+                "{}: tie_word_embeddings is true, but {} stores an lm_head.weight that differs from model.embed_tokens.weight; \
+                 using the stored head, as transformers does (set tie_word_embeddings to false in config.json to say so)",
+                self.config_path().display(),
+                files.file_of(head).map_or_else(|| self.dir.display().to_string(), |f| f.display().to_string()),
+            );
+            cfg.tie_word_embeddings = false;
+        }
+        Ok(cfg)
+    }
+
     /// The weights, each tensor read from the file the index names for it.
     pub fn open_weights(&self) -> Result<SafetensorsFiles> {
         if let Some(g) = &self.gguf {
@@ -462,6 +487,34 @@ impl SafetensorsFiles {
         Ok(view)
     }
 
+    pub fn contains(&self, name: &str) -> bool {
+        self.routing.contains_key(name)
+    }
+
+    /// Whether tensors `a` and `b` hold the same bytes: same dtype, same shape, same data,
+    /// read in chunks of at most 32 MB each through the tables' files (never both whole in
+    /// memory). A tensor that cannot be read by rows (FP8, quantized) compares unequal.
+    pub fn tables_equal(&self, a: &str, b: &str) -> Result<bool> {
+        let (sa, sb) = (self.shape(a)?, self.shape(b)?);
+        if sa != sb || sa.len() != 2 {
+            return Ok(false);
+        }
+        let (Some(ta), Some(tb)) = (self.row_table(a, &sa)?, self.row_table(b, &sb)?) else { return Ok(false) };
+        if ta.dtype != tb.dtype {
+            return Ok(false);
+        }
+        let chunk = (32 << 20) / (ta.cols * ta.dtype.size_in_bytes()).max(1);
+        let mut start = 0;
+        while start < ta.rows {
+            let len = chunk.max(1).min(ta.rows - start);
+            if ta.range_bytes(start, len)? != tb.range_bytes(start, len)? {
+                return Ok(false);
+            }
+            start += len;
+        }
+        Ok(true)
+    }
+
     /// The stored tensor whatever its dtype (for copying a checkpoint's tensors as they are).
     pub fn raw_view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
         let &i = self.routing.get(name).ok_or_else(|| Error::MissingTensor { name: name.into(), files: self.file_list() })?;
@@ -608,6 +661,12 @@ impl RowTable {
             DType::F16 => Tensor::from_vec(self.read_into(vec![half::f16::ZERO; n], at)?, shape, &Device::Cpu)?,
             _ => Tensor::from_vec(self.read_into(vec![0f32; n], at)?, shape, &Device::Cpu)?,
         })
+    }
+
+    /// Rows start..start+len as the file's bytes.
+    fn range_bytes(&self, start: usize, len: usize) -> Result<Vec<u8>> {
+        let row = self.cols * self.dtype.size_in_bytes();
+        self.read_into(vec![0u8; len * row], self.offset + (start * row) as u64)
     }
 
     /// `buf` (of f32, bf16 or f16) filled from the file at byte `at`.
