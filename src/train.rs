@@ -1093,8 +1093,8 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
 }
 
 /// Fingerprints (`fsutil::fingerprint`) of the model's files that training reads (config,
-/// weights, tokenizer and chat template; not a README beside them, nor the run's own folder
-/// were it inside) and of the files the training loader reads (its shards, as it resolved
+/// weights, tokenizer and its special_tokens_map.json, chat template; not a README beside
+/// them, nor the run's own folder were it inside) and of the files the training loader reads (its shards, as it resolved
 /// them: a DatasetDict split, a hub dataset's cached files).
 fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir, loader: &Loader) -> (String, String) {
     let out = canonical(loaded.resolve(&loaded.recipe.output.dir));
@@ -1112,7 +1112,7 @@ fn canonical(p: PathBuf) -> PathBuf {
 fn model_fingerprint(model_dir: &ModelDir, out: &std::path::Path) -> String {
     let model_files = |n: &str| {
         n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json") || n.ends_with(".gguf")
-            || ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"].contains(&n)
+            || ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"].contains(&n)
     };
     let model: Vec<PathBuf> = std::iter::once(model_dir.dir.clone()).chain(model_dir.gguf.clone()).map(canonical).collect();
     crate::fsutil::fingerprint(&model, &model_files, out, false)

@@ -223,6 +223,11 @@ fn a_model_or_data_replaced_at_the_same_path_is_not_resumed_on() {
     assert!(e.contains("data.train") && e.contains("differ from those the checkpoint was trained on"), "{e}");
     std::fs::remove_dir_all(&data).unwrap();
     std::fs::rename(root.path().join("data-kept"), &data).unwrap();
+    // special_tokens_map.json can name the EOS that ends every response: part of the model.
+    std::fs::write(model.join("special_tokens_map.json"), r#"{"eos_token": "<unk>"}"#).unwrap();
+    let e = train(&dir, &["train.max_steps=3"]).err().expect("another EOS, maybe").to_string();
+    assert!(e.contains("model.path") && e.contains("differ from those the checkpoint was trained on"), "{e}");
+    std::fs::remove_file(model.join("special_tokens_map.json")).unwrap();
     // What the loader does not read is not the data: a README, a .git folder, datasets' cache.
     std::fs::write(data.join("README.md"), "rows").unwrap();
     std::fs::create_dir_all(data.join(".git")).unwrap();
