@@ -560,7 +560,7 @@ fn synth(out: &std::path::Path, (shape, arch, dtype): (&str, &str, &str), rows: 
 fn plan(recipe: &std::path::Path, worlds: &[usize], overrides: &[String]) -> anyhow::Result<()> {
     let loaded = LoadedRecipe::load(recipe, overrides)?;
     let r = &loaded.recipe;
-    let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded)?)?;
+    let cfg = finetune::weights::ModelDir::config_for_plan(&loaded)?;
     let layout = finetune::dist::layout(&r.dist, &r.model.device, &|_| None)
         .map_err(|(key, msg)| finetune::Error::Recipe { file: recipe.display().to_string(), key, msg })?;
     // The portable path allocates on a CPU what it allocates on a GPU: plan it as one.

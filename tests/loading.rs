@@ -119,6 +119,8 @@ fn a_tied_config_with_a_different_stored_head_trains_on_the_stored_head() {
     common::edit_json(&ws.path().join("model/config.json"), |c| c["tie_word_embeddings"] = true.into());
     let cfg = finetune::weights::ModelDir::resolve("model", ws.path()).unwrap().config().unwrap();
     assert!(!cfg.tie_word_embeddings, "the stored head differs, so the model is untied");
+    let plan = finetune::weights::ModelDir::config_for_plan(&LoadedRecipe::load(&ws.path().join("recipe.toml"), &[]).unwrap()).unwrap();
+    assert!(!plan.tie_word_embeddings, "`finetune plan` counts the head training holds");
     assert_eq!(losses(&train(ws.path(), &[])), untied);
 }
 

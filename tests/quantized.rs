@@ -114,7 +114,7 @@ fn a_gguf_base_is_held_as_its_quantized_bytes_plus_one_dequantised_layer() {
     assert!(m.gathered_peak >= layer_f32.min(head_f32), "{} dequantised bytes at most: no layer was ever held whole?", m.gathered_peak);
     // `finetune plan` predicts both from the header alone.
     let loaded = finetune::recipe::LoadedRecipe::load(&d.path().join("gguf/recipe.toml"), &[]).unwrap();
-    let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded).unwrap()).unwrap();
+    let cfg = finetune::weights::ModelDir::config_for_plan(&loaded).unwrap();
     let q = finetune::weights::quantized::plan_base(&loaded, &cfg).unwrap().expect("a quantized base");
     let p = finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q), &[]);
     assert_eq!((p.frozen, p.gathered_peak), (m.frozen, m.gathered_peak));
@@ -140,7 +140,7 @@ fn quantize_on_load_matches(quantize: &str, roundtrip: impl Fn(&str, &candle_cor
     let m = &summary.memory[0];
     assert!((m.frozen as f64) < frozen_ratio * f32_bytes as f64, "{} of {f32_bytes}", m.frozen);
     let loaded = finetune::recipe::LoadedRecipe::load(&d.path().join("q/recipe.toml"), &[set]).unwrap();
-    let cfg = finetune::config::ModelConfig::from_file(&finetune::weights::ModelDir::config_for_plan(&loaded).unwrap()).unwrap();
+    let cfg = finetune::weights::ModelDir::config_for_plan(&loaded).unwrap();
     let q = finetune::weights::quantized::plan_base(&loaded, &cfg).unwrap().expect("a quantized base");
     assert_eq!(finetune::dist::plan::plan_with(&cfg, &loaded.recipe, 1, false, Some(&q), &[]).frozen, m.frozen);
 }

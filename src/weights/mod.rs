@@ -255,12 +255,19 @@ impl ModelDir {
     /// The config a plan needs: a local folder's or the cache's; else the copy shipped for
     /// the recipes' models (`<recipe folder>/models/<repo name, lower case>/config.json`), so
     /// `finetune plan` works on a fresh machine with no network; else config.json alone from
-    /// the hub.
-    pub fn config_for_plan(loaded: &crate::recipe::LoadedRecipe) -> Result<PathBuf> {
+    /// the hub. A local folder's config is read as training reads it ([`ModelDir::config`]: a tied
+    /// config over a different stored head plans the head it trains on).
+    pub fn config_for_plan(loaded: &crate::recipe::LoadedRecipe) -> Result<crate::config::ModelConfig> {
         let m = &loaded.recipe.model;
         if loaded.dir.join(&m.path).exists() || !crate::hub::looks_like_repo(&m.path) {
-            return Ok(Self::resolve_at(&m.path, m.revision.as_deref(), &loaded.dir, crate::hub::Want::Config)?.config_path());
+            return Self::resolve_at(&m.path, m.revision.as_deref(), &loaded.dir, crate::hub::Want::Config)?.config();
         }
+        crate::config::ModelConfig::from_file(&Self::hub_config_for_plan(loaded)?)
+    }
+
+    /// [`ModelDir::config_for_plan`]'s config.json for a hub repo id.
+    fn hub_config_for_plan(loaded: &crate::recipe::LoadedRecipe) -> Result<PathBuf> {
+        let m = &loaded.recipe.model;
         let hub = crate::hub::Hub::from_env()?;
         if let Some(cached) = hub.cached_config(&m.path, m.revision.as_deref()) {
             return Ok(cached);
