@@ -346,7 +346,9 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         // Checkpoints from before commits were recorded say nothing about the base's commit:
         // continue, but say which one this run uses. A recorded commit that differs is an error.
         let unrecorded_commit = key == "model.revision" && old.is_none();
-        if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change || unrecorded_commit {
+        // Likewise a hub dataset (`org/name@commit`) recorded since.
+        let unrecorded_data_commit = key == "data.train" && old.as_ref().is_some_and(|o| !has_pin(o)) && old.as_ref().map(unpinned) == new.as_ref().map(unpinned);
+        if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change || unrecorded_commit || unrecorded_data_commit {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
             return Err(format!(
@@ -358,6 +360,30 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         }
     }
     Ok(warnings)
+}
+
+/// Data entries without their `@revision` (`org/name@rev:split` -> `org/name:split`).
+fn unpinned(v: &toml::Value) -> toml::Value {
+    match v {
+        toml::Value::String(s) => match s.split_once('@') {
+            Some((id, rest)) => toml::Value::String(format!("{id}{}", rest.find(':').map_or("", |i| &rest[i..]))),
+            None => v.clone(),
+        },
+        toml::Value::Array(a) => toml::Value::Array(a.iter().map(unpinned).collect()),
+        _ => v.clone(),
+    }
+}
+
+/// Whether a data entry (or one of a list) names a hub commit (`@` and 40 hex digits).
+fn has_pin(v: &toml::Value) -> bool {
+    match v {
+        toml::Value::String(s) => s.split_once('@').is_some_and(|(_, rest)| {
+            let rev = rest.split(':').next().unwrap_or("");
+            rev.len() == 40 && rev.bytes().all(|b| b.is_ascii_hexdigit())
+        }),
+        toml::Value::Array(a) => a.iter().any(has_pin),
+        _ => false,
+    }
 }
 
 #[cfg(test)]
@@ -403,6 +429,18 @@ dir = "out"
         assert!(w.iter().any(|w| w.contains("model.revision")), "{w:?}");
         let moved = OLD.replace("path = \"m\"", "path = \"m\"\nrevision = \"bbbb\"");
         assert!(check_recipe_change(&pinned, &moved).unwrap_err().contains("model.revision"));
+    }
+
+    #[test]
+    fn a_hub_dataset_commit_may_be_recorded_late_but_never_change() {
+        let hub = OLD.replace("train = \"d\"", "train = \"org/d:train_sft\"");
+        let pinned = hub.replace("org/d", &format!("org/d@{}", "a".repeat(40)));
+        let w = check_recipe_change(&hub, &pinned).unwrap();
+        assert!(w.iter().any(|w| w.contains("data.train")), "{w:?}");
+        let moved = hub.replace("org/d", &format!("org/d@{}", "b".repeat(40)));
+        assert!(check_recipe_change(&pinned, &moved).unwrap_err().contains("data.train"));
+        let other = hub.replace("org/d", &format!("org/e@{}", "a".repeat(40)));
+        assert!(check_recipe_change(&hub, &other).unwrap_err().contains("data.train"));
     }
 
     #[test]

@@ -235,6 +235,13 @@ fn safe_relative(s: &str) -> bool {
     !s.is_empty() && !s.starts_with('/') && !s.contains('\\') && !s.split('/').any(|c| c.is_empty() || c == "." || c == "..")
 }
 
+/// The commit of the snapshot folder a cached file lies in (`.../snapshots/<commit>/...`).
+pub fn snapshot_commit(file: &Path) -> Option<String> {
+    let dirs: Vec<&std::ffi::OsStr> = file.iter().collect();
+    let at = dirs.iter().rposition(|c| *c == "snapshots")?;
+    dirs.get(at + 1).and_then(|c| c.to_str()).filter(|c| is_commit(c)).map(String::from)
+}
+
 fn is_commit(s: &str) -> bool {
     s.len() == 40 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }

@@ -449,7 +449,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     // its first rows (bad data, a model that does not fit) leaves nothing behind (the lock
     // taken in `resume` removes a folder it created and nothing else wrote to).
     let out_dir = loaded.resolve(&r.output.dir);
-    let recipe_text = recorded_recipe(r, &model.cfg, &model_dir)?;
+    let recipe_text = recorded_recipe(loaded, &model.cfg, &model_dir)?;
     let log = crate::runlog::RunLog::new(&out_dir, &recipe_text, r.output.tensorboard);
     let (fused, resident) = (kernels.fused_on(&device), !sharded && !quantized && matmul == storage_dtype);
     let (model_fingerprint, data_fingerprint) = input_fingerprints(loaded, &model_dir, &loader);
@@ -1022,7 +1022,7 @@ fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
     let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
     let model_dir = ModelDir::of_recipe(loaded)?;
     let cfg = model_dir.config()?;
-    let current = recorded_recipe(&loaded.recipe, &cfg, &model_dir)?;
+    let current = recorded_recipe(loaded, &cfg, &model_dir)?;
     crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|msg| Error::Recipe {
         file: loaded.file.display().to_string(),
         key: "(resume)".into(),
@@ -1256,14 +1256,19 @@ fn data_sources(d: &crate::recipe::DataSection, role: Role) -> (Vec<PathBuf>, Sp
     }
 }
 
+/// A data entry split into what comes before a `:split` suffix, and the split.
+fn hub_split_suffix(s: &str) -> (&str, Option<&str>) {
+    match s.rsplit_once(':') {
+        Some((a, b)) if !b.contains('/') && !a.is_empty() => (a, Some(b)),
+        _ => (s, None),
+    }
+}
+
 /// A data entry that names no local path but a hub dataset repo (`org/name[@revision][:split]`):
 /// its data files of that split (or `data.split`), downloaded into the hub cache.
 fn hub_dataset(loaded: &LoadedRecipe, p: &std::path::Path, split: Split) -> Result<Option<Vec<PathBuf>>> {
     let s = p.to_string_lossy();
-    let (rest, sp) = match s.rsplit_once(':') {
-        Some((a, b)) if !b.contains('/') && !a.is_empty() => (a, Some(b)),
-        _ => (&*s, None),
-    };
+    let (rest, sp) = hub_split_suffix(&s);
     if loaded.resolve(p).exists() || loaded.resolve(std::path::Path::new(rest)).exists() {
         return Ok(None);
     }
@@ -1408,13 +1413,39 @@ pub fn check_quantized_unsharded(loaded: &LoadedRecipe, world: usize) -> Result<
 ///
 /// A base from the hub is recorded at the commit it resolved to, so a resume after the
 /// branch moved is refused (different base weights) instead of silently continuing.
-fn recorded_recipe(r: &crate::recipe::Recipe, cfg: &ModelConfig, model_dir: &ModelDir) -> Result<String> {
-    let mut r = r.clone();
+///
+/// A hub dataset is recorded the same way, as `org/name@commit[:split]`.
+fn recorded_recipe(loaded: &LoadedRecipe, cfg: &ModelConfig, model_dir: &ModelDir) -> Result<String> {
+    let mut r = loaded.recipe.clone();
     r.lora.targets = Some(r.lora.spec(cfg).targets);
     if let Some(c) = &model_dir.commit {
         r.model.revision = Some(c.clone());
     }
+    r.data.train = pinned_data(loaded, &r.data.train, Role::Train)?;
+    if let Some(e) = &r.data.eval {
+        r.data.eval = Some(pinned_data(loaded, e, Role::Eval)?);
+    }
     toml::to_string(&r).map_err(|e| Error::Train(e.to_string()))
+}
+
+/// `paths` with each hub dataset entry (`org/name[@revision][:split]`) at the commit its files
+/// were read from (the cache's snapshot folder), as `org/name@commit[:split]`; local paths as
+/// they are. Resolving again reads the cache the loader just filled: no request.
+fn pinned_data(loaded: &LoadedRecipe, paths: &crate::recipe::Paths, role: Role) -> Result<crate::recipe::Paths> {
+    let split = data_sources(&loaded.recipe.data, role).1;
+    let pin = |p: &PathBuf| -> Result<PathBuf> {
+        let Some(files) = hub_dataset(loaded, p, split)? else { return Ok(p.clone()) };
+        let commit = files.first().and_then(|f| crate::hub::snapshot_commit(f));
+        let Some(commit) = commit else { return Ok(p.clone()) };
+        let s = p.to_string_lossy();
+        let (rest, sp) = hub_split_suffix(&s);
+        let id = rest.split_once('@').map_or(rest, |(id, _)| id);
+        Ok(PathBuf::from(format!("{id}@{commit}{}", sp.map(|sp| format!(":{sp}")).unwrap_or_default())))
+    };
+    Ok(match paths {
+        crate::recipe::Paths::One(p) => crate::recipe::Paths::One(pin(p)?),
+        crate::recipe::Paths::Many(v) => crate::recipe::Paths::Many(v.iter().map(pin).collect::<Result<_>>()?),
+    })
 }
 
 /// Write the adapter into `<dir>.tmp` and swap it in, so `dir` is always a complete adapter.

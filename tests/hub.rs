@@ -329,6 +329,10 @@ fn a_repo_id_downloads_trains_and_then_runs_from_the_cache_without_a_request() {
     let resumed = log.iter().filter(|l| l.starts_with("GET /cdn/") && l.contains("[bytes=") && !l.contains("bytes=0-0]") && !l.contains("bytes=0-]")).count();
     assert!(resumed >= 1, "no ranged resume after the dropped connection: {log:?}");
     assert_eq!(common::read_metrics(&e.run.join("out/metrics.jsonl")).len(), 2);
+    // The run records the commits it read, the dataset's as the base's.
+    let data_commit = e.hub.state.lock().unwrap().repos["datasets/tiny-org/counting"].commit.clone();
+    let resolved = std::fs::read_to_string(e.run.join("out/recipe.resolved.toml")).unwrap();
+    assert!(resolved.contains(&format!("train = \"tiny-org/counting@{data_commit}\"")) && resolved.contains(&format!("revision = \"{pinned}\"")), "{resolved}");
     // The standard cache layout: blobs, a ref, and the snapshot transformers would read.
     let cache = e.home.path().join("hub/models--tiny-org--tiny-llama");
     let commit = std::fs::read_to_string(cache.join("refs/main")).unwrap();
