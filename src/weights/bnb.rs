@@ -53,6 +53,10 @@ pub struct Bnb4 {
     table: [f32; 16],
     blocksize: usize,
     absmax: Absmax,
+    /// The dtype the weight was quantised from (`quant_state`'s `dtype`): bitsandbytes'
+    /// `dequantize_4bit` computes code x absmax in f32 and returns it in this dtype, so a bf16
+    /// base's weights are that product rounded to bf16.
+    dtype: DType,
 }
 
 enum Absmax {
@@ -119,7 +123,7 @@ impl Bnb4 {
             }
         }
         let codes = codes.chunks_exact(2).map(|p| p[0] << 4 | p[1]).collect();
-        Ok(Bnb4 { shape, codes, table: NF4, blocksize: NF4_BLOCK, absmax: Absmax::F32(absmax) })
+        Ok(Bnb4 { shape, codes, table: NF4, blocksize: NF4_BLOCK, absmax: Absmax::F32(absmax), dtype: t.dtype() })
     }
 
     /// The packed codes and per-block scales (f32 absmax only), as bitsandbytes stores them.
@@ -130,18 +134,24 @@ impl Bnb4 {
         }
     }
 
-    /// The weight in f32 on `device`.
+    /// The weight in f32 on `device`: each value as bitsandbytes dequantises it, in the
+    /// dtype it was quantised from (rounded to nearest-even from the f32 product), widened.
     pub fn dequantize(&self, device: &Device) -> candle_core::Result<Tensor> {
         use rayon::prelude::*;
         let n: usize = self.shape.iter().product();
         let mut out = vec![0f32; n];
+        let round: fn(f32) -> f32 = match self.dtype {
+            DType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
+            DType::F16 => |v| half::f16::from_f32(v).to_f32(),
+            _ => |v| v,
+        };
         const CHUNK: usize = 8192; // even: a chunk starts on a byte
         out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
             for (k, y) in o.iter_mut().enumerate() {
                 let i = c * CHUNK + k;
                 let byte = self.codes[i / 2];
                 let code = if i % 2 == 0 { byte >> 4 } else { byte & 0x0f };
-                *y = self.table[code as usize] * self.scale(i / self.blocksize);
+                *y = round(self.table[code as usize] * self.scale(i / self.blocksize));
             }
         });
         Tensor::from_vec(out, self.shape.as_slice(), device)
@@ -202,6 +212,13 @@ impl BnbReader {
         if shape.len() != 2 || n == 0 || blocksize == 0 {
             return Err(self.err(state, format!("shape {shape:?} / blocksize {blocksize}: expected a 2-D weight and a positive blocksize")));
         }
+        // torch's dtype name as bitsandbytes writes it (`str(dtype)` without "torch.").
+        let dtype = match field("dtype")?.as_str() {
+            Some("bfloat16") => DType::BF16,
+            Some("float16") => DType::F16,
+            Some("float32") => DType::F32,
+            other => return Err(self.err(state, format!("dtype {}: expected \"bfloat16\", \"float16\" or \"float32\"", other.map_or_else(|| json["dtype"].to_string(), |d| format!("\"{d}\""))))),
+        };
         let codes = self.bytes(name)?;
         if codes.len() != n.div_ceil(2) {
             return Err(self.err(name, format!("holds {} bytes; shape {shape:?} packs into {}", codes.len(), n.div_ceil(2))));
@@ -227,7 +244,7 @@ impl BnbReader {
             }
             Absmax::F32(a)
         };
-        Ok(Bnb4 { shape, codes, table, blocksize, absmax })
+        Ok(Bnb4 { shape, codes, table, blocksize, absmax, dtype })
     }
 
     fn read8(&self, name: &str, scb: &str) -> Result<Bnb8> {
@@ -289,8 +306,25 @@ mod tests {
             *t = i as f32;
         }
         // 2 x 3 weight, blocks of 4: elements 0..4 scale 1, 4..6 scale 10.
-        let b = Bnb4 { shape: vec![2, 3], codes: vec![0x12, 0x34, 0x56], table, blocksize: 4, absmax: Absmax::F32(vec![1.0, 10.0]) };
+        let b = Bnb4 { shape: vec![2, 3], codes: vec![0x12, 0x34, 0x56], table, blocksize: 4, absmax: Absmax::F32(vec![1.0, 10.0]), dtype: DType::F32 };
         let t: Vec<Vec<f32>> = b.dequantize(&Device::Cpu).unwrap().to_vec2().unwrap();
         assert_eq!(t, vec![vec![1.0, 2.0, 3.0], vec![4.0, 50.0, 60.0]]);
+    }
+
+    /// A weight quantised from bf16 (or f16) dequantises as bitsandbytes returns it: code x
+    /// absmax in f32, then rounded to that dtype (`dequantize_4bit(...)` is `quant_state.dtype`).
+    #[test]
+    fn a_weight_quantised_from_bf16_or_f16_dequantises_rounded_to_it() {
+        let table: [f32; 16] = std::array::from_fn(|i| NF4[i]);
+        let absmax = 0.123_456_79_f32;
+        for (dtype, round) in [(DType::BF16, (|v| half::bf16::from_f32(v).to_f32()) as fn(f32) -> f32), (DType::F16, |v| half::f16::from_f32(v).to_f32()), (DType::F32, |v| v)] {
+            let b = Bnb4 { shape: vec![1, 16], codes: (0..8).map(|i| (2 * i) << 4 | (2 * i + 1)).collect(), table, blocksize: 16, absmax: Absmax::F32(vec![absmax]), dtype };
+            let got: Vec<f32> = b.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let want: Vec<f32> = NF4.iter().map(|&c| round(c * absmax)).collect();
+            assert_eq!(got, want, "{dtype:?}");
+            if dtype != DType::F32 {
+                assert_ne!(got, NF4.iter().map(|&c| c * absmax).collect::<Vec<_>>(), "{dtype:?}: the f32 products are not all {dtype:?} values");
+            }
+        }
     }
 }
