@@ -689,6 +689,25 @@ fn overflow_truncates_or_drops_and_counts() {
     assert_eq!(l.stats.dropped, 1);
 }
 
+/// The counts are of the dataset's records: later passes read the same ones again.
+#[test]
+fn records_are_counted_once_however_many_passes_read_them() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("t.jsonl");
+    let rows = ["a b c d e f g h i j k l", "x", "m n o p q r s t"].map(|t| serde_json::json!({"text": t}).to_string());
+    write_jsonl(&p, &[rows[0].clone(), rows[1].clone(), "{not json".to_string(), rows[2].clone()]);
+    for overflow in ["truncate", "drop"] {
+        let o = LoaderOptions { max_seq_len: 4, overflow: overflow.into(), on_bad_record: "skip".into(), ..opts() };
+        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), o).unwrap();
+        for _ in 0..10 {
+            l.next_example().unwrap(); // 3 or 1 usable rows a pass: several passes
+        }
+        let long = if overflow == "drop" { l.stats.dropped } else { l.stats.truncated };
+        assert_eq!((long, l.stats.bad, l.stats.bad_examples.len()), (2, 1, 1), "{overflow}: {:?}", l.stats);
+    }
+}
+
 #[test]
 fn token_budget_batches_group_similar_lengths_under_the_budget() {
     let d = tempfile::tempdir().unwrap();

@@ -247,14 +247,18 @@ impl Loader {
                 continue;
             }
             let file = r.file.to_path_buf();
+            // Records are counted on the first pass over the data only: a later pass reads
+            // the same records again, and the counts say how many of the dataset's records
+            // were truncated, dropped or bad (as `data inspect` does).
+            let first_pass = pos.epoch == 0;
             match convert(fmt, &r, opts)? {
                 Converted::Ok { ex, full_len } => {
-                    self.stats.truncated += u64::from(full_len > opts.max_seq_len);
+                    self.stats.truncated += u64::from(first_pass && full_len > opts.max_seq_len);
                     self.unusable_run = 0;
                     return Ok((ex, pos));
                 }
-                Converted::Dropped { .. } => self.stats.dropped += 1,
-                Converted::Bad(b) => self.skip_bad(&file, b)?,
+                Converted::Dropped { .. } => self.stats.dropped += u64::from(first_pass),
+                Converted::Bad(b) => self.skip_bad(&file, b, first_pass)?,
             }
             self.unusable_run += 1;
             if self.unusable_run > total {
@@ -265,9 +269,13 @@ impl Loader {
 
     /// A bad record under data.on_bad_record: "skip" counts it (and keeps the first few
     /// messages for the report), anything else stops with an error naming the file and row.
-    fn skip_bad(&mut self, file: &std::path::Path, BadRecord(msg): BadRecord) -> Result<()> {
+    /// `count`: whether this reading of the record counts (the first pass's).
+    fn skip_bad(&mut self, file: &std::path::Path, BadRecord(msg): BadRecord, count: bool) -> Result<()> {
         if self.opts.on_bad_record != "skip" {
             return Err(Error::data(file, format!("{msg} (set data.on_bad_record = \"skip\" to skip such records)")));
+        }
+        if !count {
+            return Ok(());
         }
         self.stats.bad += 1;
         if self.stats.bad_examples.len() < 5 {
@@ -422,9 +430,11 @@ impl Loader {
 
     /// Every usable example of this loader's split once, in order (for evaluation). Bad
     /// records follow data.on_bad_record as in training; records over max_seq_len follow
-    /// data.overflow. Both are counted in `stats`.
+    /// data.overflow. Both are counted in `stats`, which then hold this pass's counts (every
+    /// evaluation reads the same records).
     pub fn one_pass(&mut self) -> Result<Vec<Example>> {
         let mut out = Vec::new();
+        self.stats = DataStats::default();
         let total = self.rows.total_rows;
         self.rows.seek(Cursor::default())?;
         for _ in 0..total {
@@ -439,7 +449,7 @@ impl Loader {
                     out.push(ex);
                 }
                 Converted::Dropped { .. } => self.stats.dropped += 1,
-                Converted::Bad(b) => self.skip_bad(&file, b)?,
+                Converted::Bad(b) => self.skip_bad(&file, b, true)?,
             }
         }
         Ok(out)
