@@ -47,6 +47,10 @@ pub struct TrainState {
     pub model_fingerprint: Option<String>,
     #[serde(default)]
     pub data_fingerprint: Option<String>,
+    /// The run's peak RSS up to this checkpoint, over every process that ran it (the lead's
+    /// VmHWM, MB): a resumed run's summary reports the whole run's peak.
+    #[serde(default)]
+    pub peak_rss_mb: Option<f64>,
 }
 
 pub struct Loaded {

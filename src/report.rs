@@ -56,6 +56,9 @@ struct StepRecord {
     tokens: usize,
     #[serde(deserialize_with = "f64_or_nan")]
     tokens_per_s: f64,
+    /// Absent in metrics written before it was recorded.
+    #[serde(default)]
+    step_seconds: Option<f64>,
     #[serde(default)]
     eval_loss: Option<f64>,
     #[serde(default)]
@@ -446,8 +449,10 @@ struct Totals {
     min_loss: Option<(usize, f64)>,
     last_eval: Option<(usize, f64)>,
     tokens: u64,
-    /// Mean over steps of tokens/s, leaving out the first step when there are others: it
-    /// carries one-off costs (allocation, page faults of the mapped weights).
+    /// Tokens per second over the steps, leaving out the first step when there are others: it
+    /// carries one-off costs (allocation, page faults of the mapped weights). The tokens the
+    /// steps processed over the seconds they took; for metrics without `step_seconds`, the
+    /// mean of the steps' rates (which fast steps pull up).
     mean_tokens_per_s: Option<f64>,
     peak_rss_mb: Option<f64>,
 }
@@ -458,7 +463,11 @@ fn totals(steps: &[StepRecord], summary: Option<&Summary>) -> Totals {
     let last_eval = steps.iter().rev().find_map(|s| s.eval_loss.map(|l| (s.step, l)));
     let timed = if steps.len() > 1 { &steps[1..] } else { steps };
     let rates: Vec<f64> = timed.iter().map(|s| s.tokens_per_s).filter(|v| v.is_finite()).collect();
-    let mean_tokens_per_s = (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64);
+    let timings: Option<Vec<(f64, f64)>> = timed.iter().map(|s| s.step_seconds.filter(|t| t.is_finite() && *t > 0.0 && s.tokens_per_s.is_finite()).map(|t| (s.tokens_per_s * t, t))).collect();
+    let mean_tokens_per_s = match timings {
+        Some(t) if !t.is_empty() => Some(t.iter().map(|p| p.0).sum::<f64>() / t.iter().map(|p| p.1).sum::<f64>()),
+        _ => (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64),
+    };
     let max_rss = steps.iter().filter_map(|s| s.rss_mb).filter(|v| v.is_finite()).reduce(f64::max);
     Totals {
         steps: steps.len(),
@@ -510,7 +519,7 @@ fn summary_table(h: &mut String, t: &Totals, summary: Option<&Summary>) {
         ("min loss", t.min_loss.map(|(s, l)| format!("{} (step {s})", fmt_loss(l))).unwrap_or_else(na)),
         ("last eval loss", t.last_eval.map(|(s, l)| format!("{} (step {s})", fmt_loss(l))).unwrap_or_else(na)),
         ("target tokens", group_digits(t.tokens)),
-        ("mean tokens/s", t.mean_tokens_per_s.map(|v| format!("{v:.0}")).unwrap_or_else(na)),
+        ("tokens/s", t.mean_tokens_per_s.map(|v| format!("{v:.0}")).unwrap_or_else(na)),
         ("peak RSS", t.peak_rss_mb.map(|v| format!("{} MiB", group_digits(v.max(0.0).round() as u64))).unwrap_or_else(na)),
     ];
     let s = summary;
@@ -748,6 +757,19 @@ mod tests {
         assert_eq!(t.tokens, 400);
         let one = totals(&steps[..1], None);
         assert_eq!(one.mean_tokens_per_s, Some(10.0), "a one-step run has only its first step to average");
+    }
+
+    /// Throughput is the tokens over the seconds: a fast step counts for its short time, not
+    /// as one rate among equals.
+    #[test]
+    fn tokens_per_s_is_the_tokens_over_the_time_the_steps_took() {
+        let line = |step: usize, rate: f64, secs: f64| {
+            format!("{{\"step\": {step}, \"loss\": 1.0, \"lr\": 0.1, \"grad_norm\": 1.0, \"tokens\": 5, \"tokens_per_s\": {rate}, \"step_seconds\": {secs}}}\n")
+        };
+        // Step 1 left out; then 1000 tokens in 1 s and 1000 tokens in 0.1 s: 2000 / 1.1 s.
+        let text = [line(1, 1.0, 50.0), line(2, 1000.0, 1.0), line(3, 10000.0, 0.1)].concat();
+        let t = totals(&parse_metrics(Path::new("metrics.jsonl"), &text).unwrap(), None);
+        assert!((t.mean_tokens_per_s.unwrap() - 2000.0 / 1.1).abs() < 1e-9, "{:?}", t.mean_tokens_per_s);
     }
 
     #[test]

@@ -66,6 +66,10 @@ pub struct StepMetrics {
     pub tokens: usize,
     /// Non-padding input tokens processed per second of the step.
     pub tokens_per_s: f64,
+    /// Seconds the step took (reading its batches, forward, backward and update; not the
+    /// evaluation after it): with `tokens_per_s`, the run's throughput is their weighted sum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_seconds: Option<f64>,
     /// Token-normalised loss on the evaluation set after this step's update, when evaluated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
@@ -351,6 +355,20 @@ struct RankRun<'a> {
     /// checkpoints and compared on resume.
     model_fingerprint: String,
     data_fingerprint: String,
+    /// The highest peak RSS of the run's earlier processes (the checkpoint resumed from
+    /// records it), so a resumed run's summary reports the run's peak, not this process's.
+    earlier_peak_rss_mb: Option<f64>,
+}
+
+impl RankRun<'_> {
+    /// The run's peak RSS so far: this process's, or an earlier one's where higher (MB).
+    fn run_peak_rss_mb(&self) -> Option<f64> {
+        let now = crate::runlog::resident_mb(true);
+        match (now, self.earlier_peak_rss_mb) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 /// Where the step loop starts.
@@ -479,6 +497,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
         resident,
         model_fingerprint,
         data_fingerprint,
+        earlier_peak_rss_mb: None,
     })
 }
 
@@ -596,6 +615,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         }
         start_step = l.state.step;
         micro_index = l.state.micro_index;
+        rk.earlier_peak_rss_mb = l.state.peak_rss_mb;
         last_checkpoint = Some(dir);
     }
     // Every rank must continue from the checkpoint rank 0 continues from (different steps would
@@ -679,6 +699,7 @@ fn train_steps(rk: &mut RankRun, run_opts: &RunOptions, resumed: &Resumed) -> Re
             grad_norm,
             tokens: count,
             tokens_per_s: real_tokens as f64 / secs.max(1e-9),
+            step_seconds: Some(secs),
             eval_loss,
             wall_time: Some(crate::tensorboard::now()),
             rss_mb: crate::runlog::resident_mb(false),
@@ -851,6 +872,7 @@ fn save_checkpoint(rk: &RankRun, step: usize, micro_index: u64) -> Result<Option
             pass_rows: Some(pass_rows(r, rk.fused, rk.resident)),
             model_fingerprint: Some(rk.model_fingerprint.clone()),
             data_fingerprint: Some(rk.data_fingerprint.clone()),
+            peak_rss_mb: rk.run_peak_rss_mb(),
         };
         rk.log
             .sync()
@@ -882,7 +904,7 @@ fn cleanup(mut rk: RankRun, resumed: Resumed, trained: Trained) -> Result<RunSum
         }
         rk.log.finish(&crate::runlog::RunSummaryFile {
             data: rk.loader.stats.clone(),
-            peak_rss_mb: crate::runlog::resident_mb(true),
+            peak_rss_mb: rk.run_peak_rss_mb(),
             memory: serde_json::to_value(&memory).ok(),
             world_size: rk.world,
             interrupted: trained.interrupted,

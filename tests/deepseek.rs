@@ -438,7 +438,7 @@ fn metric_lines(out: &Path) -> Vec<String> {
     read_metrics(&out.join("metrics.jsonl"))
         .into_iter()
         .map(|mut m| {
-            for k in ["tokens_per_s", "wall_time", "rss_mb"] {
+            for k in ["tokens_per_s", "step_seconds", "wall_time", "rss_mb"] {
                 m.as_object_mut().unwrap().remove(k);
             }
             m.to_string()
