@@ -299,7 +299,7 @@ impl ModelConfig {
         let heads = hf.num_attention_heads;
         // MLA has no kv heads: every query head gets its own k/v from the latent.
         let kv = if deepseek { heads } else { hf.num_key_value_heads.unwrap_or(heads) };
-        if heads == 0 || kv == 0 || heads % kv != 0 {
+        if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
             return Err(format!("num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"));
         }
         for (key, v, max) in [

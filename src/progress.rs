@@ -29,7 +29,7 @@ impl Progress {
                 b.set_position(m.step as u64);
             }
             None => {
-                if m.step % self.every == 0 || m.step == total || m.step == 1 {
+                if m.step.is_multiple_of(self.every) || m.step == total || m.step == 1 {
                     crate::note!("step {}/{total} {msg}", m.step);
                 }
             }

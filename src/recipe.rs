@@ -1026,7 +1026,7 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
             return Err(err(name.to_string(), format!("missing section [{name}]")));
         }
         for spec in keys.iter().filter(|k| k.required) {
-            if tab.map_or(true, |t| !t.contains_key(spec.name)) {
+            if tab.is_none_or(|t| !t.contains_key(spec.name)) {
                 return Err(err(format!("{name}.{}", spec.name), format!("missing required key ({})", spec.kind.describe())));
             }
         }

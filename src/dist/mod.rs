@@ -57,7 +57,7 @@ pub fn layout(d: &DistSection, model_device: &str, env: &dyn Fn(&str) -> Option<
             .collect::<Result<_, _>>()?,
         None => {
             let world = d.world_size.unwrap_or(processes);
-            if world % processes != 0 {
+            if !world.is_multiple_of(processes) {
                 return Err((
                     "dist.world_size".into(),
                     format!("{world} ranks do not divide evenly over WORLD_SIZE={processes} processes"),

@@ -166,7 +166,7 @@ fn expert_groups(m: &Meta, d: &Dims) -> Result<(usize, usize)> {
             _ => (1, 1),
         },
     };
-    if used > groups || d.experts % groups != 0 {
+    if used > groups || !d.experts.is_multiple_of(groups) {
         return Err(m.err(&k("expert_group_used_count"), format!("{used} of {groups} groups of deepseek2.expert_count {} experts: expected at most all groups, of equal size", d.experts)));
     }
     Ok((groups, used))

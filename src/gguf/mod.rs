@@ -884,7 +884,7 @@ pub fn permute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
 /// into `heads` heads of an even size (a division by zero or a wrong reshape otherwise).
 fn head_rows(w: &Tensor, heads: usize) -> candle_core::Result<(usize, usize, usize)> {
     let (rows, cols) = w.dims2()?;
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if heads == 0 || rows % heads != 0 || !(rows / heads).is_multiple_of(2) {
         candle_core::bail!("{rows} rows do not split into {heads} heads of an even size");
     }
     Ok((rows, cols, rows / heads))

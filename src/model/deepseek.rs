@@ -145,7 +145,7 @@ impl<'a> MlaAttention<'a> {
         };
         let out = if width == dv { out } else { out.narrow(3, 0, dv)? }; // [B, NH, S, Dv]
         let out = ops::merge_heads(kern, &out)?; // [N, NH*Dv]
-        Ok(self.o_proj.forward_kept(kern, &out, drop, &keep)?) // [N, H]
+        self.o_proj.forward_kept(kern, &out, drop, &keep) // [N, H]
     }
 }
 

@@ -421,7 +421,7 @@ pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec
 /// [`gemm_wt`] on a given kernel, which must be [`Kernel::supported`] here.
 fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec<f32>> {
     assert!(kern.supported(), "bf16 gemm: {kern:?} is not supported on this CPU");
-    if m == 0 || m > WT_MAX_ROWS || n == 0 || n % (2 * TM) != 0 || k == 0 || k % TK != 0 {
+    if m == 0 || m > WT_MAX_ROWS || n == 0 || !n.is_multiple_of(2 * TM) || k == 0 || !k.is_multiple_of(TK) {
         return None;
     }
     assert!(a.len() == m * k && w.len() >= n * k, "bf16 gemm: A [{m}, {k}] or W [{n}, {k}] short");
@@ -1001,7 +1001,7 @@ mod amx {
     /// tile row reads past its row); `c` is a [N, np] f32 buffer whose bands in this range
     /// nobody else touches.
     pub unsafe fn run_w(w: &[u16], k: usize, b: &PackedB, bands: (usize, usize), ks: (usize, usize), np: usize, c: Shared) {
-        assert!(ks.0 < ks.1 && k % TK == 0, "amx: K panel {ks:?} of K {k}");
+        assert!(ks.0 < ks.1 && k.is_multiple_of(TK), "amx: K panel {ks:?} of K {k}");
         let cfg = config();
         let tile = TM * TK; // u16 per tile
         let pairs = b.nb / 2;

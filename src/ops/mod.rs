@@ -55,7 +55,7 @@ pub fn exp_f32(x: f32) -> f32 {
     let t = x * std::f32::consts::LOG2_E + MAGIC;
     let n = t - MAGIC;
     let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4; // ln2 split in two for precision
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5e-1;
     let er = p * r * r + r + 1.0;
     let pow2n = f32::from_bits(((t.to_bits() as i32 - MAGIC.to_bits() as i32 + 127) as u32) << 23);
     er * pow2n

@@ -150,7 +150,7 @@ impl Bnb4 {
             for (k, y) in o.iter_mut().enumerate() {
                 let i = c * CHUNK + k;
                 let byte = self.codes[i / 2];
-                let code = if i % 2 == 0 { byte >> 4 } else { byte & 0x0f };
+                let code = if i.is_multiple_of(2) { byte >> 4 } else { byte & 0x0f };
                 *y = round(self.table[code as usize] * self.scale(i / self.blocksize));
             }
         });

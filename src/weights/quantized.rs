@@ -144,7 +144,7 @@ fn dequantize_blocks(bytes: &[u8], dtype: GgmlDType, shape: &candle_core::Shape)
         let n = shape.elem_count();
         let size = std::mem::size_of::<B>();
         // The storage is a Vec<B> viewed as bytes: aligned and whole; anything else falls back.
-        if bytes.as_ptr() as usize % std::mem::align_of::<B>() != 0 || bytes.len() % size != 0 || bytes.len() / size * B::BLCK_SIZE != n {
+        if !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<B>()) || !bytes.len().is_multiple_of(size) || bytes.len() / size * B::BLCK_SIZE != n {
             return None;
         }
         // SAFETY: `bytes` are blocks of a QTensor of type B (checked above: aligned, a whole
@@ -525,7 +525,7 @@ impl WeightSource for QuantizedWeights {
         }
         let make = || {
             match &*b {
-                Blocks::Ggml { q, unpermute_heads: None } if shape[1] % q.dtype().block_size() == 0 => q.embedding(ids),
+                Blocks::Ggml { q, unpermute_heads: None } if shape[1].is_multiple_of(q.dtype().block_size()) => q.embedding(ids),
                 Blocks::Plain(t) => t.index_select(ids, 0),
                 b => b.dequantize(&self.device).and_then(|t| t.index_select(ids, 0)),
             }

@@ -33,7 +33,7 @@ const TILE: usize = 512;
 
 /// Can the strips of head dim `d` run on tiles here?
 pub(super) fn usable(d: usize) -> bool {
-    d > 0 && d % T == 0 && tiles_available()
+    d > 0 && d.is_multiple_of(T) && tiles_available()
 }
 
 fn pad(x: usize) -> usize {
