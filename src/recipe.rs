@@ -638,6 +638,28 @@ impl LoadedRecipe {
     }
 
     /// Checks that need more than one key or a value range.
+    /// `data.batch_by = "tokens"`: whole records grouped by length under `data.max_tokens`.
+    fn check_token_batches(&self) -> Result<()> {
+        let d = &self.recipe.data;
+        if d.batch_by != "tokens" {
+            return Ok(());
+        }
+        // Token batching never packs: asking for both would silently train unpacked rows.
+        if d.packing {
+            return Err(self.err("data.packing", "cannot be combined with data.batch_by = \"tokens\" (token batches group whole records by length; set one of them)"));
+        }
+        // A record up to max_seq_len tokens long must fit a micro-batch of its own; past the
+        // budget it would run anyway, over the memory the budget (and checkpointing's plan) allow.
+        if d.max_tokens < d.max_seq_len {
+            let msg = format!(
+                "is {}, below data.max_seq_len = {}: a record of max_seq_len tokens would not fit a micro-batch; raise data.max_tokens to at least {} or lower data.max_seq_len",
+                d.max_tokens, d.max_seq_len, d.max_seq_len
+            );
+            return Err(self.err("data.max_tokens", msg));
+        }
+        Ok(())
+    }
+
     fn check_values(&self) -> Result<()> {
         let r = &self.recipe;
         if r.lora.rank == 0 {
@@ -689,11 +711,7 @@ impl LoadedRecipe {
             }
         }
         let t = &r.train;
-        // Token batching groups whole records by length and never packs: asking for both would
-        // silently train unpacked rows.
-        if r.data.packing && r.data.batch_by == "tokens" {
-            return Err(self.err("data.packing", "cannot be combined with data.batch_by = \"tokens\" (token batches group whole records by length; set one of them)"));
-        }
+        self.check_token_batches()?;
         // A buffer of 0 or 1 rows shuffles nothing within a block: the run would look shuffled
         // and read rows in the file's order.
         if r.data.shuffle && r.data.shuffle_buffer < 2 {
@@ -1275,6 +1293,9 @@ dir = "out"
         let e = err_text(MINIMAL, &["data.max_tokens=4096"]);
         assert!(e.contains("`data.max_tokens`") && e.contains("batch_by"), "{e}");
         load(MINIMAL, &["data.max_tokens=4096", "data.batch_by=\"tokens\""]).unwrap();
+        // A record of max_seq_len tokens must fit the budget.
+        let e = err_text(MINIMAL, &["data.max_tokens=100", "data.max_seq_len=512", "data.batch_by=\"tokens\""]);
+        assert!(e.contains("`data.max_tokens`") && e.contains("max_seq_len = 512"), "{e}");
         load(MINIMAL, &["data.format=\"messages\"", "data.template=\"chatml\""]).unwrap();
     }
 
