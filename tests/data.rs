@@ -595,6 +595,27 @@ fn a_records_tools_and_chat_template_kwargs_reach_the_template() {
     assert!(next().unwrap_err().contains("sets `add_generation_prompt`"));
 }
 
+/// Two answers in a row under Qwen3's template: the last one's empty think block, which the
+/// template writes only in the last turn, is that turn's (transformers' assistant mask, from
+/// the template with `{% generation %}` around each answer, trains it too).
+#[test]
+fn a_qwen3_answer_after_an_answer_trains_its_think_block() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let q = d.path().join("qwen3");
+    copy_dir(&m, &q);
+    std::fs::copy(fixture("chat-templates/qwen3.jinja"), q.join("chat_template.jinja")).unwrap();
+    let f = formatter(&q, "messages", None, false);
+    let msgs: Vec<Message> = serde_json::from_value(serde_json::json!([
+        {"role": "user", "content": "q1"}, {"role": "user", "content": "q1b"},
+        {"role": "assistant", "content": "a1"}, {"role": "assistant", "content": "a1b"}
+    ]))
+    .unwrap();
+    let ex = f.render_conversation(&msgs, 0).unwrap().ok().unwrap();
+    let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
+    assert_eq!(f.decode(&trained), "a1<|im_end|>\n<think>\n\n</think>\n\na1b<|im_end|>\n");
+}
+
 #[test]
 fn a_messages_other_keys_reach_the_template_from_jsonl_and_arrow() {
     // Qwen3's template renders `reasoning_content` inside the last answer; dropping the key

@@ -680,7 +680,7 @@ fn turn_span(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize
     } else if !text[..from].ends_with(generation_prompt) && text.starts_with(&before) && start >= before.len() && start <= from {
         start
     } else {
-        from
+        from - lead_in(t, m, vars, i, generation_prompt, &text[..from])?
     };
     let end = if ends_as_rendered && through.len() > to {
         through.len()
@@ -697,6 +697,26 @@ fn turn_span(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize
         tokens.iter().find(|&&(s, e)| s >= to && s < end && end < e).map_or(end, |&(s, _)| s)
     };
     Ok(Some(start..end))
+}
+
+/// Bytes before assistant turn `i`'s content (which `text_before` ends at) that the template
+/// writes after the turn's header when the turn is the last one (Qwen3's empty
+/// `<think>\n\n</think>\n\n`), where `text_before` has the header and all of them there; else 0.
+/// They are the turn's: found by content only because an earlier turn renders otherwise in
+/// the conversation than at its end (Qwen3 writes a turn's think block only when it is last,
+/// so two answers in a row put the conversation before the second out of step).
+fn lead_in(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize, generation_prompt: &str, text_before: &str) -> std::result::Result<usize, String> {
+    if generation_prompt.is_empty() {
+        return Ok(0);
+    }
+    let mut alone = m[..=i].to_vec();
+    alone[i] = m[i].with_content(PLACEHOLDER);
+    let rendered = t.render_with(&alone, vars, false).map_err(|e| e.to_string())?;
+    let Some(pre) = rendered.find(PLACEHOLDER).map(|p| &rendered[..p]) else { return Ok(0) };
+    let Some(header) = pre.rfind(generation_prompt) else { return Ok(0) };
+    let lead = &pre[header + generation_prompt.len()..];
+    let there = text_before.strip_suffix(lead).is_some_and(|t| t.ends_with(generation_prompt));
+    Ok(if there { lead.len() } else { 0 })
 }
 
 /// Content that stands for an assistant turn's while it is looked for (a private-use char).
