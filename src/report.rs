@@ -400,21 +400,28 @@ fn eval_points(steps: &[StepRecord], x: impl Fn(&StepRecord) -> f64) -> Vec<(f64
 /// Points with both coordinates finite (a diverged step's NaN loss is left out, not drawn
 /// as a spike to infinity that would flatten the rest of the curve).
 fn finite(points: impl Iterator<Item = (f64, f64)>) -> Vec<(f64, f64)> {
-    points.filter(|(x, y)| x.is_finite() && y.is_finite()).collect()
+    points.filter(|&(x, y)| plottable(x) && plottable(y)).collect()
+}
+
+/// A value the plot can place: finite and at most 1e30 in magnitude. Past that a range's
+/// span overflows to infinity (1e308 - -1e308), and plotters then never finishes placing its
+/// tick marks; a loss that large is a diverged run, shown in the table, not on the axis.
+fn plottable(v: f64) -> bool {
+    v.is_finite() && v.abs() <= 1e30
 }
 
 fn loss_range(steps: &[StepRecord]) -> std::ops::Range<f64> {
-    let values = || steps.iter().flat_map(|s| std::iter::once(s.loss).chain(s.eval_loss)).filter(|v| v.is_finite());
+    let values = || steps.iter().flat_map(|s| std::iter::once(s.loss).chain(s.eval_loss)).filter(|&v| plottable(v));
     let r = padded_range(values(), 0.05);
     // Cross-entropy is never negative: padding must not put the axis below zero.
     let start = if values().all(|v| v >= 0.0) { r.start.max(0.0) } else { r.start };
     start..r.end
 }
 
-/// min..max of the finite values, widened by `pad` of the span (and to 0..2v when all values
+/// min..max of the plottable values, widened by `pad` of the span (and to 0..2v when all values
 /// are equal, e.g. a one-step run, since plotters needs a non-empty range).
 fn padded_range(values: impl Iterator<Item = f64>, pad: f64) -> std::ops::Range<f64> {
-    let (lo, hi) = values.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    let (lo, hi) = values.filter(|&v| plottable(v)).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
     if !lo.is_finite() {
         return 0.0..1.0;
     }
@@ -681,6 +688,21 @@ mod tests {
         assert_eq!(&bytes[12..16], b"IHDR");
         let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
         (be(&bytes[16..20]), be(&bytes[20..24]))
+    }
+
+    /// Losses of a diverged run (±1e308) are left off the axes, which stay finite: the report
+    /// is written instead of plotters looping forever on an infinite range.
+    #[test]
+    fn a_loss_too_large_to_plot_still_gives_a_report() {
+        for (a, b) in [(1e308, 1e308), (1e308, -1e308), (2.0, 1e300)] {
+            let metrics = [metrics_line(1, a, None), metrics_line(2, b, Some(a))].concat();
+            let steps = parse_metrics(Path::new("metrics.jsonl"), &metrics).unwrap();
+            let r = loss_range(&steps);
+            assert!(r.start.is_finite() && r.end.is_finite() && (r.end - r.start).is_finite() && r.start < r.end, "{a} {b}: {r:?}");
+            let dir = run_dir(&metrics);
+            write_report(dir.path()).unwrap();
+            assert!(dir.path().join("loss.png").is_file());
+        }
     }
 
     #[test]
