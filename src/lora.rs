@@ -432,8 +432,9 @@ impl AdapterConfig {
         // Bounded like the recipe's lora.rank: `r` sizes every A and B allocated from it.
         let rank = c.get("r").and_then(|v| v.as_u64()).filter(|&r| r > 0 && r <= 1 << 16);
         let rank = rank.ok_or_else(|| err(format!("adapter_config.json: `r` must be an integer in 1..=65536, got {}", c.get("r").map_or("nothing".into(), |v| v.to_string()))))?;
-        let alpha = c.get("lora_alpha").and_then(|v| v.as_f64()).filter(|a| a.is_finite() && *a > 0.0);
-        let alpha = alpha.ok_or_else(|| err("adapter_config.json: `lora_alpha` must be a positive number".into()))?;
+        // Finite as an f32 too: training scales in f32, and a GGUF adapter stores it as one.
+        let alpha = c.get("lora_alpha").and_then(|v| v.as_f64()).filter(|&a| a > 0.0 && (a as f32).is_finite());
+        let alpha = alpha.ok_or_else(|| err(format!("adapter_config.json: `lora_alpha` must be a positive number below {:e} (an f32), got {}", f32::MAX, c.get("lora_alpha").map_or("nothing".into(), |v| v.to_string()))))?;
         let listed: Vec<String> = match c.get("target_modules") {
             Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_str().map(String::from)).collect(),
             Some(serde_json::Value::String(s)) => return Err(err(format!("adapter_config.json: target_modules as a regex (`{s}`) is not supported"))),

@@ -717,8 +717,8 @@ impl LoadedRecipe {
         if r.data.shuffle && r.data.shuffle_buffer < 2 {
             return Err(self.err("data.shuffle_buffer", format!("is {}; with data.shuffle = true it must hold at least 2 rows (or set data.shuffle = false for the files' order)", r.data.shuffle_buffer)));
         }
-        if r.lora.alpha <= 0.0 {
-            return Err(self.err("lora.alpha", "must be > 0 (the LoRA update is scaled by alpha / rank)"));
+        if r.lora.alpha <= 0.0 || !(r.lora.alpha as f32).is_finite() {
+            return Err(self.err("lora.alpha", format!("must be > 0 and below {:e}, an f32 (the LoRA update is scaled by alpha / rank in f32)", f32::MAX)));
         }
         if t.weight_decay < 0.0 {
             return Err(self.err("train.weight_decay", "must be >= 0"));
@@ -1246,7 +1246,7 @@ dir = "out"
 
     #[test]
     fn numbers_outside_their_meaning_are_refused_naming_the_key() {
-        for (o, key) in [("lora.alpha=0", "lora.alpha"), ("train.weight_decay=-0.1", "train.weight_decay"), ("train.adam_eps=0", "train.adam_eps")] {
+        for (o, key) in [("lora.alpha=0", "lora.alpha"), ("lora.alpha=1e39", "lora.alpha"), ("train.weight_decay=-0.1", "train.weight_decay"), ("train.adam_eps=0", "train.adam_eps")] {
             let e = err_text(MINIMAL, &[o]);
             assert!(e.contains(&format!("`{key}`")), "{o}: {e}");
         }

@@ -295,7 +295,7 @@ fn init_from_refuses_the_adapters_export_refuses() {
     let root = tiny_workspace(23, (4, 18), None);
     let adapter = trained_adapter(root.path());
     let dir = run_dir(root.path(), "run", RECIPE);
-    for (key, value, what) in [
+    for (i, (key, value, what)) in [
         ("use_rslora", serde_json::json!(true), "rsLoRA"),
         ("use_dora", serde_json::json!(true), "DoRA"),
         ("fan_in_fan_out", serde_json::json!(true), "fan_in_fan_out"),
@@ -315,8 +315,14 @@ fn init_from_refuses_the_adapters_export_refuses() {
         ("lora_bias", serde_json::json!(true), "lora_bias"),
         ("layers_to_transform", serde_json::json!([0]), "layers_to_transform"),
         ("exclude_modules", serde_json::json!(["o_proj"]), "exclude_modules"),
-    ] {
-        let bad = root.path().join(format!("bad-{key}"));
+        // Past an f32: a GGUF adapter stored alpha = inf with exit 0.
+        ("lora_alpha", serde_json::json!(1e39), "lora_alpha"),
+        ("lora_alpha", serde_json::json!(0), "lora_alpha"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let bad = root.path().join(format!("bad-{i}-{key}"));
         copy_dir(&adapter, &bad);
         edit_json(&bad.join("adapter_config.json"), |c| c[key] = value.clone());
         let init = format!("lora.init_from={}", bad.display());
