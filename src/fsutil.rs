@@ -20,11 +20,34 @@ pub fn write_with(path: &Path, fill: impl FnOnce(&mut std::io::BufWriter<std::fs
         let f = f.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
         f.sync_all().map_err(|e| Error::io(&tmp, e))
     })();
-    if let Err(e) = written {
+    // A failed rename (a folder at `path`) leaves no temporary behind either.
+    let done = written.and_then(|_| rename_durable(&tmp, path));
+    if done.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e);
     }
-    rename_durable(&tmp, path)
+    done
+}
+
+/// Remove the staging folders in `parent` named `<prefix><pid>...` whose process is gone:
+/// what a writer killed before it could clean up left (a signal, `kill -9`, a full disk that
+/// stopped the cleanup). Those of live processes (another export to the same folder) stay.
+pub fn sweep_stale_staging(parent: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some(rest) = name.strip_prefix(prefix) else { continue };
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        let Ok(pid) = digits.parse::<i32>() else { continue };
+        if pid as u32 != std::process::id() && !process_alive(pid) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// Whether process `pid` exists (it may belong to another user).
+fn process_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
 }
 
 /// fsync `tmp`, rename it over `dst`, fsync the folder.
@@ -122,6 +145,28 @@ mod tests {
         assert!(matches!(e, Error::Io { .. }), "{e:?}");
         let text = e.to_string();
         assert!(text.contains("/out/adapter_model.safetensors") && text.contains("ENOSPC") && text.contains("full"), "{text}");
+    }
+
+    #[test]
+    fn a_write_whose_rename_fails_leaves_no_temporary() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("loss.png");
+        std::fs::create_dir(&path).unwrap(); // a folder where the file goes
+        assert!(write_atomic(&path, b"png").is_err());
+        assert!(!d.path().join(".loss.png.tmp").exists());
+    }
+
+    #[test]
+    fn staging_folders_of_dead_processes_are_swept_and_live_ones_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let dead = d.path().join(".out.import-999999999-0-1"); // past any pid_max
+        let mine = d.path().join(format!(".out.import-{}-0-1", std::process::id()));
+        let other = d.path().join(".other.import-999999999-0-1");
+        for p in [&dead, &mine, &other] {
+            std::fs::create_dir_all(p.join("inside")).unwrap();
+        }
+        sweep_stale_staging(d.path(), ".out.import-");
+        assert!(!dead.exists() && mine.exists() && other.exists());
     }
 
     #[test]

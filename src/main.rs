@@ -494,9 +494,12 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
         E::Safetensors { .. } | E::MissingTensor { .. } | E::Shape { .. } => {
             Some("the checkpoint does not match its config.json; re-download or re-export it")
         }
-        E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => Some(
+        E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) && recipe => Some(
             "free space on that disk (or point output.dir elsewhere) and rerun: the newest complete checkpoint is intact and the run resumes from it",
         ),
+        E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+            Some("free space on that disk (or write --out elsewhere) and rerun: nothing half-written was left at --out")
+        }
         E::Gguf { .. } => Some("the GGUF file must be a model llama.cpp loads (llama, qwen2 or deepseek2 architecture); check the key or tensor named above"),
         E::Data { .. } if recipe => Some("check the data.train or data.eval named above, and data.format, in the recipe"),
         E::Data { .. } => Some("--data must name a .jsonl, .parquet or .arrow file, or a datasets folder"),
@@ -606,16 +609,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 let run = &summary.output_dir;
                 let adapter = finetune::export::PeftAdapter::open(&run.join("adapter"))?;
                 let base = finetune::train::run_base(run, &recipe.recipe.model.path, &recipe.dir)?;
+                // A rerun replaces the merged folder only once the new one is complete.
                 let out = run.join("merged");
-                if out.exists() {
-                    std::fs::remove_dir_all(&out)?;
-                }
                 let opts = finetune::export::ExportOptions {
                     merge: true,
                     dtype: e.dtype.as_deref().map(finetune::weights::parse_dtype),
                     max_shard_size: e.max_shard_size.as_deref().map(finetune::export::parse_size).transpose().map_err(|m| anyhow::anyhow!("export.max_shard_size: {m}"))?,
                     no_verify: false,
                     kernels: recipe.recipe.model.kernels(),
+                    replace: true,
                 };
                 print_merge_report(&finetune::export::merge(&base, &adapter, &out, &opts)?);
             }

@@ -299,3 +299,33 @@ fn export_run_refuses_a_base_replaced_since_the_run_trained_on_it() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// An existing merged folder is replaced only once the new one is complete (a rerun's
+/// end-of-run merge), refused where replacing was not asked for, and a symlink as the output
+/// is refused before any work, leaving nothing behind.
+#[test]
+fn a_merged_folder_is_replaced_whole_or_refused_and_a_symlink_is_refused_up_front() {
+    let (d, run) = trained(TinyShape::default(), 1);
+    let a = PeftAdapter::open(&run.join("adapter")).unwrap();
+    let base = ModelDir::resolve(a.base_model.as_deref().unwrap(), Path::new(".")).unwrap();
+    let out = d.path().join("merged");
+    let opts = ExportOptions { merge: true, no_verify: true, ..Default::default() };
+    merge(&base, &a, &out, &opts).unwrap();
+    std::fs::write(out.join("old-marker"), "x").unwrap();
+    let e = merge(&base, &a, &out, &opts).unwrap_err().to_string();
+    assert!(e.contains("not empty"), "{e}");
+    assert!(out.join("old-marker").is_file(), "a refused merge leaves the folder as it was");
+    merge(&base, &a, &out, &ExportOptions { replace: true, ..opts.clone() }).unwrap();
+    assert!(!out.join("old-marker").exists() && out.join("model.safetensors").is_file(), "replaced by the new merge");
+    for target in [d.path().join("nowhere"), d.path().join("empty")] {
+        if target.ends_with("empty") {
+            std::fs::create_dir(&target).unwrap();
+        }
+        let link = d.path().join("link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = merge(&base, &a, &link, &opts).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        assert!(!d.path().join(".link.tmp").exists(), "no staging folder left");
+    }
+}

@@ -220,7 +220,7 @@ fn a_gguf_base_merges_and_generates_as_its_import() {
     cache_env(d.path());
     train(d.path(), "gguf", "model.gguf", &[]);
     let adapter = finetune::export::PeftAdapter::open(&d.path().join("gguf/out/adapter")).unwrap();
-    let opts = finetune::export::ExportOptions { merge: true, dtype: None, max_shard_size: None, no_verify: false, kernels: Default::default() };
+    let opts = finetune::export::ExportOptions { merge: true, ..Default::default() };
     let gguf = finetune::weights::ModelDir::resolve("model.gguf", d.path()).unwrap();
     assert!(gguf.gguf.is_some());
     let imported = finetune::weights::ModelDir::resolve("imported", d.path()).unwrap();
@@ -247,7 +247,7 @@ fn a_bitsandbytes_base_merges_into_its_dequantised_weights() {
     let d = tempfile::tempdir().unwrap();
     let adapter = finetune::export::PeftAdapter::open(&fx.join("init")).unwrap();
     let base = finetune::weights::ModelDir::resolve(fx.join("model").to_str().unwrap(), Path::new(".")).unwrap();
-    let opts = finetune::export::ExportOptions { merge: true, dtype: None, max_shard_size: None, no_verify: false, kernels: Default::default() };
+    let opts = finetune::export::ExportOptions { merge: true, ..Default::default() };
     finetune::export::merge(&base, &adapter, &d.path().join("merged"), &opts).unwrap();
     let merged = load_tensors(&d.path().join("merged/model.safetensors"));
     let deq = load_tensors(&fx.join("expected/dequantized_sample.safetensors"));

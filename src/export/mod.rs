@@ -36,6 +36,9 @@ pub struct ExportOptions {
     pub no_verify: bool,
     /// The kernels the check's forwards run on (the recipe's `model.kernels`).
     pub kernels: crate::ops::Kernels,
+    /// Replace an existing output folder once the new one is complete (the end-of-run merge
+    /// of a run given more steps, or run again); else a non-empty one is refused.
+    pub replace: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -178,16 +181,31 @@ fn copy_side_files(base: &Path, dst: &Path, config: &serde_json::Value) -> Resul
     for f in names {
         let src = base.join(&f);
         if src.is_file() {
-            std::fs::copy(&src, dst.join(&f)).map_err(|e| Error::io(&src, e))?;
+            copy_file(&src, &dst.join(&f))?;
         }
     }
     Ok(())
 }
 
-/// Make `out` appear whole: build in a sibling temporary, then rename.
-fn staged<T>(out: &Path, build: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
-    if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
-        return Err(Error::io(out, std::io::Error::new(std::io::ErrorKind::AlreadyExists, "output folder exists and is not empty (choose another --out)")));
+/// Copy `src` (a file that is there) to `dst`; an error names the file written, where a
+/// full disk or a read-only folder fails it.
+fn copy_file(src: &Path, dst: &Path) -> Result<u64> {
+    std::fs::copy(src, dst).map_err(|e| Error::io(dst, e))
+}
+
+/// Make `out` appear whole: build in a sibling temporary, then rename (with `replace`, swap
+/// it for the existing folder, which stays whole until then).
+fn staged<T>(out: &Path, replace: bool, build: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+    let refuse = |msg: &str| Err(Error::io(out, std::io::Error::new(std::io::ErrorKind::AlreadyExists, msg.to_string())));
+    // Checked before the work: the rename at the end cannot put a folder there.
+    if out.symlink_metadata().is_ok_and(|m| m.file_type().is_symlink()) {
+        return refuse("is a symbolic link; give the output folder's own path (choose another --out)");
+    }
+    if out.exists() && !out.is_dir() {
+        return refuse("exists and is not a folder (choose another --out)");
+    }
+    if !replace && out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        return refuse("output folder exists and is not empty (choose another --out)");
     }
     let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "export".into());
     let tmp = out.with_file_name(format!(".{name}.tmp"));
@@ -195,31 +213,33 @@ fn staged<T>(out: &Path, build: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    match build(&tmp) {
-        Ok(v) => {
+    let placed = build(&tmp).and_then(|v| {
+        if replace && out.exists() {
+            crate::fsutil::replace_dir_durable(&tmp, out)?;
+        } else {
             if out.exists() {
                 std::fs::remove_dir(out).map_err(|e| Error::io(out, e))?;
             }
             crate::fsutil::rename_durable(&tmp, out)?;
-            Ok(v)
         }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Err(e)
-        }
+        Ok(v)
+    });
+    if placed.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
     }
+    placed
 }
 
 /// Copy a PEFT adapter folder (after checking it loads against `base`).
 pub fn export_adapter_only(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -> Result<ExportReport> {
     let cfg = base.config()?;
     adapter.load(&cfg)?;
-    staged(out, |tmp| {
+    staged(out, false, |tmp| {
         let mut total = 0;
         for f in ["adapter_model.safetensors", "adapter_config.json", "README.md"] {
             let src = adapter.dir.join(f);
             if src.is_file() {
-                total += std::fs::copy(&src, tmp.join(f)).map_err(|e| Error::io(&src, e))?;
+                total += copy_file(&src, &tmp.join(f))?;
             }
         }
         Ok(ExportReport { out: out.to_path_buf(), shards: 1, total_bytes: total, ..Default::default() })
@@ -244,7 +264,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
         lora.insert(key, (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()));
     }
     let scale = adapter.spec.scale();
-    let report = staged(out, |tmp| {
+    let report = staged(out, opts.replace, |tmp| {
         // Output shards: the base's layout, or cut at max_shard_size.
         let by_file = files.names_by_file();
         let mut plan: Vec<Vec<String>> = Vec::new();
@@ -391,6 +411,10 @@ fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: 
 fn merge_dequantised(name: String, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions, write: impl FnOnce(&Path) -> Result<()>) -> Result<ExportReport> {
     let leaf = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    // What a killed merge left: its dequantised base, and that base's import staging.
+    for stale in [format!(".{leaf}.dequantised-"), format!("..{leaf}.dequantised-")] {
+        crate::fsutil::sweep_stale_staging(parent, &stale);
+    }
     let deq = parent.join(format!(".{leaf}.dequantised-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&deq);
     let res = write(&deq).and_then(|_| merge(&ModelDir { dir: deq.clone(), name, commit: None, gguf: None }, adapter, out, opts));

@@ -1264,7 +1264,9 @@ fn write_folder<T>(out: &Path, fill: impl FnOnce(&Path) -> Result<T>) -> Result<
     static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    let tmp = parent.join(format!(".{}.import-{}-{call}-{nanos}", name.to_string_lossy(), std::process::id()));
+    let prefix = format!(".{}.import-", name.to_string_lossy());
+    crate::fsutil::sweep_stale_staging(parent, &prefix);
+    let tmp = parent.join(format!("{prefix}{}-{call}-{nanos}", std::process::id()));
     std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let mut staging = Staging(Some(tmp.clone()));
     let value = fill(&tmp)?;
