@@ -117,6 +117,17 @@ where
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(|e| Error::io(path, e))
 }
 
+/// Copy the file `src` to `dst` with the mode any file we write gets (0666 less the umask,
+/// not the source's: a 0600 tokenizer beside readable weights would be unreadable to those
+/// the umask lets read the rest). An error names the file written, where a full disk or a
+/// read-only folder fails it.
+pub fn copy_file(src: &Path, dst: &Path) -> Result<u64> {
+    use std::os::unix::fs::PermissionsExt;
+    let n = std::fs::copy(src, dst).map_err(|e| Error::io(dst, e))?;
+    std::fs::set_permissions(dst, std::fs::Permissions::from_mode(0o666 & !umask())).map_err(|e| Error::io(dst, e))?;
+    Ok(n)
+}
+
 fn safetensors_write_error(path: &Path, e: safetensors::SafeTensorError) -> Error {
     match e {
         safetensors::SafeTensorError::IoError(io) => Error::io(path, io),
@@ -145,6 +156,17 @@ mod tests {
         assert!(matches!(e, Error::Io { .. }), "{e:?}");
         let text = e.to_string();
         assert!(text.contains("/out/adapter_model.safetensors") && text.contains("ENOSPC") && text.contains("full"), "{text}");
+    }
+
+    #[test]
+    fn a_copied_file_gets_the_mode_written_files_get_not_the_sources() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let (src, dst) = (d.path().join("tokenizer.json"), d.path().join("copy.json"));
+        std::fs::write(&src, "{}").unwrap();
+        std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o600)).unwrap();
+        copy_file(&src, &dst).unwrap();
+        assert_eq!(std::fs::metadata(&dst).unwrap().permissions().mode() & 0o777, 0o666 & !umask());
     }
 
     #[test]

@@ -181,16 +181,10 @@ fn copy_side_files(base: &Path, dst: &Path, config: &serde_json::Value) -> Resul
     for f in names {
         let src = base.join(&f);
         if src.is_file() {
-            copy_file(&src, &dst.join(&f))?;
+            crate::fsutil::copy_file(&src, &dst.join(&f))?;
         }
     }
     Ok(())
-}
-
-/// Copy `src` (a file that is there) to `dst`; an error names the file written, where a
-/// full disk or a read-only folder fails it.
-fn copy_file(src: &Path, dst: &Path) -> Result<u64> {
-    std::fs::copy(src, dst).map_err(|e| Error::io(dst, e))
 }
 
 /// Make `out` appear whole: build in a sibling temporary, then rename (with `replace`, swap
@@ -239,7 +233,7 @@ pub fn export_adapter_only(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -
         for f in ["adapter_model.safetensors", "adapter_config.json", "README.md"] {
             let src = adapter.dir.join(f);
             if src.is_file() {
-                total += copy_file(&src, &tmp.join(f))?;
+                total += crate::fsutil::copy_file(&src, &tmp.join(f))?;
             }
         }
         Ok(ExportReport { out: out.to_path_buf(), shards: 1, total_bytes: total, ..Default::default() })
