@@ -46,6 +46,10 @@ pub struct HfConfig {
     pub hidden_act: Option<String>,
     #[serde(default)]
     pub max_position_embeddings: Option<usize>,
+    /// Outside rope_scaling (Phi-3 style): transformers 5 takes it over the one inside for
+    /// llama3 and yarn scaling.
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
     /// Qwen2's attention window (null: none) and the layers below which it does not apply.
@@ -343,6 +347,14 @@ impl ModelConfig {
         }
         let scaling = hf.rope_scaling.as_ref().or(params);
         let factor = |s: &RopeScalingHf, kind: &str| -> std::result::Result<f64, String> { positive("rope_scaling.factor", s.factor.ok_or(format!("rope_scaling {kind} needs `factor`"))?) };
+        // The pretraining context of llama3 / yarn scaling, as transformers 5's
+        // `standardize_rope_params` settles it: a top-level original_max_position_embeddings,
+        // else rope_scaling's, else max_position_embeddings.
+        let original = |s: &RopeScalingHf, kind: &str| -> std::result::Result<usize, String> {
+            hf.original_max_position_embeddings.or(s.original_max_position_embeddings).or(hf.max_position_embeddings).filter(|&n| n > 0).ok_or(format!(
+                "rope_scaling {kind} needs a positive `original_max_position_embeddings` (or max_position_embeddings)"
+            ))
+        };
         let rope_scaling = match scaling {
             None => RopeScaling::None,
             Some(s) => match s.rope_type.as_deref().or(s.legacy_type.as_deref()).unwrap_or("default") {
@@ -352,10 +364,10 @@ impl ModelConfig {
                     factor: factor(s, "llama3")?,
                     low_freq_factor: positive("rope_scaling.low_freq_factor", s.low_freq_factor.unwrap_or(1.0))?,
                     high_freq_factor: positive("rope_scaling.high_freq_factor", s.high_freq_factor.unwrap_or(4.0))?,
-                    original_max_position_embeddings: s.original_max_position_embeddings.unwrap_or(8192),
+                    original_max_position_embeddings: original(s, "llama3")?,
                 },
                 "yarn" => {
-                    let original = s.original_max_position_embeddings.filter(|&n| n > 0).ok_or("rope_scaling yarn needs a positive `original_max_position_embeddings`")?;
+                    let original = original(s, "yarn")?;
                     // transformers: without `factor`, the ratio of the context lengths.
                     let factor = match (s.factor, hf.max_position_embeddings) {
                         (Some(f), _) => f,
@@ -939,6 +951,22 @@ mod tests {
         assert_eq!(a[0], b[0]);
         let last = a.len() - 1;
         assert!((a[last] - b[last] / 8.0).abs() < 1e-15);
+    }
+
+    /// transformers 5 (`standardize_rope_params`): llama3 scaling without
+    /// original_max_position_embeddings takes max_position_embeddings, and a top-level
+    /// original_max_position_embeddings wins over rope_scaling's.
+    #[test]
+    fn llama3_scaling_takes_its_pretraining_context_as_transformers_5_settles_it() {
+        let scaling = |inner: &str, outer: &str| {
+            cfg(&format!(r#","rope_theta":500000.0,"max_position_embeddings":4096{outer},"rope_scaling":{{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0{inner}}}"#)).unwrap().rope_scaling
+        };
+        let at = |n: usize| RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: n };
+        assert_eq!(scaling("", ""), at(4096));
+        assert_eq!(scaling(r#","original_max_position_embeddings":8192"#, ""), at(8192));
+        assert_eq!(scaling(r#","original_max_position_embeddings":8192"#, r#","original_max_position_embeddings":2048"#), at(2048));
+        let e = cfg(r#","rope_scaling":{"rope_type":"llama3","factor":8.0}"#).unwrap_err();
+        assert!(e.contains("original_max_position_embeddings"), "{e}");
     }
 
     #[test]

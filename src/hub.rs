@@ -20,7 +20,7 @@
 
 use crate::data::source::Split;
 use crate::error::{Error, Result};
-use hf_hub::api::sync::{Api, ApiBuilder, ApiError, ApiRepo};
+use hf_hub::api::sync::{Api, ApiBuilder, ApiError};
 use hf_hub::{Repo, RepoType};
 use sha2::Digest;
 use std::io::Read;
@@ -65,6 +65,11 @@ pub struct Hub {
     endpoint: String,
     token: Option<String>,
     offline: bool,
+    /// How long a request may go without an answer: a listing (huggingface_hub's
+    /// `HF_HUB_ETAG_TIMEOUT`) and a download without a byte (`HF_HUB_DOWNLOAD_TIMEOUT`), 10 s
+    /// each by default as there.
+    listing_timeout: std::time::Duration,
+    download_timeout: std::time::Duration,
 }
 
 impl Hub {
@@ -99,7 +104,17 @@ impl Hub {
         let on = |k: &str| var(k).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
         let offline = on("HF_HUB_OFFLINE") || on("TRANSFORMERS_OFFLINE");
         let endpoint = var("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".into()).trim_end_matches('/').to_string();
-        Ok(Hub { cache, endpoint, token, offline })
+        let seconds = |k: &str| -> Result<std::time::Duration> {
+            match var(k) {
+                None => Ok(std::time::Duration::from_secs(10)),
+                Some(v) => v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9).map(std::time::Duration::from_secs_f64).ok_or_else(|| Error::Hub {
+                    repo: "(any)".into(),
+                    msg: format!("{k} = {v:?}: expected a number of seconds above 0"),
+                }),
+            }
+        };
+        let (listing_timeout, download_timeout) = (seconds("HF_HUB_ETAG_TIMEOUT")?, seconds("HF_HUB_DOWNLOAD_TIMEOUT")?);
+        Ok(Hub { cache, endpoint, token, offline, listing_timeout, download_timeout })
     }
 
     /// The snapshot folder of model `id` at `revision` (default `main`) holding what `want`
@@ -130,7 +145,7 @@ impl Hub {
             Ok(l) => l,
             // A cache filled by another tool may lack our markers for absent optional files;
             // with the weights there and the hub out of reach, use it, as transformers does.
-            Err((e, msg)) if is_unreachable(&e) && repo.required_present(want).is_some() => {
+            Err((true, msg)) if repo.required_present(want).is_some() => {
                 let snap = repo.required_present(want).unwrap_or_default();
                 crate::note!("warning: {msg}; using the cached snapshot {}", snap.display());
                 return Ok(snap);
@@ -141,12 +156,11 @@ impl Hub {
         if !has("config.json") {
             return Err(repo.err(format!("has no config.json at commit {} (is it a model repo, and is the revision right?)", listing.commit)));
         }
-        let remote = repo.open_at(&listing.commit)?;
         let mut files = vec!["config.json".to_string()];
         if want == Want::Model {
             files.extend(MODEL_OPTIONAL.iter().filter(|f| has(f)).map(|f| f.to_string()));
             if has("model.safetensors.index.json") {
-                repo.fetch(&remote, &listing.commit, "model.safetensors.index.json")?;
+                repo.fetch(&listing.commit, "model.safetensors.index.json")?;
                 let index = repo.snapshot(&listing.commit).join("model.safetensors.index.json");
                 files.extend(index_shards(&index)?);
             } else if has("model.safetensors") {
@@ -156,7 +170,7 @@ impl Hub {
             }
         }
         for f in &files {
-            repo.fetch(&remote, &listing.commit, f)?;
+            repo.fetch(&listing.commit, f)?;
         }
         if want == Want::Model {
             repo.mark_absent(&listing.commit, MODEL_OPTIONAL.iter().filter(|f| !has(f)).copied())?;
@@ -205,9 +219,8 @@ impl Hub {
             return Err(repo.err(format!("has no {} files", DATA_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", "))));
         }
         let chosen = choose_split(&all, split).map_err(|m| repo.err(m))?;
-        let remote = repo.open_at(&listing.commit)?;
         for f in &chosen {
-            repo.fetch(&remote, &listing.commit, f)?;
+            repo.fetch(&listing.commit, f)?;
         }
         repo.save_listing(&listing.commit, &all)?;
         repo.set_ref(&listing.commit)?;
@@ -379,17 +392,17 @@ impl<'a> CachedRepo<'a> {
 
     /// The repo's commit for the revision and its file names (a failure carries the
     /// hub's error too, to tell an unreachable hub from a refusal).
-    fn listing(&self) -> std::result::Result<Listing, (ApiError, Error)> {
-        let api = Repo::with_revision(self.id.clone(), self.kind, self.revision.clone());
-        let info = match self.api().and_then(|a| a.repo(api).info()) {
-            Ok(i) => i,
-            Err(e) => {
-                let msg = self.api_err(&e, "list the repo's files");
-                return Err((e, msg));
-            }
+    fn listing(&self) -> std::result::Result<Listing, (bool, Error)> {
+        let repo = Repo::with_revision(self.id.clone(), self.kind, self.revision.clone());
+        let api = self.api();
+        let asked = answered(self.hub.listing_timeout, &Default::default(), move || api.and_then(|a| a.repo(repo).info()));
+        let info = match asked {
+            Some(Ok(i)) => i,
+            Some(Err(e)) => return Err((is_unreachable(&e), self.api_err(&e, "list the repo's files"))),
+            None => return Err((true, self.no_answer(self.hub.listing_timeout, "list the repo's files", "HF_HUB_ETAG_TIMEOUT"))),
         };
         let commit = info.sha.to_ascii_lowercase();
-        let bad = |m: String| (ApiError::InvalidHeader("sha"), self.err(m));
+        let bad = |m: String| (false, self.err(m));
         if !is_commit(&commit) {
             return Err(bad(format!("the hub's listing gave `{}` as the commit, not a 40-digit hex id", info.sha)));
         }
@@ -410,15 +423,8 @@ impl<'a> CachedRepo<'a> {
             .build()
     }
 
-    /// Downloads pinned to `commit`, so every file comes from the commit the listing named
-    /// even if the branch moves meanwhile.
-    fn open_at(&self, commit: &str) -> Result<ApiRepo> {
-        let api = self.api().map_err(|e| self.api_err(&e, "open a connection"))?;
-        Ok(api.repo(Repo::with_revision(self.id.clone(), self.kind, commit.to_string())))
-    }
-
     /// Download `file` into the snapshot of `commit` unless it is there, and check it.
-    fn fetch(&self, remote: &ApiRepo, commit: &str, file: &str) -> Result<()> {
+    fn fetch(&self, commit: &str, file: &str) -> Result<()> {
         let pointer = self.snapshot(commit).join(file);
         if pointer.is_file() {
             return Ok(());
@@ -428,19 +434,19 @@ impl<'a> CachedRepo<'a> {
         if std::fs::symlink_metadata(&pointer).is_ok() {
             std::fs::remove_file(&pointer).map_err(|e| Error::io(&pointer, e))?;
         }
-        let mut bar = Bar::default();
-        let got = match remote.download_with_progress(file, &mut bar) {
+        let (got, bar) = self.download(commit, file)?;
+        let got = match got {
             // A `.part` hf-hub cannot continue (already whole: the hub answers 416; longer than
             // the file: a server that ignored the range) is started over, once.
             Err(ApiError::InvalidResume) => {
                 self.remove_partials()?;
-                remote.download_with_progress(file, &mut Bar::default())
+                self.download(commit, file)?.0
             }
             // Only a `.part` the hub says is already whole (416) is reset; other failures keep
             // it, so a rerun resumes where this one stopped.
             Err(ApiError::TooManyRetries(inner)) if matches!(inner.as_ref(), ApiError::RequestError(r) if matches!(r.as_ref(), ureq::Error::Status(416, _))) => {
                 self.remove_partials()?;
-                remote.download_with_progress(file, &mut Bar::default())
+                self.download(commit, file)?.0
             }
             other => other,
         };
@@ -458,6 +464,32 @@ impl<'a> CachedRepo<'a> {
         // branch and tag names only.
         let _ = std::fs::remove_file(self.dir.join("refs").join(commit));
         Ok(())
+    }
+
+    /// One download of `file` (hf-hub's, with its retries), waited for while bytes arrive:
+    /// an error naming HF_HUB_DOWNLOAD_TIMEOUT when none come for that long.
+    #[allow(clippy::type_complexity)]
+    /// Pinned to `commit`, so every file comes from the commit the listing named even if the
+    /// branch moves meanwhile.
+    fn download(&self, commit: &str, file: &str) -> Result<(std::result::Result<PathBuf, ApiError>, Bar)> {
+        let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut bar = Bar { progress: progress.clone(), ..Default::default() };
+        let (api, repo, name) = (self.api(), Repo::with_revision(self.id.clone(), self.kind, commit.to_string()), file.to_string());
+        let asked = answered(self.hub.download_timeout, &progress, move || {
+            let got = api.and_then(|a| a.repo(repo).download_with_progress(&name, &mut bar));
+            (got, bar)
+        });
+        asked.ok_or_else(|| self.no_answer(self.hub.download_timeout, &format!("download {file}"), "HF_HUB_DOWNLOAD_TIMEOUT"))
+    }
+
+    /// The hub (or the network) went silent for `timeout` while we tried `doing`.
+    fn no_answer(&self, timeout: std::time::Duration, doing: &str, key: &str) -> Error {
+        self.err(format!(
+            "{} sent nothing for {:.0} s while we tried to {doing}; a slow connection can allow more with {key} (seconds), \
+             HF_ENDPOINT names a mirror, HF_HUB_OFFLINE=1 uses only the cache",
+            self.hub.endpoint,
+            timeout.as_secs_f64()
+        ))
     }
 
     /// Unfinished downloads of this repo (we hold its lock, so none is in progress).
@@ -678,12 +710,35 @@ fn verify_blob(blob: &Path, announced: Option<usize>) -> std::result::Result<(),
     Ok(())
 }
 
+/// Run the hub request `request` on a thread of its own and wait for its answer while it
+/// makes progress: `None` once `timeout` passes with no answer and no new byte counted in
+/// `progress`. ureq, under hf-hub, has no read timeout, and a hub (or proxy) that accepts the
+/// connection and then says nothing would hang the run before it starts; the abandoned
+/// request dies with the process, which reports the error.
+fn answered<T: Send + 'static>(timeout: std::time::Duration, progress: &std::sync::Arc<std::sync::atomic::AtomicU64>, request: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    use std::sync::atomic::Ordering;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(request());
+    });
+    let mut seen = progress.load(Ordering::Relaxed);
+    loop {
+        match rx.recv_timeout(timeout) {
+            Ok(v) => return Some(v),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if progress.load(Ordering::Relaxed) != seen => seen = progress.load(Ordering::Relaxed),
+            Err(_) => return None,
+        }
+    }
+}
+
 /// A byte progress bar per file on stderr (indicatif hides it when stderr is not a terminal),
-/// and the size the hub announced, for the check after.
+/// the size the hub announced, for the check after, and the bytes received so far (what
+/// [`answered`] watches).
 #[derive(Default)]
 struct Bar {
     bar: Option<indicatif::ProgressBar>,
     size: Option<usize>,
+    progress: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl hf_hub::api::Progress for &mut Bar {
@@ -699,6 +754,7 @@ impl hf_hub::api::Progress for &mut Bar {
         }
     }
     fn update(&mut self, n: usize) {
+        self.progress.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         if let Some(b) = &self.bar {
             b.inc(n as u64);
         }

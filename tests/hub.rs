@@ -29,6 +29,8 @@ struct State {
     drop_once: HashSet<String>,
     /// sha256 -> content, for the LFS "CDN" the resolve URLs redirect to.
     blobs: BTreeMap<String, Vec<u8>>,
+    /// Blobs the CDN sends half of and then goes silent on (the connection stays open).
+    stall: HashSet<String>,
     /// Blobs the CDN serves with one byte changed.
     corrupt: HashSet<String>,
 }
@@ -157,6 +159,15 @@ fn serve(mut conn: TcpStream, st: &Mutex<State>, base: &str) {
     st.lock().unwrap().log.push(format!("GET {path}{}", range.as_deref().map(|r| format!(" [{r}]")).unwrap_or_default()));
 
     if let Some(sha) = path.strip_prefix("/cdn/") {
+        if st.lock().unwrap().stall.contains(sha) && range.as_deref() != Some("bytes=0-0") {
+            let b = st.lock().unwrap().blobs.get(sha).cloned().unwrap_or_default();
+            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nContent-Range: bytes 0-{}/{}\r\n\r\n", b.len(), b.len().saturating_sub(1), b.len());
+            let _ = conn.write_all(head.as_bytes());
+            let _ = conn.write_all(&b[..b.len() / 2]);
+            let _ = conn.flush();
+            std::thread::sleep(std::time::Duration::from_secs(120));
+            return;
+        }
         let (bytes, drop_now) = {
             let mut s = st.lock().unwrap();
             let mut bytes = s.blobs.get(sha).cloned();
@@ -537,4 +548,44 @@ fn the_cache_and_offline_switch_are_read_from_the_environment_as_huggingface_hub
         assert!(!stderr(&o).contains("could not reach"), "{what} asked the network: {}", stderr(&o));
     }
     assert_eq!(e.hub.requests().len(), before);
+}
+
+/// `finetune` with a deadline: a hang fails the test instead of stopping it.
+fn finetune_within(secs: u64, dir: &Path, hub: &str, home: &Path, env: &[(&str, &str)], args: &[&str]) -> (bool, String, f64) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"));
+    cmd.current_dir(dir).args(args).env("HF_ENDPOINT", hub).env("HF_HOME", home).env_remove("HF_HUB_CACHE").env_remove("HF_TOKEN").env_remove("HF_HUB_OFFLINE");
+    cmd.envs(env.iter().copied()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    let started = std::time::Instant::now();
+    let mut child = cmd.spawn().unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed().as_secs() > secs {
+            child.kill().unwrap();
+            panic!("finetune still running after {secs} s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let o = child.wait_with_output().unwrap();
+    (o.status.success(), stderr(&o), started.elapsed().as_secs_f64())
+}
+
+/// A hub (or proxy) that accepts the connection and then says nothing, for the listing or in
+/// the middle of a download, is an error naming the timeout to raise, as huggingface_hub's
+/// HF_HUB_ETAG_TIMEOUT / HF_HUB_DOWNLOAD_TIMEOUT make it; it used to hang the run for good.
+#[test]
+fn a_hub_that_goes_silent_is_an_error_naming_the_timeout_not_a_hang() {
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let held: Vec<TcpStream> = silent.incoming().flatten().collect(); // accepted, never answered
+        drop(held);
+    });
+    let e = setup("models/tiny-org/tiny-llama", None, "tiny-org/tiny-llama", "../data", "");
+    let (ok, err, secs) = finetune_within(60, &e.run, &url, e.home.path(), &[("HF_HUB_ETAG_TIMEOUT", "1")], &["--recipe", "recipe.toml"]);
+    assert!(!ok && err.contains("HF_HUB_ETAG_TIMEOUT") && err.contains("sent nothing for 1 s"), "{err}");
+    assert!(secs < 30.0, "{secs} s");
+    // The listing answers; the weights stop arriving halfway.
+    let weights = std::fs::read(e.ws.path().join("model/model.safetensors")).unwrap();
+    e.hub.state.lock().unwrap().stall.insert(sha256_hex(&weights));
+    let (ok, err, _) = finetune_within(60, &e.run, &e.hub.url, e.home.path(), &[("HF_HUB_DOWNLOAD_TIMEOUT", "1")], &["--recipe", "recipe.toml"]);
+    assert!(!ok && err.contains("HF_HUB_DOWNLOAD_TIMEOUT") && err.contains("model.safetensors"), "{err}");
 }
