@@ -47,6 +47,10 @@ pub struct TrainState {
     pub model_fingerprint: Option<String>,
     #[serde(default)]
     pub data_fingerprint: Option<String>,
+    /// Which files `model_fingerprint` covered (`train::MODEL_FINGERPRINT_VERSION`; 0 in
+    /// checkpoints from before special_tokens_map.json counted), so it is compared over them.
+    #[serde(default)]
+    pub model_fingerprint_version: u32,
     /// The run's peak RSS up to this checkpoint, over every process that ran it (the lead's
     /// VmHWM, MB): a resumed run's summary reports the whole run's peak.
     #[serde(default)]
@@ -351,7 +355,7 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         // continue, but say which one this run uses. A recorded commit that differs is an error.
         let unrecorded_commit = key == "model.revision" && old.is_none();
         // Likewise a hub dataset (`org/name@commit`) recorded since.
-        let unrecorded_data_commit = key == "data.train" && old.as_ref().is_some_and(|o| !has_pin(o)) && old.as_ref().map(unpinned) == new.as_ref().map(unpinned);
+        let unrecorded_data_commit = key == "data.train" && matches!((&old, &new), (Some(o), Some(n)) if pinned_since(o, n));
         if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change || unrecorded_commit || unrecorded_data_commit {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
@@ -366,28 +370,30 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
     Ok(warnings)
 }
 
-/// Data entries without their `@revision` (`org/name@rev:split` -> `org/name:split`).
-fn unpinned(v: &toml::Value) -> toml::Value {
-    match v {
-        toml::Value::String(s) => match s.split_once('@') {
-            Some((id, rest)) => toml::Value::String(format!("{id}{}", rest.find(':').map_or("", |i| &rest[i..]))),
-            None => v.clone(),
-        },
-        toml::Value::Array(a) => toml::Value::Array(a.iter().map(unpinned).collect()),
-        _ => v.clone(),
+/// Whether data entries `new` are `old` with hub commits recorded where `old` named none,
+/// entry by entry (`org/name` or `org/name@main` -> `org/name@<commit>`).
+fn pinned_since(old: &toml::Value, new: &toml::Value) -> bool {
+    match (old, new) {
+        (toml::Value::String(o), toml::Value::String(n)) => o == n || (!has_pin(o) && unpinned(o) == unpinned(n)),
+        (toml::Value::Array(a), toml::Value::Array(b)) => a.len() == b.len() && a.iter().zip(b).all(|(o, n)| pinned_since(o, n)),
+        _ => false,
     }
 }
 
-/// Whether a data entry (or one of a list) names a hub commit (`@` and 40 hex digits).
-fn has_pin(v: &toml::Value) -> bool {
-    match v {
-        toml::Value::String(s) => s.split_once('@').is_some_and(|(_, rest)| {
-            let rev = rest.split(':').next().unwrap_or("");
-            rev.len() == 40 && rev.bytes().all(|b| b.is_ascii_hexdigit())
-        }),
-        toml::Value::Array(a) => a.iter().any(has_pin),
-        _ => false,
+/// A data entry without its `@revision` (`org/name@rev:split` -> `org/name:split`).
+fn unpinned(s: &str) -> String {
+    match s.split_once('@') {
+        Some((id, rest)) => format!("{id}{}", rest.find(':').map_or("", |i| &rest[i..])),
+        None => s.to_string(),
     }
+}
+
+/// Whether a data entry names a hub commit (`@` and 40 hex digits).
+fn has_pin(s: &str) -> bool {
+    s.split_once('@').is_some_and(|(_, rest)| {
+        let rev = rest.split(':').next().unwrap_or("");
+        rev.len() == 40 && rev.bytes().all(|b| b.is_ascii_hexdigit())
+    })
 }
 
 #[cfg(test)]
@@ -445,6 +451,12 @@ dir = "out"
         assert!(check_recipe_change(&pinned, &moved).unwrap_err().contains("data.train"));
         let other = hub.replace("org/d", &format!("org/e@{}", "a".repeat(40)));
         assert!(check_recipe_change(&hub, &other).unwrap_err().contains("data.train"));
+        // In a list, entry by entry: one pinned before, one pinned now.
+        let (a, b) = ("a".repeat(40), "b".repeat(40));
+        let list = |x: &str, y: &str| OLD.replace("train = \"d\"", &format!("train = [\"org/x{x}\", \"org/y{y}\"]"));
+        let w = check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{a}"), &format!("@{b}"))).unwrap();
+        assert!(w.iter().any(|w| w.contains("data.train")), "{w:?}");
+        assert!(check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{b}"), &format!("@{b}"))).unwrap_err().contains("data.train"));
     }
 
     #[test]

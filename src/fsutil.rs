@@ -28,14 +28,34 @@ pub fn write_with(path: &Path, fill: impl FnOnce(&mut std::io::BufWriter<std::fs
     done
 }
 
-/// Remove the staging folders in `parent` named `<prefix><pid>...` whose process is gone:
-/// what a writer killed before it could clean up left (a signal, `kill -9`, a full disk that
-/// stopped the cleanup). Those of live processes (another export to the same folder) stay.
+/// `<prefix><owner>-<pid>`: the start of a staging folder's name that [`sweep_stale_staging`]
+/// can tell is this process's. `owner` stands for this host and pid namespace, since a pid
+/// is only meaningful there (another container or NFS client writing the same folder may
+/// run under the same number).
+pub fn staging_name(prefix: &str) -> String {
+    format!("{prefix}{}-{}", staging_owner(), std::process::id())
+}
+
+/// A hash of the hostname and the pid namespace's inode (16 hex digits).
+fn staging_owner() -> String {
+    use std::os::unix::fs::MetadataExt;
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let ns = std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0);
+    // FNV-1a: stable across runs and builds (std's hasher is not promised to be).
+    let h = format!("{}\n{ns}", host.trim()).bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    format!("{h:016x}")
+}
+
+/// Remove the staging folders in `parent` named by [`staging_name`] for `prefix` whose process
+/// is gone: what a writer killed before it could clean up left (a signal, `kill -9`, a full
+/// disk that stopped the cleanup). Only folders of this host and pid namespace are judged;
+/// those of live processes (another export to the same folder) stay.
 pub fn sweep_stale_staging(parent: &Path, prefix: &str) {
     let Ok(entries) = std::fs::read_dir(parent) else { return };
+    let mine = format!("{prefix}{}-", staging_owner());
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        let Some(rest) = name.strip_prefix(prefix) else { continue };
+        let Some(rest) = name.strip_prefix(&mine) else { continue };
         let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
         let Ok(pid) = digits.parse::<i32>() else { continue };
         if pid as u32 != std::process::id() && !process_alive(pid) {
@@ -181,14 +201,17 @@ mod tests {
     #[test]
     fn staging_folders_of_dead_processes_are_swept_and_live_ones_kept() {
         let d = tempfile::tempdir().unwrap();
-        let dead = d.path().join(".out.import-999999999-0-1"); // past any pid_max
-        let mine = d.path().join(format!(".out.import-{}-0-1", std::process::id()));
-        let other = d.path().join(".other.import-999999999-0-1");
-        for p in [&dead, &mine, &other] {
+        let owner = staging_owner();
+        let dead = d.path().join(format!(".out.import-{owner}-999999999-0-1")); // past any pid_max
+        let mine = d.path().join(format!("{}-0-1", staging_name(".out.import-")));
+        let other = d.path().join(format!(".other.import-{owner}-999999999-0-1"));
+        // Another host's or container's: its pid means nothing here.
+        let elsewhere = d.path().join(".out.import-0123456789abcdef-999999999-0-1");
+        for p in [&dead, &mine, &other, &elsewhere] {
             std::fs::create_dir_all(p.join("inside")).unwrap();
         }
         sweep_stale_staging(d.path(), ".out.import-");
-        assert!(!dead.exists() && mine.exists() && other.exists());
+        assert!(!dead.exists() && mine.exists() && other.exists() && elsewhere.exists());
     }
 
     #[test]

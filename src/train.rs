@@ -872,6 +872,7 @@ fn save_checkpoint(rk: &RankRun, step: usize, micro_index: u64) -> Result<Option
             pass_rows: Some(pass_rows(r, rk.fused, rk.resident)),
             model_fingerprint: Some(rk.model_fingerprint.clone()),
             data_fingerprint: Some(rk.data_fingerprint.clone()),
+            model_fingerprint_version: MODEL_FINGERPRINT_VERSION,
             peak_rss_mb: rk.run_peak_rss_mb(),
         };
         rk.log
@@ -1095,8 +1096,13 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
     }
     // The same paths must hold the same files: a model or dataset replaced in place is
     // not the run's.
+    // (A checkpoint's model fingerprint is compared over the files it covered then.)
+    let model_now = match state.model_fingerprint_version {
+        MODEL_FINGERPRINT_VERSION => rk.model_fingerprint.clone(),
+        v => model_fingerprint(&rk.model_dir, &canonical(rk.out_dir.clone()), v),
+    };
     for (saved, now, key, what) in [
-        (&state.model_fingerprint, &rk.model_fingerprint, "model.path", "the model's files (config.json, weights, tokenizer)"),
+        (&state.model_fingerprint, &model_now, "model.path", "the model's files (config.json, weights, tokenizer)"),
         (&state.data_fingerprint, &rk.data_fingerprint, "data.train", "the training data's files"),
     ] {
         if saved.as_ref().is_some_and(|s| s != now) {
@@ -1121,20 +1127,25 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
 fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir, loader: &Loader) -> (String, String) {
     let out = canonical(loaded.resolve(&loaded.recipe.output.dir));
     let data: Vec<PathBuf> = loader.files().into_iter().map(canonical).collect();
-    (model_fingerprint(model_dir, &out), crate::fsutil::fingerprint(&data, &|_| true, &out, true))
+    (model_fingerprint(model_dir, &out, MODEL_FINGERPRINT_VERSION), crate::fsutil::fingerprint(&data, &|_| true, &out, true))
 }
 
 fn canonical(p: PathBuf) -> PathBuf {
     p.canonicalize().unwrap_or(p)
 }
 
+/// What [`model_fingerprint`] covers now: 1 counts special_tokens_map.json, 0 (checkpoints
+/// written before) did not.
+const MODEL_FINGERPRINT_VERSION: u32 = 1;
+
 /// The fingerprint of the model's files training reads: those at the top of its folder (a
 /// model folder is flat; runs, merged exports or other models kept in subfolders of it are
-/// not its files).
-fn model_fingerprint(model_dir: &ModelDir, out: &std::path::Path) -> String {
+/// not its files), over the files `version` of it covers.
+fn model_fingerprint(model_dir: &ModelDir, out: &std::path::Path, version: u32) -> String {
     let model_files = |n: &str| {
         n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json") || n.ends_with(".gguf")
-            || ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"].contains(&n)
+            || ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"].contains(&n)
+            || (version >= 1 && n == "special_tokens_map.json")
     };
     let model: Vec<PathBuf> = std::iter::once(model_dir.dir.clone()).chain(model_dir.gguf.clone()).map(canonical).collect();
     crate::fsutil::fingerprint(&model, &model_files, out, false)
@@ -1162,7 +1173,7 @@ pub fn check_export_base(run: &std::path::Path, checkpoint: Option<&str>, base: 
     let Some(dir) = dir.filter(|d| d.join("state.json").is_file()) else { return Ok(()) };
     let (state, _) = crate::checkpoint::read_state(&dir)?;
     let Some(want) = state.model_fingerprint else { return Ok(()) };
-    if model_fingerprint(base, &canonical(run.to_path_buf())) != want {
+    if model_fingerprint(base, &canonical(run.to_path_buf()), state.model_fingerprint_version) != want {
         return Err(Error::Export(format!(
             "the base {}'s files (config.json, weights, tokenizer) differ from those run {} was trained on (recorded in {}): merge into the base it trained on, or pass --adapter {} and --base to use this one on purpose",
             base.dir.display(),

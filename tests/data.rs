@@ -710,6 +710,23 @@ fn overflow_truncates_or_drops_and_counts() {
     assert_eq!(l.stats.dropped, 1);
 }
 
+/// Token batches hold whole records: one longer than the budget is an error naming it, never
+/// a micro-batch over the budget; a max_seq_len above the budget is fine while none is.
+#[test]
+fn a_record_longer_than_the_token_budget_is_an_error_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("t.jsonl");
+    let short = serde_json::json!({"text": "a b"}).to_string();
+    write_jsonl(&p, &[short.clone(), short.clone(), short]);
+    let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 512, ..opts() }).unwrap();
+    assert!(l.next_token_batch(16).unwrap().iter().all(|e| e.input_ids.len() <= 16));
+    write_jsonl(&p, &[serde_json::json!({"text": "w ".repeat(40)}).to_string()]);
+    let mut l = loader(&[p], None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 512, ..opts() }).unwrap();
+    let e = l.next_token_batch(16).unwrap_err().to_string();
+    assert!(e.contains("t.jsonl") && e.contains("row 0") && e.contains("data.max_tokens = 16"), "{e}");
+}
+
 /// The counts are of the dataset's records: later passes read the same ones again.
 #[test]
 fn records_are_counted_once_however_many_passes_read_them() {

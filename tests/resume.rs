@@ -352,22 +352,45 @@ fn twenty_sigkills_in_a_row_lose_nothing() {
 /// a finished one) carries the peak its checkpoint recorded.
 #[test]
 fn a_resumed_run_reports_the_peak_memory_of_the_whole_run() {
-    use sha2::Digest;
     let root = setup();
     let dir = run_dir(root.path(), "run", RECIPE);
     train(&dir, &["train.max_steps=2"]).unwrap();
     // An earlier process that peaked far higher than any this test runs: its checkpoint says so.
-    let ckpt = dir.join("out/checkpoints/step-000002");
-    let mut state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
-    assert!(state["peak_rss_mb"].as_f64().is_some_and(|p| p > 0.0), "checkpoints record the peak: {state}");
-    state["peak_rss_mb"] = 1.0e9.into();
-    let bytes = serde_json::to_vec_pretty(&state).unwrap();
-    std::fs::write(ckpt.join("state.json"), &bytes).unwrap();
-    common::edit_json(&ckpt.join("manifest.json"), |m| {
-        m["files"]["state.json"] = serde_json::json!({"bytes": bytes.len(), "sha256": sha2::Sha256::digest(&bytes).iter().map(|x| format!("{x:02x}")).collect::<String>()});
+    edit_state(&dir.join("out/checkpoints/step-000002"), |state| {
+        assert!(state["peak_rss_mb"].as_f64().is_some_and(|p| p > 0.0), "checkpoints record the peak: {state}");
+        state["peak_rss_mb"] = 1.0e9.into();
     });
     train(&dir, &["train.max_steps=3"]).unwrap();
     let peak = |p: &Path| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap()["peak_rss_mb"].as_f64();
     assert_eq!(peak(&dir.join("out/summary.json")), Some(1.0e9));
     assert_eq!(peak(&dir.join("out/checkpoints/step-000003/state.json")), Some(1.0e9), "and passes it on");
+}
+
+/// Edit a checkpoint's state.json as an earlier version (or process) wrote it, keeping its
+/// manifest's checksum true.
+fn edit_state(ckpt: &Path, f: impl Fn(&mut serde_json::Value)) {
+    use sha2::Digest;
+    let mut state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap();
+    f(&mut state);
+    let bytes = serde_json::to_vec_pretty(&state).unwrap();
+    std::fs::write(ckpt.join("state.json"), &bytes).unwrap();
+    common::edit_json(&ckpt.join("manifest.json"), |m| {
+        m["files"]["state.json"] = serde_json::json!({"bytes": bytes.len(), "sha256": sha2::Sha256::digest(&bytes).iter().map(|x| format!("{x:02x}")).collect::<String>()});
+    });
+}
+
+/// A checkpoint written before special_tokens_map.json counted among the model's files
+/// resumes beside one (its fingerprint is compared over the files it covered then).
+#[test]
+fn a_checkpoint_from_before_the_special_tokens_map_counted_still_resumes() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=2"]).unwrap();
+    edit_state(&dir.join("out/checkpoints/step-000002"), |state| {
+        assert_eq!(state["model_fingerprint_version"], 1);
+        state.as_object_mut().unwrap().remove("model_fingerprint_version");
+    });
+    std::fs::write(root.path().join("model/special_tokens_map.json"), r#"{"eos_token": "<unk>"}"#).unwrap();
+    let s = train(&dir, &["train.max_steps=3"]).unwrap();
+    assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![3]);
 }

@@ -366,6 +366,17 @@ impl Loader {
                 }
                 pool.push(item);
             }
+            // A record is never split: one longer than the budget would run as a micro-batch
+            // over it, past the memory the budget (and checkpointing's plan) allow.
+            if let Some((len, pos)) = pool.iter().map(|(e, p)| (e.input_ids.len(), *p)).find(|&(len, _)| len > max_tokens) {
+                let r = self.rows.row_at(pos)?;
+                let msg = format!(
+                    "{} is {len} tokens long, more than data.max_tokens = {max_tokens} (batch_by = \"tokens\" batches whole records): \
+                     raise data.max_tokens to at least {len}, or lower data.max_seq_len to {max_tokens}",
+                    r.at()
+                );
+                return Err(Error::data(r.file, msg));
+            }
             pool.sort_by_key(|(e, p)| (e.input_ids.len(), p.index));
             let mut batches: Vec<Vec<(Example, RowPos)>> = Vec::new();
             let mut cur: Vec<(Example, RowPos)> = Vec::new();

@@ -409,7 +409,7 @@ fn merge_dequantised(name: String, adapter: &PeftAdapter, out: &Path, opts: &Exp
     for stale in [format!(".{leaf}.dequantised-"), format!("..{leaf}.dequantised-")] {
         crate::fsutil::sweep_stale_staging(parent, &stale);
     }
-    let deq = parent.join(format!(".{leaf}.dequantised-{}", std::process::id()));
+    let deq = parent.join(crate::fsutil::staging_name(&format!(".{leaf}.dequantised-")));
     let _ = std::fs::remove_dir_all(&deq);
     let res = write(&deq).and_then(|_| merge(&ModelDir { dir: deq.clone(), name, commit: None, gguf: None }, adapter, out, opts));
     let _ = std::fs::remove_dir_all(&deq);

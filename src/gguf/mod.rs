@@ -1266,7 +1266,7 @@ fn write_folder<T>(out: &Path, fill: impl FnOnce(&Path) -> Result<T>) -> Result<
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     let prefix = format!(".{}.import-", name.to_string_lossy());
     crate::fsutil::sweep_stale_staging(parent, &prefix);
-    let tmp = parent.join(format!("{prefix}{}-{call}-{nanos}", std::process::id()));
+    let tmp = parent.join(format!("{}-{call}-{nanos}", crate::fsutil::staging_name(&prefix)));
     std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let mut staging = Staging(Some(tmp.clone()));
     let value = fill(&tmp)?;
