@@ -104,12 +104,14 @@ impl Hub {
         let on = |k: &str| var(k).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
         let offline = on("HF_HUB_OFFLINE") || on("TRANSFORMERS_OFFLINE");
         let endpoint = var("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".into()).trim_end_matches('/').to_string();
+        // (huggingface_hub reads 0 as its default, 10 s.)
         let seconds = |k: &str| -> Result<std::time::Duration> {
-            match var(k) {
+            match var(k).map(|v| (v.trim().parse::<f64>().ok(), v)) {
                 None => Ok(std::time::Duration::from_secs(10)),
-                Some(v) => v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9).map(std::time::Duration::from_secs_f64).ok_or_else(|| Error::Hub {
+                Some((Some(0.0), _)) => Ok(std::time::Duration::from_secs(10)),
+                Some((s, v)) => s.filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9).map(std::time::Duration::from_secs_f64).ok_or_else(|| Error::Hub {
                     repo: "(any)".into(),
-                    msg: format!("{k} = {v:?}: expected a number of seconds above 0"),
+                    msg: format!("{k} = {v:?}: expected a number of seconds (0 for the default, 10)"),
                 }),
             }
         };
@@ -721,12 +723,20 @@ fn answered<T: Send + 'static>(timeout: std::time::Duration, progress: &std::syn
     std::thread::spawn(move || {
         let _ = tx.send(request());
     });
-    let mut seen = progress.load(Ordering::Relaxed);
+    // Bytes are looked for every tenth of the timeout, so a stall is seen within 1.1 of it.
+    let (mut seen, mut last) = (progress.load(Ordering::Relaxed), std::time::Instant::now());
     loop {
-        match rx.recv_timeout(timeout) {
+        match rx.recv_timeout(timeout / 10) {
             Ok(v) => return Some(v),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if progress.load(Ordering::Relaxed) != seen => seen = progress.load(Ordering::Relaxed),
-            Err(_) => return None,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                let now = progress.load(Ordering::Relaxed);
+                if now != seen {
+                    (seen, last) = (now, std::time::Instant::now());
+                } else if last.elapsed() >= timeout {
+                    return None;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
         }
     }
 }

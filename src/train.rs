@@ -1097,15 +1097,11 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
     // The same paths must hold the same files: a model or dataset replaced in place is
     // not the run's.
     // (A checkpoint's model fingerprint is compared over the files it covered then.)
-    let model_now = match state.model_fingerprint_version {
-        MODEL_FINGERPRINT_VERSION => rk.model_fingerprint.clone(),
-        v => model_fingerprint(&rk.model_dir, &canonical(rk.out_dir.clone()), v),
-    };
-    for (saved, now, key, what) in [
-        (&state.model_fingerprint, &model_now, "model.path", "the model's files (config.json, weights, tokenizer)"),
-        (&state.data_fingerprint, &rk.data_fingerprint, "data.train", "the training data's files"),
-    ] {
-        if saved.as_ref().is_some_and(|s| s != now) {
+    let out = canonical(rk.out_dir.clone());
+    let model_same = state.model_fingerprint.as_ref().is_none_or(|s| model_matches(s, state.model_fingerprint_version, &rk.model_dir, &out));
+    let data_same = state.data_fingerprint.as_ref().is_none_or(|s| *s == rk.data_fingerprint);
+    for (same, key, what) in [(model_same, "model.path", "the model's files (config.json, weights, tokenizer)"), (data_same, "data.train", "the training data's files")] {
+        if !same {
             return Err(Error::Recipe {
                 file: loaded.file.display().to_string(),
                 key: key.into(),
@@ -1151,6 +1147,15 @@ fn model_fingerprint(model_dir: &ModelDir, out: &std::path::Path, version: u32) 
     crate::fsutil::fingerprint(&model, &model_files, out, false)
 }
 
+/// Whether the model's files are those a checkpoint recorded as `saved`, by the fingerprint
+/// `version` it wrote. A version-0 checkpoint may be from before special_tokens_map.json
+/// counted or from the commits that counted it before the version was recorded: either
+/// fingerprint matching is a match.
+fn model_matches(saved: &str, version: u32, model_dir: &ModelDir, out: &std::path::Path) -> bool {
+    let versions: &[u32] = if version == 0 { &[0, 1] } else { &[version] };
+    versions.iter().any(|&v| model_fingerprint(model_dir, out, v) == saved)
+}
+
 /// The base a run that just finished trained on (`ModelDir::of_run`: `path` at its recorded
 /// hub commit), checked against the files it trained on ([`check_export_base`]): what the
 /// end-of-run merge and GGUF export write from.
@@ -1173,7 +1178,7 @@ pub fn check_export_base(run: &std::path::Path, checkpoint: Option<&str>, base: 
     let Some(dir) = dir.filter(|d| d.join("state.json").is_file()) else { return Ok(()) };
     let (state, _) = crate::checkpoint::read_state(&dir)?;
     let Some(want) = state.model_fingerprint else { return Ok(()) };
-    if model_fingerprint(base, &canonical(run.to_path_buf()), state.model_fingerprint_version) != want {
+    if !model_matches(&want, state.model_fingerprint_version, base, &canonical(run.to_path_buf())) {
         return Err(Error::Export(format!(
             "the base {}'s files (config.json, weights, tokenizer) differ from those run {} was trained on (recorded in {}): merge into the base it trained on, or pass --adapter {} and --base to use this one on purpose",
             base.dir.display(),

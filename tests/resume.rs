@@ -393,4 +393,10 @@ fn a_checkpoint_from_before_the_special_tokens_map_counted_still_resumes() {
     std::fs::write(root.path().join("model/special_tokens_map.json"), r#"{"eos_token": "<unk>"}"#).unwrap();
     let s = train(&dir, &["train.max_steps=3"]).unwrap();
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![3]);
+    // Written with the map counted but no version recorded (the commits between): resumes too.
+    edit_state(&dir.join("out/checkpoints/step-000003"), |state| {
+        state.as_object_mut().unwrap().remove("model_fingerprint_version");
+    });
+    let s = train(&dir, &["train.max_steps=4"]).unwrap();
+    assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![4]);
 }
