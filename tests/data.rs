@@ -811,6 +811,24 @@ fn data_inspect_marks_trained_tokens_and_counts_overflow() {
     assert!(!d.path().join("out").exists(), "inspect writes nothing");
 }
 
+/// `datasets` reads .json files in a data folder; finetune does not, and says so.
+#[test]
+fn json_files_in_a_data_folder_are_named_as_not_read() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let dir = d.path().join("data");
+    std::fs::create_dir_all(&dir).unwrap();
+    let row = serde_json::json!({"text": "a b c"}).to_string();
+    write_jsonl(&dir.join("a.jsonl"), std::slice::from_ref(&row));
+    write_jsonl(&dir.join("more.json"), &[row]);
+    std::fs::write(dir.join("dataset_info.json"), "{}").unwrap();
+    std::fs::write(d.path().join("r.toml"), format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"data\"\nformat = \"text\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("more.json not read") && !err.contains("dataset_info.json"), "{err}");
+}
+
 #[test]
 fn record_formats_render_as_documented() {
     let d = tempfile::tempdir().unwrap();

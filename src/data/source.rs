@@ -165,6 +165,20 @@ fn folder_files(path: &Path, split: Split) -> Result<Vec<PathBuf>> {
         .filter(|p| p.extension().is_some_and(|x| x == "arrow" || x == "parquet" || x == "jsonl"))
         .collect();
     files.sort();
+    // `datasets`' json loader reads .json files too (JSON Lines or one array): say which are
+    // not read here rather than train without them (metadata files aside).
+    let mut json: Vec<String> = std::fs::read_dir(path)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.ends_with(".json") && !["dataset_info.json", "dataset_dict.json", "state.json", "config.json"].contains(&n.as_str()))
+        .collect();
+    json.sort();
+    if let Some(first) = json.first() {
+        let more = if json.len() > 1 { format!(" and {} more", json.len() - 1) } else { String::new() };
+        crate::note!("note: {}: {first}{more} not read: data files are .jsonl, .parquet and .arrow (rename a JSON Lines file to .jsonl)", path.display());
+    }
     if files.is_empty() {
         return Err(Error::data(path, "has no state.json and no .arrow, .parquet or .jsonl files"));
     }
