@@ -675,21 +675,31 @@ fn turn_span(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize
     // the content, only moved (a template that writes a system prompt with the first turn
     // when the conversation opens with the assistant), the turn starts with its content.
     let generation_prompt = prompt.strip_prefix(before.as_str()).unwrap_or("");
+    // The conversation through this turn with its content replaced, as the turn renders when
+    // it is the last one: rendered once, where the start or the end needs it.
+    let alone_text: std::cell::OnceCell<String> = std::cell::OnceCell::new();
+    let alone = || -> std::result::Result<&str, String> {
+        if let Some(a) = alone_text.get() {
+            return Ok(a.as_str());
+        }
+        let mut alone = m[..=i].to_vec();
+        alone[i] = msg.with_content(PLACEHOLDER);
+        let rendered = render(&alone, false)?;
+        Ok(alone_text.get_or_init(|| rendered).as_str())
+    };
     let start = if start == prompt.len() {
         start.min(from)
     } else if !text[..from].ends_with(generation_prompt) && text.starts_with(&before) && start >= before.len() && start <= from {
         start
     } else {
-        from - lead_in(t, m, vars, i, generation_prompt, &text[..from])?
+        from - lead_in(alone()?, generation_prompt, &text[..from])
     };
     let end = if ends_as_rendered && through.len() > to {
         through.len()
     } else {
         // Its end-of-turn marker: what the template writes after the turn's content when
         // the turn is the last one, as far as `text` has it.
-        let mut alone = m[..=i].to_vec();
-        alone[i] = msg.with_content(PLACEHOLDER);
-        let marker = &through[differing(&through, &render(&alone, false)?).1..];
+        let marker = &through[differing(&through, alone()?).1..];
         let end = to + common_prefix(&text[to..], marker);
         // A marker that agrees only in part may run into the next turn's first token
         // (Phi-3's "<|end|>\n<|endoftext|>" against "<|end|>\n<|user|>" agree on "<|"):
@@ -699,24 +709,22 @@ fn turn_span(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize
     Ok(Some(start..end))
 }
 
-/// Bytes before assistant turn `i`'s content (which `text_before` ends at) that the template
+/// Bytes before an assistant turn's content (which `text_before` ends at) that the template
 /// writes after the turn's header when the turn is the last one (Qwen3's empty
 /// `<think>\n\n</think>\n\n`), where `text_before` has the header and all of them there; else 0.
-/// They are the turn's: found by content only because an earlier turn renders otherwise in
-/// the conversation than at its end (Qwen3 writes a turn's think block only when it is last,
-/// so two answers in a row put the conversation before the second out of step).
-fn lead_in(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize, generation_prompt: &str, text_before: &str) -> std::result::Result<usize, String> {
+/// `alone`: the conversation through the turn, its content replaced by [`PLACEHOLDER`]. They
+/// are the turn's: found by content only because an earlier turn renders otherwise in the
+/// conversation than at its end (Qwen3 writes a turn's think block only when it is last, so
+/// two answers in a row put the conversation before the second out of step).
+fn lead_in(alone: &str, generation_prompt: &str, text_before: &str) -> usize {
     if generation_prompt.is_empty() {
-        return Ok(0);
+        return 0;
     }
-    let mut alone = m[..=i].to_vec();
-    alone[i] = m[i].with_content(PLACEHOLDER);
-    let rendered = t.render_with(&alone, vars, false).map_err(|e| e.to_string())?;
-    let Some(pre) = rendered.find(PLACEHOLDER).map(|p| &rendered[..p]) else { return Ok(0) };
-    let Some(header) = pre.rfind(generation_prompt) else { return Ok(0) };
+    let Some(pre) = alone.find(PLACEHOLDER).map(|p| &alone[..p]) else { return 0 };
+    let Some(header) = pre.rfind(generation_prompt) else { return 0 };
     let lead = &pre[header + generation_prompt.len()..];
     let there = text_before.strip_suffix(lead).is_some_and(|t| t.ends_with(generation_prompt));
-    Ok(if there { lead.len() } else { 0 })
+    if there { lead.len() } else { 0 }
 }
 
 /// Content that stands for an assistant turn's while it is looked for (a private-use char).
