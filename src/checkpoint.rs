@@ -382,18 +382,12 @@ fn pinned_since(old: &toml::Value, new: &toml::Value) -> bool {
 
 /// A data entry without its `@revision` (`org/name@rev:split` -> `org/name:split`).
 fn unpinned(s: &str) -> String {
-    match s.split_once('@') {
-        Some((id, rest)) => format!("{id}{}", rest.find(':').map_or("", |i| &rest[i..])),
-        None => s.to_string(),
-    }
+    crate::hub::DataEntry::parse(s).at(None)
 }
 
-/// Whether a data entry names a hub commit (`@` and 40 hex digits).
+/// Whether a data entry names a hub commit (`@<commit>`).
 fn has_pin(s: &str) -> bool {
-    s.split_once('@').is_some_and(|(_, rest)| {
-        let rev = rest.split(':').next().unwrap_or("");
-        rev.len() == 40 && rev.bytes().all(|b| b.is_ascii_hexdigit())
-    })
+    crate::hub::DataEntry::parse(s).revision.is_some_and(crate::hub::is_commit)
 }
 
 #[cfg(test)]

@@ -257,7 +257,36 @@ pub fn snapshot_commit(file: &Path) -> Option<String> {
     dirs.get(at + 1).and_then(|c| c.to_str()).filter(|c| is_commit(c)).map(String::from)
 }
 
-fn is_commit(s: &str) -> bool {
+/// A data entry in the hub's syntax, `org/name[@revision][:split]`, in its parts.
+pub struct DataEntry<'a> {
+    /// All before `:split` (what a local path would be).
+    pub path: &'a str,
+    pub id: &'a str,
+    pub revision: Option<&'a str>,
+    pub split: Option<&'a str>,
+}
+
+impl<'a> DataEntry<'a> {
+    pub fn parse(s: &'a str) -> Self {
+        let (path, split) = match s.rsplit_once(':') {
+            Some((a, b)) if !b.contains('/') && !a.is_empty() => (a, Some(b)),
+            _ => (s, None),
+        };
+        let (id, revision) = match path.split_once('@') {
+            Some((i, r)) => (i, Some(r)),
+            None => (path, None),
+        };
+        DataEntry { path, id, revision, split }
+    }
+
+    /// The entry at `revision` (none: without one), its split kept.
+    pub fn at(&self, revision: Option<&str>) -> String {
+        format!("{}{}{}", self.id, revision.map(|r| format!("@{r}")).unwrap_or_default(), self.split.map(|s| format!(":{s}")).unwrap_or_default())
+    }
+}
+
+/// A full commit id: 40 hex digits.
+pub fn is_commit(s: &str) -> bool {
     s.len() == 40 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
@@ -469,10 +498,9 @@ impl<'a> CachedRepo<'a> {
     }
 
     /// One download of `file` (hf-hub's, with its retries), waited for while bytes arrive:
-    /// an error naming HF_HUB_DOWNLOAD_TIMEOUT when none come for that long.
-    #[allow(clippy::type_complexity)]
-    /// Pinned to `commit`, so every file comes from the commit the listing named even if the
-    /// branch moves meanwhile.
+    /// an error naming HF_HUB_DOWNLOAD_TIMEOUT when none come for that long. Pinned to
+    /// `commit`, so every file comes from the commit the listing named even if the branch
+    /// moves meanwhile.
     fn download(&self, commit: &str, file: &str) -> Result<(std::result::Result<PathBuf, ApiError>, Bar)> {
         let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut bar = Bar { progress: progress.clone(), ..Default::default() };

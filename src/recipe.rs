@@ -637,7 +637,6 @@ impl LoadedRecipe {
         Error::Recipe { file: self.file.display().to_string(), key: key.into(), msg: msg.into() }
     }
 
-    /// Checks that need more than one key or a value range.
     /// `data.batch_by = "tokens"`: whole records grouped by length under `data.max_tokens`.
     fn check_token_batches(&self) -> Result<()> {
         let d = &self.recipe.data;
@@ -653,6 +652,7 @@ impl LoadedRecipe {
         Ok(())
     }
 
+    /// Checks that need more than one key or a value range.
     fn check_values(&self) -> Result<()> {
         let r = &self.recipe;
         if r.lora.rank == 0 {
@@ -1286,7 +1286,6 @@ dir = "out"
         let e = err_text(MINIMAL, &["data.max_tokens=4096"]);
         assert!(e.contains("`data.max_tokens`") && e.contains("batch_by"), "{e}");
         load(MINIMAL, &["data.max_tokens=4096", "data.batch_by=\"tokens\""]).unwrap();
-
         load(MINIMAL, &["data.format=\"messages\"", "data.template=\"chatml\""]).unwrap();
     }
 

@@ -1294,32 +1294,20 @@ fn data_sources(d: &crate::recipe::DataSection, role: Role) -> (Vec<PathBuf>, Sp
     }
 }
 
-/// A data entry split into what comes before a `:split` suffix, and the split.
-fn hub_split_suffix(s: &str) -> (&str, Option<&str>) {
-    match s.rsplit_once(':') {
-        Some((a, b)) if !b.contains('/') && !a.is_empty() => (a, Some(b)),
-        _ => (s, None),
-    }
-}
-
 /// A data entry that names no local path but a hub dataset repo (`org/name[@revision][:split]`):
 /// its data files of that split (or `data.split`), downloaded into the hub cache.
 fn hub_dataset(loaded: &LoadedRecipe, p: &std::path::Path, split: Split) -> Result<Option<Vec<PathBuf>>> {
     let s = p.to_string_lossy();
-    let (rest, sp) = hub_split_suffix(&s);
-    if loaded.resolve(p).exists() || loaded.resolve(std::path::Path::new(rest)).exists() {
+    let e = crate::hub::DataEntry::parse(&s);
+    if loaded.resolve(p).exists() || loaded.resolve(std::path::Path::new(e.path)).exists() {
         return Ok(None);
     }
-    let (id, rev) = match rest.split_once('@') {
-        Some((i, r)) => (i, Some(r)),
-        None => (rest, None),
-    };
     // A data file's name is a path that does not exist, not a repo.
-    let file_like = ["jsonl", "json", "parquet", "arrow"].iter().any(|x| id.ends_with(&format!(".{x}")));
-    if !crate::hub::looks_like_repo(id) || file_like {
+    let file_like = ["jsonl", "json", "parquet", "arrow"].iter().any(|x| e.id.ends_with(&format!(".{x}")));
+    if !crate::hub::looks_like_repo(e.id) || file_like {
         return Ok(None);
     }
-    crate::hub::Hub::from_env()?.dataset(id, rev, sp.map_or(split, |sp| split.named(sp))).map(Some).map_err(|e| crate::hub::not_local_either(e, &loaded.resolve(p)))
+    crate::hub::Hub::from_env()?.dataset(e.id, e.revision, e.split.map_or(split, |sp| split.named(sp))).map(Some).map_err(|err| crate::hub::not_local_either(err, &loaded.resolve(p)))
 }
 
 /// Resolve a data path against the recipe folder, keeping a `:split` suffix.
@@ -1475,10 +1463,7 @@ fn pinned_data(loaded: &LoadedRecipe, paths: &crate::recipe::Paths, role: Role) 
         let Some(files) = hub_dataset(loaded, p, split)? else { return Ok(p.clone()) };
         let commit = files.first().and_then(|f| crate::hub::snapshot_commit(f));
         let Some(commit) = commit else { return Ok(p.clone()) };
-        let s = p.to_string_lossy();
-        let (rest, sp) = hub_split_suffix(&s);
-        let id = rest.split_once('@').map_or(rest, |(id, _)| id);
-        Ok(PathBuf::from(format!("{id}@{commit}{}", sp.map(|sp| format!(":{sp}")).unwrap_or_default())))
+        Ok(PathBuf::from(crate::hub::DataEntry::parse(&p.to_string_lossy()).at(Some(&commit))))
     };
     Ok(match paths {
         crate::recipe::Paths::One(p) => crate::recipe::Paths::One(pin(p)?),

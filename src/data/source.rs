@@ -159,26 +159,17 @@ const NO_SPLIT: &str = "(files without a split name)";
 /// they hold (train.jsonl and test.jsonl), only the files of one split are read ([`Split`]),
 /// never a mix (a test set trained on with exit 0).
 fn folder_files(path: &Path, split: Split) -> Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(path)
-        .map_err(|e| Error::io(path, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "arrow" || x == "parquet" || x == "jsonl"))
-        .collect();
-    files.sort();
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(path).map_err(|e| Error::io(path, e))?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    entries.sort();
     // `datasets`' json loader reads .json files too (JSON Lines or one array): say which are
     // not read here rather than train without them (metadata files aside).
-    let mut json: Vec<String> = std::fs::read_dir(path)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().to_string())
-        .filter(|n| n.ends_with(".json") && !["dataset_info.json", "dataset_dict.json", "state.json", "config.json"].contains(&n.as_str()))
-        .collect();
-    json.sort();
+    let metadata = ["dataset_info.json", "dataset_dict.json", "state.json", "config.json"];
+    let json: Vec<&str> = entries.iter().filter_map(|p| p.file_name()?.to_str()).filter(|n| n.ends_with(".json") && !metadata.contains(n)).collect();
     if let Some(first) = json.first() {
         let more = if json.len() > 1 { format!(" and {} more", json.len() - 1) } else { String::new() };
         crate::note!("note: {}: {first}{more} not read: data files are .jsonl, .parquet and .arrow (rename a JSON Lines file to .jsonl)", path.display());
     }
+    let files: Vec<PathBuf> = entries.iter().filter(|p| p.extension().is_some_and(|x| x == "arrow" || x == "parquet" || x == "jsonl")).cloned().collect();
     if files.is_empty() {
         return Err(Error::data(path, "has no state.json and no .arrow, .parquet or .jsonl files"));
     }
