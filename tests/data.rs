@@ -41,19 +41,21 @@ fn formatter(model: &Path, format: &str, template: Option<&str>, train_on_prompt
     Formatter::new(format, template, &Default::default(), train_on_prompt, model, 49152).unwrap()
 }
 
+/// A copy of `model` in `root/<name>` with `chat-templates/<name>.jinja` as its template (as
+/// a model folder holds DeepSeek-R1-Distill's or Qwen3's).
+fn with_template(root: &Path, model: &Path, name: &str) -> PathBuf {
+    let dir = root.join(name);
+    copy_dir(model, &dir);
+    std::fs::copy(fixture(&format!("chat-templates/{name}.jinja")), dir.join("chat_template.jinja")).unwrap();
+    dir
+}
+
 #[test]
 fn chat_templates_give_the_token_ids_transformers_gives() {
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
     let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("chat-templates/expected.json")).unwrap()).unwrap();
-    // DeepSeek-R1-Distill's and Qwen3's templates, as a model folder holds them.
-    let with_template = |name: &str| {
-        let dir = d.path().join(name);
-        copy_dir(&m, &dir);
-        std::fs::copy(fixture(&format!("chat-templates/{name}.jinja")), dir.join("chat_template.jinja")).unwrap();
-        dir
-    };
-    let (r1, qwen3) = (with_template("r1"), with_template("qwen3"));
+    let (r1, qwen3) = (with_template(d.path(), &m, "r1"), with_template(d.path(), &m, "qwen3"));
     for (i, c) in f["cases"].as_array().unwrap().iter().enumerate() {
         let name = c["template"].as_str().unwrap();
         let fmt = match name {
@@ -498,9 +500,7 @@ fn a_tool_call_turn_with_null_content_renders_its_calls() {
     // content is None (OpenAI-style `"content": null`).
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
-    let r1 = d.path().join("r1");
-    copy_dir(&m, &r1);
-    std::fs::copy(fixture("chat-templates/r1.jinja"), r1.join("chat_template.jinja")).unwrap();
+    let r1 = with_template(d.path(), &m, "r1");
     let p = d.path().join("tools.jsonl");
     let call = serde_json::json!([{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]);
     let msgs = serde_json::json!([
@@ -602,9 +602,7 @@ fn a_records_tools_and_chat_template_kwargs_reach_the_template() {
 fn a_qwen3_answer_after_an_answer_trains_its_think_block() {
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
-    let q = d.path().join("qwen3");
-    copy_dir(&m, &q);
-    std::fs::copy(fixture("chat-templates/qwen3.jinja"), q.join("chat_template.jinja")).unwrap();
+    let q = with_template(d.path(), &m, "qwen3");
     let f = formatter(&q, "messages", None, false);
     let msgs: Vec<Message> = serde_json::from_value(serde_json::json!([
         {"role": "user", "content": "q1"}, {"role": "user", "content": "q1b"},
@@ -622,9 +620,7 @@ fn a_messages_other_keys_reach_the_template_from_jsonl_and_arrow() {
     // would train an empty <think></think> instead.
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
-    let q = d.path().join("qwen3");
-    copy_dir(&m, &q);
-    std::fs::copy(fixture("chat-templates/qwen3.jinja"), q.join("chat_template.jinja")).unwrap();
+    let q = with_template(d.path(), &m, "qwen3");
     let turns = [("user", "6*7?", None), ("assistant", "42", Some("six sevens"))];
     let fields = vec![Field::new("role", DataType::Utf8, true), Field::new("content", DataType::Utf8, true), Field::new("reasoning_content", DataType::Utf8, true)];
     let mut lb = ListBuilder::new(StructBuilder::from_fields(fields.clone(), 2));
