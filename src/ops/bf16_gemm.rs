@@ -26,7 +26,8 @@
 //! AVX512-BF16 kernel: an 8 x 32 block of C in sixteen zmm accumulators; per k pair, two B
 //! rows and eight broadcast A pairs: sixteen `vdpbf16ps` per ten loads. The same kernel with
 //! one to three B strips (8 x 16 S, up to 24 accumulators) runs the swapped forward on few
-//! rows ([`gemm_wt`]), where W's rows are the broadcast operand.
+//! rows ([`gemm_wt`]), where W's rows are the broadcast operand, and the input gradient on
+//! few rows against W packed a slab of K at a time ([`gemm_kn`]).
 
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -269,7 +270,7 @@ impl PackedB {
             let group = (pairs / (4 * rayon::current_num_threads().max(1))).clamp(1, 8);
             // SAFETY: AVX-512 F + BW are present; `strips_kn` stores every element of its pairs'
             // strips and reads rows of W [K, N] only (checked above).
-            return unsafe { Self::packed_by_simd(k, n, group, |first, count, strips| simd_pack::strips_kn(w, k, n, first, count, strips)) };
+            return unsafe { Self::packed_by_simd(k, n, group, |first, count, strips| simd_pack::strips_kn(w, k, n, first, count, (0, k.div_ceil(TK)), k.div_ceil(TK) * TM * TK, strips)) };
         }
         Self::packed(k, n, |bn, strip| {
             let c0 = bn * TM;
@@ -396,6 +397,9 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
 /// Rows of A up to which [`gemm_wt`] reads W where it lies rather than packing it.
 const WT_MAX_ROWS: usize = 128;
 
+/// Bytes of Aᵀ's packed strips up to which [`gemm_wt`]'s dot kernel runs K in one panel.
+const WT_B_BYTES: usize = 256 << 10;
+
 /// C [M, N] = A [M, K] · Wᵀ for a bf16 W [N, K] (row-major), with W read where it lies as
 /// the kernel's first operand: Cᵀ = W · Aᵀ, so only A is packed (as Aᵀ, M columns). For the
 /// few rows of an expert, packing its weight on every call took as long as the GEMM on AMX
@@ -409,11 +413,9 @@ const WT_MAX_ROWS: usize = 128;
 /// bf16 unit, over `WT_MAX_ROWS` rows (packing W then pays for itself), N or K not a
 /// multiple of 32.
 ///
-/// The input gradient keeps its packing: W read in place by rows 2p, 2p + 1 interleaved in
-/// registers ran 2.3x slower where W's rows are 4 KB apart (a column strip of W shares cache
-/// sets and does not stay in cache across row blocks), and a few column pairs packed per
-/// task into a buffer that stays in L2 measured no faster in the step (that packing's time
-/// is W's strided read from memory).
+/// The input gradient keeps a packing ([`gemm_kn`] on few rows): W read in place by rows
+/// 2p, 2p + 1 interleaved in registers ran 2.3x slower where W's rows are 4 KB apart (a
+/// column strip of W shares cache sets and does not stay in cache across row blocks).
 pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec<f32>> {
     gemm_wt_with(kernel()?, a, m, w, n, k)
 }
@@ -431,13 +433,18 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
     let b = PackedB::from_nk(&ab, m, k);
     // Cᵀ's row length (M padded to AMX's column pairs, or to the dot kernel's strips) and the
     // units of W's rows the tasks share (AMX's bands of 32, the dot kernel's blocks of 8). K
-    // in panels as `gemm_with` cuts it: at 128 rows and a long K, Aᵀ would not stay in L2
-    // while a unit of W's rows passes.
-    let (np, units) = match kern {
-        Kernel::Amx => (b.nb * TM, n / (2 * TM)),
-        Kernel::Avx512Bf16 => (round_up(m, TM), n / dot::MR),
+    // in panels as `gemm_with` cuts it where Aᵀ would not stay in L2 while a unit of W's rows
+    // passes (at 128 rows and a long K); the dot kernel takes K whole where Aᵀ's strips fit
+    // in `WT_B_BYTES`: each W row is then one stream read once, and C is stored once (48
+    // rows x 2048 of K, Zen 5, 2026-11-27, `cold_expert_gemm_speed`: 530 -> 610 GFLOP/s).
+    let (np, units, most) = match kern {
+        Kernel::Amx => (b.nb * TM, n / (2 * TM), kern.k_panel()),
+        Kernel::Avx512Bf16 => {
+            let np = round_up(m, TM);
+            (np, n / dot::MR, (WT_B_BYTES / (np * TK * 2)).max(kern.k_panel()))
+        }
     };
-    let kc = k_panels(b.kb, kern.k_panel());
+    let kc = k_panels(b.kb, most);
     let mut ct: Vec<f32> = Vec::with_capacity(n * np); // Cᵀ [N, NP]
     let cs = crate::ops::Shared::uninit(&mut ct.spare_capacity_mut()[..n * np]);
     let per = units.div_ceil(2 * rayon::current_num_threads().max(1)).max(1);
@@ -459,11 +466,154 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
     }
     // SAFETY: the first K panel stored every unit's rows across every column of NP: all of Cᵀ.
     unsafe { ct.set_len(n * np) };
-    Some(crate::ops::par_zeroed(m * n, n, |i, row: &mut [f32]| {
-        for (j, v) in row.iter_mut().enumerate() {
-            *v = ct[j * np + i];
+    Some(transposed(&ct, n, np, m))
+}
+
+/// C [M, N] from Cᵀ [N, NP] (NP >= M): 16 x 16 blocks transposed in registers, each task
+/// writing 16 whole rows of C (an element-by-element copy read Cᵀ a column at a time: a
+/// cache line per element).
+fn transposed(ct: &[f32], n: usize, np: usize, m: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    debug_assert!(ct.len() >= n * np && np >= m);
+    let mut c: Vec<f32> = Vec::with_capacity(m * n);
+    c.spare_capacity_mut()[..m * n].par_chunks_mut(TM * n.max(1)).enumerate().for_each(|(blk, rows)| {
+        let (i0, count) = (blk * TM, rows.len() / n);
+        if simd_pack::available() && n.is_multiple_of(TM) && i0 + TM <= np {
+            for j0 in (0..n).step_by(TM) {
+                // SAFETY: AVX-512 F present; reads rows j0..j0 + 16, columns i0..i0 + 16 of
+                // Cᵀ (inside: n is a multiple of 16 and i0 + 16 <= NP), writes `count` rows of
+                // 16 from column j0 of this task's rows.
+                unsafe { simd_pack::transpose_block(ct.as_ptr().add(j0 * np + i0), np, rows.as_mut_ptr().cast::<f32>().add(j0), n, count) };
+            }
+        } else {
+            for (r, row) in rows.chunks_mut(n).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    v.write(ct[j * np + i0 + r]);
+                }
+            }
         }
-    }))
+    });
+    // SAFETY: the tasks cover all m rows, each writing every column of its rows.
+    unsafe { c.set_len(m * n) };
+    c
+}
+
+/// Cache lines of a block of rows of a row-major bf16 matrix, to be asked for (into L2) a
+/// few at a time while other work runs: rows `r0..r1`, columns `c0..c1`.
+struct Ahead {
+    at: *const u8,
+    stride: usize,
+    rows: usize,
+    lines: usize,
+    /// Next (row, line of the row) to ask for.
+    cursor: (usize, usize),
+}
+
+impl Ahead {
+    /// Rows r0..r1, columns cols.0..cols.1 of W [_, n] bf16 (nothing where the range is empty).
+    fn rows(w: &[u16], n: usize, r0: usize, r1: usize, cols: (usize, usize)) -> Self {
+        let (rows, lines) = (r1.saturating_sub(r0), (cols.1.saturating_sub(cols.0) * 2).div_ceil(64));
+        Ahead { at: w.as_ptr().wrapping_add(r0 * n + cols.0).cast(), stride: 2 * n, rows, lines, cursor: (0, 0) }
+    }
+
+    /// All its lines.
+    fn total(&self) -> usize {
+        self.rows * self.lines
+    }
+
+    /// Asks for the next `count` lines.
+    #[cfg(target_arch = "x86_64")]
+    fn next(&mut self, count: usize) {
+        for _ in 0..count {
+            let (r, l) = self.cursor;
+            if r >= self.rows {
+                return;
+            }
+            // SAFETY: a prefetch only hints; the address is inside W (rows r0..r1, columns
+            // cols), or past it only by the rounding of the last line.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.at.wrapping_add(r * self.stride + l * 64).cast()) };
+            self.cursor = if l + 1 < self.lines { (r, l + 1) } else { (r + 1, 0) };
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn next(&mut self, _: usize) {}
+}
+
+/// Bytes of W's packed strips a task holds at a time in [`gemm_kn`]: with its share of C, in L2.
+const KN_SLAB_BYTES: usize = 256 << 10;
+
+/// C [M, N] = A [M, K] · W for a bf16 W [K, N] (row-major; the input gradient `g · W` of a
+/// linear layer) over few rows, packing W a slab of K at a time into a buffer that stays in
+/// L2 instead of packing it whole. Each thread takes a range of column pairs; per slab of K
+/// tiles it packs its columns of those rows of W (contiguous runs of rows: the read streams,
+/// where the whole-matrix packing read 32-column pieces of rows kilobytes apart), asks for
+/// the next slab's rows while it runs every row block of A against this one, C kept across
+/// slabs. The same products, summed in the same order, as [`gemm`] on
+/// [`PackedB::from_kn`]: the same bits. A DeepSeek-V2-Lite expert's input gradients over 48
+/// rows (Zen 5, 2026-11-27, `cold_expert_gemm_speed`, 64 experts' weights read cold in
+/// turn): 470-510 -> 620-660 GFLOP/s.
+/// None where it does not apply: not the AVX512-BF16 kernel (AMX packs whole tiles of W; see
+/// `amx::strided`), or over `WT_MAX_ROWS` rows (whole-matrix packing then pays for itself).
+pub fn gemm_kn(a: &[f32], m: usize, w: &[u16], k: usize, n: usize) -> Option<Vec<f32>> {
+    gemm_kn_with(kernel()?, a, m, w, k, n)
+}
+
+/// [`gemm_kn`] on a given kernel, which must be [`Kernel::supported`] here.
+fn gemm_kn_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], k: usize, n: usize) -> Option<Vec<f32>> {
+    assert!(kern.supported(), "bf16 gemm: {kern:?} is not supported on this CPU");
+    if kern != Kernel::Avx512Bf16 || !simd_pack::available() || m == 0 || m > WT_MAX_ROWS || k == 0 || n == 0 {
+        return None;
+    }
+    assert!(a.len() == m * k && w.len() >= k * n, "bf16 gemm: A [{m}, {k}] or W [{k}, {n}] short");
+    let (kb, mp, pairs) = (k.div_ceil(TK), round_up(m, dot::MR), n.div_ceil(2 * TM));
+    let (kp, np) = (kb * TK, pairs * 2 * TM);
+    let ab = crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
+        if r < m {
+            round_row(&a[r * k..][..k], &mut dst[..k]);
+        }
+    });
+    // One task per thread (each packs its own columns: more tasks would pack more often).
+    let per = pairs.div_ceil(rayon::current_num_threads().max(1));
+    let slab = k_panels(kb, (KN_SLAB_BYTES / (per * 2 * TM * TK * 2)).max(1));
+    let mut c: Vec<f32> = Vec::with_capacity(mp * np);
+    let cs = crate::ops::Shared::uninit(&mut c.spare_capacity_mut()[..mp * np]);
+    (0..pairs.div_ceil(per)).into_par_iter().for_each(|t| {
+        let cp = cs;
+        let qs = (t * per, ((t + 1) * per).min(pairs));
+        let cols = (qs.0 * 2 * TM, (qs.1 * 2 * TM).min(n));
+        SLAB.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            for k0 in (0..kb).step_by(slab) {
+                let ks = (k0, (k0 + slab).min(kb));
+                // Strips one cache line longer than their tiles: 4 KB multiples apart, the
+                // stores of a k pair's row into every strip would all fall in one cache set.
+                let strip = (ks.1 - ks.0) * TM * TK + TK;
+                let len = (qs.1 - qs.0) * 2 * strip;
+                buf.clear();
+                buf.reserve(len);
+                // The next slab's part of W, asked for while this one computes.
+                let next = Ahead::rows(w, n, (ks.1 * TK).min(k), ((ks.1 + slab) * TK).min(k), cols);
+                // SAFETY: AVX-512 F + BW are present (checked above); the strips are `len`
+                // u16 of `buf`'s capacity, every one stored by `strips_kn`, which reads rows
+                // of W [K, N] only (asserted above); the task's C columns are its own
+                // (disjoint pairs), every row of them stored by the first slab; `ab` is
+                // [MP, KP].
+                unsafe {
+                    simd_pack::strips_kn(w, k, n, qs.0, qs.1 - qs.0, ks, strip, buf.as_mut_ptr());
+                    buf.set_len(len);
+                    dot::run_slab(&ab, kp, &buf, strip, qs, ks, np, cp, next);
+                }
+            }
+        });
+    });
+    // SAFETY: the tasks cover every column pair and the first slab stored all MP rows of each.
+    unsafe { c.set_len(mp * np) };
+    if np == n {
+        c.truncate(m * n);
+        return Some(c);
+    }
+    Some(crate::ops::par_zeroed(m * n, n, |r, row: &mut [f32]| row.copy_from_slice(&c[r * np..][..n])))
 }
 
 /// `f(bits, out, in)` on the bits of a frozen bf16 weight W [out, in] on CPU.
@@ -484,7 +634,7 @@ pub(crate) fn with_weight_bits<R>(w: &candle_core::Tensor, f: impl FnOnce(&[u16]
 pub fn linear(x: &[f32], m: usize, w: &candle_core::Tensor, input_grad: bool) -> candle_core::Result<Vec<f32>> {
     with_weight_bits(w, |bits, out, inp| {
         if input_grad {
-            gemm(x, m, &PackedB::from_kn(bits, out, inp))
+            gemm_kn(x, m, bits, out, inp).unwrap_or_else(|| gemm(x, m, &PackedB::from_kn(bits, out, inp)))
         } else {
             gemm_wt(x, m, bits, out, inp).unwrap_or_else(|| gemm(x, m, &PackedB::from_nk(bits, out, inp)))
         }
@@ -539,7 +689,7 @@ pub(crate) fn pack_kn_into(w: &[u16], k: usize, n: usize, dst: &mut Vec<u16>) ->
     let strip = k.div_ceil(TK) * TM * TK;
     let pairs = n.div_ceil(2 * TM);
     // SAFETY: as in `pack_nk_into`, for `strips_kn` over all the pairs.
-    fill_uninit(dst, pairs * 2 * strip, |d| unsafe { simd_pack::strips_kn(w, k, n, 0, pairs, d) });
+    fill_uninit(dst, pairs * 2 * strip, |d| unsafe { simd_pack::strips_kn(w, k, n, 0, pairs, (0, k.div_ceil(TK)), strip, d) });
     strip
 }
 
@@ -581,6 +731,8 @@ thread_local! {
     /// The A tiles of the task a thread runs last (AMX split by rows): kept, so the next
     /// task converts into memory that is already mapped and likely in cache.
     static TASK_A: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The slab of packed W a [`gemm_kn`] task works on: kept, as `TASK_A`.
+    static SLAB: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A rounded to bf16 for the AMX kernel, in whole tiles: the 16-row groups `groups` of A
@@ -814,17 +966,17 @@ mod simd_pack {
         }
     }
 
-    /// The strips of pairs first..first + pairs of B = W for W [K, N]: per k pair p and pair q,
-    /// the 32 columns 32 (first + q).. of rows 2p and 2p + 1 (one cache line each) interleaved
-    /// into a 64-byte tile row of each of the pair's two strips. Columns past N and rows past K
-    /// are zeros.
+    /// The strips of pairs first..first + pairs of B = W for W [K, N] over the K tiles `ks`:
+    /// per k pair p and pair q, the 32 columns 32 (first + q).. of rows 2p and 2p + 1 (one
+    /// cache line each) interleaved into a 64-byte tile row of each of the pair's two strips,
+    /// each strip `ks.1 - ks.0` tiles long. Columns past N and rows past K are zeros.
     ///
     /// # Safety
-    /// AVX-512 F + BW present; `w` holds [K, N]; `dst` points at the strips' `pairs * 2 kb * 512`
-    /// u16.
+    /// AVX-512 F + BW present; `w` holds [K, N]; `ks.1` is at most K's tiles; `dst` points at
+    /// the strips' `pairs * 2 (ks.1 - ks.0) * 512` u16.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub unsafe fn strips_kn(w: &[u16], k: usize, n: usize, first: usize, pairs: usize, dst: *mut u16) {
-        let kb = k.div_ceil(TK);
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn strips_kn(w: &[u16], k: usize, n: usize, first: usize, pairs: usize, ks: (usize, usize), strip: usize, dst: *mut u16) {
         // Lane 2j takes column j of the even row (lanes 0..32 of the pair), lane 2j + 1 that of
         // the odd row (lanes 32..64): columns 0..16 for the first strip, 16..32 for the second.
         let lo = _mm512_set_epi16(
@@ -832,8 +984,7 @@ mod simd_pack {
             39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0,
         );
         let hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-        let strip = kb * TM * TK;
-        for p in 0..kb * TM {
+        for p in ks.0 * TM..ks.1 * TM {
             for q in 0..pairs {
                 let c0 = (first + q) * 2 * TM;
                 let m = mask32(n.saturating_sub(c0));
@@ -849,7 +1000,7 @@ mod simd_pack {
                 }
                 // SAFETY: tile row p of each strip of pair q, inside the pairs' strips.
                 unsafe {
-                    let d = dst.add(2 * q * strip + p * TK);
+                    let d = dst.add(2 * q * strip + (p - ks.0 * TM) * TK);
                     _mm512_storeu_si512(d.cast(), _mm512_permutex2var_epi16(even, lo, odd));
                     _mm512_storeu_si512(d.add(strip).cast(), _mm512_permutex2var_epi16(even, hi, odd));
                 }
@@ -869,6 +1020,26 @@ mod simd_pack {
             unsafe { _mm512_maskz_loadu_epi16(m, w.as_ptr().add(kk * n + c0).cast()) }
         } else {
             _mm512_setzero_si512()
+        }
+    }
+
+    /// dst rows 0..rows (stride `ldd`), 16 f32 each, from the 16 x 16 block at src (stride
+    /// `lds`) transposed: dst[i][j] = src[j][i].
+    ///
+    /// # Safety
+    /// AVX-512 F present; src holds 16 rows of 16 f32 at stride `lds`, dst `rows` (at most 16)
+    /// rows of 16 at stride `ldd`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn transpose_block(src: *const f32, lds: usize, dst: *mut f32, ldd: usize, rows: usize) {
+        let mut r = [_mm512_setzero_si512(); 16];
+        for (j, v) in r.iter_mut().enumerate() {
+            // SAFETY: row j of the block, inside src's 16 rows.
+            *v = unsafe { _mm512_loadu_si512(src.add(j * lds).cast()) };
+        }
+        transpose_16x16_u32(&mut r);
+        for (i, v) in r.iter().enumerate().take(rows) {
+            // SAFETY: row i of dst, inside its `rows` rows.
+            unsafe { _mm512_storeu_si512(dst.add(i * ldd).cast(), *v) };
         }
     }
 
@@ -911,7 +1082,11 @@ mod simd_pack {
     pub unsafe fn strips_nk(_: &[u16], _: usize, _: usize, _: usize, _: *mut u16) {
         unreachable!("x86-64 only")
     }
-    pub unsafe fn strips_kn(_: &[u16], _: usize, _: usize, _: usize, _: usize, _: *mut u16) {
+    pub unsafe fn transpose_block(_: *const f32, _: usize, _: *mut f32, _: usize, _: usize) {
+        unreachable!("x86-64 only")
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn strips_kn(_: &[u16], _: usize, _: usize, _: usize, _: usize, _: (usize, usize), _: usize, _: *mut u16) {
         unreachable!("x86-64 only")
     }
 }
@@ -1267,7 +1442,7 @@ mod dot {
                         let b1 = b0.add(b.kb * tile);
                         // The 8 x 32 block of C at rows r0.., columns 16 bn.. (stride np).
                         let cb = c.ptr_at(r0 * np + bn * TM, (MR - 1) * np + 2 * TM);
-                        micro::<2>(a, kp, [b0, b1], ks, cb, np, ks.0 > 0);
+                        micro::<2, false>(a, kp, [b0, b1], ks, cb, np, ks.0 > 0);
                     }
                 }
             }
@@ -1293,10 +1468,48 @@ mod dot {
             for s0 in (0..strips).step_by(3) {
                 let bs = |s: usize| b.tiles.as_ptr().add((s0 + s) * strip);
                 let cb = c.ptr_at(blk * MR * ns + s0 * TM, (MR - 1) * ns + (strips - s0).min(3) * TM);
+                // The first pass over a block streams its W rows from memory: ask for them
+                // ahead (later strips find them in L1).
+                match (strips - s0, s0 == 0) {
+                    (1, true) => micro::<1, true>(a, k, [bs(0)], ks, cb, ns, ks.0 > 0),
+                    (1, false) => micro::<1, false>(a, k, [bs(0)], ks, cb, ns, ks.0 > 0),
+                    (2, true) => micro::<2, true>(a, k, [bs(0), bs(1)], ks, cb, ns, ks.0 > 0),
+                    (2, false) => micro::<2, false>(a, k, [bs(0), bs(1)], ks, cb, ns, ks.0 > 0),
+                    (_, true) => micro::<3, true>(a, k, [bs(0), bs(1), bs(2)], ks, cb, ns, ks.0 > 0),
+                    (_, false) => micro::<3, false>(a, k, [bs(0), bs(1), bs(2)], ks, cb, ns, ks.0 > 0),
+                }
+            }
+        }
+    }
+
+    /// C += A · B (C = A · B for the first slab, `ks.0` 0) for the column pairs `pairs` of C
+    /// over the K tiles `ks`, every 8-row block of A, B being those pairs' strips of this slab
+    /// only (`strips_kn` over `ks`: `2 (ks.1 - ks.0)` tiles a pair).
+    ///
+    /// # Safety
+    /// AVX512-BF16 is present; `ab` is [MP, kp] bf16 (MP a multiple of MR) with `ks.1` at most
+    /// kp's tiles; `slab` holds the pairs' strips, `strip` u16 apart; `c` is an [MP, np] f32
+    /// buffer whose columns of these pairs nobody else touches.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_slab(ab: &[u16], kp: usize, slab: &[u16], strip: usize, pairs: (usize, usize), ks: (usize, usize), np: usize, c: Shared, mut next: super::Ahead) {
+        let mp = ab.len() / kp;
+        debug_assert!(slab.len() >= (pairs.1 - pairs.0) * 2 * strip && ks.1 * TK <= kp, "avx512-bf16: slab or A short");
+        // The pairs' strips three at a time (24 accumulators: 8 broadcasts feed 24 products,
+        // not 16), `next`'s lines spread evenly over the micro-blocks.
+        let strips = 2 * (pairs.1 - pairs.0);
+        let per_block = next.total().div_ceil((strips.div_ceil(3) * mp / MR).max(1));
+        let kt = (0, ks.1 - ks.0);
+        for s0 in (0..strips).step_by(3) {
+            let bs = |s: usize| slab.as_ptr().add((s0 + s) * strip);
+            let cols = (strips - s0).min(3) * TM;
+            for r0 in (0..mp).step_by(MR) {
+                next.next(per_block);
+                let a = ab.as_ptr().add(r0 * kp + ks.0 * TK);
+                let cb = c.ptr_at(r0 * np + pairs.0 * 2 * TM + s0 * TM, (MR - 1) * np + cols);
                 match strips - s0 {
-                    1 => micro::<1>(a, k, [bs(0)], ks, cb, ns, ks.0 > 0),
-                    2 => micro::<2>(a, k, [bs(0), bs(1)], ks, cb, ns, ks.0 > 0),
-                    _ => micro::<3>(a, k, [bs(0), bs(1), bs(2)], ks, cb, ns, ks.0 > 0),
+                    1 => micro::<1, false>(a, kp, [bs(0)], kt, cb, np, ks.0 > 0),
+                    2 => micro::<2, false>(a, kp, [bs(0), bs(1)], kt, cb, np, ks.0 > 0),
+                    _ => micro::<3, false>(a, kp, [bs(0), bs(1), bs(2)], kt, cb, np, ks.0 > 0),
                 }
             }
         }
@@ -1315,20 +1528,21 @@ mod dot {
         for r0 in (0..rows).step_by(MR) {
             for pair in 0..cols / (2 * TM) {
                 let b0 = b.add(2 * pair * strip);
-                micro::<2>(a.add(r0 * lda), lda, [b0, b0.add(strip)], (0, nk), c.add(r0 * ldc + pair * 2 * TM), ldc, accumulate);
+                micro::<2, false>(a.add(r0 * lda), lda, [b0, b0.add(strip)], (0, nk), c.add(r0 * ldc + pair * 2 * TM), ldc, accumulate);
             }
         }
     }
 
     /// C [8, 16 S] (row stride `ldc`) = (or += with `load`) A [8, K tiles ks] · B [K tiles ks,
     /// 16 S], B given as its S 16-column tile strips `b`. A's k pairs are 32-bit broadcasts
-    /// from rows of stride `lda`.
+    /// from rows of stride `lda`. `PREFETCH_A`: A is W read from memory (`run_w`), and the
+    /// next 8 rows are asked for as these run.
     ///
     /// # Safety
     /// As `run_blocks` / `run_w` / `strided`; `a` points at 8 rows of stride `lda`, `c` at 8
     /// rows of 16 S (stride `ldc`).
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn micro<const S: usize>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
+    unsafe fn micro<const S: usize, const PREFETCH_A: bool>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
         let mut acc = [[_mm512_setzero_ps(); S]; MR];
         if load {
             for (r, row) in acc.iter_mut().enumerate() {
@@ -1340,6 +1554,16 @@ mod dot {
         let tile = TM * TK;
         let mut w: [__m512bh; S] = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); S];
         for kb in ks.0..ks.1 {
+            if PREFETCH_A {
+                // A K tile of a row is one cache line: the same line of each row of the next
+                // block of MR rows (the next 8 rows of W in `run_w`), so that block streams
+                // into L2 while this one computes. Lines a few tiles ahead in the same rows
+                // measured no faster: 8 rows 4 KB apart are 8 streams the hardware prefetcher
+                // already follows, 8 rows further on are the block it cannot foresee.
+                for r in MR..2 * MR {
+                    _mm_prefetch::<_MM_HINT_T1>(a.wrapping_add(r * lda + kb * TK).cast());
+                }
+            }
             for p in 0..TM {
                 // One k pair for 16 columns of each strip: 64 bytes, the VNNI row.
                 for (s, ws) in w.iter_mut().enumerate() {
@@ -1374,6 +1598,10 @@ mod dot {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
     pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
+        unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_slab(_: &[u16], _: usize, _: &[u16], _: usize, _: (usize, usize), _: (usize, usize), _: usize, _: Shared, _: super::Ahead) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
     #[allow(clippy::too_many_arguments)]
@@ -1605,11 +1833,11 @@ mod tests {
     #[cfg_attr(not(bf16_unit), ignore = "needs a bf16 unit (build.rs found none on this machine)")]
     fn reading_w_where_it_lies_gives_the_bits_of_the_packed_gemm() {
         let _ = here(kernel().expect("build.rs found a bf16 unit but this process has none"));
-        // Forward (M, N, K): one row, ragged M, K past one panel of either kernel (2048 for
-        // AMX, 1024 for AVX512-BF16: Cᵀ reloaded between panels), the most rows it takes; for
-        // the dot kernel's strips of 16 (three at a time): 1, 2, 3, 7 and 8 strips, the last
-        // one partial.
-        let fwd = [(1, 32, 32), (17, 64, 96), (48, 96, 2080), (128, 64, 64), (16, 32, 64), (20, 64, 32), (40, 96, 64), (100, 32, 96)];
+        // Forward (M, N, K): one row, ragged M, K past one panel (AMX: 2048; the dot kernel:
+        // 1024 at 128 rows, K whole up to 2720 at 48: Cᵀ reloaded between panels), the most
+        // rows it takes; for the dot kernel's strips of 16 (three at a time): 1, 2, 3, 7 and
+        // 8 strips, the last one partial.
+        let fwd = [(1, 32, 32), (17, 64, 96), (48, 96, 2080), (48, 64, 4096), (128, 64, 2080), (128, 64, 64), (16, 32, 64), (20, 64, 32), (40, 96, 64), (100, 32, 96)];
         for kern in [Kernel::Amx, Kernel::Avx512Bf16].into_iter().filter(|k| k.supported()) {
             for &(m, n, k) in &fwd {
                 let a = data(m * k, 11);
@@ -1621,6 +1849,28 @@ mod tests {
             assert!(gemm_wt_with(kern, &a, 129, &w, 64, 64).is_none(), "too many rows: W is packed");
             assert!(gemm_wt_with(kern, &a[..48 * 64], 48, &w[..48 * 64], 48, 64).is_none(), "N not a multiple of 32");
             assert!(gemm_wt_with(kern, &a[..40], 1, &w[..64 * 40], 64, 40).is_none(), "K not a multiple of 32");
+        }
+    }
+
+    #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs a bf16 unit (build.rs found none on this machine)")]
+    fn the_input_gradient_packed_a_slab_at_a_time_gives_the_bits_of_the_whole_packing() {
+        let _ = here(kernel().expect("build.rs found a bf16 unit but this process has none"));
+        // (M, K, N): one row; ragged M, K and N; a DeepSeek-V2-Lite expert's down and gate
+        // projections (N = 2048 cuts K = 1408 into several slabs); several slabs with a short
+        // last pair; the most rows it takes.
+        let shapes = [(1, 32, 32), (7, 100, 50), (17, 33, 96), (48, 2048, 1408), (48, 1408, 2048), (9, 700, 2050), (128, 96, 64)];
+        let (a129, w64) = (data(129 * 64, 1), vec![0u16; 64 * 64]);
+        for kern in [Kernel::Amx, Kernel::Avx512Bf16].into_iter().filter(|k| k.supported()) {
+            for &(m, k, n) in &shapes {
+                let a = data(m * k, 21);
+                let w: Vec<u16> = data(k * n, 22).iter().map(|&x| bf16_bits(x)).collect();
+                match gemm_kn_with(kern, &a, m, &w, k, n) {
+                    Some(got) => same_bits(&format!("{kern:?} g·W {m}x{k}x{n}"), &got, &gemm_with(kern, &a, m, &PackedB::from_kn(&w, k, n))),
+                    None => assert_eq!(kern, Kernel::Amx, "the dot kernel takes {m} rows"),
+                }
+            }
+            assert!(gemm_kn_with(kern, &a129, 129, &w64, 64, 64).is_none(), "too many rows: W is packed whole");
         }
     }
 
@@ -1787,5 +2037,53 @@ mod speed {
             let kn2 = each(&|w| drop(std::hint::black_box(PackedB::from_kn(w, n, k))));
             crate::note!("cold packing: W [{n}, {k}] as Wᵀ {nk:.3} ms, W [{k}, {n}] as W {kn:.3} ms, W [{n}, {k}] as W {kn2:.3} ms");
         }
+    }
+
+    /// `cargo test --release --lib cold_expert_gemm_speed -- --ignored --nocapture`: GFLOP/s of
+    /// the four GEMM shapes of a DeepSeek-V2-Lite routed expert over 48 rows, each of 64
+    /// experts' weights read cold from memory in turn, as a MoE layer reads them (a look, not
+    /// a test).
+    #[test]
+    #[ignore]
+    fn cold_expert_gemm_speed() {
+        let (i, h, m) = (1408, 2048, 48);
+        // gate/up [I, H] and down [H, I] of 64 experts: 370 MB each set.
+        // In huge pages, as training's allocator (`alloc::HugePages`) holds them.
+        let huge = |f: &dyn Fn(usize) -> u16| {
+            let mut v: Vec<u16> = Vec::with_capacity(i * h + (1 << 20));
+            let p = v.as_mut_ptr() as usize;
+            let start = p.next_multiple_of(2 << 20);
+            // SAFETY: advice on whole 2 MB pages inside the allocation.
+            unsafe { libc::madvise(start as *mut libc::c_void, (p + 2 * (i * h + (1 << 20)) - start) & !((2 << 20) - 1), libc::MADV_HUGEPAGE) };
+            v.extend((0..i * h).map(f));
+            v
+        };
+        let ih: Vec<Vec<u16>> = (0..64).map(|s| huge(&|j| bf16_bits(((j * 7 + s) % 13) as f32 * 0.01))).collect();
+        let hi: Vec<Vec<u16>> = (0..64).map(|s| huge(&|j| bf16_bits(((j * 3 + s) % 11) as f32 * 0.01))).collect();
+        let ah: Vec<f32> = (0..m * h).map(|j| (j % 7) as f32 * 0.1).collect();
+        let ai: Vec<f32> = (0..m * i).map(|j| (j % 5) as f32 * 0.1).collect();
+        let rate = |f: &dyn Fn(usize)| {
+            let best = (0..4)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    for e in 0..64 {
+                        f(e);
+                    }
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::MAX, f64::min);
+            64.0 * 2.0 * (m * i * h) as f64 / best / 1e9
+        };
+        let gate = rate(&|e| drop(std::hint::black_box(gemm_wt(&ah, m, &ih[e], i, h))));
+        let down = rate(&|e| drop(std::hint::black_box(gemm_wt(&ai, m, &hi[e], h, i))));
+        let down_grad = rate(&|e| drop(std::hint::black_box(gemm_kn(&ah, m, &hi[e], h, i))));
+        let gate_grad = rate(&|e| drop(std::hint::black_box(gemm_kn(&ai, m, &ih[e], i, h))));
+        let down_old = rate(&|e| drop(std::hint::black_box(gemm(&ah, m, &PackedB::from_kn(&hi[e], h, i)))));
+        let gate_old = rate(&|e| drop(std::hint::black_box(gemm(&ai, m, &PackedB::from_kn(&ih[e], i, h)))));
+        crate::note!("input grads packing W whole: down {down_old:.0}, gate/up {gate_old:.0}");
+        let warm = rate(&|_| drop(std::hint::black_box(gemm_wt(&ah, m, &ih[0], i, h))));
+        let warm_grad = rate(&|_| drop(std::hint::black_box(gemm_kn(&ai, m, &ih[0], i, h))));
+        crate::note!("warm: gate x·Wᵀ {warm:.0}, gate input grad {warm_grad:.0}");
+        crate::note!("cold experts, {m} rows: gate/up x·Wᵀ {gate:.0}, down x·Wᵀ {down:.0}, down input grad g·W {down_grad:.0}, gate/up input grad g·W {gate_grad:.0} GFLOP/s");
     }
 }
