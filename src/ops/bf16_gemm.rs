@@ -543,6 +543,12 @@ impl Ahead {
 /// Bytes of W's packed strips a task holds at a time in [`gemm_kn`]: with its share of C, in L2.
 const KN_SLAB_BYTES: usize = 256 << 10;
 
+/// Fewest K tiles per slab in [`gemm_kn`] (a task's columns are cut into panels to keep it):
+/// DeepSeek-V2-Lite's experts take one panel (slabs of 4 and 5 tiles); a V3 expert's input
+/// gradient through gate and up (48 x 2048 x 7168, Zen 5, 16 weights read cold) ran at 510-540
+/// GFLOP/s in one panel of 1-tile slabs, 580 in four panels, 415 packing W whole.
+const KN_MIN_SLAB: usize = 4;
+
 /// C [M, N] = A [M, K] · W for a bf16 W [K, N] (row-major; the input gradient `g · W` of a
 /// linear layer) over few rows, packing W a slab of K at a time into a buffer that stays in
 /// L2 instead of packing it whole. Each thread takes a range of column pairs; per slab of K
@@ -573,19 +579,28 @@ fn gemm_kn_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], k: usize, n: usize
             round_row(&a[r * k..][..k], &mut dst[..k]);
         }
     });
-    // One task per thread (each packs its own columns: more tasks would pack more often).
+    // One task per thread (each packs its own columns: more tasks would pack more often). A
+    // task runs its columns in panels narrow enough for slabs of at least `KN_MIN_SLAB` tiles
+    // (C is reloaded once per slab: DeepSeek-V3's 7168 columns in one panel would take slabs
+    // of one tile), each panel's slabs in turn.
     let per = pairs.div_ceil(rayon::current_num_threads().max(1));
-    let slab = k_panels(kb, (KN_SLAB_BYTES / (per * 2 * TM * TK * 2)).max(1));
+    let pair_bytes = 2 * TM * TK * 2; // one tile of a pair's two strips
+    let panels = per.div_ceil((KN_SLAB_BYTES / (KN_MIN_SLAB * pair_bytes)).max(1));
+    let panel = per.div_ceil(panels);
+    let slab = k_panels(kb, (KN_SLAB_BYTES / (panel * pair_bytes)).max(1));
     let mut c: Vec<f32> = Vec::with_capacity(mp * np);
     let cs = crate::ops::Shared::uninit(&mut c.spare_capacity_mut()[..mp * np]);
     (0..pairs.div_ceil(per)).into_par_iter().for_each(|t| {
         let cp = cs;
-        let qs = (t * per, ((t + 1) * per).min(pairs));
-        let cols = (qs.0 * 2 * TM, (qs.1 * 2 * TM).min(n));
+        let task = (t * per, ((t + 1) * per).min(pairs));
+        // (column pairs, K tiles) of each slab this task packs, in order.
+        let steps: Vec<((usize, usize), (usize, usize))> = (task.0..task.1)
+            .step_by(panel)
+            .flat_map(|q0| (0..kb).step_by(slab).map(move |k0| ((q0, (q0 + panel).min(task.1)), (k0, (k0 + slab).min(kb)))))
+            .collect();
         SLAB.with(|buf| {
             let mut buf = buf.borrow_mut();
-            for k0 in (0..kb).step_by(slab) {
-                let ks = (k0, (k0 + slab).min(kb));
+            for (i, &(qs, ks)) in steps.iter().enumerate() {
                 // Strips one cache line longer than their tiles: 4 KB multiples apart, the
                 // stores of a k pair's row into every strip would all fall in one cache set.
                 let strip = (ks.1 - ks.0) * TM * TK + TK;
@@ -593,12 +608,15 @@ fn gemm_kn_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], k: usize, n: usize
                 buf.clear();
                 buf.reserve(len);
                 // The next slab's part of W, asked for while this one computes.
-                let next = Ahead::rows(w, n, (ks.1 * TK).min(k), ((ks.1 + slab) * TK).min(k), cols);
+                let next = match steps.get(i + 1) {
+                    Some(&(nq, nk)) => Ahead::rows(w, n, nk.0 * TK, (nk.1 * TK).min(k), (nq.0 * 2 * TM, (nq.1 * 2 * TM).min(n))),
+                    None => Ahead::rows(w, n, 0, 0, (0, 0)),
+                };
                 // SAFETY: AVX-512 F + BW are present (checked above); the strips are `len`
                 // u16 of `buf`'s capacity, every one stored by `strips_kn`, which reads rows
                 // of W [K, N] only (asserted above); the task's C columns are its own
-                // (disjoint pairs), every row of them stored by the first slab; `ab` is
-                // [MP, KP].
+                // (disjoint pairs), every row of a panel's stored by its first slab (ks.0 =
+                // 0); `ab` is [MP, KP].
                 unsafe {
                     simd_pack::strips_kn(w, k, n, qs.0, qs.1 - qs.0, ks, strip, buf.as_mut_ptr());
                     buf.set_len(len);
@@ -1858,8 +1876,9 @@ mod tests {
         let _ = here(kernel().expect("build.rs found a bf16 unit but this process has none"));
         // (M, K, N): one row; ragged M, K and N; a DeepSeek-V2-Lite expert's down and gate
         // projections (N = 2048 cuts K = 1408 into several slabs); several slabs with a short
-        // last pair; the most rows it takes.
-        let shapes = [(1, 32, 32), (7, 100, 50), (17, 33, 96), (48, 2048, 1408), (48, 1408, 2048), (9, 700, 2050), (128, 96, 64)];
+        // last pair; DeepSeek-V3's hidden size as N (columns in several panels a task); the
+        // most rows it takes.
+        let shapes = [(1, 32, 32), (7, 100, 50), (17, 33, 96), (48, 2048, 1408), (48, 1408, 2048), (9, 700, 2050), (5, 300, 7168), (128, 96, 64)];
         let (a129, w64) = (data(129 * 64, 1), vec![0u16; 64 * 64]);
         for kern in [Kernel::Amx, Kernel::Avx512Bf16].into_iter().filter(|k| k.supported()) {
             for &(m, k, n) in &shapes {
