@@ -613,12 +613,17 @@ fn gemm_kn_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], k: usize, n: usize
                     None => Ahead::rows(w, n, 0, 0, (0, 0)),
                 };
                 // SAFETY: AVX-512 F + BW are present (checked above); the strips are `len`
-                // u16 of `buf`'s capacity, every one stored by `strips_kn`, which reads rows
+                // u16 of `buf`'s capacity, every one stored by `strips_kn` (the tiles) or
+                // zeroed here (each strip's last line, its pad); `strips_kn` reads rows
                 // of W [K, N] only (asserted above); the task's C columns are its own
                 // (disjoint pairs), every row of a panel's stored by its first slab (ks.0 =
                 // 0); `ab` is [MP, KP].
                 unsafe {
                     simd_pack::strips_kn(w, k, n, qs.0, qs.1 - qs.0, ks, strip, buf.as_mut_ptr());
+                    // The pads (never read) zeroed, so the whole buffer is initialised.
+                    for s in 1..=2 * (qs.1 - qs.0) {
+                        std::ptr::write_bytes(buf.as_mut_ptr().add(s * strip - TK), 0, TK);
+                    }
                     buf.set_len(len);
                     dot::run_slab(&ab, kp, &buf, strip, qs, ks, np, cp, next);
                 }
@@ -991,7 +996,8 @@ mod simd_pack {
     ///
     /// # Safety
     /// AVX-512 F + BW present; `w` holds [K, N]; `ks.1` is at most K's tiles; `dst` points at
-    /// the strips' `pairs * 2 (ks.1 - ks.0) * 512` u16.
+    /// the `2 pairs` strips, `strip` u16 apart (at least `(ks.1 - ks.0) * 512`), of which the
+    /// first `(ks.1 - ks.0) * 512` u16 of each are stored.
     #[target_feature(enable = "avx512f,avx512bw")]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn strips_kn(w: &[u16], k: usize, n: usize, first: usize, pairs: usize, ks: (usize, usize), strip: usize, dst: *mut u16) {

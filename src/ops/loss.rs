@@ -268,6 +268,9 @@ fn fold_rows(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize
     };
     let Some((o, e)) = layout.contiguous_offsets() else { candle_core::bail!("fold_rows: contiguous logits expected") };
     let data = &data[o..e];
+    if stats.len() != c || targets.len() != c || data.len() != c * n {
+        candle_core::bail!("fold_rows: {} row stats and {} targets for logits [{c}, {n}]", stats.len(), targets.len());
+    }
     // Not zeroed first: every element is written below (a 15 MB memset per head chunk at
     // DeepSeek-V2-Lite's vocabulary).
     let mut p: Vec<f32> = Vec::with_capacity(c * n);

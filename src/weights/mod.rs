@@ -680,7 +680,7 @@ impl RowTable {
     /// memory nothing zeroed first, in a piece per thread: the loss reads the LM head this way
     /// every step (420 MB of DeepSeek-V2-Lite's in 30 MB chunks), 42-44 ms of a 1.4 s step on
     /// Zen 5 when each chunk was zeroed and then copied in by one thread, 19-22 ms so.
-    fn read_into<T: Copy + Send>(&self, n: usize, at: u64) -> Result<Vec<T>> {
+    fn read_into<T: PlainBits>(&self, n: usize, at: u64) -> Result<Vec<T>> {
         use rayon::prelude::*;
         let bytes = n * std::mem::size_of::<T>();
         let mut buf: Vec<T> = Vec::with_capacity(n);
@@ -692,8 +692,8 @@ impl RowTable {
             unsafe { pread_exact(&self.file, (base + from) as *mut u8, to - from, at + from as u64) }
         })
         .map_err(|e| Error::io(&self.path, e))?;
-        // SAFETY: the pieces wrote all `bytes` bytes; T is plain bits (f32, bf16, f16, u8:
-        // every bit pattern is a value).
+        // SAFETY: the pieces wrote all `bytes` bytes; T is plain bits (`PlainBits`: every bit
+        // pattern is a value).
         unsafe { buf.set_len(n) };
         Ok(buf)
     }
@@ -712,6 +712,14 @@ impl RowTable {
         Ok(buf)
     }
 }
+
+/// Element types any bytes are a value of (no padding, no invalid bit patterns), which
+/// `RowTable::read_into` fills straight from a file.
+trait PlainBits: Copy + Send {}
+impl PlainBits for f32 {}
+impl PlainBits for half::bf16 {}
+impl PlainBits for half::f16 {}
+impl PlainBits for u8 {}
 
 /// `len` bytes of `file` from byte `at` into `dst` (short reads continued, EINTR retried; the
 /// end of the file first is an error).
