@@ -343,14 +343,7 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     let (ab, at) = match kern {
         Kernel::Amx if by_rows => (Vec::new(), None),
         Kernel::Amx => (Vec::new(), Some(ATiles::convert(a, m, k, (0, mp / TM), (0, b.kb), true, Vec::new()))),
-        Kernel::Avx512Bf16 => {
-            let ab = crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
-                if r < m {
-                    round_row(&a[r * k..][..k], &mut dst[..k]);
-                }
-            });
-            (ab, None)
-        }
+        Kernel::Avx512Bf16 => (rounded_rows(a, m, k, mp, kp), None),
     };
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
     let mut cbuf_vec: Vec<f32> = Vec::with_capacity(mp * np);
@@ -387,11 +380,25 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     // SAFETY: k >= 1, so b.kb >= 1, the panel loop ran and its first panel stored every block
     // of the [MP, NP] buffer (the tasks cover all row blocks x column pairs), i.e. every element.
     unsafe { cbuf_vec.set_len(mp * np) };
+    unpadded(cbuf_vec, m, n, np)
+}
+
+/// A [M, K] f32 rounded to bf16 and zero padded to [MP, KP], row-major (the dot kernel's A).
+fn rounded_rows(a: &[f32], m: usize, k: usize, mp: usize, kp: usize) -> Vec<u16> {
+    crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
+        if r < m {
+            round_row(&a[r * k..][..k], &mut dst[..k]);
+        }
+    })
+}
+
+/// C [M, N] from the kernels' padded C [MP, NP] (rows past M, columns past N dropped).
+fn unpadded(mut c: Vec<f32>, m: usize, n: usize, np: usize) -> Vec<f32> {
     if np == n {
-        cbuf_vec.truncate(m * n); // padding rows are at the end
-        return cbuf_vec;
+        c.truncate(m * n); // padding rows are at the end
+        return c;
     }
-    crate::ops::par_zeroed(m * n, n, |r, row: &mut [f32]| row.copy_from_slice(&cbuf_vec[r * np..][..n]))
+    crate::ops::par_zeroed(m * n, n, |r, row: &mut [f32]| row.copy_from_slice(&c[r * np..][..n]))
 }
 
 /// Rows of A up to which [`gemm_wt`] reads W where it lies rather than packing it.
@@ -574,11 +581,7 @@ fn gemm_kn_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], k: usize, n: usize
     assert!(a.len() == m * k && w.len() >= k * n, "bf16 gemm: A [{m}, {k}] or W [{k}, {n}] short");
     let (kb, mp, pairs) = (k.div_ceil(TK), round_up(m, dot::MR), n.div_ceil(2 * TM));
     let (kp, np) = (kb * TK, pairs * 2 * TM);
-    let ab = crate::ops::par_zeroed(mp * kp, kp, |r, dst: &mut [u16]| {
-        if r < m {
-            round_row(&a[r * k..][..k], &mut dst[..k]);
-        }
-    });
+    let ab = rounded_rows(a, m, k, mp, kp);
     // One task per thread (each packs its own columns: more tasks would pack more often). A
     // task runs its columns in panels narrow enough for slabs of at least `KN_MIN_SLAB` tiles
     // (C is reloaded once per slab: DeepSeek-V3's 7168 columns in one panel would take slabs
@@ -604,39 +607,31 @@ fn gemm_kn_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], k: usize, n: usize
                 // Strips one cache line longer than their tiles: 4 KB multiples apart, the
                 // stores of a k pair's row into every strip would all fall in one cache set.
                 let strip = (ks.1 - ks.0) * TM * TK + TK;
-                let len = (qs.1 - qs.0) * 2 * strip;
-                buf.clear();
-                buf.reserve(len);
                 // The next slab's part of W, asked for while this one computes.
                 let next = match steps.get(i + 1) {
                     Some(&(nq, nk)) => Ahead::rows(w, n, nk.0 * TK, (nk.1 * TK).min(k), (nq.0 * 2 * TM, (nq.1 * 2 * TM).min(n))),
                     None => Ahead::rows(w, n, 0, 0, (0, 0)),
                 };
-                // SAFETY: AVX-512 F + BW are present (checked above); the strips are `len`
-                // u16 of `buf`'s capacity, every one stored by `strips_kn` (the tiles) or
-                // zeroed here (each strip's last line, its pad); `strips_kn` reads rows
-                // of W [K, N] only (asserted above); the task's C columns are its own
-                // (disjoint pairs), every row of a panel's stored by its first slab (ks.0 =
-                // 0); `ab` is [MP, KP].
-                unsafe {
-                    simd_pack::strips_kn(w, k, n, qs.0, qs.1 - qs.0, ks, strip, buf.as_mut_ptr());
-                    // The pads (never read) zeroed, so the whole buffer is initialised.
+                // SAFETY: AVX-512 F + BW are present (checked above); `fill_uninit` hands the
+                // strips' 2 pairs x strip u16, every one stored by `strips_kn` (the tiles) or
+                // zeroed here (each strip's last line, its pad, never read); `strips_kn` reads
+                // rows of W [K, N] only (asserted above).
+                fill_uninit(&mut buf, (qs.1 - qs.0) * 2 * strip, |d| unsafe {
+                    simd_pack::strips_kn(w, k, n, qs.0, qs.1 - qs.0, ks, strip, d);
                     for s in 1..=2 * (qs.1 - qs.0) {
-                        std::ptr::write_bytes(buf.as_mut_ptr().add(s * strip - TK), 0, TK);
+                        std::ptr::write_bytes(d.add(s * strip - TK), 0, TK);
                     }
-                    buf.set_len(len);
-                    dot::run_slab(&ab, kp, &buf, strip, qs, ks, np, cp, next);
-                }
+                });
+                // SAFETY: AVX512-BF16 is present (the kernel is supported); the task's C
+                // columns are its own (disjoint pairs), every row of a panel's stored by its
+                // first slab (ks.0 = 0); `ab` is [MP, KP]; `buf` holds the pairs' strips.
+                unsafe { dot::run_slab(&ab, kp, &buf, strip, qs, ks, np, cp, next) };
             }
         });
     });
     // SAFETY: the tasks cover every column pair and the first slab stored all MP rows of each.
     unsafe { c.set_len(mp * np) };
-    if np == n {
-        c.truncate(m * n);
-        return Some(c);
-    }
-    Some(crate::ops::par_zeroed(m * n, n, |r, row: &mut [f32]| row.copy_from_slice(&c[r * np..][..n])))
+    Some(unpadded(c, m, n, np))
 }
 
 /// `f(bits, out, in)` on the bits of a frozen bf16 weight W [out, in] on CPU.
