@@ -476,33 +476,49 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
     Some(transposed(&ct, n, np, m))
 }
 
-/// C [M, N] from Cᵀ [N, NP] (NP >= M): 16 x 16 blocks transposed in registers, each task
-/// writing 16 whole rows of C (an element-by-element copy read Cᵀ a column at a time: a
-/// cache line per element).
+/// C [M, N] from Cᵀ [N, NP] (NP >= M), each task transposing 16 whole rows of C (an
+/// element-by-element copy read Cᵀ a column at a time: a cache line per element).
 fn transposed(ct: &[f32], n: usize, np: usize, m: usize) -> Vec<f32> {
     use rayon::prelude::*;
     debug_assert!(ct.len() >= n * np && np >= m);
     let mut c: Vec<f32> = Vec::with_capacity(m * n);
     c.spare_capacity_mut()[..m * n].par_chunks_mut(TM * n.max(1)).enumerate().for_each(|(blk, rows)| {
         let (i0, count) = (blk * TM, rows.len() / n);
-        if simd_pack::available() && n.is_multiple_of(TM) && i0 + TM <= np {
-            for j0 in (0..n).step_by(TM) {
-                // SAFETY: AVX-512 F present; reads rows j0..j0 + 16, columns i0..i0 + 16 of
-                // Cᵀ (inside: n is a multiple of 16 and i0 + 16 <= NP), writes `count` rows of
-                // 16 from column j0 of this task's rows.
-                unsafe { simd_pack::transpose_block(ct.as_ptr().add(j0 * np + i0), np, rows.as_mut_ptr().cast::<f32>().add(j0), n, count) };
-            }
-        } else {
-            for (r, row) in rows.chunks_mut(n).enumerate() {
-                for (j, v) in row.iter_mut().enumerate() {
-                    v.write(ct[j * np + i0 + r]);
-                }
-            }
-        }
+        transpose_f32(&ct[i0..], np, n, count, rows, n);
     });
     // SAFETY: the tasks cover all m rows, each writing every column of its rows.
     unsafe { c.set_len(m * n) };
     c
+}
+
+/// `dst[j * ldd + c] = src[c * lds + j]` for c < `rows`, j < `cols`: the [rows, cols] block of
+/// `src` (row stride `lds`) transposed into `cols` rows of `dst` (row stride `ldd`). In 16 x 16
+/// blocks transposed in registers where AVX-512 F is present, `rows` is a multiple of 16 and
+/// `src` can be read in whole 16-column blocks (the columns past `cols` are read, never
+/// written); element by element otherwise. Strided single loads were most of the time of the
+/// attention backward's transposes (dkᵀ [D, Sp] at Sp = 512 has its rows 2 KB apart: a column
+/// walk stays in two L1 sets).
+pub(crate) fn transpose_f32(src: &[f32], lds: usize, rows: usize, cols: usize, dst: &mut [std::mem::MaybeUninit<f32>], ldd: usize) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    assert!((rows - 1) * lds + cols <= src.len() && (cols - 1) * ldd + rows <= dst.len(), "transpose_f32: [{rows}, {cols}] does not fit its operands");
+    if simd_pack::available() && rows.is_multiple_of(TM) && (rows - 1) * lds + cols.next_multiple_of(TM) <= src.len() {
+        for c0 in (0..rows).step_by(TM) {
+            for j0 in (0..cols).step_by(TM) {
+                // SAFETY: AVX-512 F present; reads rows c0..c0 + 16, columns j0..j0 + 16 of src
+                // (inside: the whole 16-column blocks fit, checked above), writes min(16, cols - j0)
+                // rows of 16 from column c0 (c0 + 16 <= rows) of dst, inside by the assert.
+                unsafe { simd_pack::transpose_block(src.as_ptr().add(c0 * lds + j0), lds, dst.as_mut_ptr().cast::<f32>().add(j0 * ldd + c0), ldd, TM.min(cols - j0)) };
+            }
+        }
+    } else {
+        for j in 0..cols {
+            for (c, v) in dst[j * ldd..][..rows].iter_mut().enumerate() {
+                v.write(src[c * lds + j]);
+            }
+        }
+    }
 }
 
 /// Cache lines of a block of rows of a row-major bf16 matrix, to be asked for (into L2) a
@@ -1949,6 +1965,27 @@ mod tests {
     /// each B[kk, col] sits where `slot` says, every other element of the packing (K and N
     /// padding, the strip that makes the strip count even) is zero. N 600 and 1100: the SIMD
     /// `from_kn` packs several pairs of strips per task, the last task fewer.
+    /// Both ways (16 x 16 register blocks, element by element), every element lands where the
+    /// transpose puts it, ragged edges and strides included, and nothing past the block is written.
+    #[test]
+    fn transpose_f32_puts_each_element_at_its_mirror_and_writes_nothing_else() {
+        use std::mem::MaybeUninit;
+        // (rows, cols, lds, ldd): whole blocks; ragged columns; rows not a multiple of 16
+        // (element by element); the last block's columns past the end of src (element by element).
+        for (rows, cols, lds, ldd) in [(32, 48, 48, 40), (32, 37, 48, 35), (20, 37, 40, 24), (16, 30, 30, 16)] {
+            let src: Vec<f32> = (0..rows * lds).map(|i| i as f32).collect();
+            let mut dst = vec![MaybeUninit::new(-1f32); (cols - 1) * ldd + rows + 3];
+            transpose_f32(&src, lds, rows, cols, &mut dst, ldd);
+            // SAFETY: every element was initialised above.
+            let dst: Vec<f32> = dst.iter().map(|v| unsafe { v.assume_init() }).collect();
+            for (i, &x) in dst.iter().enumerate() {
+                let (j, c) = (i / ldd, i % ldd);
+                let want = if j < cols && c < rows { src[c * lds + j] } else { -1.0 };
+                assert_eq!(x, want, "rows {rows} cols {cols} lds {lds} ldd {ldd}: dst[{j}][{c}]");
+            }
+        }
+    }
+
     #[test]
     fn both_packings_put_every_element_where_the_tile_layout_says_and_zeros_elsewhere() {
         let simd: &[bool] = if simd_pack::available() { &[false, true] } else { &[false] };

@@ -24,7 +24,7 @@
 //! row-pair interleave of ds and p packs, rather than a transpose of each [Mp, Wp] strip) and
 //! transposed once per task at the end.
 
-use crate::ops::bf16_gemm::{pack_kn_into, pack_nk_into, round_into, tile_gemm, tiles_available};
+use crate::ops::bf16_gemm::{pack_kn_into, pack_nk_into, round_into, tile_gemm, tiles_available, transpose_f32};
 
 /// Rows and columns of a tile pair; a tile's K step.
 const T: usize = 32;
@@ -191,14 +191,12 @@ impl Unit {
         tile_gemm(&self.ta, mp, &self.pk, strip, mp / T, (d, wp), &mut self.dvt[k0..], self.sp, true);
     }
 
-    /// The task's dk and dv [S, D] (from dkᵀ, dvᵀ).
+    /// The task's dk and dv [S, D] (from dkᵀ, dvᵀ [D, Sp]).
     pub(super) fn finish(&self, dk: &mut [f32], dv: &mut [f32]) {
         for (dst, src) in [(dk, &self.dkt), (dv, &self.dvt)] {
-            for (j, row) in dst.chunks_exact_mut(self.d).take(self.s).enumerate() {
-                for (c, x) in row.iter_mut().enumerate() {
-                    *x = src[c * self.sp + j];
-                }
-            }
+            // SAFETY: f32 and MaybeUninit<f32> have one layout, and only f32 values are written.
+            let dst = unsafe { &mut *(dst as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
+            transpose_f32(src, self.sp, self.d, self.s, dst, self.d);
         }
     }
 }
