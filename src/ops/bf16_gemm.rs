@@ -1961,10 +1961,6 @@ mod tests {
         t
     }
 
-    /// Runs on every CPU, by the scalar loops and (where the CPU has AVX-512) the SIMD packing:
-    /// each B[kk, col] sits where `slot` says, every other element of the packing (K and N
-    /// padding, the strip that makes the strip count even) is zero. N 600 and 1100: the SIMD
-    /// `from_kn` packs several pairs of strips per task, the last task fewer.
     /// Both ways (16 x 16 register blocks, element by element), every element lands where the
     /// transpose puts it, ragged edges and strides included, and nothing past the block is written.
     #[test]
@@ -1986,6 +1982,10 @@ mod tests {
         }
     }
 
+    /// Runs on every CPU, by the scalar loops and (where the CPU has AVX-512) the SIMD packing:
+    /// each B[kk, col] sits where `slot` says, every other element of the packing (K and N
+    /// padding, the strip that makes the strip count even) is zero. N 600 and 1100: the SIMD
+    /// `from_kn` packs several pairs of strips per task, the last task fewer.
     #[test]
     fn both_packings_put_every_element_where_the_tile_layout_says_and_zeros_elsewhere() {
         let simd: &[bool] = if simd_pack::available() { &[false, true] } else { &[false] };

@@ -678,8 +678,9 @@ impl RowTable {
 
     /// `n` elements (f32, bf16, f16 or bytes) read from the file at byte `at`, straight into
     /// memory nothing zeroed first, in a piece per thread: the loss reads the LM head this way
-    /// every step (420 MB of DeepSeek-V2-Lite's in 30 MB chunks), 42-44 ms of a 1.4 s step on
-    /// Zen 5 when each chunk was zeroed and then copied in by one thread, 19-22 ms so.
+    /// every step (420 MB of DeepSeek-V2-Lite's in 8 MB chunks, `ops::loss`). Measured with
+    /// 30 MB chunks: 42-44 ms of a 1.4 s step on Zen 5 when each chunk was zeroed and then
+    /// copied in by one thread, 19-22 ms so.
     fn read_into<T: PlainBits>(&self, n: usize, at: u64) -> Result<Vec<T>> {
         use rayon::prelude::*;
         let bytes = n * std::mem::size_of::<T>();
