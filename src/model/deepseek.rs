@@ -16,8 +16,9 @@
 //!   (evens, then odds) of q and k alike. Scores are dot products, so the permutation, applied
 //!   to both, changes nothing (transformers' deepseek_v3 does the same; deepseek_v2's complex
 //!   product is the same rotation).
-//! - Attention takes one head dim for q, k and v, so v is padded with zeros from Dv to Dk
-//!   (the padding's output columns are dropped; they get no gradient).
+//! - Attention takes one head dim for q, k and v, so the shorter of Dk and Dv (v, in every
+//!   released config) is padded with zeros (`ops::mla`; the padding's output columns are
+//!   dropped; they get no gradient).
 //! - Experts run sparsely: tokens are grouped by expert and each expert with tokens runs its
 //!   three GEMMs once over them; the weighted outputs return to token order by one gather.
 //!   transformers' eager path loops the same way and sums in another order (f32 noise).
@@ -79,26 +80,11 @@ impl<'a> MlaAttention<'a> {
         })
     }
 
-    /// RoPE on the rope part of heads, x [B, n, S, Dr] -> [B, n, S, Dr] (de-interleaved
-    /// order when the model rotates interleaved pairs; see the module note).
-    fn rope(&self, x: &Tensor, ctx: &ForwardCtx) -> Result<Tensor> {
-        let x = if self.mla.rope_interleave {
-            let dr = self.mla.qk_rope_head_dim;
-            let perm: Vec<u32> = (0..dr as u32).step_by(2).chain((1..dr as u32).step_by(2)).collect();
-            x.contiguous()?.index_select(&Tensor::from_vec(perm, dr, x.device())?, 3)? // [B, n, S, Dr]
-        } else {
-            x.clone()
-        };
-        Ok(ops::rope::rope(&x, &ctx.cos, &ctx.sin)?)
-    }
-
     /// x [N, H] -> [N, H]; with `cache` (generation) keys/values of earlier positions are
-    /// prepended and kept, as [B, NH, T, Dk] each (v padded to Dk).
+    /// prepended and kept, as [B, NH, T, W] each (W = max(Dk, Dv), the shorter padded).
     pub fn forward_cached(&self, x: &Tensor, ctx: &ForwardCtx, cache: Option<&mut KvCache>) -> Result<Tensor> {
-        let (b, _, s, _) = ctx.cos.dims4()?;
         let (nh, kern, drop) = (self.num_heads, ctx.kernels, ctx.dropout);
         let Mla { kv_lora_rank: c, qk_nope_head_dim: dn, qk_rope_head_dim: dr, v_head_dim: dv, .. } = self.mla;
-        let dk = dn + dr;
         let keep = ctx.keep(self.layer);
         let q = match &self.q {
             QPath::Plain(p) => p.forward_kept(kern, x, drop, &keep)?, // [N, NH*Dk]
@@ -107,31 +93,16 @@ impl<'a> MlaAttention<'a> {
                 q_b_proj.forward_kept(kern, &ops::rms_norm(kern, &qa, q_a_layernorm, MLA_NORM_EPS)?, drop, &keep)? // [N, NH*Dk]
             }
         };
-        let q = ops::split_heads(kern, &q, b, s, nh)?; // [B, NH, S, Dk]
-        let q_rope = self.rope(&q.narrow(3, dn, dr)?, ctx)?; // [B, NH, S, Dr]
-        let q = Tensor::cat(&[&q.narrow(3, 0, dn)?, &q_rope], 3)?; // [B, NH, S, Dk]
-
         let ckv = self.kv_a_proj_with_mqa.forward_kept(kern, x, drop, &keep)?; // [N, C + Dr]
         let latent = ckv.narrow(1, 0, c)?.contiguous()?; // [N, C]
-        let k_rope = ckv.narrow(1, c, dr)?.reshape((b, 1, s, dr))?; // [B, 1, S, Dr]: one rope key for all heads
-        let k_rope = self.rope(&k_rope, ctx)?.broadcast_as((b, nh, s, dr))?; // [B, NH, S, Dr]
         let kv = self.kv_b_proj.forward_kept(kern, &ops::rms_norm(kern, &latent, &self.kv_a_layernorm, MLA_NORM_EPS)?, drop, &keep)?; // [N, NH*(Dn+Dv)]
-        let kv = ops::split_heads(kern, &kv, b, s, nh)?; // [B, NH, S, Dn+Dv]
-        let mut k = Tensor::cat(&[&kv.narrow(3, 0, dn)?, &k_rope], 3)?; // [B, NH, S, Dk]
-        let v = kv.narrow(3, dn, dv)?; // [B, NH, S, Dv]
-        // One head dim for the attention op: pad v (or q and k, whose extra zeros add nothing
-        // to the scores) to the larger of Dk, Dv.
-        let width = dk.max(dv);
-        let pad = |t: &Tensor, d: usize| -> Result<Tensor> {
-            if d == width {
-                return Ok(t.clone());
-            }
-            let (b, n, s, _) = t.dims4()?;
-            Ok(Tensor::cat(&[t, &Tensor::zeros((b, n, s, width - d), t.dtype(), t.device())?], 3)?)
-        };
-        let q = pad(&q, dk)?; // [B, NH, S, W]
-        k = pad(&k, dk)?; // [B, NH, S, W]
-        let mut v = pad(&v, dv)?; // [B, NH, S, W]
+        // q, k, v [B, NH, S, W]: RoPE on the rope parts (k's one rope key broadcast to every
+        // head), v padded to W = max(Dk, Dv) (the attention op takes one head dim; the
+        // padding's output columns are dropped below).
+        let heads = ops::mla::MlaHeads { heads: nh, nope: dn, rope: dr, v: dv, latent: c, interleaved: self.mla.rope_interleave };
+        let q = ops::mla::q_heads(kern, &q, &heads, &ctx.cos, &ctx.sin)?; // [B, NH, S, W]
+        let (mut k, mut v) = ops::mla::kv_heads(kern, &kv, &ckv, &heads, &ctx.cos, &ctx.sin)?; // [B, NH, S, W] each
+        let width = heads.width();
         if let Some(cache) = cache {
             if let Some((pk, pv)) = cache.take() {
                 k = Tensor::cat(&[&pk, &k], 2)?; // [B, NH, T, W]

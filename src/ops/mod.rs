@@ -26,6 +26,7 @@ pub mod experts;
 mod gemm;
 pub mod linear;
 pub mod loss;
+pub mod mla;
 pub mod mlp;
 pub mod norm;
 pub mod rope;
