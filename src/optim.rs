@@ -68,24 +68,34 @@ impl AdamW {
         let (w1, w2) = ((1.0 - b1) as f32, (1.0 - b2) as f32);
         let (b2f, eps) = (b2 as f32, self.eps as f32);
         let st = &mut self.state;
-        for i in 0..p.len() {
-            if present.is_some_and(|m| !m[i]) {
-                continue;
+        assert!(g.len() == p.len() && st.steps.len() == p.len() && st.exp_avg.len() == p.len() && st.exp_avg_sq.len() == p.len(), "adamw: {} parameters, {} gradients, {} moments", p.len(), g.len(), st.steps.len());
+        let this_step = self.step;
+        // Element-wise, so chunks on every thread give the serial loop's numbers (a 1 x 512
+        // SmolLM2 step spent 1.2% of its time in this loop on one of two threads).
+        use rayon::prelude::*;
+        const CHUNK: usize = 1 << 14;
+        let chunks = p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(st.steps.par_chunks_mut(CHUNK)).zip(st.exp_avg.par_chunks_mut(CHUNK)).zip(st.exp_avg_sq.par_chunks_mut(CHUNK));
+        chunks.enumerate().for_each(|(c, ((((p, g), steps), exp_avg), exp_avg_sq))| {
+            let present = present.map(|m| &m[c * CHUNK..][..p.len()]);
+            for i in 0..p.len() {
+                if present.is_some_and(|m| !m[i]) {
+                    continue;
+                }
+                steps[i] += 1.0;
+                let t = steps[i] as u64;
+                let (step_size, bias2_sqrt) = if t == this_step { common } else { corrections(t) };
+                let gi = g[i];
+                p[i] *= decay;
+                // exp_avg.lerp_(grad, 1 - beta1)
+                let m = exp_avg[i] + w1 * (gi - exp_avg[i]);
+                // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                let v = exp_avg_sq[i] * b2f + w2 * gi * gi;
+                exp_avg[i] = m;
+                exp_avg_sq[i] = v;
+                let denom = v.sqrt() / bias2_sqrt + eps;
+                p[i] -= step_size * (m / denom);
             }
-            st.steps[i] += 1.0;
-            let t = st.steps[i] as u64;
-            let (step_size, bias2_sqrt) = if t == self.step { common } else { corrections(t) };
-            let gi = g[i];
-            p[i] *= decay;
-            // exp_avg.lerp_(grad, 1 - beta1)
-            let m = st.exp_avg[i] + w1 * (gi - st.exp_avg[i]);
-            // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            let v = st.exp_avg_sq[i] * b2f + w2 * gi * gi;
-            st.exp_avg[i] = m;
-            st.exp_avg_sq[i] = v;
-            let denom = v.sqrt() / bias2_sqrt + eps;
-            p[i] -= step_size * (m / denom);
-        }
+        });
     }
 }
 
