@@ -102,7 +102,6 @@ impl<'a> MlaAttention<'a> {
         let heads = ops::mla::MlaHeads { heads: nh, nope: dn, rope: dr, v: dv, latent: c, interleaved: self.mla.rope_interleave };
         let q = ops::mla::q_heads(kern, &q, &heads, &ctx.cos, &ctx.sin)?; // [B, NH, S, W]
         let (mut k, mut v) = ops::mla::kv_heads(kern, &kv, &ckv, &heads, &ctx.cos, &ctx.sin)?; // [B, NH, S, W] each
-        let width = heads.width();
         if let Some(cache) = cache {
             if let Some((pk, pv)) = cache.take() {
                 k = Tensor::cat(&[&pk, &k], 2)?; // [B, NH, T, W]
@@ -114,8 +113,7 @@ impl<'a> MlaAttention<'a> {
             None => ops::causal_attention(kern, &q, &k, &v, self.scale, &ctx.key_start, keep.clone(), ctx.matmul)?, // [B, NH, S, W]
             Some(mask) => ops::attention::cached_attention(&q, &k, &v, self.scale, mask)?, // [B, NH, S, W]
         };
-        let out = if width == dv { out } else { out.narrow(3, 0, dv)? }; // [B, NH, S, Dv]
-        let out = ops::merge_heads(kern, &out)?; // [N, NH*Dv]
+        let out = ops::merge_head_cols(kern, &out, dv)?; // [N, NH*Dv]: each head's first Dv columns
         self.o_proj.forward_kept(kern, &out, drop, &keep) // [N, H]
     }
 }

@@ -40,7 +40,7 @@ pub(crate) use gemm::sgemm;
 pub use linear::{frozen_linear, frozen_linear_kept, lora_linear};
 pub use mlp::{frozen_mlp_residual, swiglu};
 pub use norm::rms_norm;
-pub use rope::{merge_heads, rope_heads, rope_tables, split_heads};
+pub use rope::{merge_head_cols, merge_heads, rope_heads, rope_tables, split_heads};
 
 use candle_core::{DType, Result, Tensor, D};
 

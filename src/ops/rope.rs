@@ -57,7 +57,7 @@ pub fn rope_heads(k: Kernels, x: &Tensor, n: usize, cos: &Tensor, sin: &Tensor) 
     match k.pick(Op::Heads, x, &[]) {
         Path::Fused => {
             let rot = Some((host_f32(cos)?, host_f32(sin)?));
-            x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), rope: rot, split: true })
+            x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), cols: d, rope: rot, split: true })
         }
         Path::Portable => rope(&x.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()?, cos, sin), // [B, N, S, D]
     }
@@ -71,7 +71,7 @@ pub fn split_heads(k: Kernels, x: &Tensor, b: usize, s: usize, n: usize) -> Resu
         candle_core::bail!("split-heads: x {:?} is not [{b} x {s}, {n} heads x D]", x.dims());
     }
     match k.pick(Op::Heads, x, &[]) {
-        Path::Fused => x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), rope: None, split: true }),
+        Path::Fused => x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), cols: d, rope: None, split: true }),
         Path::Portable => x.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous(), // [B, N, S, D]
     }
 }
@@ -79,18 +79,31 @@ pub fn split_heads(k: Kernels, x: &Tensor, b: usize, s: usize, n: usize) -> Resu
 /// x [B, N, S, D] -> [B*S, N*D]: attention's output back in the projection layout (the
 /// inverse of `split_heads`), in one copy with one autograd node.
 pub fn merge_heads(k: Kernels, x: &Tensor) -> Result<Tensor> {
+    merge_head_cols(k, x, x.dim(3)?)
+}
+
+/// x [B, N, S, D] -> [B*S, N*cols]: the first `cols` columns of each head (MLA's v width of
+/// an output padded to the q/k width), merged as `merge_heads` does, in one copy with one
+/// autograd node (a narrow first would be a copy too, and in the backward a zero-padded
+/// copy of x's size, a zeroed buffer and an add).
+pub fn merge_head_cols(k: Kernels, x: &Tensor, cols: usize) -> Result<Tensor> {
     let (b, n, s, d) = x.dims4()?;
+    if cols > d {
+        candle_core::bail!("merge-heads: {cols} columns of heads of {d}");
+    }
     match k.pick(Op::Heads, x, &[]) {
-        Path::Fused => x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), rope: None, split: false }),
-        Path::Portable => x.transpose(1, 2)?.reshape((b * s, n * d)), // [N, NH*D]
+        Path::Fused => x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), cols, rope: None, split: false }),
+        Path::Portable => x.narrow(3, 0, cols)?.transpose(1, 2)?.reshape((b * s, n * cols)), // [N, NH*cols]
     }
 }
 
 /// Moves heads between the projection layout [B, S, N, D] and the attention layout
 /// [B, N, S, D] (`split`), or back (`!split`), rotating by RoPE on the way in when `rope`
-/// holds cos/sin [B, 1, S, D] flattened.
+/// holds cos/sin [B, 1, S, D] flattened. `cols` < D (merges only): the projection layout
+/// holds the first `cols` columns of each head, [B, S, N, cols].
 struct Heads {
     dims: (usize, usize, usize, usize),
+    cols: usize,
     rope: Option<(Vec<f32>, Vec<f32>)>,
     split: bool,
 }
@@ -100,15 +113,19 @@ impl Heads {
     /// cos/sin, src read in `src_heads_first` layout ([B, N, S, D] if true, else [B, S, N, D])
     /// and dst written in the other.
     fn map(&self, src: &[f32], src_heads_first: bool, f: impl Fn(&[f32], &mut [f32], usize) + Sync) -> Vec<f32> {
-        let (_, s, n, d) = self.dims;
-        // One row [D] per task: dst row c is (b, s, n) of [B, S, N, D] or (b, n, s) of
-        // [B, N, S, D], whichever dst is (a whole head per task left one of two threads idle
+        let (b, s, n, d) = self.dims;
+        let c = self.cols;
+        // Row lengths: D in the heads-first layout, `cols` in the projection layout; `f`
+        // maps the first `cols` of each (the rest of a longer dst row stays zero).
+        let (src_d, dst_d) = if src_heads_first { (d, c) } else { (c, d) };
+        // One row per task: dst row r is (b, s, n) of [B, S, N, _] or (b, n, s) of
+        // [B, N, S, _], whichever dst is (a whole head per task left one of two threads idle
         // for the three kv heads of a 1 x 512 micro-batch).
-        par_zeroed(src.len(), d, |c, out: &mut [f32]| {
-            let (bi, si, ni) = if src_heads_first { (c / (s * n), c / n % s, c % n) } else { (c / (n * s), c % s, c / s % n) };
+        par_zeroed(b * s * n * dst_d, dst_d.max(1), |r, out: &mut [f32]| {
+            let (bi, si, ni) = if src_heads_first { (r / (s * n), r / n % s, r % n) } else { (r / (n * s), r % s, r / s % n) };
             let t = (bi * s + si) * d;
-            let from = if src_heads_first { ((bi * n + ni) * s + si) * d } else { ((bi * s + si) * n + ni) * d };
-            f(&src[from..from + d], out, t);
+            let from = if src_heads_first { ((bi * n + ni) * s + si) * src_d } else { ((bi * s + si) * n + ni) * src_d };
+            f(&src[from..from + c], &mut out[..c], t);
         })
     }
 
@@ -149,9 +166,9 @@ impl candle_core::CustomOp1 for Heads {
         if x.len() != b * s * n * d {
             candle_core::bail!("heads: {} elements for [{b}, {s}, {n}, {d}]", x.len());
         }
-        // split: [B, S, N, D] -> [B, N, S, D]; merge: [B, N, S, D] -> [B*S, N*D]
+        // split: [B, S, N, D] -> [B, N, S, D]; merge: [B, N, S, D] -> [B*S, N*cols]
         let y = self.apply(x, !self.split, false);
-        let shape = if self.split { candle_core::Shape::from((b, n, s, d)) } else { candle_core::Shape::from((b * s, n * d)) };
+        let shape = if self.split { candle_core::Shape::from((b, n, s, d)) } else { candle_core::Shape::from((b * s, n * self.cols)) };
         Ok((candle_core::CpuStorage::F32(y), shape))
     }
 
@@ -199,6 +216,9 @@ mod tests {
         assert!(dv == 0.0 && dg == 0.0, "split: value {dv}, grad {dg}");
         let (dv, dg) = compare(&[b, n, s, d], |x| merge_heads(Kernels::Auto, x), |x| x.transpose(1, 2)?.reshape((b * s, n * d)))?;
         assert!(dv == 0.0 && dg == 0.0, "merge: value {dv}, grad {dg}");
+        // The first 3 of each head's 4 columns (the columns past them get zero gradient).
+        let (dv, dg) = compare(&[b, n, s, d], |x| merge_head_cols(Kernels::Auto, x, 3), |x| x.narrow(3, 0, 3)?.transpose(1, 2)?.reshape((b * s, n * 3)))?;
+        assert!(dv == 0.0 && dg == 0.0, "merge of 3 columns: value {dv}, grad {dg}");
         Ok(())
     }
 
