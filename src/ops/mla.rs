@@ -97,7 +97,7 @@ pub fn kv_heads(k: Kernels, kv: &Tensor, ckv: &Tensor, d: &MlaHeads, cos: &Tenso
 /// (B, S) of the tables, after checking that x is [B·S, `cols`] and cos/sin [B, 1, S, Dr].
 fn check(x: &Tensor, cols: usize, d: &MlaHeads, cos: &Tensor, sin: &Tensor, what: &str) -> Result<(usize, usize)> {
     let (b, _, s, dr) = cos.dims4()?;
-    if x.dims() != [b * s, cols] || dr != d.rope || sin.dims() != cos.dims() || d.rope % 2 != 0 {
+    if x.dims() != [b * s, cols] || dr != d.rope || sin.dims() != cos.dims() || !d.rope.is_multiple_of(2) {
         candle_core::bail!("mla-heads: {what} {:?} is not [{}, {cols}] for cos/sin {:?}/{:?} and {d:?}", x.dims(), b * s, cos.dims(), sin.dims());
     }
     Ok((b, s))
