@@ -20,7 +20,8 @@
 //! input's gradient once (the shared k_rope's summed over heads). The same sums: the
 //! rotation's products and differences are the portable path's, bit for bit.
 
-use super::{cpu_f32, f32_elems, host_f32, par_zeroed, Kernels, Op, Path};
+use super::rope::Rotation;
+use super::{cpu_f32, f32_elems, par_zeroed, Kernels, Op, Path};
 use candle_core::{Result, Tensor};
 
 /// MLA's head dims (the config's, per layer).
@@ -136,39 +137,6 @@ struct Piece {
     rope: bool,
 }
 
-/// The cos/sin rows [B·S, Dr] and the pairing, for the pieces that rotate.
-struct Rotation {
-    cos: Vec<f32>,
-    sin: Vec<f32>,
-    d: usize,
-    interleaved: bool,
-}
-
-impl Rotation {
-    /// o = rope(x) at token `t`: out1 = x1 c − x2 s, out2 = x2 c + x1 s, the halves x1, x2
-    /// taken de-interleaved when the pairs are.
-    fn rotate(&self, x: &[f32], o: &mut [f32], t: usize) {
-        let (c, sn, h) = (&self.cos[t * self.d..][..self.d], &self.sin[t * self.d..][..self.d], self.d / 2);
-        for i in 0..h {
-            let (x1, x2) = if self.interleaved { (x[2 * i], x[2 * i + 1]) } else { (x[i], x[i + h]) };
-            o[i] = x1 * c[i] - x2 * sn[i];
-            o[i + h] = x2 * c[i + h] + x1 * sn[i + h];
-        }
-    }
-
-    /// dx += the transposed rotation of g at token `t` (dx1 = g1 c + g2 s, dx2 = g2 c − g1 s),
-    /// put back in the pairs' order.
-    fn unrotate_add(&self, g: &[f32], dx: &mut [f32], t: usize) {
-        let (c, sn, h) = (&self.cos[t * self.d..][..self.d], &self.sin[t * self.d..][..self.d], self.d / 2);
-        for i in 0..h {
-            let (d1, d2) = (g[i] * c[i] + g[i + h] * sn[i + h], g[i + h] * c[i + h] - g[i] * sn[i]);
-            let (j1, j2) = if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + h) };
-            dx[j1] += d1;
-            dx[j2] += d2;
-        }
-    }
-}
-
 /// One operand [B, NH, S, W] assembled from the pieces of one or two sources' token rows.
 struct Assemble {
     /// (B, S, NH, W)
@@ -176,14 +144,14 @@ struct Assemble {
     /// Each source's row length (its columns per token).
     cols: Vec<usize>,
     pieces: Vec<Piece>,
-    rot: Rotation,
+    /// For the pieces that rotate (None where none does).
+    rot: Option<Rotation>,
 }
 
 impl Assemble {
     fn new(dims: (usize, usize, usize, usize), cols: Vec<usize>, pieces: Vec<Piece>, d: &MlaHeads, cos: &Tensor, sin: &Tensor) -> Result<Self> {
-        let rotates = pieces.iter().any(|p| p.rope);
-        let (cos, sin) = if rotates { (host_f32(cos)?, host_f32(sin)?) } else { (Vec::new(), Vec::new()) };
-        Ok(Assemble { dims, cols, pieces, rot: Rotation { cos, sin, d: d.rope, interleaved: d.interleaved } })
+        let rot = if pieces.iter().any(|p| p.rope) { Some(Rotation::new(cos, sin, d.interleaved)?) } else { None };
+        Ok(Assemble { dims, cols, pieces, rot })
     }
 
     /// The operand from the sources' elements.
@@ -200,10 +168,9 @@ impl Assemble {
             for p in &self.pieces {
                 let x = &srcs[p.src][tok * self.cols[p.src] + p.at + head * p.per_head..][..p.len];
                 let o = &mut o[p.dst..][..p.len];
-                if p.rope {
-                    self.rot.rotate(x, o, tok);
-                } else {
-                    o.copy_from_slice(x);
+                match &self.rot {
+                    Some(rot) if p.rope => rot.rotate(x, o, tok),
+                    _ => o.copy_from_slice(x),
                 }
             }
         });
@@ -220,10 +187,9 @@ impl Assemble {
                 let row = &g[((tok / s * nh + head) * s + tok % s) * w..][..w];
                 for p in self.pieces.iter().filter(|p| p.src == j) {
                     let (g, dx) = (&row[p.dst..][..p.len], &mut dx[p.at + head * p.per_head..][..p.len]);
-                    if p.rope {
-                        self.rot.unrotate_add(g, dx, tok);
-                    } else {
-                        dx.iter_mut().zip(g).for_each(|(d, &v)| *d += v);
+                    match &self.rot {
+                        Some(rot) if p.rope => rot.unrotate_add(g, dx, tok),
+                        _ => dx.iter_mut().zip(g).for_each(|(d, &v)| *d += v),
                     }
                 }
             }

@@ -56,7 +56,7 @@ pub fn rope_heads(k: Kernels, x: &Tensor, n: usize, cos: &Tensor, sin: &Tensor) 
     }
     match k.pick(Op::Heads, x, &[]) {
         Path::Fused => {
-            let rot = Some((host_f32(cos)?, host_f32(sin)?));
+            let rot = Some(Rotation::new(cos, sin, false)?);
             x.contiguous()?.apply_op1(Heads { dims: (b, s, n, d), cols: d, rope: rot, split: true })
         }
         Path::Portable => rope(&x.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()?, cos, sin), // [B, N, S, D]
@@ -99,18 +99,59 @@ pub fn merge_head_cols(k: Kernels, x: &Tensor, cols: usize) -> Result<Tensor> {
 
 /// Moves heads between the projection layout [B, S, N, D] and the attention layout
 /// [B, N, S, D] (`split`), or back (`!split`), rotating by RoPE on the way in when `rope`
-/// holds cos/sin [B, 1, S, D] flattened. `cols` < D (merges only): the projection layout
+/// is set. `cols` < D (merges only): the projection layout
 /// holds the first `cols` columns of each head, [B, S, N, cols].
 struct Heads {
     dims: (usize, usize, usize, usize),
     cols: usize,
-    rope: Option<(Vec<f32>, Vec<f32>)>,
+    rope: Option<Rotation>,
     split: bool,
 }
 
+/// Rotate-half RoPE on host rows: cos/sin [B·S, D] (the tables flattened, a row per token)
+/// and how the rotated dims pair. The fused ops' one rotation (`Heads`, `mla::Assemble`).
+pub(crate) struct Rotation {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    d: usize,
+    /// Pairs (2i, 2i + 1) taken as the halves (evens, then odds), as DeepSeek's checkpoints
+    /// rotate them; else (i, i + D/2).
+    interleaved: bool,
+}
+
+impl Rotation {
+    /// From cos/sin [B, 1, S, D].
+    pub(crate) fn new(cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Self> {
+        Ok(Rotation { cos: host_f32(cos)?, sin: host_f32(sin)?, d: cos.dim(D::Minus1)?, interleaved })
+    }
+
+    /// o = rope(x) at token `t`: out1 = x1 c − x2 s, out2 = x2 c + x1 s (the same angle at i
+    /// and i + D/2).
+    pub(crate) fn rotate(&self, x: &[f32], o: &mut [f32], t: usize) {
+        let (c, sn, h) = (&self.cos[t * self.d..][..self.d], &self.sin[t * self.d..][..self.d], self.d / 2);
+        for i in 0..h {
+            let (x1, x2) = if self.interleaved { (x[2 * i], x[2 * i + 1]) } else { (x[i], x[i + h]) };
+            o[i] = x1 * c[i] - x2 * sn[i];
+            o[i + h] = x2 * c[i + h] + x1 * sn[i + h];
+        }
+    }
+
+    /// dx += the transpose of the rotation applied to g at token `t` (dx1 = g1 c + g2 s,
+    /// dx2 = g2 c − g1 s), put back in the pairs' order.
+    pub(crate) fn unrotate_add(&self, g: &[f32], dx: &mut [f32], t: usize) {
+        let (c, sn, h) = (&self.cos[t * self.d..][..self.d], &self.sin[t * self.d..][..self.d], self.d / 2);
+        for i in 0..h {
+            let (d1, d2) = (g[i] * c[i] + g[i + h] * sn[i + h], g[i + h] * c[i + h] - g[i] * sn[i]);
+            let (j1, j2) = if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + h) };
+            dx[j1] += d1;
+            dx[j2] += d2;
+        }
+    }
+}
+
 impl Heads {
-    /// For each (b, s, n): `f(src row [D], dst row [D], t)` with t the offset of (b, s) in
-    /// cos/sin, src read in `src_heads_first` layout ([B, N, S, D] if true, else [B, S, N, D])
+    /// For each (b, s, n): `f(src row [D], dst row [D], t)` with t the token b·S + s (the
+    /// row of cos/sin), src read in `src_heads_first` layout ([B, N, S, D] if true, else [B, S, N, D])
     /// and dst written in the other.
     fn map(&self, src: &[f32], src_heads_first: bool, f: impl Fn(&[f32], &mut [f32], usize) + Sync) -> Vec<f32> {
         let (b, s, n, d) = self.dims;
@@ -123,7 +164,7 @@ impl Heads {
         // for the three kv heads of a 1 x 512 micro-batch).
         par_zeroed(b * s * n * dst_d, dst_d.max(1), |r, out: &mut [f32]| {
             let (bi, si, ni) = if src_heads_first { (r / (s * n), r / n % s, r % n) } else { (r / (n * s), r % s, r / s % n) };
-            let t = (bi * s + si) * d;
+            let t = bi * s + si;
             let from = if src_heads_first { ((bi * n + ni) * s + si) * src_d } else { ((bi * s + si) * n + ni) * src_d };
             f(&src[from..from + c], &mut out[..c], t);
         })
@@ -132,25 +173,11 @@ impl Heads {
     /// Move (and rotate forward if `rope`, or backward if `inverse`) from the `heads_first`
     /// layout to the other.
     fn apply(&self, src: &[f32], heads_first: bool, inverse: bool) -> Vec<f32> {
-        let d = self.dims.3;
         match &self.rope {
             None => self.map(src, heads_first, |x, o, _| o.copy_from_slice(x)),
-            // out1 = x1 c − x2 s, out2 = x2 c + x1 s (the same angle at i and i + D/2)
-            Some((cos, sin)) if !inverse => self.map(src, heads_first, |x, o, t| {
-                let (c, sn, h) = (&cos[t..t + d], &sin[t..t + d], d / 2);
-                for i in 0..h {
-                    o[i] = x[i] * c[i] - x[i + h] * sn[i];
-                    o[i + h] = x[i + h] * c[i + h] + x[i] * sn[i + h];
-                }
-            }),
-            // The transpose of the rotation: dx1 = g1 c + g2 s, dx2 = g2 c − g1 s
-            Some((cos, sin)) => self.map(src, heads_first, |g, o, t| {
-                let (c, sn, h) = (&cos[t..t + d], &sin[t..t + d], d / 2);
-                for i in 0..h {
-                    o[i] = g[i] * c[i] + g[i + h] * sn[i + h];
-                    o[i + h] = g[i + h] * c[i + h] - g[i] * sn[i];
-                }
-            }),
+            Some(rot) if !inverse => self.map(src, heads_first, |x, o, t| rot.rotate(x, o, t)),
+            // Into the zeroed row: the transposed rotation itself.
+            Some(rot) => self.map(src, heads_first, |g, o, t| rot.unrotate_add(g, o, t)),
         }
     }
 }
