@@ -405,12 +405,12 @@ impl Head {
         }
     }
 
-    /// p [C, n] f32 -> p @ W [C, H] (f32, or the head's dtype on the portable path)
+    /// p [C, n] f32 -> p @ W [C, H] in the head's dtype (portable path; the fused heads add
+    /// theirs into acc, [`Head::accumulate`]).
     fn input_grad(&self, p: &Tensor) -> Result<Tensor> {
         match self {
-            Head::F32(w) => p.matmul(w),
-            Head::Bf16 { kn, .. } => super::bf16_gemm::matmul(p, kn),
             Head::Native(w) => p.to_dtype(w.dtype())?.matmul(w),
+            Head::F32(_) | Head::Bf16 { .. } => candle_core::bail!("cross-entropy: a fused head's product goes into acc (Head::accumulate)"),
         }
     }
 
@@ -505,7 +505,12 @@ mod tests {
         let round = |t: &Tensor| if unit { t.to_dtype(DType::BF16)?.to_dtype(DType::F32) } else { Ok(t.clone()) };
         let h32 = head.to_dtype(DType::F32)?;
         let d = (built.logits(&rows)? - round(&rows)?.matmul(&h32.t()?)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let dg = (built.input_grad(&g)? - round(&g)?.matmul(&h32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        // The input gradient as the fused path forms it: the first chunk's product stored in acc.
+        let (mut acc, mut ld) = (None, 0);
+        built.accumulate(&g.flatten_all()?.to_vec1::<f32>()?, &vec![1.0; m], &mut acc, &mut ld)?;
+        let acc = acc.expect("the first chunk stores acc");
+        let pg = Tensor::from_vec((0..m).flat_map(|r| acc[r * ld..][..h].to_vec()).collect::<Vec<f32>>(), (m, h), &dev)?; // [M, H]
+        let dg = (pg - round(&g)?.matmul(&h32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
         println!("bf16 head products: logits max |diff| {d:e}, input gradient {dg:e}");
         assert!(d < 1e-5 && dg < 1e-5, "logits differ by {d}, input gradient by {dg}");
         Ok(())
@@ -597,6 +602,16 @@ mod tests {
         Ok(())
     }
 
+    /// `head` as the loss reads it, each read's (start, rows) recorded in `reads`.
+    fn recorded<'a>(head: &'a Tensor, reads: &'a std::cell::RefCell<Vec<(usize, usize)>>) -> Result<HeadRows<'a>> {
+        let mut rows = HeadRows::of(head)?;
+        rows.read = Box::new(move |s, n| {
+            reads.borrow_mut().push((s, n));
+            head.narrow(0, s, n)
+        });
+        Ok(rows)
+    }
+
     /// A head larger than one chunk is read chunk by chunk, each chunk once, also when no row
     /// has a target (a ZeRO-3 gather is a collective), and the running softmax over the
     /// chunks gives the loss and gradient of the whole head, on both paths.
@@ -610,15 +625,7 @@ mod tests {
         let targets: Vec<u32> = (0..m as u32).map(|i| [0, 9_999, 10_047, 10_048, 19_999][i as usize % 5] + i % 3).map(|t| t.min(v as u32 - 1)).collect();
         // The head, recording each read.
         let reads = std::cell::RefCell::new(Vec::new());
-        let counted = || HeadRows {
-            vocab: v,
-            hidden: h,
-            dtype: DType::F32,
-            read: Box::new(|s, n| {
-                reads.borrow_mut().push((s, n));
-                head.narrow(0, s, n)
-            }),
-        };
+        let counted = || recorded(&head, &reads);
         // The whole head, from candle ops: CE = -log_softmax[target], grad = 0.5 (softmax - onehot) W.
         let logits = rows.matmul(&head.t()?)?;
         let t = Tensor::new(targets.as_slice(), &dev)?.unsqueeze(1)?;
@@ -627,7 +634,7 @@ mod tests {
         let want_grad = ((candle_nn::ops::softmax_last_dim(&logits)? - onehot)?.matmul(&head)? * 0.5)?;
         for k in [Kernels::Auto, Kernels::Portable] {
             reads.borrow_mut().clear();
-            let (ce, grad) = cross_entropy_sum_and_grad(k, &rows, &counted(), &targets, 0.5)?;
+            let (ce, grad) = cross_entropy_sum_and_grad(k, &rows, &counted()?, &targets, 0.5)?;
             assert_eq!(*reads.borrow(), vec![(0, 10_048), (10_048, 9_952)], "{k:?}");
             let dce = (ce - want_ce).abs() / want_ce.abs();
             let dg = (grad - &want_grad)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -636,7 +643,7 @@ mod tests {
         }
         let none = rows.narrow(0, 0, 0)?;
         reads.borrow_mut().clear();
-        let (ce, grad) = cross_entropy_sum_and_grad(Kernels::Auto, &none, &counted(), &[], 0.5)?;
+        let (ce, grad) = cross_entropy_sum_and_grad(Kernels::Auto, &none, &counted()?, &[], 0.5)?;
         assert_eq!((ce, grad.dims()), (0.0, &[0, h][..]));
         assert_eq!(reads.borrow().len(), 2, "every chunk is read with no rows too");
         Ok(())
@@ -659,16 +666,7 @@ mod tests {
         let head = head.to_dtype(DType::BF16)?;
         let targets: Vec<u32> = (0..m as u32).map(|i| [2, 20_031, 20_034, 39_999][i as usize % 4] - i % 3).collect();
         let reads = std::cell::RefCell::new(Vec::new());
-        let chunked = HeadRows {
-            vocab: v,
-            hidden: h,
-            dtype: DType::BF16,
-            read: Box::new(|s, n| {
-                reads.borrow_mut().push((s, n));
-                head.narrow(0, s, n)
-            }),
-        };
-        let (ce, grad) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &chunked, &targets, 0.5)?;
+        let (ce, grad) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &recorded(&head, &reads)?, &targets, 0.5)?;
         assert_eq!(*reads.borrow(), vec![(0, 20_032), (20_032, 19_968)]);
         let h32 = head.to_dtype(DType::F32)?;
         let logits = rows.matmul(&h32.t()?)?;
