@@ -71,6 +71,11 @@ pub enum Error {
     #[error("rank {rank}: {msg}")]
     PeerFailed { rank: usize, msg: String },
 
+    /// Stopped by a signal (SIGINT 2, SIGTERM 15) before the work was done; what it would
+    /// have written is not there (`main` exits with 128 + the signal).
+    #[error("stopped by {}", signal_name(*signal as i64))]
+    Interrupted { signal: usize },
+
     /// A candle error with its backtrace stripped (RUST_BACKTRACE=1 makes candle attach one;
     /// users want the message, not 60 frames).
     #[error("tensor op `{op}`: {msg}")]
@@ -86,6 +91,16 @@ impl Error {
     }
     pub fn model(what: impl Into<String>, msg: impl Into<String>) -> Self {
         Error::Model { what: what.into(), msg: msg.into() }
+    }
+}
+
+/// A signal's name as users know it.
+pub fn signal_name(signal: i64) -> String {
+    match signal {
+        1 => "SIGHUP".into(),
+        2 => "SIGINT (Ctrl-C)".into(),
+        15 => "SIGTERM".into(),
+        n => format!("signal {n}"),
     }
 }
 

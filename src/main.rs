@@ -383,7 +383,7 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify, ..Default::default() };
+    let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify, stop: Some(install_signal_handlers()?), ..Default::default() };
     let r = merge(&base, &adapter, &a.out, &opts)?;
     print_merge_report(&r);
     Ok(())
@@ -601,7 +601,23 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         (Some(Command::Train(t)), _) | (None, Some(t)) => {
             let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
             let stop = install_signal_handlers()?;
-            let summary = finetune::train::run_with(&recipe, &finetune::train::RunOptions { stop: Some(stop), ..Default::default() })?;
+            let summary = finetune::train::run_with(&recipe, &finetune::train::RunOptions { stop: Some(stop.clone()), ..Default::default() })?;
+            // A signal after the last step stops the end-of-run exports (not the run: its
+            // adapter is written), with the command that writes them later.
+            let unwritten = |e: finetune::Error, what: &str, how: &str| -> anyhow::Error {
+                let run = summary.output_dir.display();
+                match e {
+                    finetune::Error::Interrupted { .. } => anyhow::Error::new(e).context(format!(
+                        "training finished and its adapter is in {run}/adapter, but the {what} was not written; \
+                         write it with `finetune export --run {run} {how}`"
+                    )),
+                    other => other.into(),
+                }
+            };
+            let stopped = || match stop.load(std::sync::atomic::Ordering::Relaxed) {
+                0 => Ok(()),
+                signal => Err(finetune::Error::Interrupted { signal }),
+            };
             // Only the process holding the folder writes there (under several processes,
             // rank 0's).
             if summary.interrupted.is_none() && recipe.recipe.export.merged && summary.lock.is_some() {
@@ -618,13 +634,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     no_verify: false,
                     kernels: recipe.recipe.model.kernels(),
                     replace: true,
+                    stop: Some(stop.clone()),
                 };
-                print_merge_report(&finetune::export::merge(&base, &adapter, &out, &opts)?);
+                let merged = finetune::export::merge(&base, &adapter, &out, &opts).map_err(|e| unwritten(e, "merged model", &format!("--merge --out {}", out.display())))?;
+                print_merge_report(&merged);
             }
             if summary.interrupted.is_none() && recipe.recipe.export.gguf && summary.lock.is_some() {
+                let gguf = summary.output_dir.join("adapter.gguf");
+                stopped().map_err(|e| unwritten(e, "llama.cpp GGUF adapter", &format!("--format gguf --out {}", gguf.display())))?;
                 let adapter = finetune::export::PeftAdapter::open(&summary.output_dir.join("adapter"))?;
                 let base = finetune::train::run_base(&summary.output_dir, &recipe.recipe.model.path, &recipe.dir)?;
-                let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &summary.output_dir.join("adapter.gguf"))?;
+                let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &gguf)?;
                 finetune::note!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
             }
             if let Some(sig) = summary.interrupted {
@@ -826,7 +846,11 @@ fn main() -> ExitCode {
             if let Some(h) = e.downcast_ref::<finetune::Error>().and_then(|e| hint(e, recipe)) {
                 finetune::note!("hint: {h}");
             }
-            ExitCode::FAILURE
+            // Stopped by a signal: the shell's convention, 128 + its number.
+            match e.downcast_ref::<finetune::Error>() {
+                Some(&finetune::Error::Interrupted { signal }) => ExitCode::from(128u8.saturating_add(signal as u8)),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }

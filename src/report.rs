@@ -16,7 +16,7 @@
 //! Both files are written to a temporary name and renamed, so a failure (a bad metrics line,
 //! a full disk) leaves the previous report or none, never half of one.
 
-use crate::error::{Error, Result};
+use crate::error::{signal_name, Error, Result};
 use plotters::prelude::*;
 use serde::{Deserialize, Deserializer};
 use std::fmt::Write as _;
@@ -612,15 +612,6 @@ fn esc(s: &str) -> String {
 
 fn fmt_loss(v: f64) -> String {
     if v.is_finite() { format!("{v:.4}") } else { "<span class=\"warn\">NaN (diverged)</span>".into() }
-}
-
-fn signal_name(sig: i64) -> String {
-    match sig {
-        1 => "SIGHUP".into(),
-        2 => "SIGINT (Ctrl-C)".into(),
-        15 => "SIGTERM".into(),
-        n => format!("signal {n}"),
-    }
 }
 
 fn group_digits(n: u64) -> String {

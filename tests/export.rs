@@ -329,3 +329,35 @@ fn a_merged_folder_is_replaced_whole_or_refused_and_a_symlink_is_refused_up_fron
         assert!(!d.path().join(".link.tmp").exists(), "no staging folder left");
     }
 }
+
+/// A signal during a merge (Ctrl-C while a run's end-of-run merge writes, or during `finetune
+/// export --merge`) stops it at the next tensor: the error names the signal, nothing is left
+/// in the output's place or staged beside it, and a merged model already there (which the
+/// end-of-run merge would replace) is untouched.
+#[test]
+fn a_merge_stopped_by_a_signal_writes_nothing_and_keeps_the_previous_output() {
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+    let (d, run) = trained(TinyShape::default(), 1);
+    let out = d.path().join("merged");
+    merge_run(&run, &out, ExportOptions::default());
+    let before = load_tensors(&out.join("model.safetensors"));
+    let a = PeftAdapter::open(&run.join("adapter")).unwrap();
+    let base = ModelDir::resolve(a.base_model.as_deref().unwrap(), Path::new(".")).unwrap();
+    for no_verify in [false, true] {
+        for (target, replace) in [(out.clone(), true), (d.path().join("fresh"), false)] {
+            let opts = ExportOptions { merge: true, replace, no_verify, stop: Some(Arc::new(AtomicUsize::new(2))), ..Default::default() };
+            let err = merge(&base, &a, &target, &opts).unwrap_err();
+            assert!(matches!(err, finetune::Error::Interrupted { signal: 2 }), "{err}");
+            assert!(err.to_string().contains("SIGINT"), "{err}");
+            let staged: Vec<String> = std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with('.')).collect();
+            assert!(staged.is_empty(), "left behind: {staged:?}");
+        }
+        assert!(!d.path().join("fresh").exists());
+        let after = load_tensors(&out.join("model.safetensors"));
+        assert_eq!(after.len(), before.len());
+        for (k, t) in &before {
+            assert_eq!(max_abs_diff(&after[k], t), 0.0, "{k} changed");
+        }
+    }
+}

@@ -39,6 +39,21 @@ pub struct ExportOptions {
     /// Replace an existing output folder once the new one is complete (the end-of-run merge
     /// of a run given more steps, or run again); else a non-empty one is refused.
     pub replace: bool,
+    /// Where the signal handlers put the number of a signal that asks to stop (0: none). A
+    /// merge looks before each tensor and before its check, and on a signal removes what it
+    /// staged and returns [`Error::Interrupted`]: a 7B merge takes minutes, and Ctrl-C must
+    /// not wait for it, nor end in an exit 0.
+    pub stop: Option<Arc<std::sync::atomic::AtomicUsize>>,
+}
+
+impl ExportOptions {
+    /// [`Error::Interrupted`] once a signal asked to stop.
+    fn check_stop(&self) -> Result<()> {
+        match self.stop.as_ref().map(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+            Some(signal) if signal != 0 => Err(Error::Interrupted { signal }),
+            _ => Ok(()),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -295,6 +310,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
             let mut tensors: Vec<(String, OutTensor)> = Vec::with_capacity(names.len());
             let mut held = 0u64;
             for name in names {
+                opts.check_stop()?;
                 // An FP8 base merges into a plain one: its weights are dequantised (to bf16
                 // unless --dtype says otherwise) and the block scales dropped.
                 if is_dropped_scale(&files, name) {
@@ -353,6 +369,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
         crate::fsutil::write_atomic(&tmp.join("config.json"), text.as_bytes())?;
         copy_side_files(&base.dir, tmp, &config)?;
         if !opts.no_verify {
+            opts.check_stop()?;
             let diff = verify_merge(base, &adapters, tmp, opts)?;
             rep.max_logit_diff = Some(diff);
         }
@@ -384,6 +401,7 @@ fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: 
         let mut r = crate::weights::bnb::BnbReader { files, storage: DType::F32 };
         let mut tensors = Vec::new();
         for n in names {
+            opts.check_stop()?;
             let t = r.read(&n, &Device::Cpu)?.dequantize(&Device::Cpu)?;
             let d = crate::weights::stored_dtype(&n, opts.dtype.unwrap_or(DType::F32));
             tensors.push((n, t.to_dtype(d)?));
@@ -411,7 +429,7 @@ fn merge_dequantised(name: String, adapter: &PeftAdapter, out: &Path, opts: &Exp
     }
     let deq = parent.join(crate::fsutil::staging_name(&format!(".{leaf}.dequantised-")));
     let _ = std::fs::remove_dir_all(&deq);
-    let res = write(&deq).and_then(|_| merge(&ModelDir { dir: deq.clone(), name, commit: None, gguf: None }, adapter, out, opts));
+    let res = write(&deq).and_then(|_| opts.check_stop()).and_then(|_| merge(&ModelDir { dir: deq.clone(), name, commit: None, gguf: None }, adapter, out, opts));
     let _ = std::fs::remove_dir_all(&deq);
     res
 }
