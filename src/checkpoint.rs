@@ -179,7 +179,7 @@ pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {
             name.strip_prefix("step-").and_then(|n| n.parse().ok()).map(|n| (n, e.path()))
         })
         .collect();
-    v.sort_by(|a, b| b.0.cmp(&a.0));
+    v.sort_by_key(|e| std::cmp::Reverse(e.0));
     v
 }
 

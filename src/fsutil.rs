@@ -165,6 +165,49 @@ fn umask() -> u32 {
         .unwrap_or(0o022)
 }
 
+/// A cheap fingerprint of the files at `paths` (a folder: the files below it whose names
+/// `keep` accepts, in path order, not looking into `skip` or hidden folders, nor into any
+/// subfolder unless `descend`; a path that does not exist counts as absent): each file's
+/// path below its root, its size, and its first and last MiB, hashed. It tells another model
+/// or dataset put at the same path (other weights, other rows) from the one that was there
+/// without reading gigabytes; a change confined to the middle of a file goes unseen.
+pub fn fingerprint(paths: &[std::path::PathBuf], keep: &dyn Fn(&str) -> bool, skip: &Path, descend: bool) -> String {
+    use sha2::{Digest, Sha256};
+    use std::io::{Read, Seek, SeekFrom};
+    const MIB: u64 = 1 << 20;
+    let mut h = Sha256::new();
+    for root in paths {
+        let mut files = Vec::new();
+        let mut todo = vec![root.clone()];
+        while let Some(p) = todo.pop() {
+            match std::fs::metadata(&p) {
+                // (Hidden folders, such as .git or .cache, are not the data.)
+                Ok(m) if m.is_dir() && p != skip && (p == *root || descend && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'))) => {
+                    todo.extend(std::fs::read_dir(&p).into_iter().flatten().flatten().map(|e| e.path()))
+                }
+                Ok(m) if m.is_file() && (p == *root || p.file_name().and_then(|n| n.to_str()).is_some_and(keep)) => files.push((p, m.len())),
+                _ => {}
+            }
+        }
+        files.sort();
+        h.update(format!("{}\n", files.len()));
+        for (p, len) in files {
+            h.update(format!("{}\n{len}\n", p.strip_prefix(root).unwrap_or(&p).display()));
+            let Ok(mut f) = std::fs::File::open(&p) else {
+                h.update("unreadable\n");
+                continue;
+            };
+            let mut buf = Vec::new();
+            let _ = (&mut f).take(MIB).read_to_end(&mut buf);
+            if len > MIB && f.seek(SeekFrom::Start(len.saturating_sub(MIB).max(MIB))).is_ok() {
+                let _ = f.take(MIB).read_to_end(&mut buf);
+            }
+            h.update(&buf);
+        }
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,47 +295,4 @@ mod tests {
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o666 & !umask(), "mode {mode:o}");
     }
-}
-
-/// A cheap fingerprint of the files at `paths` (a folder: the files below it whose names
-/// `keep` accepts, in path order, not looking into `skip` or hidden folders, nor into any
-/// subfolder unless `descend`; a path that does not exist counts as absent): each file's
-/// path below its root, its size, and its first and last MiB, hashed. It tells another model
-/// or dataset put at the same path (other weights, other rows) from the one that was there
-/// without reading gigabytes; a change confined to the middle of a file goes unseen.
-pub fn fingerprint(paths: &[std::path::PathBuf], keep: &dyn Fn(&str) -> bool, skip: &Path, descend: bool) -> String {
-    use sha2::{Digest, Sha256};
-    use std::io::{Read, Seek, SeekFrom};
-    const MIB: u64 = 1 << 20;
-    let mut h = Sha256::new();
-    for root in paths {
-        let mut files = Vec::new();
-        let mut todo = vec![root.clone()];
-        while let Some(p) = todo.pop() {
-            match std::fs::metadata(&p) {
-                // (Hidden folders, such as .git or .cache, are not the data.)
-                Ok(m) if m.is_dir() && p != skip && (p == *root || descend && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'))) => {
-                    todo.extend(std::fs::read_dir(&p).into_iter().flatten().flatten().map(|e| e.path()))
-                }
-                Ok(m) if m.is_file() && (p == *root || p.file_name().and_then(|n| n.to_str()).is_some_and(keep)) => files.push((p, m.len())),
-                _ => {}
-            }
-        }
-        files.sort();
-        h.update(format!("{}\n", files.len()));
-        for (p, len) in files {
-            h.update(format!("{}\n{len}\n", p.strip_prefix(root).unwrap_or(&p).display()));
-            let Ok(mut f) = std::fs::File::open(&p) else {
-                h.update("unreadable\n");
-                continue;
-            };
-            let mut buf = Vec::new();
-            let _ = (&mut f).take(MIB).read_to_end(&mut buf);
-            if len > MIB && f.seek(SeekFrom::Start(len.saturating_sub(MIB).max(MIB))).is_ok() {
-                let _ = f.take(MIB).read_to_end(&mut buf);
-            }
-            h.update(&buf);
-        }
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }

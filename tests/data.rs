@@ -301,7 +301,7 @@ fn jsonl_parquet_arrow_and_dataset_dict_sources_read_the_same_records() {
     // DatasetDict with a train split (Arrow stream)
     let dd = d.path().join("dict");
     std::fs::create_dir_all(dd.join("train")).unwrap();
-    finetune::synth::write_arrow_stream(&dd.join("train/data-00000-of-00001.arrow"), &[batch.clone()]).unwrap();
+    finetune::synth::write_arrow_stream(&dd.join("train/data-00000-of-00001.arrow"), std::slice::from_ref(&batch)).unwrap();
     std::fs::write(dd.join("train/state.json"), r#"{"_data_files":[{"filename":"data-00000-of-00001.arrow"}]}"#).unwrap();
     std::fs::write(dd.join("dataset_dict.json"), r#"{"splits":["train"]}"#).unwrap();
 
@@ -353,8 +353,8 @@ fn a_source_with_several_splits_gives_training_train_and_evaluation_test_never_a
     std::fs::create_dir_all(&flat).unwrap();
     write_jsonl(&flat.join("part-a.jsonl"), &lines("a"));
     write_jsonl(&flat.join("latest.jsonl"), &lines("b"));
-    assert_eq!(texts(&[flat.clone()], Split::eval(None)).unwrap().len(), 6);
-    assert_eq!(texts(&[flat.clone()], Split::train(Some("train"))).unwrap().len(), 6, "data.split applies where there are splits");
+    assert_eq!(texts(std::slice::from_ref(&flat), Split::eval(None)).unwrap().len(), 6);
+    assert_eq!(texts(std::slice::from_ref(&flat), Split::train(Some("train"))).unwrap().len(), 6, "data.split applies where there are splits");
     let e = texts(&[PathBuf::from(format!("{}:test", flat.display()))], Split::eval(None)).err().unwrap().to_string();
     assert!(e.contains("has no splits") && e.contains("`:test`"), "{e}");
     // A DatasetDict: train for training, test for evaluation.
@@ -367,8 +367,8 @@ fn a_source_with_several_splits_gives_training_train_and_evaluation_test_never_a
         std::fs::write(dd.join(split).join("state.json"), r#"{"_data_files":[{"filename":"data-00000-of-00001.arrow"}]}"#).unwrap();
     }
     std::fs::write(dd.join("dataset_dict.json"), r#"{"splits":["train","test"]}"#).unwrap();
-    assert_eq!(texts(&[dd.clone()], Split::train(None)).unwrap(), ["train"; 3]);
-    assert_eq!(texts(&[dd.clone()], Split::eval(None)).unwrap(), ["test"; 3]);
+    assert_eq!(texts(std::slice::from_ref(&dd), Split::train(None)).unwrap(), ["train"; 3]);
+    assert_eq!(texts(std::slice::from_ref(&dd), Split::eval(None)).unwrap(), ["test"; 3]);
     let e = texts(&[PathBuf::from(format!("{}:test", dd.join("train").display()))], Split::eval(None)).err().unwrap().to_string();
     assert!(e.contains("a single `datasets` Dataset"), "{e}");
 }
@@ -381,7 +381,7 @@ fn an_eval_source_that_training_reads_too_is_refused() {
     let recipe = "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"data\"\neval = \"./data/\"\n[train]\nmax_steps = 1\nlr = 1e-2\n[output]\ndir = \"out\"\n";
     std::fs::write(d.path().join("r.toml"), recipe).unwrap();
     let r = finetune::recipe::LoadedRecipe::load(&d.path().join("r.toml"), &[]).unwrap();
-    let e = finetune::train::run(&r).err().expect("eval on training rows").to_string();
+    let e = finetune::train::run(&r).expect_err("eval on training rows").to_string();
     assert!(e.contains("`data.eval`") && e.contains("data.train reads too"), "{e}");
     assert!(!d.path().join("out/adapter").exists());
 }
@@ -400,7 +400,7 @@ fn data_split_does_not_pick_the_eval_sources_split() {
     let recipe = "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"dict\"\nsplit = \"train\"\neval = \"dict\"\n[train]\nmax_steps = 2\nlr = 1e-2\neval_every = 1\n[output]\ndir = \"out\"\n";
     std::fs::write(d.path().join("r.toml"), recipe).unwrap();
     let r = finetune::recipe::LoadedRecipe::load(&d.path().join("r.toml"), &[]).unwrap();
-    let e = finetune::train::run(&r).err().expect("eval reads the test split").to_string();
+    let e = finetune::train::run(&r).expect_err("eval reads the test split").to_string();
     assert!(e.contains("test.jsonl") && e.contains("input_ids"), "{e}");
 }
 
@@ -662,7 +662,7 @@ fn bad_records_are_skipped_and_counted_or_stop_the_run_naming_the_row() {
     bytes.extend(b"\n\xff\xfe\n");
     bytes.extend(good.as_bytes());
     std::fs::write(&p, bytes).unwrap();
-    let e = loader(&[p.clone()], None, formatter(&m, "messages", None, false), opts()).unwrap();
+    let e = loader(std::slice::from_ref(&p), None, formatter(&m, "messages", None, false), opts()).unwrap();
     let mut e = e;
     e.next_example().unwrap();
     let err = e.next_example().err().unwrap().to_string();
@@ -683,7 +683,7 @@ fn a_dataset_with_no_usable_rows_is_an_error_not_a_hang() {
     let m = smol_tokenizer_model(d.path());
     let p = d.path().join("empty.jsonl");
     std::fs::write(&p, "").unwrap();
-    let e = loader(&[p.clone()], None, formatter(&m, "text", None, false), opts()).err().unwrap().to_string();
+    let e = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), opts()).err().unwrap().to_string();
     assert!(e.contains("no rows"), "{e}");
     write_jsonl(&p, &[r#"{"text": 5}"#.to_string()]);
     let mut l = loader(&[p], None, formatter(&m, "text", None, false), LoaderOptions { on_bad_record: "skip".into(), ..opts() }).unwrap();
@@ -697,7 +697,7 @@ fn overflow_truncates_or_drops_and_counts() {
     let m = smol_tokenizer_model(d.path());
     let p = d.path().join("t.jsonl");
     write_jsonl(&p, &["a b c d e f g h i j k l".to_string(), "x".to_string()].map(|t| serde_json::json!({"text": t}).to_string()));
-    let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 4, ..opts() }).unwrap();
+    let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 4, ..opts() }).unwrap();
     assert_eq!(l.next_example().unwrap().input_ids.len(), 4);
     assert_eq!(l.stats.truncated, 1);
     let mut l = loader(&[p], None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 4, overflow: "drop".into(), ..opts() }).unwrap();
@@ -715,7 +715,7 @@ fn a_record_longer_than_the_token_budget_is_an_error_naming_it() {
     let p = d.path().join("t.jsonl");
     let short = serde_json::json!({"text": "a b"}).to_string();
     write_jsonl(&p, &[short.clone(), short.clone(), short]);
-    let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 512, ..opts() }).unwrap();
+    let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 512, ..opts() }).unwrap();
     assert!(l.next_token_batch(16).unwrap().iter().all(|e| e.input_ids.len() <= 16));
     write_jsonl(&p, &[serde_json::json!({"text": "w ".repeat(40)}).to_string()]);
     let mut l = loader(&[p], None, formatter(&m, "text", None, false), LoaderOptions { max_seq_len: 512, ..opts() }).unwrap();
@@ -733,7 +733,7 @@ fn records_are_counted_once_however_many_passes_read_them() {
     write_jsonl(&p, &[rows[0].clone(), rows[1].clone(), "{not json".to_string(), rows[2].clone()]);
     for overflow in ["truncate", "drop"] {
         let o = LoaderOptions { max_seq_len: 4, overflow: overflow.into(), on_bad_record: "skip".into(), ..opts() };
-        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), o).unwrap();
+        let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), o).unwrap();
         for _ in 0..10 {
             l.next_example().unwrap(); // 3 or 1 usable rows a pass: several passes
         }
@@ -749,7 +749,7 @@ fn token_budget_batches_group_similar_lengths_under_the_budget() {
     let p = d.path().join("t.jsonl");
     let lines: Vec<String> = (0..40).map(|i| serde_json::json!({"text": "w ".repeat(1 + (i * 7) % 30)}).to_string()).collect();
     write_jsonl(&p, &lines);
-    let mk = || loader(&[p.clone()], None, formatter(&m, "text", None, false), LoaderOptions { shuffle_buffer: 40, shuffle: true, seed: 3, ..opts() }).unwrap();
+    let mk = || loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), LoaderOptions { shuffle_buffer: 40, shuffle: true, seed: 3, ..opts() }).unwrap();
     let (mut a, mut b) = (mk(), mk());
     let mut sizes = Vec::new();
     for _ in 0..6 {
@@ -878,7 +878,7 @@ fn a_shuffle_buffer_larger_than_the_dataset_still_visits_every_row_once_per_pass
     let p = ten_rows(d.path());
     for buffer in [3, 10, 10_000] {
         let o = LoaderOptions { shuffle: true, shuffle_buffer: buffer, seed: 5, ..opts() };
-        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), o).unwrap();
+        let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), o).unwrap();
         let passes: Vec<Vec<Vec<u32>>> = (0..3).map(|_| (0..10).map(|_| l.next_example().unwrap().input_ids).collect()).collect();
         for (i, pass) in passes.iter().enumerate() {
             let mut rows = pass.clone();
@@ -897,7 +897,7 @@ fn a_token_batch_pool_never_holds_a_row_twice() {
     let p = ten_rows(d.path());
     for shuffle in [false, true] {
         let o = LoaderOptions { shuffle, shuffle_buffer: 64, seed: 2, ..opts() };
-        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), o).unwrap();
+        let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), o).unwrap();
         let mut pass: Vec<Vec<u32>> = Vec::new();
         while pass.len() < 30 {
             let batch = l.next_token_batch(1000).unwrap();
@@ -919,7 +919,7 @@ fn a_restored_loader_continues_the_stream_across_pass_boundaries() {
     let m = smol_tokenizer_model(d.path());
     let p = ten_rows(d.path());
     let o = LoaderOptions { shuffle: true, shuffle_buffer: 4, seed: 8, ..opts() };
-    let mk = || loader(&[p.clone()], None, formatter(&m, "text", None, false), o.clone()).unwrap();
+    let mk = || loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), o.clone()).unwrap();
     let mut whole = mk();
     let stream: Vec<Vec<u32>> = (0..40).map(|_| whole.next_example().unwrap().input_ids).collect();
     for k in 0..25 {
@@ -993,14 +993,14 @@ fn a_broken_or_non_object_first_jsonl_line_is_one_bad_record_not_the_columns() {
         let p = d.path().join("first.jsonl");
         write_jsonl(&p, &[first.to_string(), good.clone(), good.clone()]);
         // skip: the columns come from the valid records; the first line is counted and reported.
-        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), skip()).unwrap();
+        let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), skip()).unwrap();
         let ex = l.next_example().unwrap();
         assert_eq!(l.formatter().decode(&ex.input_ids), "hello<|im_end|>");
         assert_eq!(l.stats.bad, 1, "{first}");
         let report = l.stats.report(4096).join(" ");
         assert!(report.contains("line 1"), "{first}: {report}");
         // error: the run stops at that line, naming the file and the line.
-        let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), opts()).unwrap();
+        let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), opts()).unwrap();
         let e = l.next_example().err().unwrap().to_string();
         assert!(e.contains("first.jsonl") && e.contains("line 1") && e.contains("on_bad_record"), "{first}: {e}");
     }
@@ -1066,7 +1066,7 @@ fn a_record_whose_response_is_cut_away_is_a_bad_record() {
     let m = smol_tokenizer_model(d.path());
     let p = cut_response_data(d.path());
     let o = LoaderOptions { max_seq_len: 64, ..opts() };
-    let mut l = loader(&[p.clone()], None, formatter(&m, "prompt_completion", None, false), o.clone()).unwrap();
+    let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "prompt_completion", None, false), o.clone()).unwrap();
     l.next_example().unwrap();
     let e = l.next_example().err().unwrap().to_string();
     assert!(e.contains("cut.jsonl") && e.contains("row 1") && e.contains("no target tokens"), "{e}");
@@ -1096,7 +1096,7 @@ fn tokenized_records_with_every_label_ignored_and_empty_texts_are_bad_records() 
         ],
     );
     let tok = || Formatter::new("tokenized", None, &Default::default(), false, &m, 49152).unwrap();
-    let mut l = loader(&[p.clone()], None, tok(), skip()).unwrap();
+    let mut l = loader(std::slice::from_ref(&p), None, tok(), skip()).unwrap();
     let a = l.next_example().unwrap();
     assert_eq!(l.next_example().unwrap(), a, "rows 1 and 2 skipped");
     assert_eq!(l.stats.bad, 2);
@@ -1118,7 +1118,7 @@ fn scanning_lengths_reports_records_with_no_target_tokens_or_stops_on_them() {
     let m = smol_tokenizer_model(d.path());
     let p = cut_response_data(d.path());
     let o = LoaderOptions { max_seq_len: 64, ..opts() };
-    let mut l = loader(&[p.clone()], None, formatter(&m, "prompt_completion", None, false), LoaderOptions { on_bad_record: "skip".into(), ..o.clone() }).unwrap();
+    let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "prompt_completion", None, false), LoaderOptions { on_bad_record: "skip".into(), ..o.clone() }).unwrap();
     let (lengths, bad, examples) = l.scan_lengths(u64::MAX).unwrap();
     assert_eq!((lengths.len(), bad), (2, 1));
     assert!(examples[0].contains("row 1") && examples[0].contains("no target tokens"), "{examples:?}");
@@ -1265,7 +1265,7 @@ fn a_column_remapped_to_one_the_data_lacks_is_an_error_not_an_empty_field() {
     write_jsonl(&p, &[serde_json::json!({"instruction": "Add", "context": "2 and 3", "output": "5"}).to_string()]);
     let cols = |input: &str| [("input".to_string(), input.to_string())].into_iter().collect();
     let fmt = |input: &str| Formatter::new("alpaca", None, &cols(input), false, &m, 49152).unwrap();
-    let e = loader(&[p.clone()], None, fmt("contxt"), opts()).err().expect("a remap to nothing").to_string();
+    let e = loader(std::slice::from_ref(&p), None, fmt("contxt"), opts()).err().expect("a remap to nothing").to_string();
     assert!(e.contains("qa.jsonl") && e.contains("`input` to `contxt`") && e.contains("columns are:") && e.contains("context"), "{e}");
     let mut l = loader(&[p], None, fmt("context"), opts()).unwrap();
     let ex = l.next_example().unwrap();
@@ -1329,7 +1329,7 @@ fn evaluation_passes_apply_the_bad_record_policy() {
     let p = d.path().join("ev.jsonl");
     write_jsonl(&p, &[r#"{"text": "one"}"#.to_string(), r#"{"text": 5}"#.to_string(), r#"{"text": "two"}"#.to_string()]);
     let o = LoaderOptions { role: Role::Eval, ..opts() };
-    let mut l = loader(&[p.clone()], None, formatter(&m, "text", None, false), o.clone()).unwrap();
+    let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), o.clone()).unwrap();
     let e = l.one_pass().err().unwrap().to_string();
     assert!(e.contains("ev.jsonl") && e.contains("row 1"), "{e}");
     let mut l = loader(&[p], None, formatter(&m, "text", None, false), LoaderOptions { on_bad_record: "skip".into(), ..o }).unwrap();
@@ -1433,7 +1433,7 @@ fn cutting_a_long_conversation_keeps_the_turns_a_lookahead_template_reads() {
     assert_eq!(tok.decode(&trained, false).unwrap(), want, "both answers and their end-of-turn markers, nothing else");
     // Cut to 300 tokens, the record is the whole one's first 300 tokens and labels: the whole
     // conversation is rendered (what the template does with later turns stays), then cut.
-    let mut l = loader(&[p.clone()], None, formatter(&m, "messages", None, false), LoaderOptions { max_seq_len: 300, ..opts() }).unwrap();
+    let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "messages", None, false), LoaderOptions { max_seq_len: 300, ..opts() }).unwrap();
     let cut = l.next_example().unwrap();
     assert_eq!((&cut.input_ids[..], &cut.labels[..]), (&whole.input_ids[..300], &whole.labels[..300]));
 }

@@ -314,7 +314,8 @@ fn unknown_routing_settings_are_errors_naming_the_key() {
 
 #[test]
 fn a_missing_expert_or_a_misshapen_router_is_an_error_naming_the_tensor() {
-    let cases: [(&str, Box<dyn Fn(&mut std::collections::HashMap<String, Tensor>)>, &str); 2] = [
+    type Edit = Box<dyn Fn(&mut std::collections::HashMap<String, Tensor>)>;
+    let cases: [(&str, Edit, &str); 2] = [
         ("missing expert", Box::new(|t| {
             t.remove("model.layers.2.mlp.experts.4.up_proj.weight");
         }), "model.layers.2.mlp.experts.4.up_proj.weight"),

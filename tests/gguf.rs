@@ -214,7 +214,10 @@ fn smollm2_import_matches_transformers_tokenizer_and_quantized_predictions() {
 // never a panic, and leaves no output folder behind.
 
 /// The parts of a valid tiny GGUF (F32), to break one thing in.
-fn good_parts() -> (tempfile::TempDir, Vec<(String, Value)>, Vec<(String, QTensor)>) {
+/// A model folder and its GGUF's metadata and tensors.
+type Parts = (tempfile::TempDir, Vec<(String, Value)>, Vec<(String, QTensor)>);
+
+fn good_parts() -> Parts {
     let d = tempfile::tempdir().unwrap();
     write_model(&d.path().join("hf"), &shape(), 11, 1).unwrap();
     let (md, qs) = gguf_parts(&d.path().join("hf"), &shape(), GgmlDType::F32);

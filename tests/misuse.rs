@@ -119,7 +119,7 @@ fn auto_resume_with_only_damaged_checkpoints_stops_and_changes_nothing() {
         std::fs::write(ck.join("state.json"), "{}").unwrap();
     }
     let metrics = std::fs::read(out.join("metrics.jsonl")).unwrap();
-    let e = train(&dir, &["train.max_steps=4"]).err().expect("must not restart silently").to_string();
+    let e = train(&dir, &["train.max_steps=4"]).expect_err("must not restart silently").to_string();
     assert!(e.contains("none is valid") && e.contains("step-000002") && e.contains("checkpoint.resume = \"never\""), "{e}");
     assert_eq!(std::fs::read(out.join("metrics.jsonl")).unwrap(), metrics, "metrics.jsonl untouched");
     assert_eq!(checkpoint_steps(&out), vec![1, 2]);
@@ -211,7 +211,7 @@ fn a_tensor_in_two_shards_that_the_index_does_not_settle_is_an_error() {
     let root = tiny_workspace(23, (4, 18), None);
     let dir = run_dir(root.path(), "run", RECIPE);
     shard_model(&root.path().join("model"), Some("lm_head.weight"), false);
-    let e = train(&dir, &[]).err().expect("ambiguous copies").to_string();
+    let e = train(&dir, &[]).expect_err("ambiguous copies").to_string();
     assert!(e.contains("lm_head.weight") && e.contains("model.safetensors.index.json"), "{e}");
     assert!(!dir.join("out").exists(), "nothing written");
 }
@@ -231,7 +231,7 @@ fn an_integer_weight_is_an_error_naming_the_tensor() {
     let dir = run_dir(root.path(), "run", RECIPE);
     let name = "model.layers.0.self_attn.k_proj.weight";
     edit_weight(&root.path().join("model"), name, |t| t.to_dtype(DType::I64).unwrap());
-    let e = train(&dir, &[]).err().expect("an I64 weight must not be trained on").to_string();
+    let e = train(&dir, &[]).expect_err("an I64 weight must not be trained on").to_string();
     assert!(e.contains(name) && e.contains("I64") && e.contains("model.safetensors"), "{e}");
 }
 
@@ -259,7 +259,7 @@ fn a_sliding_window_that_covers_the_positions_bounds_max_seq_len() {
         c["sliding_window"] = 16.into();
         c["max_position_embeddings"] = 16.into();
     });
-    let e = train(&dir, &[]).err().expect("max_seq_len 32 past a window of 16").to_string();
+    let e = train(&dir, &[]).expect_err("max_seq_len 32 past a window of 16").to_string();
     assert!(e.contains("data.max_seq_len") && e.contains("sliding_window = 16") && e.contains("at most 16"), "{e}");
     train(&dir, &["data.max_seq_len=16", "train.max_steps=1"]).unwrap();
 }
@@ -269,7 +269,7 @@ fn a_config_with_fewer_layers_than_the_weights_is_an_error() {
     let root = tiny_workspace(23, (4, 18), None);
     let dir = run_dir(root.path(), "run", RECIPE);
     edit_json(&root.path().join("model/config.json"), |c| c["num_hidden_layers"] = 1.into());
-    let e = train(&dir, &[]).err().expect("a truncated model must not train").to_string();
+    let e = train(&dir, &[]).expect_err("a truncated model must not train").to_string();
     assert!(e.contains("num_hidden_layers = 1") && e.contains("model.layers.1."), "{e}");
 }
 
@@ -278,7 +278,7 @@ fn nan_in_the_base_is_named_as_the_cause_not_the_learning_rate() {
     let root = tiny_workspace(23, (4, 18), None);
     let dir = run_dir(root.path(), "run", RECIPE);
     edit_weight(&root.path().join("model"), "model.norm.weight", |t| (t * f64::NAN).unwrap());
-    let e = train(&dir, &[]).err().expect("NaN loss").to_string();
+    let e = train(&dir, &[]).expect_err("NaN loss").to_string();
     assert!(e.contains("before any update") && e.contains("base model") && !e.contains("lower train.lr"), "{e}");
 }
 
@@ -388,7 +388,7 @@ fn an_adapter_holding_nan_is_refused_naming_the_tensor() {
     t.insert(key.clone(), nan);
     candle_core::safetensors::save(&t, &file).unwrap();
     let dir = run_dir(root.path(), "run", RECIPE);
-    let e = train(&dir, &[&format!("lora.init_from={}", adapter.display())]).err().expect("NaN adapter").to_string();
+    let e = train(&dir, &[&format!("lora.init_from={}", adapter.display())]).expect_err("NaN adapter").to_string();
     assert!(e.contains(&key) && e.contains("NaN"), "{e}");
 }
 
@@ -402,13 +402,13 @@ fn generate_refuses_a_nan_temperature_and_nan_logits() {
     let dir = finetune::weights::ModelDir::resolve(model.to_str().unwrap(), Path::new(".")).unwrap();
     let g = finetune::generate::Generator::load(&dir, None).unwrap();
     let opts = |temperature: f64| finetune::generate::SampleOptions { max_new_tokens: 4, temperature, top_p: 1.0, seed: 0 };
-    let e = g.generate_ids(&[1, 2, 3], &opts(f64::NAN)).err().expect("NaN temperature").to_string();
+    let e = g.generate_ids(&[1, 2, 3], &opts(f64::NAN)).expect_err("NaN temperature").to_string();
     assert!(e.contains("--temperature"), "{e}");
     g.generate_ids(&[1, 2, 3], &opts(0.7)).expect("a finite temperature samples");
 
     edit_weight(&model, "model.norm.weight", |t| (t * f64::NAN).unwrap());
     let g = finetune::generate::Generator::load(&dir, None).unwrap();
-    let e = g.generate_ids(&[1, 2, 3], &opts(0.0)).err().expect("NaN logits").to_string();
+    let e = g.generate_ids(&[1, 2, 3], &opts(0.0)).expect_err("NaN logits").to_string();
     assert!(e.contains("NaN"), "{e}");
 }
 
@@ -453,9 +453,9 @@ fn a_resume_path_that_cannot_be_continued_moves_nothing() {
     let out = dir.join("out");
     let before = (checkpoint_steps(&out), std::fs::read(out.join("metrics.jsonl")).unwrap());
     // A mistyped path, and an older checkpoint of this folder under a changed LoRA shape.
-    let typo = train(&dir, &["checkpoint.resume=out/checkpoints/step-4"]).err().expect("no such checkpoint").to_string();
+    let typo = train(&dir, &["checkpoint.resume=out/checkpoints/step-4"]).expect_err("no such checkpoint").to_string();
     assert!(typo.contains("checkpoint.resume") && typo.contains("nothing was changed"), "{typo}");
-    let shape = train(&dir, &["checkpoint.resume=out/checkpoints/step-000002", "lora.rank=8"]).err().expect("rank changed").to_string();
+    let shape = train(&dir, &["checkpoint.resume=out/checkpoints/step-000002", "lora.rank=8"]).expect_err("rank changed").to_string();
     assert!(shape.contains("lora.rank") && shape.contains("nothing was changed"), "{shape}");
     assert!(!out.join("previous").exists(), "nothing set aside");
     assert_eq!((checkpoint_steps(&out), std::fs::read(out.join("metrics.jsonl")).unwrap()), before);

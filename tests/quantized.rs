@@ -207,10 +207,10 @@ fn a_quantized_base_refuses_quantize_twice_and_names_the_key() {
     let dir = run_dir(d.path(), "both", &RECIPE.replace("MODEL", "../model.gguf"));
     copy_dir(&d.path().join("data"), &dir.join("data"));
     let loaded = finetune::recipe::LoadedRecipe::load(&dir.join("recipe.toml"), &["model.quantize=q4_k".to_string()]).unwrap();
-    let e = finetune::train::run(&loaded).err().expect("refused").to_string();
+    let e = finetune::train::run(&loaded).expect_err("refused").to_string();
     assert!(e.contains("model.quantize") && e.contains("GGUF"), "{e}");
     assert!(!dir.join("out").exists(), "nothing written");
-    let bad = finetune::recipe::LoadedRecipe::load(&dir.join("recipe.toml"), &["model.quantize=q3".to_string()]).err().expect("refused").to_string();
+    let bad = finetune::recipe::LoadedRecipe::load(&dir.join("recipe.toml"), &["model.quantize=q3".to_string()]).expect_err("refused").to_string();
     assert!(bad.contains("model.quantize"), "{bad}");
 }
 
@@ -396,7 +396,8 @@ fn deepseek2_gguf_metadata_llama_cpp_requires_is_required_by_name() {
     let p = d.path().join("m.gguf");
     let drop = |key: &'static str| move |md: &mut Vec<(String, Value)>, _: &mut Vec<(String, QTensor)>| md.retain(|(k, _)| k != key);
     let set = |key: &'static str, v: Value| move |md: &mut Vec<(String, Value)>, _: &mut Vec<(String, QTensor)>| md.iter_mut().filter(|(k, _)| k == key).for_each(|(_, x)| *x = v.clone());
-    let refused = |edit: &dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>), key: &str, says: &str| {
+    type Edit<'e> = &'e dyn Fn(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>);
+    let refused = |edit: Edit, key: &str, says: &str| {
         edited_deepseek_gguf(&fx, &p, |m, t| edit(m, t));
         let e = finetune::gguf::open(&p).err().unwrap_or_else(|| panic!("{key}: accepted")).to_string();
         assert!(e.contains(key) && e.contains(says), "{key}: {e}");

@@ -150,7 +150,7 @@ fn a_run_resumed_with_dtype_auto_continues_in_the_dtype_it_was_trained_in() {
     let lines: String = std::fs::read_to_string(full.join("out/metrics.jsonl")).unwrap().lines().take(2).map(|l| format!("{l}\n")).collect();
     std::fs::write(part.join("out/metrics.jsonl"), lines).unwrap();
     let named = format!("model.dtype={auto}");
-    let e = train(&part, &[&named, "train.max_steps=4"]).err().expect("a named dtype change must fail").to_string();
+    let e = train(&part, &[&named, "train.max_steps=4"]).expect_err("a named dtype change must fail").to_string();
     assert!(e.contains("`model.dtype`"), "{e}");
     let s = train(&part, &["train.max_steps=4"]).unwrap();
     assert_eq!(s.steps.len(), 2);
@@ -163,9 +163,9 @@ fn changing_the_model_shape_on_resume_is_an_error_naming_the_key() {
     let root = setup();
     let dir = run_dir(root.path(), "run", RECIPE);
     train(&dir, &["train.max_steps=2"]).unwrap();
-    let e = train(&dir, &["lora.rank=8"]).err().expect("rank change must fail").to_string();
+    let e = train(&dir, &["lora.rank=8"]).expect_err("rank change must fail").to_string();
     assert!(e.contains("`lora.rank`") && e.contains("checkpoint.resume = \"never\""), "{e}");
-    let e = train(&dir, &["train.seed=4"]).err().expect("seed change must fail").to_string();
+    let e = train(&dir, &["train.seed=4"]).expect_err("seed change must fail").to_string();
     assert!(e.contains("`train.seed`"), "{e}");
     // max_steps may change (with a warning): the run continues.
     let s = train(&dir, &["train.max_steps=4"]).unwrap();
@@ -179,7 +179,7 @@ fn a_resume_that_would_split_micro_batches_differently_is_refused() {
     let root = setup();
     let dir = run_dir(root.path(), "run", RECIPE);
     train(&dir, &["train.max_steps=1", "train.micro_batch_size=72"]).unwrap();
-    let e = train(&dir, &["train.max_steps=2", "train.micro_batch_size=72", "train.activation_memory_mb=100"]).err().expect("refused").to_string();
+    let e = train(&dir, &["train.max_steps=2", "train.micro_batch_size=72", "train.activation_memory_mb=100"]).expect_err("refused").to_string();
     assert!(e.contains("train.activation_checkpointing") && e.contains("passes of 64 rows") && e.contains("passes of 72"), "{e}");
     let s = train(&dir, &["train.max_steps=2", "train.micro_batch_size=72"]).unwrap();
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![2]);
@@ -212,20 +212,20 @@ fn a_model_or_data_replaced_at_the_same_path_is_not_resumed_on() {
     let (model, data) = (root.path().join("model"), root.path().join("data"));
     std::fs::rename(&model, root.path().join("model-kept")).unwrap();
     write_model(&model, &TinyShape::default(), 1, 1).unwrap(); // same shapes, other weights
-    let e = train(&dir, &["train.max_steps=3"]).err().expect("another model").to_string();
+    let e = train(&dir, &["train.max_steps=3"]).expect_err("another model").to_string();
     assert!(e.contains("model.path") && e.contains("differ from those the checkpoint was trained on"), "{e}");
     assert!(dir.join("out/adapter").is_dir() && !dir.join("out/previous").exists(), "a refused resume moves nothing");
     std::fs::remove_dir_all(&model).unwrap();
     std::fs::rename(root.path().join("model-kept"), &model).unwrap();
     std::fs::rename(&data, root.path().join("data-kept")).unwrap();
     write_tokenized_dataset(&data, &counting_rows(23, 256, 2, 4, 18)).unwrap(); // as many rows, others
-    let e = train(&dir, &["train.max_steps=3"]).err().expect("other data").to_string();
+    let e = train(&dir, &["train.max_steps=3"]).expect_err("other data").to_string();
     assert!(e.contains("data.train") && e.contains("differ from those the checkpoint was trained on"), "{e}");
     std::fs::remove_dir_all(&data).unwrap();
     std::fs::rename(root.path().join("data-kept"), &data).unwrap();
     // special_tokens_map.json can name the EOS that ends every response: part of the model.
     std::fs::write(model.join("special_tokens_map.json"), r#"{"eos_token": "<unk>"}"#).unwrap();
-    let e = train(&dir, &["train.max_steps=3"]).err().expect("another EOS, maybe").to_string();
+    let e = train(&dir, &["train.max_steps=3"]).expect_err("another EOS, maybe").to_string();
     assert!(e.contains("model.path") && e.contains("differ from those the checkpoint was trained on"), "{e}");
     std::fs::remove_file(model.join("special_tokens_map.json")).unwrap();
     // What the loader does not read is not the data: a README, a .git folder, datasets' cache.
@@ -261,7 +261,7 @@ fn metrics_lines_a_crash_lost_are_reported_on_resume() {
 fn a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
     let root = setup();
     let dir = run_dir(root.path(), "run", RECIPE);
-    let e = train(&dir, &["train.lr=1e30", "train.warmup_steps=0", "train.max_grad_norm=0.0"]).err().expect("must stop").to_string();
+    let e = train(&dir, &["train.lr=1e30", "train.warmup_steps=0", "train.max_grad_norm=0.0"]).expect_err("must stop").to_string();
     // Names the learning rate: the NaN came after updates, from a finite start.
     assert!(e.contains("train.lr") && (e.contains("non-finite") || e.contains("NaN")), "{e}");
     for (_, ck) in finetune::checkpoint::list(&dir.join("out")) {

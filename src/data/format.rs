@@ -97,7 +97,8 @@ impl BadRecord {
 enum Template {
     Alpaca,
     Raw,
-    Chat(ChatTemplate),
+    /// Boxed: the template is large next to the other variants' nothing.
+    Chat(Box<ChatTemplate>),
 }
 
 /// Tokens past the limit that a cut prefix must still yield: merges across the cut only
@@ -189,9 +190,9 @@ impl Formatter {
         let template = match name {
             "alpaca" => Template::Alpaca,
             "raw" => Template::Raw,
-            "chatml" => Template::Chat(ChatTemplate::from_source(CHATML, &bos, &eos_text)),
-            "deepseek" => Template::Chat(ChatTemplate::from_source(DEEPSEEK, &bos, &eos_text)),
-            "llama3" => Template::Chat(ChatTemplate::from_source(LLAMA3, &bos, &eos_text)),
+            "chatml" => Template::Chat(Box::new(ChatTemplate::from_source(CHATML, &bos, &eos_text))),
+            "deepseek" => Template::Chat(Box::new(ChatTemplate::from_source(DEEPSEEK, &bos, &eos_text))),
+            "llama3" => Template::Chat(Box::new(ChatTemplate::from_source(LLAMA3, &bos, &eos_text))),
             _ => {
                 let t = ChatTemplate::from_model_dir(model_dir)?.ok_or_else(|| Error::Tokenizer {
                     path: model_dir.join("tokenizer_config.json"),
@@ -202,7 +203,7 @@ impl Formatter {
                     Error::Tokenizer { path, msg } => Error::Tokenizer { path, msg: format!("{msg}; set data.template to chatml, deepseek or llama3 (or alpaca or raw for single-turn records)") },
                     other => other,
                 })?;
-                Template::Chat(t)
+                Template::Chat(Box::new(t))
             }
         };
         if format == "messages" && matches!(template, Template::Alpaca | Template::Raw) {

@@ -211,6 +211,9 @@ fn gb(b: usize) -> String {
 }
 
 /// The table `finetune plan` prints: one column per world size.
+/// One cell of the table `render` prints: a plan's value in a row.
+type Cell = Box<dyn Fn(&Plan) -> String>;
+
 pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> String {
     let dev = if on_gpu { "GPU" } else { "rank" };
     let base = cfg.base_param_count();
@@ -237,7 +240,7 @@ pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> St
     }
     out.push_str(&head);
     out.push('\n');
-    let rows: Vec<(&str, Box<dyn Fn(&Plan) -> String>)> = vec![
+    let rows: Vec<(&str, Cell)> = vec![
         ("per device", Box::new(|_| String::new())),
         ("  frozen base kept (own shard)", Box::new(|p| gb(p.frozen))),
         (if plans.iter().any(|p| p.quantized.is_some()) { "  dequantised layers, peak" } else { "  gathered layers, peak" }, Box::new(|p| gb(p.gathered_peak))),

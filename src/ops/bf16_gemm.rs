@@ -2023,7 +2023,7 @@ mod tests {
     #[test]
     fn matmul_rejects_rows_whose_width_is_not_the_packed_k() {
         let dev = candle_core::Device::Cpu;
-        let b = PackedB::from_nk(&vec![bf16_bits(1.0); 8 * 6], 8, 6); // B [6, 8]
+        let b = PackedB::from_nk(&[bf16_bits(1.0); 8 * 6], 8, 6); // B [6, 8]
         for k in [5, 7] {
             let a = candle_core::Tensor::zeros((4, k), candle_core::DType::F32, &dev).expect("tensor");
             let err = matmul(&a, &b).expect_err("a width mismatch must be an error").to_string();

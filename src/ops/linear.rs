@@ -515,7 +515,8 @@ mod tests {
         let keep = |pass| Keep { pass, slot: kept.slot(0) }.linear(3);
         let lora = |x: &Tensor, keep: LinearKeep| lora_linear(Kernels::Auto, x, &w, (a.as_tensor(), b.as_tensor(), 2.0), Some(mask.clone()), keep);
         let frozen = |x: &Tensor, keep: LinearKeep| frozen_linear_kept(Kernels::Auto, x, &w, keep);
-        let ops: [(&str, &dyn Fn(&Tensor, LinearKeep) -> Result<Tensor>); 2] = [("lora", &lora), ("frozen", &frozen)];
+        type Forward<'f> = &'f dyn Fn(&Tensor, LinearKeep) -> Result<Tensor>;
+        let ops: [(&str, Forward); 2] = [("lora", &lora), ("frozen", &frozen)];
         for (name, op) in ops {
             let plain = op(x.as_tensor(), LinearKeep::none())?;
             op(x.as_tensor(), keep(Pass::Checkpointed))?;

@@ -56,9 +56,12 @@ pub fn tokenizer_metadata(vocab: usize) -> Vec<(String, Value)> {
     ]
 }
 
+/// A GGUF file's metadata (key, value) and tensors (name, tensor), in file order.
+pub type GgufParts = (Vec<(String, Value)>, Vec<(String, QTensor)>);
+
 /// The metadata and tensors of `model` (an HF folder) as llama.cpp writes them, with
 /// matrices in `dtype`: what `write_gguf` writes, for tests that break one part first.
-pub fn gguf_parts(model: &Path, shape: &TinyShape, dtype: GgmlDType) -> (Vec<(String, Value)>, Vec<(String, QTensor)>) {
+pub fn gguf_parts(model: &Path, shape: &TinyShape, dtype: GgmlDType) -> GgufParts {
     let hf = load_tensors(&model.join("model.safetensors"));
     // Qwen2: q/k/v biases, and llama.cpp leaves its q/k rows as they are (NEOX RoPE).
     let qwen = shape.arch == "Qwen2ForCausalLM";

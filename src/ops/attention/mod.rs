@@ -932,7 +932,7 @@ mod tests {
         assert_eq!(portable_strip_rows(1, 1, 30), 64);
         assert_eq!(portable_strip_rows(8, 32, 2048), 64); // the floor: 64 MiB of scores per strip
         let rows = portable_strip_rows(2, 16, 1024);
-        assert!(rows > 64 && rows * 2 * 16 * 1024 * 4 <= PORTABLE_STRIP_BYTES && rows % 64 == 0, "{rows}");
+        assert!(rows > 64 && rows * 2 * 16 * 1024 * 4 <= PORTABLE_STRIP_BYTES && rows.is_multiple_of(64), "{rows}");
     }
 }
 
