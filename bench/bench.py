@@ -19,10 +19,10 @@ those paired ratios: on a shared VM the table's rows, minutes apart, can differ 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,6 +108,15 @@ def ours(model, data, batch, seq, steps, warmup, ckpt, dtype="f32", targets=LLAM
     """One row of ours. `ckpt` and `dtype` None: the keys are left out of the recipe (their
     defaults run, as for a user who does not set them)."""
     out = tempfile.mkdtemp(prefix="ft-bench-")
+    try:
+        return ours_in(out, model, data, batch, seq, steps, warmup, ckpt, dtype, targets, quantize)
+    finally:
+        # The run folder (adapter, checkpoints: ~30 MB on SmolLM2) is read above and not kept.
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def ours_in(out, model, data, batch, seq, steps, warmup, ckpt, dtype, targets, quantize):
+    """`ours` in the folder `out`."""
     recipe = os.path.join(out, "bench.toml")
     with open(recipe, "w") as f:
         text = RECIPE.format(model=model, data=data, seq=seq, steps=steps + warmup, batch=batch,
@@ -160,6 +169,14 @@ def qlora_7b(cache):
         subprocess.run([BIN, "synth", "--out", d, "--shape", "deepseek-llm-7b", "--rows", "4",
                         "--seq-min", "256", "--seq-max", "256", "--gguf", "q4_k"], check=True)
     out = tempfile.mkdtemp(prefix="ft-bench-7b-")
+    try:
+        qlora_7b_in(out, d, gguf)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def qlora_7b_in(out, d, gguf):
+    """`qlora_7b`'s run in the folder `out`."""
     recipe = os.path.join(out, "bench.toml")
     with open(recipe, "w") as f:
         f.write(RECIPE.format(model=gguf, data=os.path.join(d, "data"), seq=256, steps=1, batch=1, ckpt="true",
@@ -440,16 +457,16 @@ def main():
         _, data = ensure_model(cache, seq)
         c = [
             (DEFAULT_ROW, seq, lambda: ours(model, data, batch, seq, steps, warmup, None, None)),
-            (f"finetune f32, ckpt = true (recompute all)", seq, lambda: ours(model, data, batch, seq, steps, warmup, True)),
-            (f"finetune f32, no ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, False)),
-            (f"PEFT f32, no ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, False)),
-            (f"PEFT f32, grad ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, True)),
+            ("finetune f32, ckpt = true (recompute all)", seq, lambda: ours(model, data, batch, seq, steps, warmup, True)),
+            ("finetune f32, no ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, False)),
+            ("PEFT f32, no ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, False)),
+            ("PEFT f32, grad ckpt", seq, lambda: peft(model, batch, seq, steps, warmup, True)),
         ]
         if with_bf16:
             c += [
-                (f"finetune bf16 base, ckpt = true (recompute all)", seq, lambda: ours(model, data, batch, seq, steps, warmup, True, "bf16")),
-                (f"finetune bf16 base, no ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, False, "bf16")),
-                (f"PEFT bf16 base, no ckpt", seq, (lambda: peft(model, batch, seq, steps, warmup, False, "bf16")) if bf16_unit else
+                ("finetune bf16 base, ckpt = true (recompute all)", seq, lambda: ours(model, data, batch, seq, steps, warmup, True, "bf16")),
+                ("finetune bf16 base, no ckpt", seq, lambda: ours(model, data, batch, seq, steps, warmup, False, "bf16")),
+                ("PEFT bf16 base, no ckpt", seq, (lambda: peft(model, batch, seq, steps, warmup, False, "bf16")) if bf16_unit else
                  "no bf16 unit on this CPU: PyTorch's bf16 matmuls run at ~2 GFLOP/s here (over 10 minutes a step)"),
             ]
         return c
