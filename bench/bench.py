@@ -97,6 +97,7 @@ def ensure_model(cache, seq):
                         "--seq-min", str(seq), "--seq-max", str(seq)], check=True)
         # tiny's vocab (256) ids are valid for the 49152 vocab too.
         os.rename(os.path.join(tmp, "data"), data)
+        shutil.rmtree(tmp, ignore_errors=True)  # the tiny model synth wrote beside the data
     return model, data
 
 
