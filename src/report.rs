@@ -17,6 +17,7 @@
 //! a full disk) leaves the previous report or none, never half of one.
 
 use crate::error::{signal_name, Error, Result};
+use crate::train::commas;
 use plotters::prelude::*;
 use serde::{Deserialize, Deserializer};
 use std::fmt::Write as _;
@@ -525,9 +526,9 @@ fn summary_table(h: &mut String, t: &Totals, summary: Option<&Summary>) {
         ("final loss", fmt_loss(t.final_loss)),
         ("min loss", t.min_loss.map(|(s, l)| format!("{} (step {s})", fmt_loss(l))).unwrap_or_else(na)),
         ("last eval loss", t.last_eval.map(|(s, l)| format!("{} (step {s})", fmt_loss(l))).unwrap_or_else(na)),
-        ("target tokens", group_digits(t.tokens)),
+        ("target tokens", commas(t.tokens)),
         ("tokens/s", t.mean_tokens_per_s.map(|v| format!("{v:.0}")).unwrap_or_else(na)),
-        ("peak RSS", t.peak_rss_mb.map(|v| format!("{} MiB", group_digits(v.max(0.0).round() as u64))).unwrap_or_else(na)),
+        ("peak RSS", t.peak_rss_mb.map(|v| format!("{} MiB", commas(v.max(0.0).round() as u64))).unwrap_or_else(na)),
     ];
     let s = summary;
     rows.push(("world size", s.and_then(|s| s.world_size).map(|w| w.to_string()).unwrap_or_else(na)));
@@ -577,7 +578,7 @@ fn data_section(h: &mut String, summary: Option<&Summary>) {
         h.push_str("<p class=\"na\">Not recorded (no data statistics in summary.json).</p>\n");
         return;
     };
-    let count = |v: Option<u64>| v.map(group_digits).unwrap_or_else(|| "<span class=\"na\">n/a</span>".into());
+    let count = |v: Option<u64>| v.map(commas).unwrap_or_else(|| "<span class=\"na\">n/a</span>".into());
     let _ = writeln!(
         h,
         "<table>\n<tr><th>truncated to max length</th><td class=\"n\">{}</td></tr>\n\
@@ -612,18 +613,6 @@ fn esc(s: &str) -> String {
 
 fn fmt_loss(v: f64) -> String {
     if v.is_finite() { format!("{v:.4}") } else { "<span class=\"warn\">NaN (diverged)</span>".into() }
-}
-
-fn group_digits(n: u64) -> String {
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 fn fmt_bytes(b: u64) -> String {
@@ -832,8 +821,8 @@ mod tests {
 
     #[test]
     fn digits_group_and_bytes_scale() {
-        assert_eq!(group_digits(1234567), "1,234,567");
-        assert_eq!(group_digits(12), "12");
+        assert_eq!(commas(1234567), "1,234,567");
+        assert_eq!(commas(12), "12");
         assert_eq!(fmt_bytes(1536), "1.50 KiB");
         assert_eq!(human_count(12_500.0), "12.5k");
         assert_eq!(human_count(100_000.0), "100k");

@@ -43,7 +43,9 @@ pub fn format_trainable(trainable: u64, all: u64) -> String {
     format!("trainable params: {} || all params: {} || trainable%: {pct:.4}", commas(trainable), commas(all))
 }
 
-fn commas(n: u64) -> String {
+/// n with its digits in groups of three (1,234,567), as the trainable-parameter line and the
+/// report print counts.
+pub(crate) fn commas(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
