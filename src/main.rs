@@ -325,9 +325,12 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
             Some(c) => {
                 // As resume does: a checkpoint is what its manifest says, or it is not used.
                 let dir = run.join("checkpoints").join(c);
-                if dir.is_dir() {
-                    finetune::checkpoint::verify(&dir).map_err(|why| anyhow::anyhow!("checkpoint {} is damaged or incomplete: {why}; export another one (see {})", dir.display(), run.join("checkpoints").display()))?;
+                if !dir.is_dir() {
+                    let names: Vec<String> = finetune::checkpoint::list(run).iter().filter_map(|(_, p)| p.file_name().map(|n| n.to_string_lossy().into_owned())).collect();
+                    let have = if names.is_empty() { format!("{} holds none", run.join("checkpoints").display()) } else { format!("the run has {}", names.join(", ")) };
+                    anyhow::bail!("--checkpoint {c}: no such checkpoint ({have})");
                 }
+                finetune::checkpoint::verify(&dir).map_err(|why| anyhow::anyhow!("checkpoint {} is damaged or incomplete: {why}; export another one (see {})", dir.display(), run.join("checkpoints").display()))?;
                 dir.join("adapter")
             }
             None => run.join("adapter"),

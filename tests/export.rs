@@ -251,12 +251,17 @@ fn recipe_export_merged_writes_a_verified_merged_folder_via_the_cli() {
     // A checkpoint is exported only if it is what its manifest says (as resume checks).
     let run = d.path().join("out2");
     let step = std::fs::read_dir(run.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).find(|n| n.starts_with("step-")).expect("a checkpoint");
-    let export_ckpt = |to: &str| {
+    let export_named = |name: &str, to: &str| {
         std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
-            .args(["export", "--run", &run.display().to_string(), "--checkpoint", &step, "--out", &d.path().join(to).display().to_string()])
+            .args(["export", "--run", &run.display().to_string(), "--checkpoint", name, "--out", &d.path().join(to).display().to_string()])
             .output()
             .unwrap()
     };
+    let export_ckpt = |to: &str| export_named(&step, to);
+    // A name the run does not have is refused with the names it has.
+    let missing = export_named("step-9", "from-missing");
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(!missing.status.success() && err.contains("--checkpoint step-9: no such checkpoint") && err.contains(&step), "{err}");
     let ok = export_ckpt("from-checkpoint");
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
     let file = run.join("checkpoints").join(&step).join("adapter/adapter_model.safetensors");
