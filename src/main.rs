@@ -617,10 +617,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     other => other.into(),
                 }
             };
-            let stopped = || match stop.load(std::sync::atomic::Ordering::Relaxed) {
-                0 => Ok(()),
-                signal => Err(finetune::Error::Interrupted { signal }),
-            };
             // Only the process holding the folder writes there (under several processes,
             // rank 0's).
             if summary.interrupted.is_none() && recipe.recipe.export.merged && summary.lock.is_some() {
@@ -644,14 +640,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             if summary.interrupted.is_none() && recipe.recipe.export.gguf && summary.lock.is_some() {
                 let gguf = summary.output_dir.join("adapter.gguf");
-                stopped().map_err(|e| unwritten(e, "llama.cpp GGUF adapter", &format!("--format gguf --out {}", gguf.display())))?;
+                finetune::export::stop_requested(&stop).map_err(|e| unwritten(e, "llama.cpp GGUF adapter", &format!("--format gguf --out {}", gguf.display())))?;
                 let adapter = finetune::export::PeftAdapter::open(&summary.output_dir.join("adapter"))?;
                 let base = finetune::train::run_base(&summary.output_dir, &recipe.recipe.model.path, &recipe.dir)?;
                 let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &gguf)?;
                 finetune::note!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
             }
             if let Some(sig) = summary.interrupted {
-                let (name, code) = if sig == 15 { ("SIGTERM", 143) } else { ("SIGINT", 130) };
                 let at = summary.checkpoint.map(|d| d.display().to_string()).unwrap_or_default();
                 let how = match recipe.recipe.checkpoint.resume.as_str() {
                     "auto" => "the same command".to_string(),
@@ -659,10 +654,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     _ => "the same command plus --set checkpoint.resume=auto".to_string(),
                 };
                 finetune::note!(
-                    "stopped by {name}; checkpoint saved at {at}.\nresume with {how} \
-                     (checkpoint.resume = \"auto\" continues from the newest valid checkpoint)"
+                    "stopped by {}; checkpoint saved at {at}.\nresume with {how} \
+                     (checkpoint.resume = \"auto\" continues from the newest valid checkpoint)",
+                    finetune::error::signal_name(sig as i64)
                 );
-                return Ok(ExitCode::from(code));
+                return Ok(signal_exit(sig));
             }
         }
         (Some(Command::Export(a)), _) => export(&a)?,
@@ -702,6 +698,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         (None, None) => anyhow::bail!("nothing to do: try `finetune --recipe recipes/tiny-lora.toml` or `finetune --help`"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The exit status of a command stopped by `signal`: the shell's convention, 128 + its number
+/// (130 for SIGINT, 143 for SIGTERM).
+fn signal_exit(signal: usize) -> ExitCode {
+    ExitCode::from(128u8.saturating_add(signal as u8))
 }
 
 /// First SIGINT/SIGTERM: ask the loop to finish its step and checkpoint. A second one exits
@@ -849,9 +851,8 @@ fn main() -> ExitCode {
             if let Some(h) = e.downcast_ref::<finetune::Error>().and_then(|e| hint(e, recipe)) {
                 finetune::note!("hint: {h}");
             }
-            // Stopped by a signal: the shell's convention, 128 + its number.
             match e.downcast_ref::<finetune::Error>() {
-                Some(&finetune::Error::Interrupted { signal }) => ExitCode::from(128u8.saturating_add(signal as u8)),
+                Some(&finetune::Error::Interrupted { signal }) => signal_exit(signal),
                 _ => ExitCode::FAILURE,
             }
         }

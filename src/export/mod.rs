@@ -49,10 +49,16 @@ pub struct ExportOptions {
 impl ExportOptions {
     /// [`Error::Interrupted`] once a signal asked to stop.
     fn check_stop(&self) -> Result<()> {
-        match self.stop.as_ref().map(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
-            Some(signal) if signal != 0 => Err(Error::Interrupted { signal }),
-            _ => Ok(()),
-        }
+        self.stop.as_deref().map_or(Ok(()), stop_requested)
+    }
+}
+
+/// [`Error::Interrupted`] once the signal handlers' flag holds a signal (0: none): what the
+/// merge checks per tensor, and the end-of-run exports before they start.
+pub fn stop_requested(stop: &std::sync::atomic::AtomicUsize) -> Result<()> {
+    match stop.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => Ok(()),
+        signal => Err(Error::Interrupted { signal }),
     }
 }
 
