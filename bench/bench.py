@@ -21,8 +21,8 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import shutil
+import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

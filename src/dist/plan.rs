@@ -210,10 +210,10 @@ fn gb(b: usize) -> String {
     }
 }
 
-/// The table `finetune plan` prints: one column per world size.
 /// One cell of the table `render` prints: a plan's value in a row.
 type Cell = Box<dyn Fn(&Plan) -> String>;
 
+/// The table `finetune plan` prints: one column per world size.
 pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> String {
     let dev = if on_gpu { "GPU" } else { "rank" };
     let base = cfg.base_param_count();
