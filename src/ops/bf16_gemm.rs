@@ -508,7 +508,7 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
             unsafe {
                 match kern {
                     Kernel::Amx => amx::run_w(w, k, &b, us, (k0, k1), np, cp),
-                    Kernel::Avx512Bf16 => dot::run_w(w, k, &b, us, (k0, k1), np, cp),
+                    Kernel::Avx512Bf16 => dot::run_w(w, k, &b, m, us, (k0, k1), np, cp),
                 }
             }
         });
@@ -683,12 +683,13 @@ fn gemm_kn_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], k: usize, n: usize
                 // SAFETY: AVX512-BF16 is present (the kernel is supported); the task's C
                 // columns are its own (disjoint pairs), every row of a panel's stored by its
                 // first slab (ks.0 = 0); `ab` is [MP, KP]; `buf` holds the pairs' strips.
-                unsafe { dot::run_slab(&ab, kp, &buf, strip, qs, ks, np, cp, next) };
+                unsafe { dot::run_slab(&ab, kp, m, &buf, strip, qs, ks, np, cp, next) };
             }
         });
     });
-    // SAFETY: the tasks cover every column pair and the first slab stored all MP rows of each.
-    unsafe { c.set_len(mp * np) };
+    // SAFETY: the tasks cover every column pair and the first slab stored the first M rows of
+    // each (rows past M, the padding of A, are left unwritten and outside the length).
+    unsafe { c.set_len(m * np) };
     Some(unpadded(c, m, n, np))
 }
 
@@ -1522,7 +1523,7 @@ mod dot {
                         let b1 = b0.add(b.kb * tile);
                         // The 8 x 32 block of C at rows r0.., columns 16 bn.. (stride np).
                         let cb = c.ptr_at(r0 * np + bn * TM, (MR - 1) * np + 2 * TM);
-                        micro::<2, false>(a, kp, [b0, b1], ks, cb, np, load);
+                        micro::<MR, 2, false>(a, kp, [b0, b1], ks, cb, np, load);
                     }
                 }
             }
@@ -1533,30 +1534,43 @@ mod dot {
     /// blocks `blocks` (of MR rows), W read where it lies as the left operand (a W row's k
     /// pair is one 32-bit broadcast, as an A row's is in `run_blocks`), Aᵀ packed as B with
     /// `ns / 16` strips (M columns, the last strip padded with zeros). Strips go three at a
-    /// time (24 accumulators), so M = 48 runs as 48.
+    /// time (24 accumulators), so M = 48 runs as 48. A last strip with at most 8 of the `m`
+    /// columns runs as 8 ([`micro_half`]: half the products, where it ran as 16 and wasted
+    /// 16% of a DeepSeek-V2-Lite MoE step's routed-expert forward products on padding).
     ///
     /// # Safety
     /// AVX512-BF16 is present; `w` holds the rows of the blocks, `k` is `b.kb * TK` (W's K a
-    /// multiple of 32); `b` has at least `ns / 16` strips; `c` is an [N, ns] f32 buffer whose
-    /// rows of these blocks nobody else touches.
-    pub unsafe fn run_w(w: &[u16], k: usize, b: &PackedB, blocks: (usize, usize), ks: (usize, usize), ns: usize, c: Shared) {
+    /// multiple of 32); `b` has at least `ns / 16` strips, `ns` is `m` rounded up to 16; `c`
+    /// is an [N, ns] f32 buffer whose rows of these blocks nobody else touches.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_w(w: &[u16], k: usize, b: &PackedB, m: usize, blocks: (usize, usize), ks: (usize, usize), ns: usize, c: Shared) {
         let strip = b.kb * TM * TK;
         let strips = ns / TM;
-        debug_assert!(k == b.kb * TK && strips <= b.nb && w.len() >= blocks.1 * MR * k, "avx512-bf16: W or Aᵀ short");
+        debug_assert!(k == b.kb * TK && strips <= b.nb && w.len() >= blocks.1 * MR * k && ns == m.next_multiple_of(TM), "avx512-bf16: W or Aᵀ short");
+        let half = m > 0 && (m - 1) % TM < TM / 2 && std::arch::is_x86_feature_detected!("avx512vl");
+        let full = strips - usize::from(half);
         for blk in blocks.0..blocks.1 {
             let a = w.as_ptr().add(blk * MR * k);
-            for s0 in (0..strips).step_by(3) {
-                let bs = |s: usize| b.tiles.as_ptr().add((s0 + s) * strip);
-                let cb = c.ptr_at(blk * MR * ns + s0 * TM, (MR - 1) * ns + (strips - s0).min(3) * TM);
+            let bs = |s: usize| b.tiles.as_ptr().add(s * strip);
+            for s0 in (0..full).step_by(3) {
+                let bs = |s: usize| bs(s0 + s);
+                let cb = c.ptr_at(blk * MR * ns + s0 * TM, (MR - 1) * ns + (full - s0).min(3) * TM);
                 // The first pass over a block streams its W rows from memory: ask for them
                 // ahead (later strips find them in L1).
-                match (strips - s0, s0 == 0) {
-                    (1, true) => micro::<1, true>(a, k, [bs(0)], ks, cb, ns, ks.0 > 0),
-                    (1, false) => micro::<1, false>(a, k, [bs(0)], ks, cb, ns, ks.0 > 0),
-                    (2, true) => micro::<2, true>(a, k, [bs(0), bs(1)], ks, cb, ns, ks.0 > 0),
-                    (2, false) => micro::<2, false>(a, k, [bs(0), bs(1)], ks, cb, ns, ks.0 > 0),
-                    (_, true) => micro::<3, true>(a, k, [bs(0), bs(1), bs(2)], ks, cb, ns, ks.0 > 0),
-                    (_, false) => micro::<3, false>(a, k, [bs(0), bs(1), bs(2)], ks, cb, ns, ks.0 > 0),
+                match (full - s0, s0 == 0) {
+                    (1, true) => micro::<MR, 1, true>(a, k, [bs(0)], ks, cb, ns, ks.0 > 0),
+                    (1, false) => micro::<MR, 1, false>(a, k, [bs(0)], ks, cb, ns, ks.0 > 0),
+                    (2, true) => micro::<MR, 2, true>(a, k, [bs(0), bs(1)], ks, cb, ns, ks.0 > 0),
+                    (2, false) => micro::<MR, 2, false>(a, k, [bs(0), bs(1)], ks, cb, ns, ks.0 > 0),
+                    (_, true) => micro::<MR, 3, true>(a, k, [bs(0), bs(1), bs(2)], ks, cb, ns, ks.0 > 0),
+                    (_, false) => micro::<MR, 3, false>(a, k, [bs(0), bs(1), bs(2)], ks, cb, ns, ks.0 > 0),
+                }
+            }
+            if half {
+                let cb = c.ptr_at(blk * MR * ns + full * TM, (MR - 1) * ns + TM);
+                match full {
+                    0 => micro_half::<true>(a, k, bs(full), ks, cb, ns, ks.0 > 0),
+                    _ => micro_half::<false>(a, k, bs(full), ks, cb, ns, ks.0 > 0),
                 }
             }
         }
@@ -1566,14 +1580,18 @@ mod dot {
     /// over the K tiles `ks`, every 8-row block of A, B being those pairs' strips of this slab
     /// only (`strips_kn` over `ks`: `2 (ks.1 - ks.0)` tiles a pair).
     ///
+    /// Only the first `m` rows of C are computed: the last block of an expert's rows runs as
+    /// the rows it has (an expert's M is padded to 8 for nothing else: 7% of the routed
+    /// experts' input-gradient products were of zero rows in a DeepSeek-V2-Lite MoE step).
+    ///
     /// # Safety
-    /// AVX512-BF16 is present; `ab` is [MP, kp] bf16 (MP a multiple of MR) with `ks.1` at most
-    /// kp's tiles; `slab` holds the pairs' strips, `strip` u16 apart; `c` is an [MP, np] f32
-    /// buffer whose columns of these pairs nobody else touches.
+    /// AVX512-BF16 is present; `ab` is [MP, kp] bf16 (MP `m` rounded up to MR) with `ks.1` at
+    /// most kp's tiles; `slab` holds the pairs' strips, `strip` u16 apart; `c` is an [MP, np]
+    /// f32 buffer whose columns of these pairs nobody else touches.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn run_slab(ab: &[u16], kp: usize, slab: &[u16], strip: usize, pairs: (usize, usize), ks: (usize, usize), np: usize, c: Shared, mut next: super::Ahead) {
+    pub unsafe fn run_slab(ab: &[u16], kp: usize, m: usize, slab: &[u16], strip: usize, pairs: (usize, usize), ks: (usize, usize), np: usize, c: Shared, mut next: super::Ahead) {
         let mp = ab.len() / kp;
-        debug_assert!(slab.len() >= (pairs.1 - pairs.0) * 2 * strip && ks.1 * TK <= kp, "avx512-bf16: slab or A short");
+        debug_assert!(slab.len() >= (pairs.1 - pairs.0) * 2 * strip && ks.1 * TK <= kp && m <= mp && mp <= m.next_multiple_of(MR), "avx512-bf16: slab or A short");
         // The pairs' strips three at a time (24 accumulators: 8 broadcasts feed 24 products,
         // not 16), `next`'s lines spread evenly over the micro-blocks.
         let strips = 2 * (pairs.1 - pairs.0);
@@ -1582,14 +1600,15 @@ mod dot {
         for s0 in (0..strips).step_by(3) {
             let bs = |s: usize| slab.as_ptr().add((s0 + s) * strip);
             let cols = (strips - s0).min(3) * TM;
-            for r0 in (0..mp).step_by(MR) {
+            for r0 in (0..m).step_by(MR) {
                 next.next(per_block);
+                let rows = MR.min(m - r0);
                 let a = ab.as_ptr().add(r0 * kp + ks.0 * TK);
-                let cb = c.ptr_at(r0 * np + pairs.0 * 2 * TM + s0 * TM, (MR - 1) * np + cols);
+                let cb = c.ptr_at(r0 * np + pairs.0 * 2 * TM + s0 * TM, (rows - 1) * np + cols);
                 match strips - s0 {
-                    1 => micro::<1, false>(a, kp, [bs(0)], kt, cb, np, ks.0 > 0),
-                    2 => micro::<2, false>(a, kp, [bs(0), bs(1)], kt, cb, np, ks.0 > 0),
-                    _ => micro::<3, false>(a, kp, [bs(0), bs(1), bs(2)], kt, cb, np, ks.0 > 0),
+                    1 => micro_rows::<1>(rows, a, kp, [bs(0)], kt, cb, np, ks.0 > 0),
+                    2 => micro_rows::<2>(rows, a, kp, [bs(0), bs(1)], kt, cb, np, ks.0 > 0),
+                    _ => micro_rows::<3>(rows, a, kp, [bs(0), bs(1), bs(2)], kt, cb, np, ks.0 > 0),
                 }
             }
         }
@@ -1608,22 +1627,80 @@ mod dot {
         for r0 in (0..rows).step_by(MR) {
             for pair in 0..cols / (2 * TM) {
                 let b0 = b.add(2 * pair * strip);
-                micro::<2, false>(a.add(r0 * lda), lda, [b0, b0.add(strip)], (0, nk), c.add(r0 * ldc + pair * 2 * TM), ldc, accumulate);
+                micro::<MR, 2, false>(a.add(r0 * lda), lda, [b0, b0.add(strip)], (0, nk), c.add(r0 * ldc + pair * 2 * TM), ldc, accumulate);
             }
         }
     }
 
-    /// C [8, 16 S] (row stride `ldc`) = (or += with `load`) A [8, K tiles ks] · B [K tiles ks,
+    /// [`micro`] for one strip's first 8 columns (C [8, 16], row stride `ldc`: its first 8
+    /// columns computed, the other 8 stored as zeros), on 256-bit vectors: half a 512-bit
+    /// `vdpbf16ps`'s work, and on Zen 4, which runs a 512-bit one as two 256-bit halves, half
+    /// its time. The same sums, lane for lane, as the 512-bit kernel's first 8 columns.
+    ///
+    /// # Safety
+    /// As `micro` with S = 1, and AVX-512 VL present.
+    #[target_feature(enable = "avx512f,avx512bf16,avx512vl")]
+    unsafe fn micro_half<const PREFETCH_A: bool>(a: *const u16, lda: usize, b: *const u16, ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
+        let mut acc = [_mm256_setzero_ps(); MR];
+        if load {
+            for (r, v) in acc.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(c.add(r * ldc));
+            }
+        }
+        let tile = TM * TK;
+        for kb in ks.0..ks.1 {
+            if PREFETCH_A {
+                // As `micro`: the next block's rows of W, this K tile's line of each.
+                for r in MR..2 * MR {
+                    _mm_prefetch::<_MM_HINT_T1>(a.wrapping_add(r * lda + kb * TK).cast());
+                }
+            }
+            for p in 0..TM {
+                // The first 8 columns' k pairs: the first 32 bytes of the 64-byte VNNI row.
+                let ws = std::mem::transmute::<__m256i, __m256bh>(_mm256_loadu_si256(b.add(kb * tile + p * TK) as *const _));
+                let kk = kb * TK + 2 * p;
+                for (r, v) in acc.iter_mut().enumerate() {
+                    let pair = (a.add(r * lda + kk) as *const i32).read_unaligned();
+                    *v = _mm256_dpbf16_ps(*v, std::mem::transmute::<__m256i, __m256bh>(_mm256_set1_epi32(pair)), ws);
+                }
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(c.add(r * ldc), *v);
+            _mm256_storeu_ps(c.add(r * ldc + TM / 2), _mm256_setzero_ps());
+        }
+    }
+
+    /// [`micro`] on the first `rows` (1 to 8) rows of a block.
+    ///
+    /// # Safety
+    /// As `micro`, for `rows` rows of A and C.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    unsafe fn micro_rows<const S: usize>(rows: usize, a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
+        match rows {
+            1 => micro::<1, S, false>(a, lda, b, ks, c, ldc, load),
+            2 => micro::<2, S, false>(a, lda, b, ks, c, ldc, load),
+            3 => micro::<3, S, false>(a, lda, b, ks, c, ldc, load),
+            4 => micro::<4, S, false>(a, lda, b, ks, c, ldc, load),
+            5 => micro::<5, S, false>(a, lda, b, ks, c, ldc, load),
+            6 => micro::<6, S, false>(a, lda, b, ks, c, ldc, load),
+            7 => micro::<7, S, false>(a, lda, b, ks, c, ldc, load),
+            _ => micro::<MR, S, false>(a, lda, b, ks, c, ldc, load),
+        }
+    }
+
+    /// C [R, 16 S] (row stride `ldc`) = (or += with `load`) A [R, K tiles ks] · B [K tiles ks,
     /// 16 S], B given as its S 16-column tile strips `b`. A's k pairs are 32-bit broadcasts
     /// from rows of stride `lda`. `PREFETCH_A`: A is W read from memory (`run_w`), and the
     /// next 8 rows are asked for as these run.
     ///
     /// # Safety
-    /// As `run_blocks` / `run_w` / `strided`; `a` points at 8 rows of stride `lda`, `c` at 8
+    /// As `run_blocks` / `run_w` / `strided`; `a` points at R rows of stride `lda`, `c` at R
     /// rows of 16 S (stride `ldc`).
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn micro<const S: usize, const PREFETCH_A: bool>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
-        let mut acc = [[_mm512_setzero_ps(); S]; MR];
+    unsafe fn micro<const R: usize, const S: usize, const PREFETCH_A: bool>(a: *const u16, lda: usize, b: [*const u16; S], ks: (usize, usize), c: *mut f32, ldc: usize, load: bool) {
+        let mut acc = [[_mm512_setzero_ps(); S]; R];
         if load {
             for (r, row) in acc.iter_mut().enumerate() {
                 for (s, v) in row.iter_mut().enumerate() {
@@ -1677,11 +1754,12 @@ mod dot {
     pub unsafe fn run_blocks(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
-    pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_w(_: &[u16], _: usize, _: &PackedB, _: usize, _: (usize, usize), _: (usize, usize), _: usize, _: Shared) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn run_slab(_: &[u16], _: usize, _: &[u16], _: usize, _: (usize, usize), _: (usize, usize), _: usize, _: Shared, _: super::Ahead) {
+    pub unsafe fn run_slab(_: &[u16], _: usize, _: usize, _: &[u16], _: usize, _: (usize, usize), _: (usize, usize), _: usize, _: Shared, _: super::Ahead) {
         unreachable!("AVX512-BF16 is x86-64 only; Kernel::supported() is false here")
     }
     #[allow(clippy::too_many_arguments)]
@@ -1955,8 +2033,9 @@ mod tests {
         // Forward (M, N, K): one row, ragged M, K past one panel (AMX: 2048; the dot kernel:
         // 1024 at 128 rows, K whole up to 2720 at 48: Cᵀ reloaded between panels), the most
         // rows it takes; for the dot kernel's strips of 16 (three at a time): 1, 2, 3, 7 and
-        // 8 strips, the last one partial.
-        let fwd = [(1, 32, 32), (17, 64, 96), (48, 96, 2080), (48, 64, 4096), (128, 64, 2080), (128, 64, 64), (16, 32, 64), (20, 64, 32), (40, 96, 64), (100, 32, 96)];
+        // 8 strips, the last one partial, and a last strip of at most 8 columns (run 8 wide)
+        // alone, after one, two and six full ones, and over two K panels.
+        let fwd = [(1, 32, 32), (17, 64, 96), (48, 96, 2080), (48, 64, 4096), (128, 64, 2080), (128, 64, 64), (16, 32, 64), (20, 64, 32), (40, 96, 64), (100, 32, 96), (8, 32, 64), (100, 64, 2080)];
         for kern in [Kernel::Amx, Kernel::Avx512Bf16].into_iter().filter(|k| k.supported()) {
             for &(m, n, k) in &fwd {
                 let a = data(m * k, 11);
@@ -2113,8 +2192,18 @@ mod speed {
         };
         // The 135M model's layers and head, a DeepSeek-V2-Lite expert's 48 rows (both ways), then
         // the most rows `gemm_wt` takes and an expert with few tokens (one strip of 16).
+        // `BF16_GEMM_SHAPES="m,n,k m,n,k"` for others (DeepSeek-V2-Lite's head chunks:
+        // "512,2048,2048").
         let shapes = [(2048, 576, 576), (2048, 192, 576), (2048, 1536, 576), (2048, 576, 1536), (170, 49152, 576), (170, 576, 49152), (48, 1408, 2048), (48, 2048, 1408), (128, 1536, 576), (16, 1408, 2048)];
-        for &(m, n, k) in &shapes {
+        let asked: Vec<(usize, usize, usize)> = std::env::var("BF16_GEMM_SHAPES")
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|s| match s.split(',').filter_map(|x| x.parse().ok()).collect::<Vec<usize>>()[..] {
+                [m, n, k] => Some((m, n, k)),
+                _ => None,
+            })
+            .collect();
+        for &(m, n, k) in if asked.is_empty() { &shapes[..] } else { &asked[..] } {
             let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
             let w: Vec<u16> = (0..n * k).map(|i| bf16_bits((i % 5) as f32 * 0.1)).collect();
             let b = PackedB::from_nk(&w, n, k);

@@ -694,4 +694,39 @@ mod tests {
         assert!(e.contains("target token 10 is outside the vocabulary of 10"), "{e}");
         Ok(())
     }
+
+    /// `cargo test --release --lib loss_speed -- --ignored --nocapture`: GFLOP/s of the loss
+    /// and its input gradient (the two head GEMMs, 4 M V H) for DeepSeek-V2-Lite's head
+    /// ([102400, 2048] bf16, 512 rows; `LOSS_SPEED_SHAPE=m,h,v` for another), each chunk copied
+    /// out of the head as a read from its file would be. Timing only, no assertion.
+    #[test]
+    #[ignore]
+    fn loss_speed() -> Result<()> {
+        // Large blocks from the heap, as `main` has them (`alloc::tune`; glibc's mallopt locks
+        // its arena, so setting it with threads running is safe): fresh mmaps per chunk
+        // otherwise fault and zero every page, and that is most of what would be timed.
+        // SAFETY: mallopt only sets allocator parameters.
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        }
+        let dev = Device::Cpu;
+        let shape: Vec<usize> = std::env::var("LOSS_SPEED_SHAPE").map_or_else(|_| vec![512, 2048, 102400], |v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect());
+        let &[m, h, v] = shape.as_slice() else { candle_core::bail!("LOSS_SPEED_SHAPE is m,h,v") };
+        let rows = Tensor::from_vec((0..m * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.1).collect(), (m, h), &dev)?;
+        let head = Tensor::from_vec((0..v * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.01).collect(), (v, h), &dev)?.to_dtype(DType::BF16)?;
+        let targets: Vec<u32> = (0..m).map(|i| (i * 7919 % v) as u32).collect();
+        let read = HeadRows { vocab: v, hidden: h, dtype: DType::BF16, read: Box::new(|s, l| Tensor::from_vec(head.narrow(0, s, l)?.flatten_all()?.to_vec1::<half::bf16>()?, (l, h), &Device::Cpu)) };
+        let mut best = f64::INFINITY;
+        for i in 0..4 {
+            let t = std::time::Instant::now();
+            let (ce, _) = cross_entropy_sum_and_grad(Kernels::Auto, &rows, &read, &targets, 1.0)?;
+            let s = t.elapsed().as_secs_f64();
+            println!("run {i}: {:.1} ms, {:.0} GFLOP/s (ce {ce:.3})", s * 1e3, 4.0 * (m * v * h) as f64 / s / 1e9);
+            best = best.min(s);
+        }
+        println!("loss [{m}, {h}] x head [{v}, {h}]: best {:.1} ms, {:.0} GFLOP/s", best * 1e3, 4.0 * (m * v * h) as f64 / best / 1e9);
+        Ok(())
+    }
 }
