@@ -30,6 +30,7 @@
 //! few rows against W packed a slab of K at a time ([`gemm_kn`]).
 
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::sync::OnceLock;
 
 /// Tiles are 16 rows of 64 bytes.
@@ -124,7 +125,7 @@ pub fn bf16_bits(x: f32) -> u16 {
 /// CPU with a kernel here: the scalar loop was ~15% of a layer GEMM on AMX). The one
 /// difference: the instruction reads f32 subnormals as zero, where `bf16_bits` keeps them as
 /// bf16 subnormals, which both units read as zero too, so products do not change.
-fn round_row(src: &[f32], dst: &mut [u16]) {
+pub(crate) fn round_row(src: &[f32], dst: &mut [u16]) {
     debug_assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     if crate::ops::cpu_bf16::avx512_bf16() {
@@ -172,6 +173,11 @@ pub struct PackedB {
 }
 
 impl PackedB {
+    /// B's columns N.
+    pub fn cols(&self) -> usize {
+        self.n
+    }
+
     /// B [K, N] packed from `fill(bn, strip)`, which writes column strip `bn` (columns
     /// 16 bn .. 16 bn + 16, all K tiles; laid out as [`slot`] says) of the zeroed packing.
     fn packed(k: usize, n: usize, fill: impl Fn(usize, &mut [u16]) + Sync) -> Self {
@@ -322,7 +328,7 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     let (mp, np) = padded_dims_with(kern, m, b);
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
     let mut c: Vec<f32> = Vec::with_capacity(mp * np);
-    run_into(kern, a, m, b, crate::ops::Shared::uninit(&mut c.spare_capacity_mut()[..mp * np]), false);
+    run_into(kern, Rows::F32(a), m, b, crate::ops::Shared::uninit(&mut c.spare_capacity_mut()[..mp * np]), false);
     // SAFETY: k >= 1, so b.kb >= 1, and `run_into`'s first K panel stored every block of the
     // [MP, NP] buffer (its tasks cover all row blocks x column pairs), i.e. every element.
     unsafe { c.set_len(mp * np) };
@@ -361,7 +367,97 @@ pub fn gemm_acc(a: &[f32], m: usize, b: &PackedB, c: &mut [f32], accumulate: boo
         }
         return;
     }
-    run_into(kern, a, m, b, crate::ops::Shared::new(c), accumulate);
+    run_into(kern, Rows::F32(a), m, b, crate::ops::Shared::new(c), accumulate);
+}
+
+/// A's rows as `run_into` takes them: f32 (rounded to bf16 on the way in), or rounded once
+/// already for several GEMMs ([`RoundedRows`]).
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Rounded(&'a RoundedRows),
+}
+
+/// A [M, K] f32 rounded to bf16 once, zero padded to [MP, KP] as the dot kernel reads it, for
+/// GEMMs against several B of the same K: the loss's rows meet every chunk of the LM head (50
+/// a step at DeepSeek-V2-Lite's vocabulary) and were rounded, into a zeroed buffer, for each.
+/// The same bits as [`gemm`] / [`gemm_acc`] on the f32 rows. The dot kernel only (AMX
+/// converts its A to tiles inside the GEMM's tasks).
+pub struct RoundedRows {
+    bits: Vec<u16>,
+    m: usize,
+    k: usize,
+}
+
+impl RoundedRows {
+    /// Rows of `k` in the dot kernel's layout: (MP, KP), M padded to its row block, K to tiles.
+    fn dims(m: usize, k: usize) -> (usize, usize) {
+        (round_up(m, dot::MR), round_up(k, TK))
+    }
+
+    /// A [M, K] rounded; None where this process's kernel is not the dot kernel.
+    pub fn new(a: &[f32], m: usize, k: usize) -> Option<Self> {
+        assert_eq!(a.len(), m * k, "bf16 gemm: rows [{m}, {k}] from {} values", a.len());
+        Self::from_rows(m, k, |r, dst| round_row(&a[r * k..][..k], dst)).map(|(rows, _)| rows)
+    }
+
+    /// Rows written by `fill(r, row)` (row r's K values, as `round_row` would write them, into
+    /// a row of K), with what `fill` returns for each row; None where this process's kernel is
+    /// not the dot kernel. The padding is zeroed here; nothing else is zeroed first.
+    pub fn from_rows<T: Send>(m: usize, k: usize, fill: impl Fn(usize, &mut [u16]) -> T + Sync) -> Option<(Self, Vec<T>)> {
+        if kernel()? != Kernel::Avx512Bf16 {
+            return None;
+        }
+        let (mp, kp) = Self::dims(m, k);
+        let mut bits: Vec<u16> = vec![0; mp * kp - m * kp]; // the padding rows, at the end
+        let mut rows: Vec<u16> = Vec::with_capacity(mp * kp);
+        let out = rows.spare_capacity_mut()[..m * kp]
+            .par_chunks_mut(kp.max(1))
+            .enumerate()
+            .map(|(r, row)| {
+                // SAFETY: u16 has no invalid bit patterns; every element of the row is written
+                // below (the first k by `fill`, the padding zeroed).
+                let row = unsafe { &mut *(row as *mut [std::mem::MaybeUninit<u16>] as *mut [u16]) };
+                let (vals, pad) = row.split_at_mut(k);
+                pad.fill(0);
+                fill(r, vals)
+            })
+            .collect();
+        // SAFETY: the tasks wrote all M rows of KP.
+        unsafe { rows.set_len(m * kp) };
+        rows.append(&mut bits);
+        Some((RoundedRows { bits: rows, m, k }, out))
+    }
+}
+
+/// [`gemm`] on rows rounded once (the dot kernel: [`RoundedRows::new`] was Some).
+pub fn gemm_rounded(a: &RoundedRows, b: &PackedB) -> Vec<f32> {
+    assert_eq!(a.k, b.k, "bf16 gemm: rounded rows of {} against a B of K {}", a.k, b.k);
+    let (m, kern) = (a.m, Kernel::Avx512Bf16);
+    if b.k == 0 || m == 0 || b.n == 0 {
+        return vec![0f32; m * b.n];
+    }
+    let (mp, np) = padded_dims_with(kern, m, b);
+    let mut c: Vec<f32> = Vec::with_capacity(mp * np);
+    run_into(kern, Rows::Rounded(a), m, b, crate::ops::Shared::uninit(&mut c.spare_capacity_mut()[..mp * np]), false);
+    // SAFETY: as in `gemm_with`: the first K panel stored every element of [MP, NP].
+    unsafe { c.set_len(mp * np) };
+    unpadded(c, m, b.n, np)
+}
+
+/// [`gemm_acc`] on rows rounded once (the dot kernel: [`RoundedRows::new`] was Some).
+pub fn gemm_acc_rounded(a: &RoundedRows, b: &PackedB, c: &mut [f32], accumulate: bool) {
+    assert_eq!(a.k, b.k, "bf16 gemm: rounded rows of {} against a B of K {}", a.k, b.k);
+    let (m, kern) = (a.m, Kernel::Avx512Bf16);
+    let (mp, np) = padded_dims_with(kern, m, b);
+    assert_eq!(c.len(), mp * np, "bf16 gemm: C has {} elements, [{mp}, {np}] needs {}", c.len(), mp * np);
+    if b.k == 0 || m == 0 || b.n == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
+        return;
+    }
+    run_into(kern, Rows::Rounded(a), m, b, crate::ops::Shared::new(c), accumulate);
 }
 
 /// The blocked GEMM behind [`gemm_with`] and [`gemm_acc`], into C [MP, NP] (every element
@@ -373,7 +469,7 @@ pub fn gemm_acc(a: &[f32], m: usize, b: &PackedB, c: &mut [f32], accumulate: boo
 /// [`split`]: by rows for the layers' big M, by columns for an expert's few rows or the LM
 /// head's chunk of rows against 49k columns). Each task
 /// walks its columns in panels of B small enough to stay in L2 while its row blocks pass.
-fn run_into(kern: Kernel, a: &[f32], m: usize, b: &PackedB, cbuf: crate::ops::Shared, accumulate: bool) {
+fn run_into(kern: Kernel, a: Rows, m: usize, b: &PackedB, cbuf: crate::ops::Shared, accumulate: bool) {
     let k = b.k;
     let kp = b.kb * TK;
     let (mp, np) = padded_dims_with(kern, m, b);
@@ -386,10 +482,19 @@ fn run_into(kern: Kernel, a: &[f32], m: usize, b: &PackedB, cbuf: crate::ops::Sh
     // own rows as it starts (into a buffer its thread keeps), so they are in cache when its
     // tiles read them, and no [MP, KP] copy goes to memory and back (that pass was a fifth of
     // a layer GEMM).
-    let (ab, at) = match kern {
-        Kernel::Amx if by_rows => (Vec::new(), None),
-        Kernel::Amx => (Vec::new(), Some(ATiles::convert(a, m, k, (0, mp / TM), (0, b.kb), true, Vec::new()))),
-        Kernel::Avx512Bf16 => (rounded_rows(a, m, k, mp, kp), None),
+    let (ab, at) = match (kern, a) {
+        (Kernel::Amx, Rows::F32(_)) if by_rows => (Cow::Owned(Vec::new()), None),
+        (Kernel::Amx, Rows::F32(a)) => (Cow::Owned(Vec::new()), Some(ATiles::convert(a, m, k, (0, mp / TM), (0, b.kb), true, Vec::new()))),
+        (Kernel::Avx512Bf16, Rows::F32(a)) => (Cow::Owned(rounded_rows(a, m, k, mp, kp)), None),
+        (Kernel::Avx512Bf16, Rows::Rounded(r)) => {
+            assert!(r.m == m && r.k == k && r.bits.len() == mp * kp, "bf16 gemm: rounded rows [{}, {}] for A [{m}, {k}]", r.m, r.k);
+            (Cow::Borrowed(&r.bits[..]), None)
+        }
+        (Kernel::Amx, Rows::Rounded(_)) => unreachable!("RoundedRows::new is None where AMX runs"),
+    };
+    let a = match a {
+        Rows::F32(a) => a,
+        Rows::Rounded(_) => &[],
     };
     let units = if by_rows { rows } else { pairs };
     let tasks = units.div_ceil(per);
@@ -2019,6 +2124,31 @@ mod tests {
     }
 
     /// C from `got` bit for bit equal to `want`'s.
+    /// Rows rounded once give the bits of rounding them in each GEMM, stored or added into a
+    /// caller's C, for ragged M and K; where the dot kernel is not this process's kernel there
+    /// are none to make.
+    #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs a bf16 unit (build.rs found none on this machine)")]
+    fn rows_rounded_once_give_the_bits_of_rows_rounded_in_each_gemm() {
+        let kern = kernel().expect("build.rs found a bf16 unit but this process has none");
+        for (m, k, n) in [(1, 32, 32), (13, 70, 96), (512, 256, 64), (45, 2048, 128)] {
+            let a = data(m * k, 31);
+            let w: Vec<u16> = data(k * n, 32).iter().map(|&x| bf16_bits(x)).collect();
+            let b = PackedB::from_kn(&w, k, n);
+            let Some(rows) = RoundedRows::new(&a, m, k) else {
+                assert_eq!(kern, Kernel::Amx, "the dot kernel takes rounded rows");
+                return;
+            };
+            same_bits(&format!("stored {m}x{k}x{n}"), &gemm_rounded(&rows, &b), &gemm(&a, m, &b));
+            let (mp, np) = padded_dims(m, &b).unwrap();
+            let start: Vec<f32> = data(mp * np, 33);
+            let (mut got, mut want) = (start.clone(), start);
+            gemm_acc_rounded(&rows, &b, &mut got, true);
+            gemm_acc(&a, m, &b, &mut want, true);
+            same_bits(&format!("added {m}x{k}x{n}"), &got, &want);
+        }
+    }
+
     fn same_bits(what: &str, got: &[f32], want: &[f32]) {
         assert_eq!(got.len(), want.len(), "{what}: lengths");
         for (i, (g, r)) in got.iter().zip(want).enumerate() {

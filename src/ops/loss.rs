@@ -19,7 +19,7 @@
 //! Each head chunk is read once and used for two GEMMs (logits, then p @ W), as the whole
 //! head was before.
 
-use super::bf16_gemm::PackedB;
+use super::bf16_gemm::{PackedB, RoundedRows};
 use super::{f32_elems, zeros_f32, Kernels, Op, Path};
 use candle_core::{DType, Result, Tensor, D};
 
@@ -185,6 +185,9 @@ impl Picked {
 struct Running {
     acc: Acc,
     stats: Stats,
+    /// The token rows rounded to bf16 once for every head chunk's logits (a bf16 head on the
+    /// dot kernel; None until the first chunk, and elsewhere).
+    x_bits: Option<RoundedRows>,
 }
 
 /// Σ exp(l - max) W over the head chunks seen, the target's row left out, at the current max
@@ -218,10 +221,12 @@ impl Running {
     fn new(path: Path, c: usize, device: &candle_core::Device) -> Result<Self> {
         Ok(match path {
             Path::Fused => Running {
+                x_bits: None,
                 acc: Acc::Host { acc: None, ld: 0 },
                 stats: Stats::Host { rows: vec![RowStats { max: f32::NEG_INFINITY, sum: 0.0, others: 0.0, target: 0.0 }; c], device: device.clone() },
             },
             Path::Portable => Running {
+                x_bits: None,
                 acc: Acc::Device(None),
                 stats: Stats::Device {
                     max: Tensor::full(f32::NEG_INFINITY, (c, 1), device)?,
@@ -237,10 +242,16 @@ impl Running {
     /// and, with `want_grad`, its p @ W into acc, what was summed before rescaled by
     /// exp(old max - new max).
     fn absorb(&mut self, hd: &Head, x: &Tensor, targets: &[u32], v0: usize, want_grad: bool) -> Result<()> {
-        let logits = hd.logits(x)?; // [C, n] f32
+        if self.x_bits.is_none() && matches!(hd, Head::Bf16 { .. }) {
+            let (c, h) = x.dims2()?;
+            self.x_bits = RoundedRows::new(&f32_elems(&x.contiguous()?)?, c, h);
+        }
+        let logits = hd.logits(x, self.x_bits.as_ref())?; // [C, n] f32
         match (&mut self.stats, &mut self.acc) {
             (Stats::Host { rows, .. }, Acc::Host { acc, ld }) => {
-                let (p, alpha) = fold_rows(&logits, rows, targets, v0)?; // [C, n], [C]
+                // p straight into the bf16 GEMM's rows where that GEMM takes it.
+                let rounded = want_grad && self.x_bits.is_some();
+                let (p, alpha) = if rounded { fold_rows_rounded(&logits, rows, targets, v0)? } else { fold_rows(&logits, rows, targets, v0).map(|(p, a)| (Probs::F32(p), a))? }; // [C, n], [C]
                 drop(logits);
                 if want_grad {
                     hd.accumulate(&p, &alpha, acc, ld)?;
@@ -330,7 +341,53 @@ fn fold_rows(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize
     let (c, n) = logits.dims2()?;
     let logits = logits.contiguous()?;
     let (st, layout) = logits.storage_and_layout();
-    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)) = &*st else {
+    let data = logit_rows(&st, layout, stats, targets, (c, n))?;
+    // Not zeroed first: every element is written below (a 15 MB memset per head chunk at
+    // DeepSeek-V2-Lite's vocabulary).
+    let mut p: Vec<f32> = Vec::with_capacity(c * n);
+    let mut alpha = vec![0f32; c];
+    p.spare_capacity_mut()[..c * n].par_chunks_mut(n.max(1)).zip(data.par_chunks(n.max(1))).zip(stats.par_iter_mut()).zip(alpha.par_iter_mut()).zip(targets.par_iter()).for_each(
+        |((((p, l), s), a), &t)| {
+            (*s, *a) = fold_row(l, s, t, v0, p);
+        },
+    );
+    drop(st);
+    // SAFETY: the rows cover all c * n elements (data is [c, n]) and `fold_row` wrote each.
+    unsafe { p.set_len(c * n) };
+    Ok((p, alpha))
+}
+
+/// [`fold_rows`] with p written rounded to bf16, as the input gradient's GEMM reads it (the
+/// dot kernel's padded rows): no f32 p [C, n] written, read back and rounded into a zeroed
+/// buffer per head chunk. The stats are summed from the f32 values, as in `fold_rows`: the
+/// same bits. None-free: callers take it only where [`RoundedRows`] exist (the dot kernel).
+fn fold_rows_rounded(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize) -> Result<(Probs, Vec<f32>)> {
+    let (c, n) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let (st, layout) = logits.storage_and_layout();
+    let data = logit_rows(&st, layout, stats, targets, (c, n))?;
+    let prev: &[RowStats] = stats;
+    let built = RoundedRows::from_rows(c, n, |r, dst| {
+        let mut p: Vec<f32> = Vec::with_capacity(n);
+        let out = fold_row(&data[r * n..][..n], &prev[r], targets[r], v0, &mut p.spare_capacity_mut()[..n]);
+        // SAFETY: `fold_row` wrote all n elements.
+        unsafe { p.set_len(n) };
+        super::bf16_gemm::round_row(&p, dst);
+        out
+    });
+    drop(st);
+    let Some((bits, out)) = built else { candle_core::bail!("fold_rows_rounded: no dot kernel here (RoundedRows are its rows)") };
+    let mut alpha = Vec::with_capacity(c);
+    for (s, (next, a)) in stats.iter_mut().zip(out) {
+        *s = next;
+        alpha.push(a);
+    }
+    Ok((Probs::Rounded(bits), alpha))
+}
+
+/// The f32 data of contiguous logits [C, n], checked against the stats and targets.
+fn logit_rows<'a>(st: &'a candle_core::Storage, layout: &candle_core::Layout, stats: &[RowStats], targets: &[u32], (c, n): (usize, usize)) -> Result<&'a [f32]> {
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)) = st else {
         candle_core::bail!("fold_rows: f32 cpu logits expected")
     };
     let Some((o, e)) = layout.contiguous_offsets() else { candle_core::bail!("fold_rows: contiguous logits expected") };
@@ -338,41 +395,44 @@ fn fold_rows(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize
     if stats.len() != c || targets.len() != c || data.len() != c * n {
         candle_core::bail!("fold_rows: {} row stats and {} targets for logits [{c}, {n}]", stats.len(), targets.len());
     }
-    // Not zeroed first: every element is written below (a 15 MB memset per head chunk at
-    // DeepSeek-V2-Lite's vocabulary).
-    let mut p: Vec<f32> = Vec::with_capacity(c * n);
-    let mut alpha = vec![0f32; c];
-    p.spare_capacity_mut()[..c * n].par_chunks_mut(n.max(1)).zip(data.par_chunks(n.max(1))).zip(stats.par_iter_mut()).zip(alpha.par_iter_mut()).zip(targets.par_iter()).for_each(
-        |((((p, l), s), a), &t)| {
-            let max = l.iter().fold(s.max, |m, &x| m.max(x));
-            *a = if s.max == max {
-                1.0
-            } else if s.max == f32::NEG_INFINITY {
-                0.0
-            } else {
-                super::exp_f32(s.max - max)
-            };
-            p.iter_mut().zip(l).for_each(|(pi, &li)| {
-                pi.write(super::exp_f32(li - max));
-            });
-            // SAFETY: every element of this row was written just above.
-            let p = unsafe { &mut *(p as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
-            // The target's term is taken out of p (see the module doc) and added to sum alone.
-            let mut p_target = 0.0;
-            if let Some(i) = (t as usize).checked_sub(v0).filter(|&i| i < n) {
-                s.target = l[i];
-                p_target = std::mem::take(&mut p[i]);
-            }
-            let rest = super::sum_f32(p);
-            s.others = s.others * *a + rest;
-            s.sum = s.sum * *a + rest + p_target;
-            s.max = max;
-        },
-    );
-    drop(st);
-    // SAFETY: the rows cover all c * n elements (data is [c, n]) and each was written.
-    unsafe { p.set_len(c * n) };
-    Ok((p, alpha))
+    Ok(data)
+}
+
+/// One token row's fold over a head chunk's logits `l` (vocabulary rows v0..): writes every
+/// element of p = exp(l - new max) (the target's entry then taken out, see the module doc) and
+/// returns the row's new stats and alpha = exp(old max - new max).
+fn fold_row(l: &[f32], s: &RowStats, t: u32, v0: usize, p: &mut [std::mem::MaybeUninit<f32>]) -> (RowStats, f32) {
+    let max = l.iter().fold(s.max, |m, &x| m.max(x));
+    let a = if s.max == max {
+        1.0
+    } else if s.max == f32::NEG_INFINITY {
+        0.0
+    } else {
+        super::exp_f32(s.max - max)
+    };
+    p.iter_mut().zip(l).for_each(|(pi, &li)| {
+        pi.write(super::exp_f32(li - max));
+    });
+    // SAFETY: every element of p was written just above.
+    let p = unsafe { &mut *(p as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+    // The target's term is taken out of p (see the module doc) and added to sum alone.
+    let (mut next, mut p_target) = (*s, 0.0);
+    if let Some(i) = (t as usize).checked_sub(v0).filter(|&i| i < l.len()) {
+        next.target = l[i];
+        p_target = std::mem::take(&mut p[i]);
+    }
+    let rest = super::sum_f32(p);
+    next.others = s.others * a + rest;
+    next.sum = s.sum * a + rest + p_target;
+    next.max = max;
+    (next, a)
+}
+
+/// A head chunk's p = exp(l - max) [C, n] as the input gradient's GEMM takes it.
+enum Probs {
+    F32(Vec<f32>),
+    /// Rounded to bf16 in the dot kernel's rows ([`fold_rows_rounded`]).
+    Rounded(RoundedRows),
 }
 
 /// A head chunk [n, H] in the form its two matmuls want, prepared once per chunk.
@@ -396,11 +456,14 @@ impl Head {
         })
     }
 
-    /// x [C, H] -> logits [C, n] f32
-    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+    /// x [C, H] -> logits [C, n] f32 (a bf16 head: from `x_bits`, x rounded once, where given).
+    fn logits(&self, x: &Tensor, x_bits: Option<&RoundedRows>) -> Result<Tensor> {
         match self {
             Head::F32(w) => x.matmul(&w.t()?),
-            Head::Bf16 { nk, .. } => super::bf16_gemm::matmul(x, nk),
+            Head::Bf16 { nk, .. } => match x_bits {
+                Some(bits) => Tensor::from_vec(super::bf16_gemm::gemm_rounded(bits, nk), (x.dim(0)?, nk.cols()), x.device()),
+                None => super::bf16_gemm::matmul(x, nk),
+            },
             Head::Native(w) => x.to_dtype(w.dtype())?.matmul(&w.t()?)?.to_dtype(DType::F32),
         }
     }
@@ -421,7 +484,7 @@ impl Head {
     /// every chunk wrote p @ W, read it back with acc, and wrote alpha ⊙ acc and the sum: at
     /// DeepSeek-V2-Lite's vocabulary 50 chunks a step, 3% of a MoE step's samples with the
     /// picked rows' gathers (2-core Zen 4, 2026-11-28).
-    fn accumulate(&self, p: &[f32], alpha: &[f32], acc: &mut Option<Vec<f32>>, ld: &mut usize) -> Result<()> {
+    fn accumulate(&self, p: &Probs, alpha: &[f32], acc: &mut Option<Vec<f32>>, ld: &mut usize) -> Result<()> {
         use rayon::prelude::*;
         let c = alpha.len();
         let accumulate = acc.is_some();
@@ -435,9 +498,13 @@ impl Head {
                     *ld = np;
                     zeros_f32(mp * np)
                 });
-                super::bf16_gemm::gemm_acc(p, c, kn, buf, accumulate);
+                match p {
+                    Probs::F32(p) => super::bf16_gemm::gemm_acc(p, c, kn, buf, accumulate),
+                    Probs::Rounded(bits) => super::bf16_gemm::gemm_acc_rounded(bits, kn, buf, accumulate),
+                }
             }
             Head::F32(w) => {
+                let Probs::F32(p) = p else { candle_core::bail!("cross-entropy: bf16-rounded p for an f32 head") };
                 let (n, h) = w.dims2()?;
                 let w = f32_elems(w)?;
                 let buf = acc.get_or_insert_with(|| {
@@ -489,6 +556,38 @@ mod tests {
         Ok(())
     }
 
+    /// The fold that writes p rounded for the bf16 GEMM leaves the stats, alpha and the input
+    /// gradient's product exactly as the f32 fold and a GEMM rounding p itself do, on a
+    /// second chunk (rows whose max grows, a target inside and outside it).
+    #[test]
+    #[cfg_attr(not(bf16_unit), ignore = "needs AMX or AVX512-BF16")]
+    fn the_fold_into_rounded_rows_gives_the_bits_of_the_f32_fold() -> Result<()> {
+        let dev = Device::Cpu;
+        let (c, n, h) = (21, 70, 40);
+        let chunk = |seed: usize| Tensor::from_vec((0..c * n).map(|i| (((i + seed) * 37 % 101) as f32 - 50.0) * 0.07).collect(), (c, n), &dev);
+        let targets: Vec<u32> = (0..c as u32).map(|i| i * 11 % 160).collect();
+        let fresh = vec![RowStats { max: f32::NEG_INFINITY, sum: 0.0, others: 0.0, target: 0.0 }; c];
+        let (mut s32, mut sbf) = (fresh.clone(), fresh);
+        fold_rows(&chunk(0)?, &mut s32, &targets, 0)?;
+        if crate::ops::bf16_gemm::RoundedRows::new(&[0.0; 32], 1, 32).is_none() {
+            return Ok(()); // AMX: the loss keeps its f32 p there
+        }
+        fold_rows_rounded(&chunk(0)?, &mut sbf, &targets, 0)?;
+        let (p32, a32) = fold_rows(&chunk(5)?, &mut s32, &targets, n)?;
+        let (pbf, abf) = fold_rows_rounded(&chunk(5)?, &mut sbf, &targets, n)?;
+        let bits = |s: &[RowStats]| s.iter().flat_map(|s| [s.max, s.sum, s.others, s.target].map(f32::to_bits)).collect::<Vec<u32>>();
+        assert_eq!(bits(&s32), bits(&sbf), "stats");
+        assert_eq!(a32.iter().map(|a| a.to_bits()).collect::<Vec<_>>(), abf.iter().map(|a| a.to_bits()).collect::<Vec<_>>(), "alpha");
+        let w = Tensor::from_vec((0..n * h).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.05).collect(), (n, h), &dev)?.to_dtype(DType::BF16)?;
+        let hd = Head::new(Path::Fused, &w)?;
+        let (mut acc32, mut accbf, mut ld) = (None, None, 0);
+        hd.accumulate(&Probs::F32(p32), &a32, &mut acc32, &mut ld)?;
+        hd.accumulate(&pbf, &abf, &mut accbf, &mut ld)?;
+        let (acc32, accbf) = (acc32.expect("stored"), accbf.expect("stored"));
+        assert_eq!(acc32.iter().map(|a| a.to_bits()).collect::<Vec<_>>(), accbf.iter().map(|a| a.to_bits()).collect::<Vec<_>>(), "p @ W");
+        Ok(())
+    }
+
     /// The bf16 head's two products (logits x Wᵀ, input gradient g W), built as the fused path
     /// builds them, on every CPU: with a bf16 unit, f32 sums of bf16-rounded operands; without
     /// one, f32 math on the head's values, the rows and gradients not rounded (widened).
@@ -504,10 +603,10 @@ mod tests {
         assert_eq!(matches!(built, Head::Bf16 { .. }), unit, "a bf16 head is packed for the bf16 GEMM exactly where a bf16 unit runs it");
         let round = |t: &Tensor| if unit { t.to_dtype(DType::BF16)?.to_dtype(DType::F32) } else { Ok(t.clone()) };
         let h32 = head.to_dtype(DType::F32)?;
-        let d = (built.logits(&rows)? - round(&rows)?.matmul(&h32.t()?)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let d = (built.logits(&rows, None)? - round(&rows)?.matmul(&h32.t()?)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
         // The input gradient as the fused path forms it: the first chunk's product stored in acc.
         let (mut acc, mut ld) = (None, 0);
-        built.accumulate(&g.flatten_all()?.to_vec1::<f32>()?, &vec![1.0; m], &mut acc, &mut ld)?;
+        built.accumulate(&Probs::F32(g.flatten_all()?.to_vec1::<f32>()?), &vec![1.0; m], &mut acc, &mut ld)?;
         let acc = acc.expect("the first chunk stores acc");
         let pg = Tensor::from_vec((0..m).flat_map(|r| acc[r * ld..][..h].to_vec()).collect::<Vec<f32>>(), (m, h), &dev)?; // [M, H]
         let dg = (pg - round(&g)?.matmul(&h32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
