@@ -125,7 +125,7 @@ pub fn bf16_bits(x: f32) -> u16 {
 /// CPU with a kernel here: the scalar loop was ~15% of a layer GEMM on AMX). The one
 /// difference: the instruction reads f32 subnormals as zero, where `bf16_bits` keeps them as
 /// bf16 subnormals, which both units read as zero too, so products do not change.
-pub(crate) fn round_row(src: &[f32], dst: &mut [u16]) {
+fn round_row(src: &[f32], dst: &mut [u16]) {
     debug_assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     if crate::ops::cpu_bf16::avx512_bf16() {
@@ -321,6 +321,11 @@ pub fn gemm(a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
 /// [`run_into`] says).
 pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     check_a(a, m, b);
+    gemm_rows(kern, Rows::F32(a), m, b)
+}
+
+/// [`gemm_with`] on rows in either form.
+fn gemm_rows(kern: Kernel, a: Rows, m: usize, b: &PackedB) -> Vec<f32> {
     assert!(kern.supported(), "bf16 gemm: {kern:?} is not supported on this CPU");
     if b.k == 0 || m == 0 || b.n == 0 {
         return vec![0f32; m * b.n]; // an empty sum
@@ -328,7 +333,7 @@ pub fn gemm_with(kern: Kernel, a: &[f32], m: usize, b: &PackedB) -> Vec<f32> {
     let (mp, np) = padded_dims_with(kern, m, b);
     // C [MP, NP]: whole tile pairs. Not zeroed: the first K panel stores every tile.
     let mut c: Vec<f32> = Vec::with_capacity(mp * np);
-    run_into(kern, Rows::F32(a), m, b, crate::ops::Shared::uninit(&mut c.spare_capacity_mut()[..mp * np]), false);
+    run_into(kern, a, m, b, crate::ops::Shared::uninit(&mut c.spare_capacity_mut()[..mp * np]), false);
     // SAFETY: k >= 1, so b.kb >= 1, and `run_into`'s first K panel stored every block of the
     // [MP, NP] buffer (its tasks cover all row blocks x column pairs), i.e. every element.
     unsafe { c.set_len(mp * np) };
@@ -359,6 +364,11 @@ fn padded_dims_with(kern: Kernel, m: usize, b: &PackedB) -> (usize, usize) {
 pub fn gemm_acc(a: &[f32], m: usize, b: &PackedB, c: &mut [f32], accumulate: bool) {
     let kern = kernel().expect("bf16 gemm: gemm_acc without a bf16 unit (callers check available())");
     check_a(a, m, b);
+    gemm_acc_rows(kern, Rows::F32(a), m, b, c, accumulate);
+}
+
+/// [`gemm_acc`] on rows in either form.
+fn gemm_acc_rows(kern: Kernel, a: Rows, m: usize, b: &PackedB, c: &mut [f32], accumulate: bool) {
     let (mp, np) = padded_dims_with(kern, m, b);
     assert_eq!(c.len(), mp * np, "bf16 gemm: C has {} elements, [{mp}, {np}] needs {}", c.len(), mp * np);
     if b.k == 0 || m == 0 || b.n == 0 {
@@ -367,7 +377,7 @@ pub fn gemm_acc(a: &[f32], m: usize, b: &PackedB, c: &mut [f32], accumulate: boo
         }
         return;
     }
-    run_into(kern, Rows::F32(a), m, b, crate::ops::Shared::new(c), accumulate);
+    run_into(kern, a, m, b, crate::ops::Shared::new(c), accumulate);
 }
 
 /// A's rows as `run_into` takes them: f32 (rounded to bf16 on the way in), or rounded once
@@ -433,31 +443,13 @@ impl RoundedRows {
 /// [`gemm`] on rows rounded once (the dot kernel: [`RoundedRows::new`] was Some).
 pub fn gemm_rounded(a: &RoundedRows, b: &PackedB) -> Vec<f32> {
     assert_eq!(a.k, b.k, "bf16 gemm: rounded rows of {} against a B of K {}", a.k, b.k);
-    let (m, kern) = (a.m, Kernel::Avx512Bf16);
-    if b.k == 0 || m == 0 || b.n == 0 {
-        return vec![0f32; m * b.n];
-    }
-    let (mp, np) = padded_dims_with(kern, m, b);
-    let mut c: Vec<f32> = Vec::with_capacity(mp * np);
-    run_into(kern, Rows::Rounded(a), m, b, crate::ops::Shared::uninit(&mut c.spare_capacity_mut()[..mp * np]), false);
-    // SAFETY: as in `gemm_with`: the first K panel stored every element of [MP, NP].
-    unsafe { c.set_len(mp * np) };
-    unpadded(c, m, b.n, np)
+    gemm_rows(Kernel::Avx512Bf16, Rows::Rounded(a), a.m, b)
 }
 
 /// [`gemm_acc`] on rows rounded once (the dot kernel: [`RoundedRows::new`] was Some).
 pub fn gemm_acc_rounded(a: &RoundedRows, b: &PackedB, c: &mut [f32], accumulate: bool) {
     assert_eq!(a.k, b.k, "bf16 gemm: rounded rows of {} against a B of K {}", a.k, b.k);
-    let (m, kern) = (a.m, Kernel::Avx512Bf16);
-    let (mp, np) = padded_dims_with(kern, m, b);
-    assert_eq!(c.len(), mp * np, "bf16 gemm: C has {} elements, [{mp}, {np}] needs {}", c.len(), mp * np);
-    if b.k == 0 || m == 0 || b.n == 0 {
-        if !accumulate {
-            c.fill(0.0);
-        }
-        return;
-    }
-    run_into(kern, Rows::Rounded(a), m, b, crate::ops::Shared::new(c), accumulate);
+    gemm_acc_rows(Kernel::Avx512Bf16, Rows::Rounded(a), a.m, b, c, accumulate);
 }
 
 /// The blocked GEMM behind [`gemm_with`] and [`gemm_acc`], into C [MP, NP] (every element
@@ -1652,7 +1644,7 @@ mod dot {
         let strip = b.kb * TM * TK;
         let strips = ns / TM;
         debug_assert!(k == b.kb * TK && strips <= b.nb && w.len() >= blocks.1 * MR * k && ns == m.next_multiple_of(TM), "avx512-bf16: W or Aᵀ short");
-        let half = m > 0 && (m - 1) % TM < TM / 2 && std::arch::is_x86_feature_detected!("avx512vl");
+        let half = m > 0 && (m - 1) % TM < TM / 2 && super::wide_simd();
         let full = strips - usize::from(half);
         for blk in blocks.0..blocks.1 {
             let a = w.as_ptr().add(blk * MR * k);
@@ -2123,7 +2115,6 @@ mod tests {
         }
     }
 
-    /// C from `got` bit for bit equal to `want`'s.
     /// Rows rounded once give the bits of rounding them in each GEMM, stored or added into a
     /// caller's C, for ragged M and K; where the dot kernel is not this process's kernel there
     /// are none to make.
@@ -2149,6 +2140,7 @@ mod tests {
         }
     }
 
+    /// C from `got` bit for bit equal to `want`'s.
     fn same_bits(what: &str, got: &[f32], want: &[f32]) {
         assert_eq!(got.len(), want.len(), "{what}: lengths");
         for (i, (g, r)) in got.iter().zip(want).enumerate() {

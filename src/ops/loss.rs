@@ -360,7 +360,7 @@ fn fold_rows(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize
 /// [`fold_rows`] with p written rounded to bf16, as the input gradient's GEMM reads it (the
 /// dot kernel's padded rows): no f32 p [C, n] written, read back and rounded into a zeroed
 /// buffer per head chunk. The stats are summed from the f32 values, as in `fold_rows`: the
-/// same bits. None-free: callers take it only where [`RoundedRows`] exist (the dot kernel).
+/// same bits. Callers take it only where [`RoundedRows`] exist (the dot kernel).
 fn fold_rows_rounded(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v0: usize) -> Result<(Probs, Vec<f32>)> {
     let (c, n) = logits.dims2()?;
     let logits = logits.contiguous()?;
@@ -372,7 +372,7 @@ fn fold_rows_rounded(logits: &Tensor, stats: &mut [RowStats], targets: &[u32], v
         let out = fold_row(&data[r * n..][..n], &prev[r], targets[r], v0, &mut p.spare_capacity_mut()[..n]);
         // SAFETY: `fold_row` wrote all n elements.
         unsafe { p.set_len(n) };
-        super::bf16_gemm::round_row(&p, dst);
+        super::bf16_gemm::round_into(&p, dst);
         out
     });
     drop(st);
@@ -801,15 +801,10 @@ mod tests {
     #[test]
     #[ignore]
     fn loss_speed() -> Result<()> {
-        // Large blocks from the heap, as `main` has them (`alloc::tune`; glibc's mallopt locks
-        // its arena, so setting it with threads running is safe): fresh mmaps per chunk
+        // Large blocks from the heap, as `main` has them (glibc's mallopt locks its arena, so
+        // setting it with the test harness's threads running is safe): fresh mmaps per chunk
         // otherwise fault and zero every page, and that is most of what would be timed.
-        // SAFETY: mallopt only sets allocator parameters.
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        unsafe {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        }
+        crate::alloc::tune();
         let dev = Device::Cpu;
         let shape: Vec<usize> = std::env::var("LOSS_SPEED_SHAPE").map_or_else(|_| vec![512, 2048, 102400], |v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect());
         let &[m, h, v] = shape.as_slice() else { candle_core::bail!("LOSS_SPEED_SHAPE is m,h,v") };
