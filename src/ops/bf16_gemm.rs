@@ -2398,6 +2398,7 @@ mod speed {
     #[test]
     #[ignore]
     fn cold_expert_gemm_speed() {
+        crate::alloc::tune(); // as `main`: without it every call's buffers were fresh pages
         let (i, h, m) = (1408, 2048, 48);
         // gate/up [I, H] and down [H, I] of 64 experts: 370 MB each set.
         // In huge pages, as training's allocator (`alloc::HugePages`) holds them.
@@ -2433,6 +2434,36 @@ mod speed {
         let down_old = rate(&|e| drop(std::hint::black_box(gemm(&ah, m, &PackedB::from_kn(&hi[e], h, i)))));
         let gate_old = rate(&|e| drop(std::hint::black_box(gemm(&ai, m, &PackedB::from_kn(&ih[e], i, h)))));
         crate::note!("input grads packing W whole: down {down_old:.0}, gate/up {gate_old:.0}");
+        if kernel() == Some(Kernel::Avx512Bf16) {
+            // The dot kernel alone on the same cold weights (Aᵀ packed once, Cᵀ left as it
+            // is, one task per thread): what `gemm_wt` adds around it is the rest.
+            let mut abits = vec![0u16; m * h];
+            round_row(&ah, &mut abits);
+            let bt = PackedB::from_nk(&abits, m, h);
+            let np = round_up(m, TM);
+            let ct = std::sync::Mutex::new(vec![0f32; i * np]);
+            let units = i / dot::MR;
+            let threads = rayon::current_num_threads().max(1);
+            let alone = rate(&|e| {
+                let mut ct = ct.lock().unwrap_or_else(|e| e.into_inner());
+                let cs = crate::ops::Shared::new(&mut ct);
+                let per = units.div_ceil(threads);
+                (0..threads).into_par_iter().for_each(|t| {
+                    let cp = cs;
+                    // SAFETY: AVX512-BF16 is the kernel; the tasks' W row blocks are disjoint
+                    // and inside W [I, H]; Cᵀ [I, NP] holds them; Aᵀ has NP / 16 strips.
+                    unsafe { dot::run_w(&ih[e], h, &bt, m, (t * per, ((t + 1) * per).min(units)), (0, bt.kb), np, cp) };
+                });
+            });
+            let pack = rate(&|_| {
+                let mut abits = vec![0u16; m * h];
+                round_row(&ah, &mut abits);
+                std::hint::black_box(PackedB::from_nk(&abits, m, h));
+            });
+            let back = rate(&|_| drop(std::hint::black_box(transposed(&ct.lock().unwrap_or_else(|e| e.into_inner()), i, np, m))));
+            let us = |r: f64| 2.0 * (m * i * h) as f64 / r / 1e3;
+            crate::note!("gate x·Wᵀ on the dot kernel alone {alone:.0} GFLOP/s; around it in gemm_wt: rounding and packing A {:.0} µs, Cᵀ transposed back {:.0} µs", us(pack), us(back));
+        }
         let warm = rate(&|_| drop(std::hint::black_box(gemm_wt(&ah, m, &ih[0], i, h))));
         let warm_grad = rate(&|_| drop(std::hint::black_box(gemm_kn(&ai, m, &ih[0], i, h))));
         crate::note!("warm: gate x·Wᵀ {warm:.0}, gate input grad {warm_grad:.0}");

@@ -405,6 +405,53 @@ mod tests {
         Ok(())
     }
 
+    /// `cargo test --release --lib routed_experts_speed -- --ignored --nocapture`: the op's
+    /// forward and backward on DeepSeek-V2-Lite's MoE layer (64 experts of 1408 on 2048, top
+    /// 6, 2 shared) over 512 tokens with bf16 weights, GFLOP/s of the routed and shared
+    /// GEMMs (a look, not a test).
+    #[test]
+    #[ignore]
+    fn routed_experts_speed() -> Result<()> {
+        crate::alloc::tune();
+        let dev = Device::Cpu;
+        let (n, h, i, e, k) = (512, 2048, 1408, 64, 6);
+        let m = |r: usize, c: usize, seed: usize| Tensor::from_vec(pseudo(r * c, seed), (r, c), &dev)?.affine(0.05, 0.0)?.to_dtype(DType::BF16);
+        let experts: Vec<[Tensor; 3]> = (0..e).map(|j| Ok([m(i, h, 10 + 3 * j)?, m(i, h, 11 + 3 * j)?, m(h, i, 12 + 3 * j)?])).collect::<Result<_>>()?;
+        let shared = [m(2 * i, h, 7)?, m(2 * i, h, 8)?, m(h, 2 * i, 9)?];
+        // Each token's k distinct experts (an odd stride is coprime with 64), unevenly spread
+        // as a router's are: 48 rows an expert on average.
+        let chosen: Vec<u32> = (0..n).flat_map(|t| (0..k).map(move |s| ((t * 7 + (t * t) % 11 + s * (2 * (t % 5) + 1)) % e) as u32)).collect();
+        let rows: Vec<usize> = (0..e as u32).map(|j| chosen.iter().filter(|&&c| c == j).count()).collect();
+        let ex: Vec<ExpertWeights> = experts.iter().map(|[a, b, c]| [a, b, c]).collect();
+        let x = Var::from_vec(pseudo(n * h, 1), (n, h), &dev)?;
+        let w = Var::from_vec(pseudo(n * k, 2), (n, k), &dev)?;
+        let g = Tensor::from_vec(pseudo(n * h, 3), (n, h), &dev)?;
+        let flops = 2.0 * 3.0 * ((n * k * i) + n * 2 * i) as f64 * h as f64;
+        let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            let y = routed_experts(Kernels::Auto, x.as_tensor(), w.as_tensor(), &chosen, &ex, Some([&shared[0], &shared[1], &shared[2]]), Keep::plain())?.expect("fused");
+            fwd.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            let grads = (y * &g)?.sum_all()?.backward()?;
+            bwd.push(t.elapsed().as_secs_f64());
+            drop(grads);
+        }
+        let best = |v: &[f64]| v.iter().copied().fold(f64::MAX, f64::min);
+        crate::note!(
+            "routed experts, {n} tokens ({}-{} rows an expert): forward {:.0} ms ({:.0} GFLOP/s), backward {:.0} ms ({:.0} GFLOP/s); all forwards {:?}, backwards {:?}",
+            rows.iter().min().unwrap_or(&0),
+            rows.iter().max().unwrap_or(&0),
+            1e3 * best(&fwd),
+            flops / best(&fwd) / 1e9,
+            1e3 * best(&bwd),
+            flops / best(&bwd) / 1e9,
+            fwd.iter().map(|t| (t * 1e3) as u32).collect::<Vec<_>>(),
+            bwd.iter().map(|t| (t * 1e3) as u32).collect::<Vec<_>>()
+        );
+        Ok(())
+    }
+
     #[test]
     fn an_expert_id_past_the_experts_is_an_error() -> Result<()> {
         let dev = Device::Cpu;
