@@ -105,9 +105,11 @@ impl candle_core::CustomOp1 for FrozenMatmul {
         self.backend_fwd(storage, layout, w, wl)
     }
 
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        if self.input_grad {
-            return Ok(None); // no second derivatives through a frozen matmul
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        // No second derivatives through a frozen matmul, and no input gradient where nothing
+        // that trains lies below the input (see `LoraMatmul::bwd`).
+        if self.input_grad || !arg.track_op() {
+            return Ok(None);
         }
         match self.path {
             Path::Fused => {
@@ -240,16 +242,24 @@ impl candle_core::CustomOp3 for LoraMatmul {
         // u [N, R] = g B
         let mut u = vec![0f32; n * r];
         sgemm(n, r, out, &mut u, r, false, &ge, out, 1, &be, r, 1, 1.0, threads);
-        // dx [N, in] = g W + s · m ⊙ (u A)
-        let mut dx = frozen_gemm(&ge, n, &self.w, true)?;
-        match &self.mask {
-            None => sgemm(n, inp, r, &mut dx, inp, true, &u, r, 1, &ae, inp, 1, s, threads),
-            Some(m) => {
-                let mut ua = zeros_f32(n * inp);
-                sgemm(n, inp, r, &mut ua, inp, false, &u, r, 1, &ae, inp, 1, s, threads);
-                dx.iter_mut().zip(&ua).zip(m).for_each(|((d, v), m)| *d += v * m);
+        // dx [N, in] = g W + s · m ⊙ (u A), only where x depends on something that trains
+        // (candle asks every op for all its inputs' gradients, and adds them up even for an
+        // input nothing reads them from): the first layer's projections read the frozen
+        // embedding's rows, and their g W was the largest GEMM of its backward for nothing.
+        let dx = if x.track_op() {
+            let mut dx = frozen_gemm(&ge, n, &self.w, true)?;
+            match &self.mask {
+                None => sgemm(n, inp, r, &mut dx, inp, true, &u, r, 1, &ae, inp, 1, s, threads),
+                Some(m) => {
+                    let mut ua = zeros_f32(n * inp);
+                    sgemm(n, inp, r, &mut ua, inp, false, &u, r, 1, &ae, inp, 1, s, threads);
+                    dx.iter_mut().zip(&ua).zip(m).for_each(|((d, v), m)| *d += v * m);
+                }
             }
-        }
+            Some(Tensor::from_vec(dx, (n, inp), x.device())?)
+        } else {
+            None
+        };
         // dA [R, in] = s · uᵀ (m ⊙ x)
         let mut da = vec![0f32; r * inp];
         sgemm(r, inp, n, &mut da, inp, false, &u, 1, r, &xd, inp, 1, s, threads);
@@ -264,7 +274,7 @@ impl candle_core::CustomOp3 for LoraMatmul {
         sgemm(out, r, n, &mut db, r, false, &ge, 1, out, &xa, r, 1, s, threads);
         let dev = x.device();
         Ok((
-            Some(Tensor::from_vec(dx, (n, inp), dev)?),
+            dx,
             Some(Tensor::from_vec(da, (r, inp), dev)?),
             Some(Tensor::from_vec(db, (out, r), dev)?),
         ))
@@ -389,6 +399,38 @@ mod tests {
                     println!("{wname} W, mask {masked}: {name} max |diff| {d:e}");
                     assert!(d < 1e-5, "{wname} masked={masked}: {name} differs by {d}");
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Where nothing that trains lies below x (the first layer's projections read the frozen
+    /// embedding), the backward computes no gradient for x, and the adapter's gradients are
+    /// the ones it gets when x does take one.
+    #[test]
+    fn an_input_nothing_trains_below_gets_no_gradient_and_the_adapter_the_same_one() -> Result<()> {
+        let dev = Device::Cpu;
+        let (n, i, o, r) = (9, 24, 20, 4);
+        let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect::<Vec<_>>();
+        let w = Tensor::from_vec(vals(o * i, 5, 11), (o, i), &dev)?;
+        let g = Tensor::from_vec(vals(n * o, 7, 9), (n, o), &dev)?;
+        let mask: Vec<f32> = (0..n * i).map(|v| if v % 7 == 3 { 0.0 } else { 1.25 }).collect();
+        for m in [None, Some(mask)] {
+            let a = Var::from_vec(vals(r * i, 3, 7), (r, i), &dev)?;
+            let b = Var::from_vec(vals(o * r, 11, 5), (o, r), &dev)?;
+            let plain = Tensor::from_vec(vals(n * i, 17, 13), (n, i), &dev)?;
+            let var = Var::from_tensor(&plain)?;
+            let grads = |x: &Tensor| -> Result<candle_core::backprop::GradStore> {
+                let y = lora_linear(Kernels::Auto, x, &w, (a.as_tensor(), b.as_tensor(), 2.0), m.clone(), LinearKeep::none())?;
+                let frozen = frozen_linear(Kernels::Auto, x, &w)?;
+                ((y + frozen)? * &g)?.sum_all()?.backward()
+            };
+            let (without, with) = (grads(&plain)?, grads(var.as_tensor())?);
+            assert!(without.get(&plain).is_none(), "a gradient for an input nothing trains below");
+            assert!(with.get(var.as_tensor()).is_some(), "no gradient for a variable input");
+            for v in [&a, &b] {
+                let d = crate::ops::testutil::max_diff(without.get(v).expect("adapter gradient"), with.get(v).expect("adapter gradient"))?;
+                assert_eq!(d, 0.0, "the adapter's gradient depends on whether x takes one");
             }
         }
         Ok(())
