@@ -573,10 +573,7 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
         return None;
     }
     assert!(a.len() == m * k && w.len() >= n * k, "bf16 gemm: A [{m}, {k}] or W [{n}, {k}] short");
-    // Aᵀ as B: A rounded to bf16 [M, K], packed as the forward packs a weight [N, K].
-    let mut ab = vec![0u16; m * k];
-    round_row(a, &mut ab);
-    let b = PackedB::from_nk(&ab, m, k);
+    let b = transposed_operand(a, m, k);
     // Cᵀ's row length (M padded to AMX's column pairs, or to the dot kernel's strips) and the
     // units of W's rows the tasks share (AMX's bands of 32, the dot kernel's blocks of 8). K
     // in panels as `gemm_with` cuts it where Aᵀ would not stay in L2 while a unit of W's rows
@@ -613,6 +610,14 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
     // SAFETY: the first K panel stored every unit's rows across every column of NP: all of Cᵀ.
     unsafe { ct.set_len(n * np) };
     Some(transposed(&ct, n, np, m))
+}
+
+/// Aᵀ as [`gemm_wt`]'s B: A [M, K] rounded to bf16 and packed as the forward packs a weight
+/// [N, K].
+fn transposed_operand(a: &[f32], m: usize, k: usize) -> PackedB {
+    let mut ab = vec![0u16; m * k];
+    round_row(a, &mut ab);
+    PackedB::from_nk(&ab, m, k)
 }
 
 /// C [M, N] from Cᵀ [N, NP] (NP >= M), each task transposing 16 whole rows of C (an
@@ -2437,9 +2442,7 @@ mod speed {
         if kernel() == Some(Kernel::Avx512Bf16) {
             // The dot kernel alone on the same cold weights (Aᵀ packed once, Cᵀ left as it
             // is, one task per thread): what `gemm_wt` adds around it is the rest.
-            let mut abits = vec![0u16; m * h];
-            round_row(&ah, &mut abits);
-            let bt = PackedB::from_nk(&abits, m, h);
+            let bt = transposed_operand(&ah, m, h);
             let np = round_up(m, TM);
             let ct = std::sync::Mutex::new(vec![0f32; i * np]);
             let units = i / dot::MR;
@@ -2455,11 +2458,7 @@ mod speed {
                     unsafe { dot::run_w(&ih[e], h, &bt, m, (t * per, ((t + 1) * per).min(units)), (0, bt.kb), np, cp) };
                 });
             });
-            let pack = rate(&|_| {
-                let mut abits = vec![0u16; m * h];
-                round_row(&ah, &mut abits);
-                std::hint::black_box(PackedB::from_nk(&abits, m, h));
-            });
+            let pack = rate(&|_| drop(std::hint::black_box(transposed_operand(&ah, m, h))));
             let back = rate(&|_| drop(std::hint::black_box(transposed(&ct.lock().unwrap_or_else(|e| e.into_inner()), i, np, m))));
             let us = |r: f64| 2.0 * (m * i * h) as f64 / r / 1e3;
             crate::note!("gate x·Wᵀ on the dot kernel alone {alone:.0} GFLOP/s; around it in gemm_wt: rounding and packing A {:.0} µs, Cᵀ transposed back {:.0} µs", us(pack), us(back));

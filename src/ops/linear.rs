@@ -286,6 +286,16 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
+    /// `len` small values in a pattern set by `m` and `k` (the tests' operands).
+    fn vals(len: usize, m: usize, k: usize) -> Vec<f32> {
+        (0..len).map(|v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect()
+    }
+
+    /// A dropout mask of `len`: every seventh element dropped, the rest scaled by 1 / (1 - p).
+    fn dropout_mask(len: usize) -> Vec<f32> {
+        (0..len).map(|v| if v % 7 == 3 { 0.0 } else { 1.25 }).collect()
+    }
+
     /// The fused frozen linear with a bf16 W: only a CPU with a bf16 unit takes this path
     /// (elsewhere a bf16 W goes portable); the math it runs is checked on every CPU below.
     #[test]
@@ -356,10 +366,9 @@ mod tests {
     fn lora_linear_against_candle_ops(bf16: bool) -> Result<()> {
         let dev = Device::Cpu;
         let (n, i, o, r) = (37, 70, 50, 4);
-        let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect::<Vec<_>>();
         let w32 = Tensor::from_vec(vals(o * i, 5, 11), (o, i), &dev)?;
         let g = Tensor::from_vec(vals(n * o, 7, 9), (n, o), &dev)?;
-        let mask: Vec<f32> = (0..n * i).map(|v| if v % 7 == 3 { 0.0 } else { 1.25 }).collect();
+        let mask = dropout_mask(n * i);
         let weights = if bf16 { vec![("bf16", w32.to_dtype(DType::BF16)?)] } else { vec![("f32", w32.clone())] };
         for (wname, w) in &weights {
             for masked in [false, true] {
@@ -411,10 +420,9 @@ mod tests {
     fn an_input_nothing_trains_below_gets_no_gradient_and_the_adapter_the_same_one() -> Result<()> {
         let dev = Device::Cpu;
         let (n, i, o, r) = (9, 24, 20, 4);
-        let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect::<Vec<_>>();
         let w = Tensor::from_vec(vals(o * i, 5, 11), (o, i), &dev)?;
         let g = Tensor::from_vec(vals(n * o, 7, 9), (n, o), &dev)?;
-        let mask: Vec<f32> = (0..n * i).map(|v| if v % 7 == 3 { 0.0 } else { 1.25 }).collect();
+        let mask = dropout_mask(n * i);
         for m in [None, Some(mask)] {
             let a = Var::from_vec(vals(r * i, 3, 7), (r, i), &dev)?;
             let b = Var::from_vec(vals(o * r, 11, 5), (o, r), &dev)?;
@@ -547,12 +555,11 @@ mod tests {
         use crate::ops::testutil::max_diff;
         let dev = Device::Cpu;
         let (n, i, o, r) = (37, 70, 50, 4);
-        let vals = |len: usize, m: usize, k: usize| (0..len).map(move |v| ((v * m % k) as f32 - (k / 2) as f32) * 0.03).collect::<Vec<_>>();
         let w = Tensor::from_vec(vals(o * i, 5, 11), (o, i), &dev)?;
         let x = Var::from_vec(vals(n * i, 17, 13), (n, i), &dev)?;
         let a = Var::from_vec(vals(r * i, 3, 7), (r, i), &dev)?;
         let b = Var::from_vec(vals(o * r, 11, 5), (o, r), &dev)?;
-        let mask: Vec<f32> = (0..n * i).map(|v| if v % 7 == 3 { 0.0 } else { 1.25 }).collect();
+        let mask = dropout_mask(n * i);
         let kept = Kept::new(&[KeepLayer { linears: true, ..KeepLayer::default() }]);
         let keep = |pass| Keep { pass, slot: kept.slot(0) }.linear(3);
         let lora = |x: &Tensor, keep: LinearKeep| lora_linear(Kernels::Auto, x, &w, (a.as_tensor(), b.as_tensor(), 2.0), Some(mask.clone()), keep);
