@@ -568,11 +568,26 @@ pub fn gemm_wt(a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec
 
 /// [`gemm_wt`] on a given kernel, which must be [`Kernel::supported`] here.
 fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize) -> Option<Vec<f32>> {
+    gemm_wt_many(kern, a, m, &[w], n, k).map(|mut c| c.swap_remove(0))
+}
+
+/// C_i = A · W_iᵀ for several bf16 W_i [N, K] of one shape, the bits of [`gemm_wt`] on each,
+/// with A rounded and packed once and every weight's row blocks handed out as the tasks of one
+/// parallel pass: a routed expert's gate and up projections read the same ~48 rows, and two
+/// calls paid twice for the packing and for a pass's hand-off and last-task wait (~2% of the
+/// experts' forward in `routed_experts_speed`, 2-core Zen 4 VM, 2026-11-28: 212-224 against
+/// 216-256 ms over six alternating runs, faster or equal in each). None where [`gemm_wt`] is.
+pub fn gemm_wt_shared(a: &[f32], m: usize, ws: &[&[u16]], n: usize, k: usize) -> Option<Vec<Vec<f32>>> {
+    gemm_wt_many(kernel()?, a, m, ws, n, k)
+}
+
+/// [`gemm_wt_shared`] on a given kernel, which must be [`Kernel::supported`] here.
+fn gemm_wt_many(kern: Kernel, a: &[f32], m: usize, ws: &[&[u16]], n: usize, k: usize) -> Option<Vec<Vec<f32>>> {
     assert!(kern.supported(), "bf16 gemm: {kern:?} is not supported on this CPU");
-    if m == 0 || m > WT_MAX_ROWS || n == 0 || !n.is_multiple_of(2 * TM) || k == 0 || !k.is_multiple_of(TK) {
+    if m == 0 || m > WT_MAX_ROWS || n == 0 || !n.is_multiple_of(2 * TM) || k == 0 || !k.is_multiple_of(TK) || ws.is_empty() {
         return None;
     }
-    assert!(a.len() == m * k && w.len() >= n * k, "bf16 gemm: A [{m}, {k}] or W [{n}, {k}] short");
+    assert!(a.len() == m * k && ws.iter().all(|w| w.len() >= n * k), "bf16 gemm: A [{m}, {k}] or W [{n}, {k}] short");
     let b = transposed_operand(a, m, k);
     // Cᵀ's row length (M padded to AMX's column pairs, or to the dot kernel's strips) and the
     // units of W's rows the tasks share (AMX's bands of 32, the dot kernel's blocks of 8). K
@@ -588,17 +603,19 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
         }
     };
     let kc = k_panels(b.kb, most);
-    let mut ct: Vec<f32> = Vec::with_capacity(n * np); // Cᵀ [N, NP]
-    let cs = crate::ops::Shared::uninit(&mut ct.spare_capacity_mut()[..n * np]);
+    let mut cts: Vec<Vec<f32>> = ws.iter().map(|_| Vec::with_capacity(n * np)).collect(); // Cᵀ [N, NP] each
+    let css: Vec<crate::ops::Shared> = cts.iter_mut().map(|ct| crate::ops::Shared::uninit(&mut ct.spare_capacity_mut()[..n * np])).collect();
     let per = units.div_ceil(2 * rayon::current_num_threads().max(1)).max(1);
+    let tasks = units.div_ceil(per);
     for k0 in (0..b.kb).step_by(kc) {
         let k1 = (k0 + kc).min(b.kb);
-        (0..units.div_ceil(per)).into_par_iter().for_each(|t| {
-            let cp = cs;
+        (0..ws.len() * tasks).into_par_iter().for_each(|i| {
+            let (wi, t) = (i / tasks, i % tasks);
+            let (w, cp) = (ws[wi], css[wi]);
             let us = (t * per, ((t + 1) * per).min(units));
-            // SAFETY: `kern` is supported here (asserted); tasks write disjoint rows of Cᵀ [N, NP];
-            // W holds N rows of K (asserted), K and N are multiples of 32 (checked above), so
-            // K is whole tiles and the units cover N.
+            // SAFETY: `kern` is supported here (asserted); tasks write disjoint rows of each Cᵀ
+            // [N, NP]; each W holds N rows of K (asserted), K and N are multiples of 32
+            // (checked above), so K is whole tiles and the units cover N.
             unsafe {
                 match kern {
                     Kernel::Amx => amx::run_w(w, k, &b, us, (k0, k1), np, cp),
@@ -607,9 +624,15 @@ fn gemm_wt_with(kern: Kernel, a: &[f32], m: usize, w: &[u16], n: usize, k: usize
             }
         });
     }
-    // SAFETY: the first K panel stored every unit's rows across every column of NP: all of Cᵀ.
-    unsafe { ct.set_len(n * np) };
-    Some(transposed(&ct, n, np, m))
+    Some(
+        cts.into_iter()
+            .map(|mut ct| {
+                // SAFETY: the first K panel stored every unit's rows across every column of NP: all of Cᵀ.
+                unsafe { ct.set_len(n * np) };
+                transposed(&ct, n, np, m)
+            })
+            .collect(),
+    )
 }
 
 /// Aᵀ as [`gemm_wt`]'s B: A [M, K] rounded to bf16 and packed as the forward packs a weight
@@ -2161,7 +2184,8 @@ mod tests {
         // 1024 at 128 rows, K whole up to 2720 at 48: Cᵀ reloaded between panels), the most
         // rows it takes; for the dot kernel's strips of 16 (three at a time): 1, 2, 3, 7 and
         // 8 strips, the last one partial, and a last strip of at most 8 columns (run 8 wide)
-        // alone, after one, two and six full ones, and over two K panels.
+        // alone, after one, two and six full ones, and over two K panels. Each shape also
+        // with a second weight on the same rows (`gemm_wt_many`: both from one packing of A).
         let fwd = [(1, 32, 32), (17, 64, 96), (48, 96, 2080), (48, 64, 4096), (128, 64, 2080), (128, 64, 64), (16, 32, 64), (20, 64, 32), (40, 96, 64), (100, 32, 96), (8, 32, 64), (100, 64, 2080)];
         for kern in [Kernel::Amx, Kernel::Avx512Bf16].into_iter().filter(|k| k.supported()) {
             for &(m, n, k) in &fwd {
@@ -2169,6 +2193,10 @@ mod tests {
                 let w: Vec<u16> = data(n * k, 12).iter().map(|&x| bf16_bits(x)).collect();
                 let got = gemm_wt_with(kern, &a, m, &w, n, k).expect("applies");
                 same_bits(&format!("{kern:?} x·Wᵀ {m}x{n}x{k}"), &got, &gemm_with(kern, &a, m, &PackedB::from_nk(&w, n, k)));
+                let w2: Vec<u16> = data(n * k, 13).iter().map(|&x| bf16_bits(x)).collect();
+                let both = gemm_wt_many(kern, &a, m, &[&w, &w2], n, k).expect("applies");
+                same_bits(&format!("{kern:?} x·W₁ᵀ beside x·W₂ᵀ {m}x{n}x{k}"), &both[0], &got);
+                same_bits(&format!("{kern:?} x·W₂ᵀ beside x·W₁ᵀ {m}x{n}x{k}"), &both[1], &gemm_with(kern, &a, m, &PackedB::from_nk(&w2, n, k)));
             }
             let (a, w) = (data(129 * 64, 1), vec![0u16; 64 * 64]);
             assert!(gemm_wt_with(kern, &a, 129, &w, 64, 64).is_none(), "too many rows: W is packed");

@@ -111,6 +111,23 @@ struct RoutedExperts {
     kept: Mutex<Option<SwiGluInputs>>,
 }
 
+/// x·gateᵀ and x·upᵀ [Ne, I] for x [Ne, H]: bf16 weights on the bf16 unit over few rows in
+/// one pass over both, on x packed once (`bf16_gemm::gemm_wt_shared`); else two frozen GEMMs.
+/// The same bits either way.
+fn gate_and_up(x: &[f32], ne: usize, gr: &Group) -> Result<(Vec<f32>, Vec<f32>)> {
+    use candle_core::DType;
+    if gr.gate.dtype() == DType::BF16 && gr.up.dtype() == DType::BF16 && super::bf16_gemm::available() {
+        let (i, h) = gr.gate.dims2()?;
+        let both = super::bf16_gemm::with_weight_bits(&gr.gate, |g, _, _| super::bf16_gemm::with_weight_bits(&gr.up, |u, _, _| super::bf16_gemm::gemm_wt_shared(x, ne, &[g, u], i, h)))??;
+        if let Some(mut c) = both {
+            let u = c.pop().expect("two outputs");
+            let g = c.pop().expect("two outputs");
+            return Ok((g, u));
+        }
+    }
+    Ok((frozen_gemm(x, ne, &gr.gate, false)?, frozen_gemm(x, ne, &gr.up, false)?))
+}
+
 /// Rows `rows[r]` of x [_, H], gathered [rows.len(), H].
 fn gather_rows(x: &[f32], h: usize, rows: impl Iterator<Item = usize>) -> Vec<f32> {
     let rows: Vec<usize> = rows.collect();
@@ -158,7 +175,7 @@ impl candle_core::CustomOp2 for RoutedExperts {
         for (gr, tokens) in self.all_groups() {
             let ne = tokens.len();
             let xe = gather_rows(x, h, tokens.into_iter()); // [Ne, H]
-            let (gv, uv) = (frozen_gemm(&xe, ne, &gr.gate, false)?, frozen_gemm(&xe, ne, &gr.up, false)?); // [Ne, I] each
+            let (gv, uv) = gate_and_up(&xe, ne, gr)?; // [Ne, I] each
             if !recompute {
                 let ye = frozen_gemm(&swiglu_rows(&gv, &uv), ne, &gr.down, false)?; // [Ne, H]
                 if gr.shared {
