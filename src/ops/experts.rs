@@ -23,6 +23,12 @@
 //! router's softmax/sigmoid) is candle's, from dw. Compute stays sparse: an expert with no
 //! tokens runs nothing.
 //!
+//! Threads: the routed experts are parallel tasks, one expert each, and the shared experts'
+//! MLP (every token) runs across all threads after them. An expert's outputs (and in the
+//! backward its rows of dx) are kept until all have run and then summed per token in one
+//! fixed order (slot order for the output, the experts by id and then the shared experts for
+//! dx), so the bits do not depend on which thread ran which expert or when it finished.
+//!
 //! Checkpointing (`ops::checkpoint`): a checkpointed forward keeps nothing, or, where the
 //! layer keeps its SwiGLU inputs, leaves every expert's g and u in the layer's slot; the
 //! recomputation then runs no GEMM at all (its value is never read: it returns zeros), else
@@ -135,11 +141,20 @@ fn gather_rows(x: &[f32], h: usize, rows: impl Iterator<Item = usize>) -> Vec<f3
 }
 
 impl RoutedExperts {
-    /// The routed groups, then the shared experts, each with the token of each of its rows.
-    fn all_groups(&self) -> impl Iterator<Item = (&Group, Vec<usize>)> {
-        let k = self.slots;
-        let routed = self.groups.iter().map(move |g| (g, g.rows.iter().map(|&p| p as usize / k).collect()));
-        routed.chain(self.shared.iter().map(|g| (g, g.rows.iter().map(|&t| t as usize).collect())))
+    /// Each routed group's token of each of its rows.
+    fn routed_tokens(&self) -> Vec<Vec<usize>> {
+        self.groups.iter().map(|g| g.rows.iter().map(|&p| p as usize / self.slots).collect()).collect()
+    }
+
+    /// Per pair t·K + s: (its routed group, its row in that group).
+    fn pair_rows(&self, n: usize) -> Vec<(u32, u32)> {
+        let mut at = vec![(0, 0); n * self.slots];
+        for (gi, g) in self.groups.iter().enumerate() {
+            for (r, &p) in g.rows.iter().enumerate() {
+                at[p as usize] = (gi as u32, r as u32);
+            }
+        }
+        at
     }
 
     /// Σ Ne·I over the groups: the length of the kept g (and of u).
@@ -148,12 +163,77 @@ impl RoutedExperts {
     }
 }
 
+/// One group's forward over its rows' `tokens` of x [N, H]: (g, u) [Ne, I] and, `with_output`,
+/// down(silu(g) ⊙ u) [Ne, H] (else empty).
+fn group_forward(x: &[f32], h: usize, gr: &Group, tokens: &[usize], with_output: bool) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let ne = tokens.len();
+    let xe = gather_rows(x, h, tokens.iter().copied()); // [Ne, H]
+    let (gv, uv) = gate_and_up(&xe, ne, gr)?; // [Ne, I] each
+    let ye = if with_output { frozen_gemm(&swiglu_rows(&gv, &uv), ne, &gr.down, false)? } else { Vec::new() }; // [Ne, H]
+    Ok((gv, uv, ye))
+}
+
+/// One group's backward for dy [N, H] and its kept g, u [Ne, I]: (dx of its rows [Ne, H], and
+/// for a routed group dw of its pairs [Ne], whose routing weights `w` [N·K] scale ds').
+fn group_backward(dy: &[f32], w: &[f32], h: usize, gr: &Group, tokens: &[usize], (gv, uv): (&[f32], &[f32])) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (ne, i) = (tokens.len(), gr.inter);
+    let dye = gather_rows(dy, h, tokens.iter().copied()); // [Ne, H]: dy of each row's token
+    let mut ds = frozen_gemm(&dye, ne, &gr.down, true)?; // [Ne, I]: ds' = down'(dy)
+    let mut dots = Vec::new();
+    if !gr.shared {
+        // dw_p = ds'_p · s_p, then the expert's gradient is w_p ds'_p.
+        use rayon::prelude::*;
+        let s = swiglu_rows(gv, uv);
+        dots = ds
+            .par_chunks_mut(i)
+            .zip(s.par_chunks(i))
+            .zip(gr.rows.par_iter())
+            .map(|((d, sr), &p)| {
+                let dot = super::dot_f32(d, sr);
+                let ws = w[p as usize];
+                d.iter_mut().for_each(|v| *v *= ws);
+                dot
+            })
+            .collect();
+    }
+    let (dg, du) = swiglu_rows_bwd(gv, uv, &ds);
+    let mut dxe = frozen_gemm(&dg, ne, &gr.gate, true)?; // [Ne, H]
+    super::add_into(&mut dxe, &frozen_gemm(&du, ne, &gr.up, true)?);
+    Ok((dxe, dots))
+}
+
+/// `buf`'s spare capacity cut into consecutive parts of `lens`, for parallel tasks to fill.
+fn parts_of(buf: &mut Vec<f32>, lens: impl Iterator<Item = usize>) -> Vec<&mut [std::mem::MaybeUninit<f32>]> {
+    let mut rest = buf.spare_capacity_mut();
+    let mut parts = Vec::new();
+    for len in lens {
+        let (part, r) = std::mem::take(&mut rest).split_at_mut(len);
+        parts.push(part);
+        rest = r;
+    }
+    parts
+}
+
+/// Writes `src` into `dst` (the same length).
+fn fill(dst: &mut [std::mem::MaybeUninit<f32>], src: &[f32]) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        d.write(v);
+    }
+}
+
 impl candle_core::CustomOp2 for RoutedExperts {
     fn name(&self) -> &'static str {
         "routed-experts"
     }
 
+    /// The routed experts run as parallel tasks, one expert each (its GEMMs' own tasks run on
+    /// the same thread unless the other one is idle and takes them), the shared experts' MLP
+    /// over every token across all threads. Why: split across both threads, an expert's ~48
+    /// rows made each GEMM, gather and SwiGLU a parallel pass of its own, about ten a routed
+    /// expert, each with a hand-off, a last-task wait, and serial parts (rounding A, copies)
+    /// while the other thread slept.
     fn cpu_fwd(&self, s1: &candle_core::CpuStorage, l1: &candle_core::Layout, s2: &candle_core::CpuStorage, l2: &candle_core::Layout) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use rayon::prelude::*;
         let (x, w) = (cpu_f32("routed-experts", s1, l1)?, cpu_f32("routed-experts", s2, l2)?);
         let (n, h) = l1.shape().dims2()?;
         let k = self.slots;
@@ -167,40 +247,50 @@ impl candle_core::CustomOp2 for RoutedExperts {
             *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some(gu);
             return Ok((candle_core::CpuStorage::F32(zeros_f32(n * h)), l1.shape().clone()));
         }
+        // Every group's g and u go straight into their place in the kept ones (the routed
+        // groups in order, then the shared experts).
         let len = self.kept_len();
-        // Filled group by group below (not zeroed first: 40 MB a DeepSeek-V2-Lite MoE layer).
         let (mut g_all, mut u_all) = (Vec::with_capacity(len), Vec::with_capacity(len));
-        let mut y = if recompute { Vec::new() } else { zeros_f32(n * k * h) }; // [N·K, H] by pair
-        let mut shared_out = Vec::new(); // [N, H]
-        for (gr, tokens) in self.all_groups() {
-            let ne = tokens.len();
-            let xe = gather_rows(x, h, tokens.into_iter()); // [Ne, H]
-            let (gv, uv) = gate_and_up(&xe, ne, gr)?; // [Ne, I] each
-            if !recompute {
-                let ye = frozen_gemm(&swiglu_rows(&gv, &uv), ne, &gr.down, false)?; // [Ne, H]
-                if gr.shared {
-                    shared_out = ye;
-                } else {
-                    for (r, &p) in gr.rows.iter().enumerate() {
-                        y[p as usize * h..][..h].copy_from_slice(&ye[r * h..][..h]);
-                    }
-                }
+        let lens = || self.groups.iter().chain(&self.shared).map(|g| g.rows.len() * g.inter);
+        let (mut g_parts, mut u_parts) = (parts_of(&mut g_all, lens()), parts_of(&mut u_all, lens()));
+        let shared_gu = self.shared.as_ref().and_then(|_| Some((g_parts.pop()?, u_parts.pop()?)));
+        let tokens = self.routed_tokens();
+        let routed: Vec<Vec<f32>> = (self.groups.par_iter().zip(&tokens), g_parts.into_par_iter().zip(u_parts))
+            .into_par_iter()
+            .map(|((gr, t), (gd, ud))| {
+                let (gv, uv, ye) = group_forward(x, h, gr, t, !recompute)?;
+                fill(gd, &gv);
+                fill(ud, &uv);
+                Ok(ye)
+            })
+            .collect::<Result<_>>()?;
+        let shared = match (&self.shared, shared_gu) {
+            (Some(gr), Some((gd, ud))) => {
+                let (gv, uv, ye) = group_forward(x, h, gr, &(0..n).collect::<Vec<_>>(), !recompute)?;
+                fill(gd, &gv);
+                fill(ud, &uv);
+                Some(ye)
             }
-            g_all.extend_from_slice(&gv);
-            u_all.extend_from_slice(&uv);
+            _ => None,
+        };
+        // SAFETY: the parts cover 0..len of both, and each group's task filled its own.
+        unsafe {
+            g_all.set_len(len);
+            u_all.set_len(len);
         }
         // out_t = Σ_s w_ts y_(t,s): each product rounded, then summed from 0 in slot order;
         // then the shared experts' output added, as `routed + shared` in separate ops.
         let out = if recompute {
             zeros_f32(n * h) // the recomputation's value is never read
         } else {
+            let at = self.pair_rows(n);
             par_zeroed(n * h, h.max(1), |t, row: &mut [f32]| {
                 for s in 0..k {
-                    let ws = w[t * k + s];
-                    row.iter_mut().zip(&y[(t * k + s) * h..][..h]).for_each(|(o, &v)| *o += v * ws);
+                    let (ws, (gi, r)) = (w[t * k + s], at[t * k + s]);
+                    row.iter_mut().zip(&routed[gi as usize][r as usize * h..][..h]).for_each(|(o, &v)| *o += v * ws);
                 }
-                if !shared_out.is_empty() {
-                    row.iter_mut().zip(&shared_out[t * h..][..h]).for_each(|(o, &v)| *o += v);
+                if let Some(ys) = &shared {
+                    row.iter_mut().zip(&ys[t * h..][..h]).for_each(|(o, &v)| *o += v);
                 }
             })
         };
@@ -212,48 +302,47 @@ impl candle_core::CustomOp2 for RoutedExperts {
         Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
     }
 
+    /// As the forward: one task per routed expert, the shared experts across all threads; each
+    /// token's dx then summed in the order the groups come (the routed experts by id, then the
+    /// shared experts), whichever thread ran them.
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        use rayon::prelude::*;
         let (n, h) = x.dims2()?;
         let k = self.slots;
         let Some((g_all, u_all)) = self.kept.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             candle_core::bail!("routed-experts: backward without a kept forward");
         };
         let (wv, dyv) = (f32_elems(w)?, f32_elems(dy)?);
-        let mut dw = zeros_f32(n * k);
-        let mut dx = zeros_f32(n * h);
+        let (wv, dyv): (&[f32], &[f32]) = (&wv, &dyv);
+        // Each group's g and u in the kept ones: the routed groups in order, then the shared.
+        let mut spans = Vec::new();
         let mut at = 0;
-        for (gr, tokens) in self.all_groups() {
-            let (ne, i) = (tokens.len(), gr.inter);
-            let (gv, uv) = (&g_all[at..][..ne * i], &u_all[at..][..ne * i]);
-            at += ne * i;
-            let dye = gather_rows(&dyv, h, tokens.iter().copied()); // [Ne, H]: dy of each row's token
-            let mut ds = frozen_gemm(&dye, ne, &gr.down, true)?; // [Ne, I]: ds' = down'(dy)
-            if !gr.shared {
-                // dw_p = ds'_p · s_p, then the expert's gradient is w_p ds'_p.
-                use rayon::prelude::*;
-                let s = swiglu_rows(gv, uv);
-                let dots: Vec<f32> = ds
-                    .par_chunks_mut(i)
-                    .zip(s.par_chunks(i))
-                    .zip(gr.rows.par_iter())
-                    .map(|((d, sr), &p)| {
-                        let dot = super::dot_f32(d, sr);
-                        let ws = wv[p as usize];
-                        d.iter_mut().for_each(|v| *v *= ws);
-                        dot
-                    })
-                    .collect();
-                for (&p, dot) in gr.rows.iter().zip(dots) {
-                    dw[p as usize] = dot;
-                }
-            }
-            let (dg, du) = swiglu_rows_bwd(gv, uv, &ds);
-            let mut dxe = frozen_gemm(&dg, ne, &gr.gate, true)?; // [Ne, H]
-            super::add_into(&mut dxe, &frozen_gemm(&du, ne, &gr.up, true)?);
-            for (r, &t) in tokens.iter().enumerate() {
-                dx[t * h..][..h].iter_mut().zip(&dxe[r * h..][..h]).for_each(|(o, &v)| *o += v);
+        for g in self.groups.iter().chain(&self.shared) {
+            let len = g.rows.len() * g.inter;
+            spans.push((&g_all[at..][..len], &u_all[at..][..len]));
+            at += len;
+        }
+        let tokens = self.routed_tokens();
+        let routed: Vec<(Vec<f32>, Vec<f32>)> = self.groups.par_iter().zip(&tokens).zip(&spans).map(|((gr, t), &gu)| group_backward(dyv, wv, h, gr, t, gu)).collect::<Result<_>>()?;
+        let all: Vec<usize> = (0..n).collect();
+        let shared = self.shared.as_ref().map(|gr| group_backward(dyv, wv, h, gr, &all, spans[self.groups.len()])).transpose()?;
+        let mut dw = zeros_f32(n * k);
+        for (gr, (_, dots)) in self.groups.iter().zip(&routed) {
+            for (&p, &dot) in gr.rows.iter().zip(dots) {
+                dw[p as usize] = dot;
             }
         }
+        let pairs = self.pair_rows(n);
+        let dx = par_zeroed(n * h, h.max(1), |t, row: &mut [f32]| {
+            let mut mine: Vec<(u32, u32)> = pairs[t * k..][..k].to_vec();
+            mine.sort_unstable();
+            for (gi, r) in mine {
+                row.iter_mut().zip(&routed[gi as usize].0[r as usize * h..][..h]).for_each(|(o, &v)| *o += v);
+            }
+            if let Some((dxs, _)) = &shared {
+                row.iter_mut().zip(&dxs[t * h..][..h]).for_each(|(o, &v)| *o += v);
+            }
+        });
         let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
         let dw = Tensor::from_vec(dw, w.shape(), w.device())?;
         Ok((Some(dx), Some(dw)))
@@ -419,6 +508,42 @@ mod tests {
         let (_, kx, kw) = case.fused(true, Keep { pass: Pass::Recompute, slot: kept.slot(0) })?;
         assert_eq!(kept.bytes(), 0, "taken by the recomputation");
         assert_eq!((max_diff(&kx, &px)?, max_diff(&kw, &pw)?), (0.0, 0.0));
+        Ok(())
+    }
+
+    /// The routed experts run as parallel tasks and each token's dx is summed in the groups'
+    /// order after them, so the value and both gradients are the same bits on one thread as
+    /// on four, where the experts finish in a different order each time.
+    #[test]
+    fn routed_experts_give_the_same_bits_on_one_thread_and_on_four() -> Result<()> {
+        let dev = Device::Cpu;
+        let (n, h, i, e, k) = (96, 64, 32, 24, 4);
+        for dtype in [DType::F32, DType::BF16] {
+            let m = |r: usize, c: usize, seed: usize| Tensor::from_vec(pseudo(r * c, seed), (r, c), &dev)?.affine(0.2, 0.0)?.to_dtype(dtype);
+            let experts: Vec<[Tensor; 3]> = (0..e).map(|j| Ok([m(i, h, 10 + 3 * j)?, m(i, h, 11 + 3 * j)?, m(h, i, 12 + 3 * j)?])).collect::<Result<_>>()?;
+            let shared = [m(48, h, 7)?, m(48, h, 8)?, m(h, 48, 9)?];
+            let ex: Vec<ExpertWeights> = experts.iter().map(|[a, b, c]| [a, b, c]).collect();
+            // Uneven loads, and each token's experts not in ascending order.
+            let chosen: Vec<u32> = (0..n).flat_map(|t| (0..k).map(move |s| ((t * 7 + (t * t) % 5 + s * (2 * (t % 3) + 5)) % e) as u32)).collect();
+            let run = |threads: usize| -> Result<Vec<Vec<u32>>> {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(candle_core::Error::wrap)?;
+                pool.install(|| {
+                    let x = Var::from_vec(pseudo(n * h, 1), (n, h), &dev)?;
+                    let w = Var::from_vec(pseudo(n * k, 2), (n, k), &dev)?;
+                    let y = routed_experts(Kernels::Auto, &x, &w, &chosen, &ex, Some([&shared[0], &shared[1], &shared[2]]), Keep::plain())?.expect("fused");
+                    let (y, gx, gw) = grads_of(y, &x, &w)?;
+                    [y, gx, gw].iter().map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())).collect()
+                })
+            };
+            let one = run(1)?;
+            for _ in 0..3 {
+                let four = run(4)?;
+                for (what, (a, b)) in ["value", "grad x", "grad w"].iter().zip(one.iter().zip(&four)) {
+                    let differ = a.iter().zip(b).filter(|(a, b)| a != b).count();
+                    assert_eq!(differ, 0, "{dtype:?}: {what} differs in {differ} of {} elements", a.len());
+                }
+            }
+        }
         Ok(())
     }
 
