@@ -141,9 +141,11 @@ fn gather_rows(x: &[f32], h: usize, rows: impl Iterator<Item = usize>) -> Vec<f3
 }
 
 impl RoutedExperts {
-    /// Each routed group's token of each of its rows.
-    fn routed_tokens(&self) -> Vec<Vec<usize>> {
-        self.groups.iter().map(|g| g.rows.iter().map(|&p| p as usize / self.slots).collect()).collect()
+    /// The token of each of a group's rows (a routed group's rows are pairs t·K + s, the
+    /// shared experts' are tokens).
+    fn tokens(&self, g: &Group) -> Vec<usize> {
+        let k = if g.shared { 1 } else { self.slots };
+        g.rows.iter().map(|&p| p as usize / k).collect()
     }
 
     /// Per pair t·K + s: (its routed group, its row in that group).
@@ -157,9 +159,15 @@ impl RoutedExperts {
         at
     }
 
+    /// Ne·I of each group in the order the kept g (and u) hold them: the routed groups, then
+    /// the shared experts.
+    fn kept_lens(&self) -> impl Iterator<Item = usize> + '_ {
+        self.groups.iter().chain(&self.shared).map(|g| g.rows.len() * g.inter)
+    }
+
     /// Σ Ne·I over the groups: the length of the kept g (and of u).
     fn kept_len(&self) -> usize {
-        self.groups.iter().chain(&self.shared).map(|g| g.rows.len() * g.inter).sum()
+        self.kept_lens().sum()
     }
 }
 
@@ -214,7 +222,7 @@ fn parts_of(buf: &mut Vec<f32>, lens: impl Iterator<Item = usize>) -> Vec<&mut [
     parts
 }
 
-/// Writes `src` into `dst` (the same length).
+/// Writes `src` into `dst` (the same length); `write_copy_of_slice` is newer than the MSRV.
 fn fill(dst: &mut [std::mem::MaybeUninit<f32>], src: &[f32]) {
     for (d, &v) in dst.iter_mut().zip(src) {
         d.write(v);
@@ -251,10 +259,9 @@ impl candle_core::CustomOp2 for RoutedExperts {
         // groups in order, then the shared experts).
         let len = self.kept_len();
         let (mut g_all, mut u_all) = (Vec::with_capacity(len), Vec::with_capacity(len));
-        let lens = || self.groups.iter().chain(&self.shared).map(|g| g.rows.len() * g.inter);
-        let (mut g_parts, mut u_parts) = (parts_of(&mut g_all, lens()), parts_of(&mut u_all, lens()));
+        let (mut g_parts, mut u_parts) = (parts_of(&mut g_all, self.kept_lens()), parts_of(&mut u_all, self.kept_lens()));
         let shared_gu = self.shared.as_ref().and_then(|_| Some((g_parts.pop()?, u_parts.pop()?)));
-        let tokens = self.routed_tokens();
+        let tokens: Vec<Vec<usize>> = self.groups.iter().map(|g| self.tokens(g)).collect();
         let routed: Vec<Vec<f32>> = (self.groups.par_iter().zip(&tokens), g_parts.into_par_iter().zip(u_parts))
             .into_par_iter()
             .map(|((gr, t), (gd, ud))| {
@@ -266,7 +273,7 @@ impl candle_core::CustomOp2 for RoutedExperts {
             .collect::<Result<_>>()?;
         let shared = match (&self.shared, shared_gu) {
             (Some(gr), Some((gd, ud))) => {
-                let (gv, uv, ye) = group_forward(x, h, gr, &(0..n).collect::<Vec<_>>(), !recompute)?;
+                let (gv, uv, ye) = group_forward(x, h, gr, &self.tokens(gr), !recompute)?;
                 fill(gd, &gv);
                 fill(ud, &uv);
                 Some(ye)
@@ -317,15 +324,13 @@ impl candle_core::CustomOp2 for RoutedExperts {
         // Each group's g and u in the kept ones: the routed groups in order, then the shared.
         let mut spans = Vec::new();
         let mut at = 0;
-        for g in self.groups.iter().chain(&self.shared) {
-            let len = g.rows.len() * g.inter;
+        for len in self.kept_lens() {
             spans.push((&g_all[at..][..len], &u_all[at..][..len]));
             at += len;
         }
-        let tokens = self.routed_tokens();
+        let tokens: Vec<Vec<usize>> = self.groups.iter().map(|g| self.tokens(g)).collect();
         let routed: Vec<(Vec<f32>, Vec<f32>)> = self.groups.par_iter().zip(&tokens).zip(&spans).map(|((gr, t), &gu)| group_backward(dyv, wv, h, gr, t, gu)).collect::<Result<_>>()?;
-        let all: Vec<usize> = (0..n).collect();
-        let shared = self.shared.as_ref().map(|gr| group_backward(dyv, wv, h, gr, &all, spans[self.groups.len()])).transpose()?;
+        let shared = self.shared.as_ref().map(|gr| group_backward(dyv, wv, h, gr, &self.tokens(gr), spans[self.groups.len()])).transpose()?;
         let mut dw = zeros_f32(n * k);
         for (gr, (_, dots)) in self.groups.iter().zip(&routed) {
             for (&p, &dot) in gr.rows.iter().zip(dots) {
