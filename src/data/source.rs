@@ -332,11 +332,18 @@ impl IpcShard {
         let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
         let bad = |msg: String| Error::data(path, format!("not a readable Arrow IPC file: {msg}"));
         let b: &[u8] = &map;
-        // The file format is "ARROW1\0\0" + an IPC stream + footer; the stream format is the
-        // stream alone. Either way the messages are scanned the same.
-        let mut pos = if b.starts_with(b"ARROW1") { 8 } else { 0 };
+        // The file format is "ARROW1\0\0" + an IPC stream + footer + "ARROW1"; the stream
+        // format is the stream alone. Either way the messages are scanned the same.
+        let file_format = b.starts_with(b"ARROW1");
+        let mut pos = if file_format { 8 } else { 0 };
+        // The magic is padded to the writer's alignment: 8 bytes by the spec and pyarrow, 64
+        // by arrow-rs. The schema message comes next, so zeros before it are padding.
+        while file_format && pos < 64 && read_u32(b, pos) == Some(0) {
+            pos += 8;
+        }
         let mut schema = None;
         let mut batches = Vec::new();
+        let mut ended = false;
         while pos < b.len() {
             let start = pos;
             let first = read_u32(b, pos).ok_or_else(|| bad(format!("truncated message header at byte {pos}")))?;
@@ -346,7 +353,8 @@ impl IpcShard {
                 (first as usize, 4)
             };
             if len == 0 {
-                break; // end-of-stream marker
+                ended = true; // end-of-stream marker
+                break;
             }
             let meta = b.get(pos + header..pos + header + len).ok_or_else(|| bad(format!("truncated message at byte {pos}")))?;
             let msg = arrow_ipc::root_as_message(meta).map_err(|e| bad(format!("bad message at byte {pos}: {e}")))?;
@@ -372,6 +380,12 @@ impl IpcShard {
                 _ => {}
             }
             pos = end;
+        }
+        // A stream may end where its writer closed it, marker or not (the IPC spec allows
+        // both, and pyarrow reads either), but a file ends with its footer and magic: without
+        // them it was cut short, and the batches after the cut would be lost without a word.
+        if file_format && !(ended && b.len() >= 14 && b.ends_with(b"ARROW1")) {
+            return Err(bad("an Arrow IPC file without its footer (it starts with ARROW1 but does not end with it): the file was cut short".into()));
         }
         let schema = schema.ok_or_else(|| bad("no schema message".into()))?;
         release(&map, 0..map.len());
