@@ -56,15 +56,15 @@ impl Generator {
         // special_tokens_map.json), and on the chat
         // end-of-turn tokens the vocabulary has.
         let mut stop = Vec::new();
-        let json = |name: &str| std::fs::read_to_string(model.dir.join(name)).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-        for v in [json("config.json"), json("generation_config.json")].into_iter().flatten() {
+        for name in ["config.json", "generation_config.json"] {
+            let v = crate::chat::optional_json(&model.dir, name)?;
             match v.get("eos_token_id") {
                 Some(serde_json::Value::Array(a)) => stop.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
                 Some(x) => stop.extend(x.as_u64().map(|x| x as u32)),
                 None => {}
             }
         }
-        stop.extend(crate::chat::model_special_tokens(&model.dir).1.and_then(|e| tokenizer.token_to_id(&e)));
+        stop.extend(crate::chat::model_special_tokens(&model.dir)?.1.and_then(|e| tokenizer.token_to_id(&e)));
         for t in ["<|im_end|>", "<|eot_id|>", "<|end_of_sentence|>", "<｜end▁of▁sentence｜>", "</s>"] {
             if let Some(id) = tokenizer.token_to_id(t) {
                 stop.push(id);

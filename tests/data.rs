@@ -169,6 +169,27 @@ fn post_processor_appends_eos(model: &Path) {
     std::fs::write(&tj, t.to_string()).unwrap();
 }
 
+/// A tokenizer_config.json or special_tokens_map.json that is there but does not parse is an
+/// error naming it, in every format: read as absent, a stray comma swapped the eos_token it
+/// names for config.json's id and trained another end token with exit 0.
+#[test]
+fn a_corrupt_tokenizer_config_is_an_error_not_another_eos() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let cfg = m.join("tokenizer_config.json");
+    let good = std::fs::read_to_string(&cfg).unwrap();
+    for name in ["tokenizer_config.json", "special_tokens_map.json"] {
+        std::fs::write(&cfg, &good).unwrap();
+        std::fs::write(m.join(name), "{\"eos_token\": \"</s>\",}").unwrap();
+        for format in ["alpaca", "text", "messages"] {
+            let e = Formatter::new(format, None, &Default::default(), false, &m, 49152).err().map(|e| e.to_string());
+            let e = e.unwrap_or_else(|| panic!("{name}, {format}: accepted"));
+            assert!(e.contains(name) && e.contains("not valid JSON"), "{name}, {format}: {e}");
+        }
+        let _ = std::fs::remove_file(m.join("special_tokens_map.json"));
+    }
+}
+
 #[test]
 fn prompt_and_completion_are_tokenized_as_one_text_as_trl_does() {
     // tests/fixtures/spm-tokenizer: a SentencePiece-style tokenizer (it marks the start of a
@@ -1398,6 +1419,35 @@ fn a_damaged_arrow_batch_is_an_error_naming_the_file_not_a_panic() {
     std::fs::write(&p, bytes).unwrap();
     let e = loader(&[p], None, formatter(&m, "text", None, false), skip()).err().unwrap().to_string();
     assert!(e.contains("damaged.arrow") && e.contains("outside"), "{e}");
+}
+
+/// An Arrow IPC file (pyarrow's `ipc.new_file`, Feather v2) ends with a footer and its magic;
+/// one cut after a record batch (an interrupted copy) used to read as the batches before the
+/// cut, half the rows, with exit 0. pyarrow refuses it too.
+#[test]
+fn an_arrow_ipc_file_cut_short_is_an_error_not_fewer_rows() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let texts: Vec<String> = (0..12).map(|i| format!("word {i}")).collect();
+    let mut w = arrow_ipc::writer::FileWriter::try_new(Vec::new(), &arrow_schema::Schema::new(vec![Field::new("text", DataType::Utf8, false)])).unwrap();
+    let mut cuts = Vec::new();
+    for part in texts.chunks(3) {
+        let col: ArrayRef = Arc::new(StringArray::from(part.to_vec()));
+        w.write(&RecordBatch::try_from_iter(vec![("text", col)]).unwrap()).unwrap();
+        cuts.push(w.get_ref().len());
+    }
+    w.finish().unwrap();
+    let bytes = w.into_inner().unwrap();
+    let (full, cut) = (d.path().join("full.arrow"), d.path().join("cut.arrow"));
+    std::fs::write(&full, &bytes).unwrap();
+    std::fs::write(&cut, &bytes[..cuts[1]]).unwrap(); // schema + 2 of 4 batches, no footer
+    let l = loader(std::slice::from_ref(&full), None, formatter(&m, "text", None, false), opts()).unwrap();
+    assert_eq!(l.total_rows(), 12);
+    let e = match loader(&[cut], None, formatter(&m, "text", None, false), opts()) {
+        Ok(l) => format!("read {} rows", l.total_rows()),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("cut.arrow") && e.contains("cut short"), "{e}");
 }
 
 /// A template that renders a turn by what follows it (Qwen3 marks the last assistant turn)

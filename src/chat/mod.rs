@@ -86,11 +86,24 @@ pub fn special_tokens(cfg: &serde_json::Value) -> (Option<String>, Option<String
     (special_token(cfg, "bos_token"), special_token(cfg, "eos_token"))
 }
 
+/// A model folder's optional JSON file (`tokenizer_config.json`, `special_tokens_map.json`,
+/// `generation_config.json`): Null where the folder has none. One that is there but cannot
+/// be read or parsed is an error naming it: read as absent, a stray comma in
+/// tokenizer_config.json swapped its eos_token for config.json's and trained another end
+/// token with exit 0.
+pub fn optional_json(dir: &Path, name: &str) -> Result<serde_json::Value> {
+    let path = dir.join(name);
+    match std::fs::read_to_string(&path) {
+        Ok(t) => serde_json::from_str(&t).map_err(|e| Error::Config { path, msg: format!("not valid JSON: {e}") }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(serde_json::Value::Null),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
 /// BOS and EOS of a model folder's tokenizer ([`with_special_tokens_map`]).
-pub fn model_special_tokens(dir: &Path) -> (Option<String>, Option<String>) {
-    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok();
-    let cfg = text.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()).unwrap_or_default();
-    special_tokens(&with_special_tokens_map(dir, cfg))
+pub fn model_special_tokens(dir: &Path) -> Result<(Option<String>, Option<String>)> {
+    let cfg = optional_json(dir, "tokenizer_config.json")?;
+    Ok(special_tokens(&with_special_tokens_map(dir, cfg)?))
 }
 
 /// The special tokens a model folder's tokenizer has: those of tokenizer_config.json, and
@@ -99,9 +112,8 @@ pub fn model_special_tokens(dir: &Path) -> (Option<String>, Option<String>) {
 /// assistant turn lost its end). transformers reads the map too (in its legacy path the map
 /// wins where the two disagree; here tokenizer_config.json does). `cfg` is
 /// tokenizer_config.json's object (Null where there is none).
-pub fn with_special_tokens_map(dir: &Path, mut cfg: serde_json::Value) -> serde_json::Value {
-    let map = std::fs::read_to_string(dir.join("special_tokens_map.json")).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-    let Some(serde_json::Value::Object(map)) = map else { return cfg };
+pub fn with_special_tokens_map(dir: &Path, mut cfg: serde_json::Value) -> Result<serde_json::Value> {
+    let serde_json::Value::Object(map) = optional_json(dir, "special_tokens_map.json")? else { return Ok(cfg) };
     if cfg.is_null() {
         cfg = serde_json::Value::Object(Default::default());
     }
@@ -113,7 +125,7 @@ pub fn with_special_tokens_map(dir: &Path, mut cfg: serde_json::Value) -> serde_
             }
         }
     }
-    cfg
+    Ok(cfg)
 }
 
 /// The special tokens other than BOS and EOS that tokenizer_config.json names.
@@ -126,11 +138,7 @@ impl ChatTemplate {
     /// tokenizer_config.json. `None` when the model has none.
     pub fn from_model_dir(dir: &Path) -> Result<Option<Self>> {
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
-            Ok(t) => serde_json::from_str(&t).map_err(|e| Error::Tokenizer { path: cfg_path.clone(), msg: format!("not valid JSON: {e}") })?,
-            Err(_) => serde_json::Value::Null,
-        };
-        let cfg = with_special_tokens_map(dir, cfg);
+        let cfg = with_special_tokens_map(dir, optional_json(dir, "tokenizer_config.json")?)?;
         let (bos, eos) = special_tokens(&cfg);
         let (bos_token, eos_token) = (bos.unwrap_or_default(), eos.unwrap_or_default());
         let other_tokens = other_special_tokens(&cfg);

@@ -162,7 +162,7 @@ impl Formatter {
             .and_then(|t| t.get_vocab(true).keys().map(String::len).max())
             .unwrap_or(1)
             .clamp(1, MAX_TOKEN_BYTES);
-        let (bos_s, eos_s) = crate::chat::model_special_tokens(model_dir);
+        let (bos_s, eos_s) = crate::chat::model_special_tokens(model_dir)?;
         // The EOS appended to answers: the tokenizer's eos_token, else config.json's id. A
         // token named but not in the vocabulary, or an id past the model's, is an error
         // naming where it came from (falling back to the other silently trained another token).
