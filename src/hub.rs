@@ -161,12 +161,14 @@ impl Hub {
         let mut files = vec!["config.json".to_string()];
         if want == Want::Model {
             files.extend(MODEL_OPTIONAL.iter().filter(|f| has(f)).map(|f| f.to_string()));
-            if has("model.safetensors.index.json") {
+            // The single file first where a repo has both, as transformers downloads it (and
+            // `ModelDir` reads it).
+            if has("model.safetensors") {
+                files.push("model.safetensors".into());
+            } else if has("model.safetensors.index.json") {
                 repo.fetch(&listing.commit, "model.safetensors.index.json")?;
                 let index = repo.snapshot(&listing.commit).join("model.safetensors.index.json");
                 files.extend(index_shards(&index)?);
-            } else if has("model.safetensors") {
-                files.push("model.safetensors".into());
             } else {
                 return Err(repo.err("has no model.safetensors or model.safetensors.index.json (only safetensors weights are read)"));
             }
@@ -618,10 +620,7 @@ fn model_files_present(snap: &Path, want: Want) -> bool {
         return true;
     }
     let index = snap.join("model.safetensors.index.json");
-    if index.is_file() {
-        return index_shards(&index).is_ok_and(|shards| shards.iter().all(|s| snap.join(s).is_file()));
-    }
-    snap.join("model.safetensors").is_file()
+    snap.join("model.safetensors").is_file() || index_shards(&index).is_ok_and(|shards| shards.iter().all(|s| snap.join(s).is_file()))
 }
 
 /// The shard files an index's weight_map names, each once (the index is read and checked as

@@ -460,6 +460,24 @@ fn a_resumed_run_after_the_branch_moved_is_refused() {
     assert!(err.contains("model.revision") && err.contains(&commit) && err.contains(&moved), "{err}");
 }
 
+/// A repo with both model.safetensors and an index (with its shards) gives the single file
+/// alone, as transformers downloads and loads it: before, the index and its shards were
+/// fetched and trained on, a base `from_pretrained` does not load.
+#[test]
+fn a_repo_with_a_single_file_and_an_index_gives_the_single_file_as_transformers_does() {
+    let e = setup("models/tiny-org/tiny-llama", None, "tiny-org/both", "tiny-org/counting", "");
+    e.add_dataset("datasets/tiny-org/counting", &["data/train-00000-of-00001.arrow"]);
+    let both = e.ws.path().join("both");
+    copy_tree(&e.ws.path().join("model"), &both);
+    std::fs::write(both.join("model.safetensors.index.json"), r#"{"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}"#).unwrap();
+    std::fs::write(both.join("model-00001-of-00001.safetensors"), b"not the model").unwrap();
+    e.hub.add_repo("models/tiny-org/both", &both, None);
+    let out = e.finetune(&[], &["--recipe", "recipe.toml"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let files = snapshot_files(e.home.path(), "models--tiny-org--both");
+    assert!(files.contains(&PathBuf::from("model.safetensors")) && !files.iter().any(|f| f.to_string_lossy().contains("00001")), "{files:?}");
+}
+
 fn copy_tree(src: &Path, dst: &Path) {
     std::fs::create_dir_all(dst).unwrap();
     for e in std::fs::read_dir(src).unwrap().flatten() {

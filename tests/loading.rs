@@ -72,6 +72,18 @@ fn sharded_checkpoint_trains_exactly_like_single_file() {
     assert_eq!(losses(&train(single.path(), &[])), losses(&train(sharded.path(), &[])));
 }
 
+/// A folder with both model.safetensors and an index over shards trains on model.safetensors,
+/// the file transformers loads from it (the adapter must fit the base PEFT will load).
+#[test]
+fn a_folder_with_a_single_file_and_an_index_trains_on_the_single_file_as_transformers_loads_it() {
+    let both = workspace(&TinyShape::default(), 3);
+    write_model(&both.path().join("single"), &TinyShape::default(), 8, 1).unwrap();
+    std::fs::copy(both.path().join("single/model.safetensors"), both.path().join("model/model.safetensors")).unwrap();
+    let other = workspace(&TinyShape::default(), 1);
+    write_model(&other.path().join("model"), &TinyShape::default(), 8, 1).unwrap();
+    assert_eq!(losses(&train(both.path(), &[])), losses(&train(other.path(), &[])));
+}
+
 #[test]
 fn bf16_base_trains_close_to_f32() {
     let f32_ws = workspace(&TinyShape::default(), 1);

@@ -333,9 +333,23 @@ impl ModelDir {
     }
 
     /// `model.safetensors.index.json` when there is one: its path and the tensor -> shard map.
+    /// None too where `model.safetensors` is there as well: transformers loads the single file
+    /// then (`_get_resolved_checkpoint_files` looks for it first), so that is the base an
+    /// adapter trained here must have been trained on.
     fn index(&self) -> Result<Option<(PathBuf, std::collections::BTreeMap<String, PathBuf>)>> {
         let index = self.dir.join("model.safetensors.index.json");
         if !index.is_file() {
+            return Ok(None);
+        }
+        if self.dir.join("model.safetensors").is_file() {
+            static NOTED: std::sync::Once = std::sync::Once::new();
+            NOTED.call_once(|| {
+                crate::note!(
+                    "{}: both model.safetensors and model.safetensors.index.json are here; reading model.safetensors, \
+                     as transformers does (remove the one that is not the model)",
+                    self.dir.display()
+                )
+            });
             return Ok(None);
         }
         let map = read_index(&index)?.into_iter().map(|(name, f)| (name, self.dir.join(f))).collect();
