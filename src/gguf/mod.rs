@@ -335,6 +335,7 @@ pub fn read_header(gguf: &Path) -> Result<(std::fs::File, Content)> {
     let data_start = r.pos.div_ceil(alignment) * alignment;
 
     let mut tensor_infos = HashMap::new();
+    let mut spans = Vec::new();
     for (name, mut dims, dtype, offset) in records {
         let err = |msg: String| gguf_err(gguf, &name, msg);
         let elems = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| err(format!("dimensions {dims:?} multiply past 2^64 elements")))?;
@@ -351,9 +352,20 @@ pub fn read_header(gguf: &Path) -> Result<(std::fs::File, Content)> {
         if end.is_none_or(|e| e > size) {
             return Err(err(format!("{bytes} bytes of data at offset {offset} after the header ({data_start}) reach past the end of the file ({size} bytes)")));
         }
+        if bytes > 0 {
+            spans.push((offset, offset + bytes as u64, name.clone()));
+        }
         // GGUF lists dimensions innermost first; candle's shapes (and HF's) outermost first.
         dims.reverse();
         tensor_infos.insert(name, TensorInfo { ggml_dtype: dtype, shape: candle_core::Shape::from(dims), offset });
+    }
+    // Two tensors on the same bytes is a damaged file (llama.cpp refuses it too: it wants
+    // each tensor where the one before it ends); read as it is, one tensor trains as another.
+    spans.sort();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(gguf_err(gguf, &w[1].2, format!("its data (offset {}) overlaps `{}`'s (offsets {}..{}): a damaged file", w[1].0, w[0].2, w[0].0, w[0].1)));
+        }
     }
     drop(r);
     Ok((f, Content { magic, metadata, tensor_infos, tensor_data_offset: data_start }))
