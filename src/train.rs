@@ -1257,11 +1257,14 @@ pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, ro
         eval_fraction: d.eval_fraction,
         role,
     };
-    let (specs, split) = data_sources(d, role);
+    let (specs, mut split) = data_sources(d, role);
     let mut files = Vec::new();
     for p in &specs {
         match hub_dataset(loaded, p, split)? {
-            Some(hub_files) => files.extend(hub_files),
+            Some(hub_files) => {
+                files.extend(hub_files);
+                split.chose_on_hub |= crate::hub::DataEntry::parse(&p.to_string_lossy()).split.is_none();
+            }
             None => files.push(resolve_spec(loaded, p)),
         }
     }

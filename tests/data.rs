@@ -407,6 +407,32 @@ fn an_eval_source_that_training_reads_too_is_refused() {
     assert!(!d.path().join("out/adapter").exists());
 }
 
+/// data.split on sources that have no splits names nothing: before, every row was read (a
+/// whole file trained on as "validation") with exit 0, where `file:validation` was refused.
+#[test]
+fn data_split_on_sources_without_splits_is_an_error() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let jl = d.path().join("a.jsonl");
+    write_jsonl(&jl, &[r#"{"text": "one two"}"#.to_string()]);
+    let plain = d.path().join("plain");
+    std::fs::create_dir(&plain).unwrap();
+    write_jsonl(&plain.join("rows.jsonl"), &[r#"{"text": "three"}"#.to_string()]);
+    for specs in [vec![jl.clone()], vec![plain.clone()], vec![jl.clone(), plain.clone()]] {
+        let e = loader(&specs, Some("validation"), formatter(&m, "text", None, false), opts()).err().map(|e| e.to_string());
+        let e = e.unwrap_or_else(|| panic!("{specs:?}: read with data.split set"));
+        assert!(e.contains("data.split") && e.contains("splits"), "{e}");
+        loader(&specs, None, formatter(&m, "text", None, false), opts()).unwrap();
+    }
+    // In a list, data.split applies to the entries that have splits.
+    let dict = d.path().join("dict");
+    std::fs::create_dir_all(dict.join("validation")).unwrap();
+    write_jsonl(&dict.join("validation/rows.jsonl"), &[r#"{"text": "four"}"#.to_string()]);
+    std::fs::write(dict.join("dataset_dict.json"), r#"{"splits":["validation"]}"#).unwrap();
+    let l = loader(&[jl, dict], Some("validation"), formatter(&m, "text", None, false), opts()).unwrap();
+    assert_eq!(l.total_rows(), 2);
+}
+
 #[test]
 fn data_split_does_not_pick_the_eval_sources_split() {
     // data.split = "train" names data.train's split; data.eval reads its own (here `test`,

@@ -34,14 +34,17 @@ pub struct Split<'a> {
     /// The split read when none is named and the source has several: TRL's defaults,
     /// `train` for training and `test` for evaluation (never train for evaluation).
     pub default: &'static str,
+    /// `name` already chose among a hub dataset's splits (its files arrive as plain files),
+    /// so it named something even where no local entry has splits.
+    pub chose_on_hub: bool,
 }
 
 impl<'a> Split<'a> {
     pub fn train(name: Option<&'a str>) -> Self {
-        Split { name, explicit: false, default: "train" }
+        Split { name, explicit: false, default: "train", chose_on_hub: false }
     }
     pub fn eval(name: Option<&'a str>) -> Self {
-        Split { name, explicit: false, default: "test" }
+        Split { name, explicit: false, default: "test", chose_on_hub: false }
     }
     /// `:name` after an entry.
     pub fn named(self, name: &'a str) -> Self {
@@ -75,18 +78,25 @@ impl<'a> Split<'a> {
 /// Resolve one data entry to its shard files: `split` picks a DatasetDict's split (or a plain
 /// folder's, when its file names say splits) when the entry does not name one (`dir:split`).
 pub fn shard_files(spec: &Path, split: Split) -> Result<Vec<PathBuf>> {
+    Ok(shard_files_and_split(spec, split)?.0)
+}
+
+/// [`shard_files`], and whether the entry had splits that `split`'s name (data.split, not a
+/// `:split` of the entry's own) chose among.
+fn shard_files_and_split(spec: &Path, split: Split) -> Result<(Vec<PathBuf>, bool)> {
     let s = spec.to_string_lossy();
     // "dir:split" (only when `dir` is a folder: a colon may be part of a file name).
     if let Some((dir, sp)) = s.rsplit_once(':') {
         let d = Path::new(dir);
         if d.is_dir() && !spec.exists() {
-            return shard_files(d, split.named(sp));
+            return Ok((shard_files(d, split.named(sp))?, false));
         }
     }
+    let chose = !split.explicit && split.name.is_some();
     let path = spec;
     if path.is_file() {
         split.none_here(path, "a single file")?;
-        return Ok(vec![path.to_path_buf()]);
+        return Ok((vec![path.to_path_buf()], false));
     }
     if !path.is_dir() {
         return Err(Error::data(path, "does not exist"));
@@ -112,7 +122,7 @@ pub fn shard_files(spec: &Path, split: Split) -> Result<Vec<PathBuf>> {
         if out.is_empty() {
             return Err(Error::data(&state, "lists no data files"));
         }
-        return Ok(out);
+        return Ok((out, false));
     }
     let dict = path.join("dataset_dict.json");
     if dict.is_file() {
@@ -128,7 +138,7 @@ pub fn shard_files(spec: &Path, split: Split) -> Result<Vec<PathBuf>> {
             .collect();
         let names: Vec<&str> = splits.iter().map(String::as_str).collect();
         let sp = split.pick(&names).map_err(|m| Error::data(path, format!("is a DatasetDict that {m}; pick one with `{}:<split>` (or data.split for data.train)", path.display())))?;
-        return shard_files(&path.join(sp), Split::train(None));
+        return Ok((shard_files(&path.join(sp), Split::train(None))?, chose));
     }
     folder_files(path, split)
 }
@@ -158,7 +168,7 @@ const NO_SPLIT: &str = "(files without a split name)";
 /// The .arrow, .parquet and .jsonl files of a plain folder. When their names say which split
 /// they hold (train.jsonl and test.jsonl), only the files of one split are read ([`Split`]),
 /// never a mix (a test set trained on with exit 0).
-fn folder_files(path: &Path, split: Split) -> Result<Vec<PathBuf>> {
+fn folder_files(path: &Path, split: Split) -> Result<(Vec<PathBuf>, bool)> {
     let mut entries: Vec<PathBuf> = std::fs::read_dir(path).map_err(|e| Error::io(path, e))?.filter_map(|e| e.ok().map(|e| e.path())).collect();
     entries.sort();
     // `datasets`' json loader reads .json files too (JSON Lines or one array): say which are
@@ -179,14 +189,15 @@ fn folder_files(path: &Path, split: Split) -> Result<Vec<PathBuf>> {
     groups.dedup();
     if groups == [NO_SPLIT] {
         split.none_here(path, "no file name says a split")?;
-        return Ok(files);
+        return Ok((files, false));
     }
     // "dev" or "valid" name the split "validation" does, as in file names.
     let named = split.name.map(|n| SPLIT_KEYWORDS.iter().find(|(_, words)| words.contains(&n)).map_or(n, |(name, _)| *name));
     let sp = Split { name: named, ..split }
         .pick(&groups)
         .map_err(|m| Error::data(path, format!("{m}, by its file names; pick one with `{}:<split>` (or data.split for data.train)", path.display())))?;
-    Ok(files.into_iter().zip(tags).filter(|(_, t)| *t == sp).map(|(f, _)| f).collect())
+    let chose = !split.explicit && split.name.is_some();
+    Ok((files.into_iter().zip(tags).filter(|(_, t)| *t == sp).map(|(f, _)| f).collect(), chose))
 }
 
 /// Drop the pages of `range` from this process's resident set. The map is read-only and
@@ -669,13 +680,26 @@ impl Rows {
 
     pub fn open_all(specs: &[PathBuf], split: Split) -> Result<Self> {
         let mut shards = Vec::new();
+        let mut chosen = split.chose_on_hub;
         for spec in specs {
-            for f in shard_files(spec, split)? {
+            let (files, chose) = shard_files_and_split(spec, split)?;
+            chosen |= chose;
+            for f in files {
                 if !f.is_file() {
                     return Err(Error::data(&f, "listed in state.json but missing"));
                 }
                 shards.push(Shard::open(&f)?);
             }
+        }
+        // data.split applies to the entries that have splits. Where none has any, their rows
+        // are the one split `datasets` calls train; any other name names nothing, and reading
+        // every row anyway trained on what was asked to be left out.
+        if let (Some(name), false, false) = (split.name, split.explicit, chosen || split.name == Some("train")) {
+            let what = if specs.len() == 1 { "the data source has" } else { "none of the data sources has" };
+            return Err(Error::data(
+                &specs[0],
+                format!("data.split = \"{name}\", but {what} splits (a single file, a single `datasets` Dataset, or a folder whose file names say none): its rows are all one split, `train` as `datasets` names it; drop data.split"),
+            ));
         }
         let blocks: Vec<Vec<usize>> = shards.iter().map(|s| s.block_rows()).collect();
         let mut starts = Vec::with_capacity(blocks.len());
