@@ -361,6 +361,12 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
         Some(other) => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
     };
     let max_shard_size = a.max_shard_size.as_deref().map(parse_size).transpose().map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
+    // They shape the merged model only: the adapter is written as trained, so taking them
+    // without --merge would write something other than what was asked, with exit 0.
+    let merge_only = [("--dtype", a.dtype.is_some()), ("--max-shard-size", a.max_shard_size.is_some()), ("--no-verify", a.no_verify)];
+    if let (false, Some((flag, _))) = (a.merge, merge_only.iter().find(|(_, set)| *set)) {
+        anyhow::bail!("{flag} applies to --merge (the merged model); the adapter alone is written as trained (f32, one file): add --merge, or drop {flag}");
+    }
     match (a.format.as_str(), a.merge) {
         ("gguf", true) => anyhow::bail!("--format gguf writes the adapter alone; merge with --format peft (a merged HF model), then convert it with llama.cpp"),
         ("gguf", false) => {

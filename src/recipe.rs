@@ -611,6 +611,9 @@ impl LoadedRecipe {
         }
         check_schema(&value, &fname)?;
         check_inert_keys(&value, &fname)?;
+        for n in switched_off_knobs(&value) {
+            crate::note!("note: recipe {fname}: {n}");
+        }
         expand_paths(&mut value, &fname)?;
         let recipe: Recipe = toml::Value::Table(value).try_into().map_err(|e: toml::de::Error| {
             Error::Recipe { file: fname.clone(), key: "(structure)".into(), msg: e.message().to_string() }
@@ -867,6 +870,30 @@ fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
     }
 }
 
+/// Knobs set in the recipe for a feature another key turns off, as "`knob` does nothing
+/// with `switch`" lines. A note, not an error as in [`check_inert_keys`]: the shipped recipes
+/// set some of them, and `--set` can switch a feature off for one run but cannot remove a
+/// key, so an error would send the user to edit the recipe for a run that is what they asked.
+fn switched_off_knobs(t: &toml::Table) -> Vec<String> {
+    let get = |section: &str, key: &str| t.get(section).and_then(|s| s.as_table()).and_then(|s| s.get(key));
+    let mut notes = Vec::new();
+    let mut off = |knob: &str, on: bool, why: &str| {
+        if !on && get(knob.split('.').next().unwrap_or_default(), knob.split('.').nth(1).unwrap_or_default()).is_some() {
+            notes.push(format!("`{knob}` does nothing {why}"));
+        }
+    };
+    let merged = get("export", "merged").and_then(|v| v.as_bool()) == Some(true);
+    off("export.dtype", merged, "without export.merged = true (it is the merged model's dtype; the adapter is written as trained)");
+    off("export.max_shard_size", merged, "without export.merged = true (it cuts the merged model's shards)");
+    let shuffle = get("data", "shuffle").and_then(|v| v.as_bool()) != Some(false);
+    off("data.shuffle_buffer", shuffle, "with data.shuffle = false (rows are read in the files' order)");
+    let auto = get("train", "activation_checkpointing").is_none_or(|v| v.as_str() == Some("auto"));
+    off("train.activation_memory_mb", auto, "unless train.activation_checkpointing = \"auto\" (it is what auto may keep)");
+    let zero3 = get("dist", "zero_stage").and_then(|v| v.as_integer()) == Some(3);
+    off("dist.prefetch_layers", zero3, "without dist.zero_stage = 3 (only a sharded base gathers layers)");
+    notes
+}
+
 /// Keys set in the recipe that the rest of it would make do nothing: a user who sets one
 /// means something by it, and training without it would be a silent surprise.
 fn check_inert_keys(t: &toml::Table, file: &str) -> Result<()> {
@@ -1120,6 +1147,39 @@ dir = "out"
 
     fn err_text(text: &str, overrides: &[&str]) -> String {
         load(text, overrides).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn knobs_of_a_switched_off_feature_are_named_in_a_note() {
+        let notes = |overrides: &[&str]| {
+            let mut t: toml::Table = toml::from_str(MINIMAL).unwrap();
+            for o in overrides {
+                apply_override(&mut t, o, "r").unwrap();
+            }
+            load(MINIMAL, overrides).unwrap(); // a note, never an error
+            switched_off_knobs(&t)
+        };
+        assert_eq!(notes(&[]), Vec::<String>::new());
+        for (set, knob) in [
+            (&["export.dtype=bf16"][..], "export.dtype"),
+            (&["export.merged=false", "export.max_shard_size=1GB"], "export.max_shard_size"),
+            (&["data.shuffle=false", "data.shuffle_buffer=100"], "data.shuffle_buffer"),
+            (&["train.activation_checkpointing=true", "train.activation_memory_mb=512"], "train.activation_memory_mb"),
+            (&["train.activation_checkpointing=false", "train.activation_memory_mb=512"], "train.activation_memory_mb"),
+            (&["dist.prefetch_layers=2"], "dist.prefetch_layers"),
+        ] {
+            let n = notes(set);
+            assert!(n.len() == 1 && n[0].contains(&format!("`{knob}` does nothing")), "{set:?}: {n:?}");
+        }
+        for set in [
+            &["export.merged=true", "export.dtype=bf16", "export.max_shard_size=1GB"][..],
+            &["data.shuffle_buffer=100"],
+            &["train.activation_memory_mb=512"],
+            &["train.activation_checkpointing=\"auto\"", "train.activation_memory_mb=512"],
+            &["dist.zero_stage=3", "dist.prefetch_layers=2"],
+        ] {
+            assert_eq!(notes(set), Vec::<String>::new(), "{set:?}");
+        }
     }
 
     #[test]

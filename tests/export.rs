@@ -275,6 +275,24 @@ fn recipe_export_merged_writes_a_verified_merged_folder_via_the_cli() {
     assert!(!d.path().join("from-damaged").exists());
 }
 
+/// --dtype, --max-shard-size and --no-verify shape the merged model: without --merge they
+/// were parsed and dropped, and an f32 adapter was written where bf16 was asked, exit 0.
+#[test]
+fn merge_options_without_merge_are_refused_not_ignored() {
+    let (d, run) = trained(TinyShape::default(), 1);
+    for (format, flag) in [("peft", &["--dtype", "bf16"][..]), ("gguf", &["--dtype", "f16"]), ("peft", &["--max-shard-size", "1KB"]), ("peft", &["--no-verify"])] {
+        let out = d.path().join(format!("x-{}", flag[0].trim_start_matches('-')));
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+            .args(["export", "--run", &run.display().to_string(), "--format", format, "--out", &out.display().to_string()])
+            .args(flag)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(flag[0]) && err.contains("--merge"), "{format} {flag:?}: {err}");
+        assert!(!out.exists(), "{format} {flag:?}: wrote {}", out.display());
+    }
+}
+
 #[test]
 fn export_run_refuses_a_base_replaced_since_the_run_trained_on_it() {
     // The checkpoints record the model's fingerprint (resume refuses a changed base); export
