@@ -63,6 +63,18 @@ fn the_setup_itself_trains() {
     assert!(err.contains("trainable params: "), "{err}");
 }
 
+/// train_on_prompt leaves a pre-tokenized row's `labels` alone (as TRL does), and says so once
+/// rather than doing nothing in silence.
+#[test]
+fn train_on_prompt_on_rows_with_labels_says_it_keeps_them() {
+    let d = setup();
+    let (ok, err) = run(d.path(), &["data.train_on_prompt=true"]);
+    assert!(ok, "{err}");
+    assert_eq!(err.matches("data.train_on_prompt = true leaves rows that carry `labels`").count(), 1, "{err}");
+    let (ok, err) = run(d.path(), &["output.dir=\"out2\""]);
+    assert!(ok && !err.contains("train_on_prompt"), "{err}");
+}
+
 #[test]
 fn an_error_s_cause_is_said_once() {
     // An I/O error names its file and its OS error; the cause chain used to repeat the latter.

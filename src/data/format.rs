@@ -14,7 +14,8 @@
 //! each turn (with and without the generation prompt; see `assistant_spans`) and marking the
 //! tokens whose text starts in between; for prompt/completion records, the tokens of the
 //! completion (prompt and completion tokenized as one text, as TRL does).
-//! `train_on_prompt = true` trains on every token.
+//! `train_on_prompt = true` trains on every token (pre-tokenized rows with `labels` keep
+//! theirs, as TRL does; a note says so).
 //!
 //! Truncation happens before the cost: with a token limit set (the loader sets
 //! `data.max_seq_len`), only a bounded prefix of each text (a conversation: of its rendering)
@@ -123,6 +124,8 @@ pub struct Formatter {
     token_limit: Option<usize>,
     /// Bytes of text one token covers at most: the longest vocab entry's length, capped.
     token_bytes: usize,
+    /// The note that train_on_prompt leaves a row's `labels` as they are was printed.
+    labels_noted: std::sync::atomic::AtomicBool,
 }
 
 impl Formatter {
@@ -220,6 +223,7 @@ impl Formatter {
             vocab,
             token_limit: None,
             token_bytes,
+            labels_noted: Default::default(),
         })
     }
 
@@ -300,6 +304,15 @@ impl Formatter {
                     Ok(l) => l,
                     Err(b) => return Ok(Err(b)),
                 };
+                // As TRL, given labels decide even with train_on_prompt (its
+                // completion_only_loss = False leaves them alone): said once, not silently.
+                if labels.is_some() && self.train_on_prompt && !self.labels_noted.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    crate::note!(
+                        "note: data.train_on_prompt = true leaves rows that carry `labels` as they are ({}): their labels say which tokens are trained, as in TRL; \
+                         drop the labels column (or set its -100s to the token ids) to train on every token",
+                        r.at()
+                    );
+                }
                 // What TRL's SFTTrainer writes when it tokenizes: without `labels`, its
                 // `completion_mask` (prompt/completion data) or `assistant_masks`
                 // (assistant_only_loss) says which tokens are trained, and `attention_mask`
