@@ -407,6 +407,30 @@ fn an_eval_source_that_training_reads_too_is_refused() {
     assert!(!d.path().join("out/adapter").exists());
 }
 
+/// A bad record is named by its row (and line) in the file the message names: across a list
+/// of sources the count ran over all of them (`b.jsonl: row 8` for its row 3). And every
+/// file of a list has its columns checked when the loader opens, not only the first.
+#[test]
+fn bad_records_are_named_by_their_row_in_their_own_file_and_every_files_columns_are_checked() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let (a, b) = (d.path().join("a.jsonl"), d.path().join("b.jsonl"));
+    write_jsonl(&a, &(0..5).map(|i| format!(r#"{{"input_ids": [1, 2, {i}]}}"#)).collect::<Vec<_>>());
+    write_jsonl(&b, &[r#"{"input_ids": [1, 2]}"#.to_string(), r#"{"input_ids": [1, 999999]}"#.to_string()]);
+    let mut l = loader(&[a.clone(), b], None, formatter(&m, "tokenized", None, false), opts()).unwrap();
+    let e = (0..7).find_map(|_| l.next_example().err()).expect("the bad row stops the run").to_string();
+    assert!(e.contains("b.jsonl") && e.contains("row 1 (line 2): token id 999999"), "{e}");
+    // A Parquet file without the column, second in the list: refused at open, named.
+    let pq = d.path().join("c.parquet");
+    let col: ArrayRef = Arc::new(StringArray::from(vec!["x"]));
+    let batch = RecordBatch::try_from_iter(vec![("other", col)]).unwrap();
+    let mut w = parquet::arrow::ArrowWriter::try_new(std::fs::File::create(&pq).unwrap(), batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    let e = loader(&[a, pq], None, formatter(&m, "tokenized", None, false), opts()).err().expect("opened").to_string();
+    assert!(e.contains("c.parquet") && e.contains("no `input_ids` column") && e.contains("other"), "{e}");
+}
+
 /// data.split on sources that have no splits names nothing: before, every row was read (a
 /// whole file trained on as "validation") with exit 0, where `file:validation` was refused.
 #[test]

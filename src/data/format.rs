@@ -498,8 +498,9 @@ impl Formatter {
         ids.iter().enumerate().map(|(i, &t)| if i >= n { t as i64 } else { IGNORE }).collect()
     }
 
-    /// Tokenize a record. `index` names the row in messages.
-    pub fn tokenize(&self, rec: Record, index: u64) -> Result<std::result::Result<Example, BadRecord>> {
+    /// Tokenize a record. `index` names the row in messages ("row {index}": its number in
+    /// its file, `RowRef::number`).
+    pub fn tokenize(&self, rec: Record, index: impl std::fmt::Display) -> Result<std::result::Result<Example, BadRecord>> {
         let ex = match rec {
             Record::Tokens(ids, labels) => {
                 let labels = labels.unwrap_or_else(|| ids.clone());
@@ -523,7 +524,7 @@ impl Formatter {
                 let from = p.len();
                 self.encode_trained_from(&(p + &c), from)?
             }
-            Record::Conversation(m, vars, completion_from) => match self.render_conversation_with(&m, &vars, completion_from, index)? {
+            Record::Conversation(m, vars, completion_from) => match self.render_conversation_with(&m, &vars, completion_from, &index)? {
                 Ok(ex) => ex,
                 Err(b) => return Ok(Err(b)),
             },
@@ -543,7 +544,7 @@ impl Formatter {
     /// a prefix of the rendered text long enough for it) and label the assistant turns found
     /// in it ([`assistant_spans`]). A template error, or an assistant turn that cannot be
     /// found, makes the record bad (reported, or skipped with on_bad_record = "skip").
-    pub fn render_conversation(&self, m: &[Message], index: u64) -> Result<std::result::Result<Example, BadRecord>> {
+    pub fn render_conversation(&self, m: &[Message], index: impl std::fmt::Display) -> Result<std::result::Result<Example, BadRecord>> {
         self.render_conversation_with(m, &Default::default(), None, index)
     }
 
@@ -551,7 +552,7 @@ impl Formatter {
     /// `completion_from`, a prompt/completion pair: the completion (messages from that index)
     /// is trained from where the conversation's ids stop agreeing with those of the prompt
     /// rendered with its generation prompt, as TRL trains it.
-    pub fn render_conversation_with(&self, m: &[Message], vars: &crate::chat::Vars, completion_from: Option<usize>, index: u64) -> Result<std::result::Result<Example, BadRecord>> {
+    pub fn render_conversation_with(&self, m: &[Message], vars: &crate::chat::Vars, completion_from: Option<usize>, index: impl std::fmt::Display) -> Result<std::result::Result<Example, BadRecord>> {
         let Template::Chat(t) = &self.template else {
             return Ok(Err(BadRecord(format!("row {index}: the template cannot render conversations"))));
         };

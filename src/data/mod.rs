@@ -137,22 +137,27 @@ pub struct LoaderState {
 impl Loader {
     pub fn open(specs: &[PathBuf], split: source::Split, mut fmt: Formatter, opts: LoaderOptions) -> Result<Self> {
         let mut rows = Rows::open_all(specs, split)?;
-        let (names, names_file) = rows.columns_and_file()?;
-        for n in fmt.required_columns() {
-            if !names.contains(&n) {
-                let hint = format!(
-                    " (data.format = \"{}\" needs {}; remap names with [data.columns], or pick another data.format: {})",
-                    fmt.format,
-                    fmt.required_columns().join(", "),
-                    format::FORMATS.join(", ")
-                );
-                return Err(Error::data(names_file, format!("no `{n}` column; columns are: {}{hint}", names.join(", "))));
-            }
+        let mut files = rows.columns_by_file()?;
+        if files.is_empty() {
+            files.push(rows.columns_and_file()?); // its error: no file has a record
         }
-        // A column remapped to one the data does not have would read as absent (an empty
-        // alpaca input, no labels): the remap was meant for something.
-        if let Some((k, v)) = fmt.mapped_columns().find(|(_, v)| !names.iter().any(|n| n == v)) {
-            return Err(Error::data(names_file, format!("[data.columns] maps `{k}` to `{v}`, which is not a column; columns are: {}", names.join(", "))));
+        for (names, names_file) in files {
+            for n in fmt.required_columns() {
+                if !names.contains(&n) {
+                    let hint = format!(
+                        " (data.format = \"{}\" needs {}; remap names with [data.columns], or pick another data.format: {})",
+                        fmt.format,
+                        fmt.required_columns().join(", "),
+                        format::FORMATS.join(", ")
+                    );
+                    return Err(Error::data(names_file, format!("no `{n}` column; columns are: {}{hint}", names.join(", "))));
+                }
+            }
+            // A column remapped to one the data does not have would read as absent (an empty
+            // alpaca input, no labels): the remap was meant for something.
+            if let Some((k, v)) = fmt.mapped_columns().find(|(_, v)| !names.iter().any(|n| n == v)) {
+                return Err(Error::data(names_file, format!("[data.columns] maps `{k}` to `{v}`, which is not a column; columns are: {}", names.join(", "))));
+            }
         }
         // Tokens past max_seq_len are cut anyway: never tokenize (much) more than that.
         fmt.set_token_limit(Some(opts.max_seq_len));
@@ -482,7 +487,7 @@ fn convert(fmt: &Formatter, r: &RowRef, opts: &LoaderOptions) -> Result<Converte
         Ok(rec) => rec,
         Err(b) => return Ok(Converted::Bad(b)),
     };
-    let mut ex = match fmt.tokenize(rec, r.index)? {
+    let mut ex = match fmt.tokenize(rec, r.number())? {
         Ok(ex) => ex,
         Err(b) => return Ok(Converted::Bad(b)),
     };

@@ -328,6 +328,8 @@ struct IpcShard {
     path: PathBuf,
     map: Arc<memmap2::Mmap>,
     schema: Range<usize>,
+    /// The schema's top-level column names.
+    columns: Vec<String>,
     /// (byte range of the whole message, rows)
     batches: Vec<(Range<usize>, usize)>,
 }
@@ -353,6 +355,7 @@ impl IpcShard {
             pos += 8;
         }
         let mut schema = None;
+        let mut columns = Vec::new();
         let mut batches = Vec::new();
         let mut ended = false;
         while pos < b.len() {
@@ -378,6 +381,7 @@ impl IpcShard {
                 MessageHeader::Schema => {
                     for f in msg.header_as_schema().and_then(|s| s.fields()).into_iter().flatten() {
                         check_field_type(f).map_err(|m| bad(format!("schema: {m}")))?;
+                        columns.push(f.name().unwrap_or_default().to_string());
                     }
                     schema = Some(start..end);
                 }
@@ -400,7 +404,7 @@ impl IpcShard {
         }
         let schema = schema.ok_or_else(|| bad("no schema message".into()))?;
         release(&map, 0..map.len());
-        Ok(IpcShard { path: path.to_path_buf(), map: Arc::new(map), schema, batches })
+        Ok(IpcShard { path: path.to_path_buf(), map: Arc::new(map), schema, columns, batches })
     }
 
     fn buffer(&self, r: &Range<usize>) -> Buffer {
@@ -434,17 +438,21 @@ impl IpcShard {
 struct ParquetShard {
     path: PathBuf,
     groups: Vec<usize>,
+    /// The schema's top-level column names.
+    columns: Vec<String>,
 }
 
 impl ParquetShard {
     fn open(path: &Path) -> Result<Self> {
         use parquet::file::reader::{FileReader, SerializedFileReader};
         let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let groups = guarded(path, "Parquet footer", || {
+        let (groups, columns) = guarded(path, "Parquet footer", || {
             let r = SerializedFileReader::new(f).map_err(|e| Error::data(path, format!("not a readable Parquet file: {e}")))?;
-            Ok(r.metadata().row_groups().iter().map(|g| g.num_rows().max(0) as usize).collect())
+            let m = r.metadata();
+            let columns = m.file_metadata().schema_descr().root_schema().get_fields().iter().map(|f| f.name().to_string()).collect();
+            Ok((m.row_groups().iter().map(|g| g.num_rows().max(0) as usize).collect(), columns))
         })?;
-        Ok(ParquetShard { path: path.to_path_buf(), groups })
+        Ok(ParquetShard { path: path.to_path_buf(), groups, columns })
     }
 
     fn decode(&self, group: usize) -> Result<RecordBatch> {
@@ -606,6 +614,14 @@ impl Shard {
             Shard::Jsonl(s) => s.blocks.iter().map(|b| b.1).collect(),
         }
     }
+    /// Column names from the file's schema, where it has one (not JSON lines).
+    fn schema_columns(&self) -> Option<&[String]> {
+        match self {
+            Shard::Ipc(s) => Some(&s.columns),
+            Shard::Parquet(s) => Some(&s.columns),
+            Shard::Jsonl(_) => None,
+        }
+    }
     fn decode(&self, block: usize) -> Result<Block> {
         Ok(match self {
             Shard::Ipc(s) => Block::Arrow(s.decode(block)?),
@@ -653,6 +669,8 @@ pub struct RowRef<'a> {
     pub file: &'a Path,
     /// 0-based row index within the dataset (across shards).
     pub index: u64,
+    /// 0-based row index within its file (what messages name: the file is named with it).
+    pub file_row: u64,
 }
 
 pub struct Rows {
@@ -780,6 +798,34 @@ impl Rows {
         }
     }
 
+    /// The columns of each file that has rows, with the file: its schema's (Arrow, Parquet),
+    /// or as [`Self::columns_and_file`] finds them in its first block that has a record (JSON
+    /// lines; a file of only bad lines is left out). Every file of a list is checked when the
+    /// loader opens, not only the first: the second file's missing column otherwise surfaced
+    /// rows into training, and the run stopped without a checkpoint.
+    pub fn columns_by_file(&mut self) -> Result<Vec<(Vec<String>, PathBuf)>> {
+        let mut out = Vec::new();
+        for f in 0..self.shards.len() {
+            if self.blocks[f].iter().all(|&n| n == 0) {
+                continue;
+            }
+            if let Some(cols) = self.shards[f].schema_columns() {
+                out.push((cols.to_vec(), self.shards[f].path().to_path_buf()));
+                continue;
+            }
+            for b in 0..self.blocks[f].len() {
+                if self.blocks[f][b] == 0 {
+                    continue;
+                }
+                if let Some(cols) = self.block(f, b)?.columns() {
+                    out.push((cols, self.shards[f].path().to_path_buf()));
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Fail unless the data has every column in `names` (as found by [`Self::columns_and_file`]),
     /// naming the missing ones, the file, and the columns it does have.
     pub fn require_columns(&mut self, names: &[&str]) -> Result<()> {
@@ -859,16 +905,24 @@ impl Rows {
             Some(_) => return Err(short()),
             None => return Err(Error::data(file, "internal: block cache empty")),
         };
-        Ok(RowRef { row, file, index: pos.index })
+        let file_row = pos.index - self.starts[pos.file].first().copied().unwrap_or(0);
+        Ok(RowRef { row, file, index: pos.index, file_row })
     }
 }
 
 impl RowRef<'_> {
-    /// "row N", with the file's line number for JSON lines: "row N (line L)".
+    /// "row N" (N counted in the row's own file, which messages name with it: across a list
+    /// of sources or a folder's shards a dataset-wide count pointed at the wrong row), with the
+    /// file's line number for JSON lines: "row N (line L)".
     pub fn at(&self) -> String {
+        format!("row {}", self.number())
+    }
+
+    /// [`Self::at`] without the word "row": "N" or "N (line L)".
+    pub fn number(&self) -> String {
         match &self.row {
-            Row::Json { line, .. } | Row::BadLine { line, .. } => format!("row {} (line {line})", self.index),
-            Row::Arrow { .. } => format!("row {}", self.index),
+            Row::Json { line, .. } | Row::BadLine { line, .. } => format!("{} (line {line})", self.file_row),
+            Row::Arrow { .. } => self.file_row.to_string(),
         }
     }
 
