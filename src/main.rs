@@ -53,7 +53,7 @@ enum Command {
     },
     /// Export a run's adapter (PEFT format) or merge it into the base model (HF safetensors).
     Export(ExportArgs),
-    /// Convert a llama-architecture GGUF file (llama.cpp) into an HF model folder.
+    /// Convert a llama.cpp GGUF file (llama, qwen2 or deepseek2 architecture) into an HF model folder.
     Import {
         #[arg(long)]
         gguf: PathBuf,
@@ -166,7 +166,7 @@ enum Command {
         #[arg(long, default_value = "f32")]
         dtype: String,
         /// Write the model as a llama.cpp GGUF file (<out>/model.gguf) quantized to this
-        /// type (q8_0, q4_0, q4_k, q5_k, q6_k, f32) instead of an HF folder: one tensor is
+        /// type (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, f32) instead of an HF folder: one tensor is
         /// generated at a time, so a 7B-shaped file needs only its quantized size in memory.
         #[arg(long)]
         gguf: Option<String>,
@@ -500,7 +500,11 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
         // The message names the config.json key and what is supported.
         E::Config { .. } => None,
         E::Shape { file, .. } if adapter_file(file) => Some("the adapter was trained on another base model (or with another rank): use the base it names in adapter_config.json"),
-        E::Safetensors { .. } | E::MissingTensor { .. } | E::Shape { .. } => {
+        E::Safetensors { file, .. } if adapter_file(&file.to_string_lossy()) => {
+            Some("the adapter file is damaged or incomplete: export it again (finetune export --run), or use another checkpoint of the run")
+        }
+        E::Safetensors { .. } => Some("the file is damaged or incomplete (an interrupted download or copy?): re-download or re-export it"),
+        E::MissingTensor { .. } | E::Shape { .. } => {
             Some("the checkpoint does not match its config.json; re-download or re-export it")
         }
         E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) && recipe => Some(
@@ -839,7 +843,7 @@ fn main() -> ExitCode {
     tune_thread_pools();
     finetune::alloc::tune();
     let cli = Cli::parse();
-    let recipe = matches!(cli.command, None | Some(Command::Plan { .. } | Command::Data { .. }));
+    let recipe = matches!(cli.command, None | Some(Command::Train(_) | Command::Plan { .. } | Command::Data { .. }));
     match run(cli) {
         Ok(code) => code,
         Err(e) => {

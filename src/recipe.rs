@@ -650,6 +650,10 @@ impl LoadedRecipe {
         if d.packing {
             return Err(self.err("data.packing", "cannot be combined with data.batch_by = \"tokens\" (token batches group whole records by length; set one of them)"));
         }
+        // The shortest record that trains anything has two tokens (max_seq_len's floor too).
+        if d.max_tokens < 2 {
+            return Err(self.err("data.max_tokens", format!("is {}; a micro-batch must hold at least one record of 2 tokens", d.max_tokens)));
+        }
         // (A record longer than max_tokens is refused when the loader meets one: a max_seq_len
         // over the budget is fine where no record is that long.)
         Ok(())
@@ -1147,6 +1151,15 @@ dir = "out"
 
     fn err_text(text: &str, overrides: &[&str]) -> String {
         load(text, overrides).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_token_budget_under_one_two_token_record_is_refused() {
+        for n in [0, 1] {
+            let e = err_text(MINIMAL, &["data.batch_by=\"tokens\"", &format!("data.max_tokens={n}")]);
+            assert!(e.contains("data.max_tokens") && e.contains("at least one record of 2 tokens"), "{e}");
+        }
+        load(MINIMAL, &["data.batch_by=\"tokens\"", "data.max_tokens=2"]).unwrap();
     }
 
     #[test]

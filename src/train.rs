@@ -840,7 +840,7 @@ fn update(rk: &mut RankRun, master: &mut [f32], grads: Vec<Option<Tensor>>, step
     if full.iter().any(|x| !x.is_finite()) {
         return Err(Error::Train(format!(
             "step {step}: the update made LoRA weights non-finite from a finite gradient; stopping before saving them \
-             (train.lr = {} is too high{})",
+             (train.lr = {:e} is too high{})",
             t.lr,
             if t.weight_decay > 0.0 { format!(", or train.weight_decay = {}", t.weight_decay) } else { String::new() }
         )));
@@ -938,7 +938,7 @@ fn cleanup(mut rk: RankRun, resumed: Resumed, trained: Trained) -> Result<RunSum
 fn non_finite_loss(loaded: &LoadedRecipe, step: usize, first: bool, loss: f64, adapters: &Adapters) -> Error {
     let r = &loaded.recipe;
     if !first {
-        return Error::Train(format!("step {step}: the loss became {loss} after earlier updates; stopping (train.lr = {} is likely too high)", r.train.lr));
+        return Error::Train(format!("step {step}: the loss became {loss} after earlier updates; stopping (train.lr = {:e} is likely too high)", r.train.lr));
     }
     for (key, v) in adapters.params() {
         let bad = v.as_tensor().flatten_all().and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.to_vec1::<f32>()).map(|x| x.iter().any(|x| !x.is_finite()));

@@ -88,7 +88,25 @@ fn an_error_s_cause_is_said_once() {
 #[test]
 fn missing_model_dir_is_named() {
     let d = setup();
-    assert_clean_failure(d.path(), &["model.path=no-such-model"], &["no-such-model", "does not exist"]);
+    assert_clean_failure(d.path(), &["model.path=no-such-model"], &["no-such-model", "does not exist", "hint: model.path must name"]);
+    // `finetune train --recipe` is the same command: its hint names the recipe key too, not
+    // the flags of the commands without a recipe.
+    let out = Command::new(env!("CARGO_BIN_EXE_finetune")).args(["train", "--recipe"]).arg(d.path().join("recipe.toml")).args(["--set", "model.path=no-such-model"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("hint: model.path must name"), "{err}");
+}
+
+#[test]
+fn a_truncated_adapter_is_called_damaged_not_a_mismatched_checkpoint() {
+    let d = setup();
+    let (ok, err) = run(d.path(), &[]);
+    assert!(ok, "{err}");
+    let f = d.path().join("out/adapter/adapter_model.safetensors");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() - 100]).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_finetune")).args(["logits", "--model"]).arg(d.path().join("model")).arg("--adapter").arg(d.path().join("out/adapter")).args(["--tokens", "1,5"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("adapter_model.safetensors") && err.contains("hint: the adapter file is damaged or incomplete"), "{err}");
 }
 
 #[test]
