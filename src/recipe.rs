@@ -455,8 +455,9 @@ pub struct TrainSection {
     /// What "auto" checkpointing may keep per micro-batch, in MB (unset: with a 16-bit base
     /// every layer's attention output and SwiGLU inputs up to 2048 tokens and, beyond 1024,
     /// the projection outputs of up to two fifths of the layers; with an f32 base two to four
-    /// times the saved layer inputs; and no checkpointing at all when every layer fits whole
-    /// in a quarter of the base's bytes: `train::checkpoint_layers`, `default_keep_budget`).
+    /// times the saved layer inputs; and when every layer fits whole in a quarter of the base's
+    /// bytes, all three kinds in every layer, or no checkpointing at all where some layer
+    /// cannot keep its SwiGLU inputs: `train::checkpoint_layers`, `default_keep_budget`).
     /// Unset, micro-batches of rows over 2048 tokens also run in passes of at most 2048, each
     /// with that default (`train::pass_tokens`); set, the budget is for the whole micro-batch.
     #[serde(default)]

@@ -1499,9 +1499,11 @@ pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) 
 /// so with ZeRO-3 shards, a quantized base or a bf16 base converted for `model.matmul = "f32"` a whole
 /// layer would keep its gathered, dequantised or converted copy until backward.
 /// Without `train.activation_memory_mb`, a model whose layers all fit whole in a quarter of
-/// its base's bytes is not checkpointed at all (DeepSeek-V2-Lite's MoE cut at 1 x 512: 617 MB
-/// of activations beside a 3.4 GB bf16 base); the peak is then the base plus at most a
-/// quarter, where recomputing would save a few percent of it and cost ~30% of the step.
+/// its base's bytes (DeepSeek-V2-Lite's MoE cut at 1 x 512: 617 MB of activations beside a
+/// 3.4 GB bf16 base) keeps in every layer all that is costly to recompute, or, where some
+/// layer cannot keep its SwiGLU inputs (adapted MLPs or routed experts), is not checkpointed
+/// at all: the peak is then the base plus at most a quarter, where recomputing whole MLPs
+/// would save a few percent of it and cost ~30% of the step.
 /// Where micro-batches run in passes of their rows ([`pass_tokens`]), all this is per pass.
 /// `fused`: whether the fused CPU ops run (`Kernels::fused_on`).
 pub fn checkpoint_layers(r: &crate::recipe::Recipe, cfg: &ModelConfig, fused: bool, resident: bool) -> Option<Vec<KeepLayer>> {

@@ -1,6 +1,7 @@
 //! The one place that decides which version of an op runs, per (device, dtype, op), and the
-//! dtypes a run computes in. Nothing else in the crate asks `is_cpu()` of a tensor or device
-//! (model, loss and op call sites pass a [`Kernels`] and are handed the result).
+//! dtypes a run computes in: model, loss and op call sites pass a [`Kernels`] and are handed
+//! the result. (`weights/` asks `is_cpu()` too, but only about where frozen tensors may stay:
+//! row tables, a head read from its file, ggml rows cut on the host.)
 //!
 //! | op ([`Op`])    | CPU, f32 activations (`auto`)                     | CPU `portable`, CUDA (any dtype)               |
 //! |----------------|---------------------------------------------------|------------------------------------------------|
