@@ -500,6 +500,33 @@ fn messages_stored_as_arrow_structs_are_read() {
     assert_eq!(ex, want);
 }
 
+/// ShareGPT's `from`/`value` messages are refused with what they are and what to convert them
+/// to, from JSON lines and from Arrow structs alike.
+#[test]
+fn sharegpt_messages_are_named_as_such() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let jl = d.path().join("sg.jsonl");
+    write_jsonl(&jl, &[r#"{"messages": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}"#.to_string()]);
+    let fields = vec![Field::new("from", DataType::Utf8, true), Field::new("value", DataType::Utf8, true)];
+    let mut lb = ListBuilder::new(StructBuilder::from_fields(fields, 2));
+    for (r, c) in [("human", "Hi"), ("gpt", "Hello!")] {
+        let sb = lb.values();
+        sb.field_builder::<StringBuilder>(0).unwrap().append_value(r);
+        sb.field_builder::<StringBuilder>(1).unwrap().append_value(c);
+        sb.append(true);
+    }
+    lb.append(true);
+    let col: ArrayRef = Arc::new(lb.finish());
+    let ar = d.path().join("sg.arrow");
+    finetune::synth::write_arrow_stream(&ar, &[RecordBatch::try_from_iter(vec![("messages", col)]).unwrap()]).unwrap();
+    for p in [jl, ar] {
+        let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "messages", None, false), opts()).unwrap();
+        let e = l.next_example().err().map(|e| e.to_string()).unwrap_or_else(|| "accepted".into());
+        assert!(e.contains("ShareGPT") && e.contains("`role` and `content`"), "{}: {e}", p.display());
+    }
+}
+
 #[test]
 fn r1_distill_tool_calls_are_trained_with_their_turn() {
     // llama.cpp's copy of DeepSeek-R1-Distill-Qwen-32B's template (chat-templates/r1-tools.jinja)

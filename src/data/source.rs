@@ -910,6 +910,9 @@ impl Rows {
     }
 }
 
+/// Said where messages have ShareGPT's keys instead of `role` and `content`.
+const SHAREGPT: &str = " (they have `from` and `value`, ShareGPT's layout: convert them to `role` and `content` with the roles system, user and assistant, the layout transformers' chat templates and TRL read)";
+
 impl RowRef<'_> {
     /// "row N" (N counted in the row's own file, which messages name with it: across a list
     /// of sources or a folder's shards a dataset-wide count pointed at the wrong row), with the
@@ -1042,7 +1045,10 @@ impl RowRef<'_> {
                 Some(serde_json::Value::Array(a)) => a
                     .iter()
                     .map(|m| {
-                        let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| self.err(column, "a message has no string `role`"))?;
+                        let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| {
+                            let sharegpt = m.get("from").is_some() && m.get("value").is_some();
+                            self.err(column, format!("a message has no string `role`{}", if sharegpt { SHAREGPT } else { "" }))
+                        })?;
                         let mut msg = match m.get("content") {
                             Some(serde_json::Value::String(c)) => Message::new(role, c),
                             // A tool-call turn: the template decides what None renders as.
@@ -1067,7 +1073,8 @@ impl RowRef<'_> {
                     .ok_or_else(|| self.err(column, format!("expected a list of {{role, content}} structs, got {}", col.data_type())))?;
                 let s = list.as_struct_opt().ok_or_else(|| self.err(column, format!("expected structs, got {}", list.data_type())))?;
                 let field = |name: &str| -> Result<Vec<Option<String>>> {
-                    let c = s.column_by_name(name).ok_or_else(|| self.err(column, format!("messages have no `{name}` field")))?;
+                    let sharegpt = if s.column_by_name("from").is_some() && s.column_by_name("value").is_some() { SHAREGPT } else { "" };
+                    let c = s.column_by_name(name).ok_or_else(|| self.err(column, format!("messages have no `{name}` field{sharegpt}")))?;
                     (0..c.len())
                         .map(|i| match c.is_null(i) {
                             true => Ok(None),
