@@ -299,6 +299,12 @@ fn write_jsonl(path: &Path, lines: &[String]) {
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
 }
 
+fn write_parquet(path: &Path, batch: &RecordBatch, props: Option<parquet::file::properties::WriterProperties>) {
+    let mut w = parquet::arrow::ArrowWriter::try_new(std::fs::File::create(path).unwrap(), batch.schema(), props).unwrap();
+    w.write(batch).unwrap();
+    w.close().unwrap();
+}
+
 fn loader(specs: &[PathBuf], split: Option<&str>, fmt: Formatter, o: LoaderOptions) -> finetune::Result<Loader> {
     Loader::open(specs, Split::train(split), fmt, o)
 }
@@ -316,9 +322,7 @@ fn jsonl_parquet_arrow_and_dataset_dict_sources_read_the_same_records() {
     let col: ArrayRef = Arc::new(StringArray::from(texts.to_vec()));
     let batch = RecordBatch::try_from_iter(vec![("text", col)]).unwrap();
     let props = parquet::file::properties::WriterProperties::builder().set_max_row_group_size(2).build();
-    let mut w = parquet::arrow::ArrowWriter::try_new(std::fs::File::create(&pq).unwrap(), batch.schema(), Some(props)).unwrap();
-    w.write(&batch).unwrap();
-    w.close().unwrap();
+    write_parquet(&pq, &batch, Some(props));
     // DatasetDict with a train split (Arrow stream)
     let dd = d.path().join("dict");
     std::fs::create_dir_all(dd.join("train")).unwrap();
@@ -424,9 +428,7 @@ fn bad_records_are_named_by_their_row_in_their_own_file_and_every_files_columns_
     let pq = d.path().join("c.parquet");
     let col: ArrayRef = Arc::new(StringArray::from(vec!["x"]));
     let batch = RecordBatch::try_from_iter(vec![("other", col)]).unwrap();
-    let mut w = parquet::arrow::ArrowWriter::try_new(std::fs::File::create(&pq).unwrap(), batch.schema(), None).unwrap();
-    w.write(&batch).unwrap();
-    w.close().unwrap();
+    write_parquet(&pq, &batch, None);
     let e = loader(&[a, pq], None, formatter(&m, "tokenized", None, false), opts()).err().expect("opened").to_string();
     assert!(e.contains("c.parquet") && e.contains("no `input_ids` column") && e.contains("other"), "{e}");
 }
@@ -1379,9 +1381,7 @@ fn dictionary_encoded_string_columns_read_as_their_strings() {
     let p = d.path().join("cat.parquet");
     let col: ArrayRef = Arc::new(["one two", "three", "one two"].into_iter().collect::<arrow_array::DictionaryArray<arrow_array::types::Int32Type>>());
     let batch = RecordBatch::try_from_iter(vec![("text", col)]).unwrap();
-    let mut w = parquet::arrow::ArrowWriter::try_new(std::fs::File::create(&p).unwrap(), batch.schema(), None).unwrap();
-    w.write(&batch).unwrap();
-    w.close().unwrap();
+    write_parquet(&p, &batch, None);
     let f = formatter(&m, "text", None, false);
     let mut l = loader(&[p], None, formatter(&m, "text", None, false), opts()).unwrap();
     let texts: Vec<String> = (0..3).map(|_| f.decode(&l.next_example().unwrap().input_ids)).collect();
