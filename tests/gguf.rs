@@ -609,6 +609,7 @@ fn hostile_header_sizes_are_errors_without_huge_allocations_overflow_or_panics()
         ("an unknown tensor type", raw(1, 1, &[arch.clone(), tensor_record("token_embd.weight", &[64, 4], 99, 0)].concat()), "token_embd.weight"),
         ("a misaligned data offset", raw(1, 1, &[arch.clone(), tensor_record("token_embd.weight", &[4, 1], 0, 4)].concat()), "token_embd.weight"),
         ("rows that are not whole quantization blocks", raw(1, 1, &[arch.clone(), tensor_record("token_embd.weight", &[33, 1], 8, 0)].concat()), "token_embd.weight"),
+        ("a tensor with an empty name", raw(1, 1, &[arch.clone(), tensor_record("", &[4], 0, 0)].concat()), "tensor record 0"),
         ("two tensors on overlapping bytes", [raw(2, 1, &[arch.clone(), tensor_record("a.weight", &[64], 0, 0), tensor_record("b.weight", &[64], 0, 32)].concat()), vec![0; 1024]].concat(), "b.weight"),
         ("two tensors of one name", raw(2, 1, &[arch.clone(), tensor_record("t.weight", &[1], 0, 0), tensor_record("t.weight", &[1], 0, 0)].concat()), "t.weight"),
         ("a key given twice", raw(0, 2, &[arch.clone(), arch.clone()].concat()), "general.architecture"),

@@ -305,6 +305,11 @@ pub fn read_header(gguf: &Path) -> Result<(std::fs::File, Content)> {
     let mut names = HashSet::new();
     for i in 0..n_tensors {
         let name = r.string(&format!("tensor record {i}"), "the tensor name", true)?.unwrap_or_default();
+        if name.is_empty() {
+            // Usually a header read at the wrong offsets (a damaged file, or the version field
+            // saying 1 where the layout is 2 or 3): name the record, not an empty key.
+            return Err(r.err(&format!("tensor record {i}"), "has an empty name (a damaged header?)"));
+        }
         if !names.insert(name.clone()) {
             return Err(r.err(&name, "two tensors have this name"));
         }
