@@ -38,6 +38,21 @@ pub struct Generator {
     tok_path: std::path::PathBuf,
 }
 
+/// The ids generation stops on, where transformers' `generate` stops: the `eos_token_id` (one
+/// or a list) of generation_config.json where the folder has that file, else config.json's
+/// (`GenerationMixin` loads the one and falls back to the other; it never asks the
+/// tokenizer). A union with the tokenizer's eos_token and the usual end-of-turn names cut
+/// answers short where transformers runs on (a base model that writes `</s>` mid-text).
+pub fn stop_ids(dir: &Path) -> Result<Vec<u32>> {
+    let gen = crate::chat::optional_json(dir, "generation_config.json")?;
+    let cfg = if gen.is_null() { crate::chat::optional_json(dir, "config.json")? } else { gen };
+    Ok(match cfg.get("eos_token_id") {
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        Some(x) => x.as_u64().map(|x| x as u32).into_iter().collect(),
+        None => Vec::new(),
+    })
+}
+
 impl Generator {
     /// Load a model folder (f32 compute) with an optional PEFT adapter.
     pub fn load(model: &ModelDir, adapter: Option<&Path>) -> Result<Self> {
@@ -51,25 +66,7 @@ impl Generator {
         }
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
         let chat = ChatTemplate::from_model_dir(&model.dir)?;
-        // Stop on the eos ids of config.json and generation_config.json (what transformers'
-        // generate stops on), on the tokenizer's eos_token (tokenizer_config.json, else
-        // special_tokens_map.json), and on the chat
-        // end-of-turn tokens the vocabulary has.
-        let mut stop = Vec::new();
-        for name in ["config.json", "generation_config.json"] {
-            let v = crate::chat::optional_json(&model.dir, name)?;
-            match v.get("eos_token_id") {
-                Some(serde_json::Value::Array(a)) => stop.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
-                Some(x) => stop.extend(x.as_u64().map(|x| x as u32)),
-                None => {}
-            }
-        }
-        stop.extend(crate::chat::model_special_tokens(&model.dir)?.1.and_then(|e| tokenizer.token_to_id(&e)));
-        for t in ["<|im_end|>", "<|eot_id|>", "<|end_of_sentence|>", "<｜end▁of▁sentence｜>", "</s>"] {
-            if let Some(id) = tokenizer.token_to_id(t) {
-                stop.push(id);
-            }
-        }
+        let stop = stop_ids(&model.dir)?;
         Ok(Generator { model: llama, adapters, tokenizer, chat, chat_vars: Default::default(), stop, tok_path })
     }
 

@@ -214,6 +214,25 @@ fn prompt_and_completion_are_tokenized_as_one_text_as_trl_does() {
     assert_eq!((&ex.input_ids, &ex.labels), (&ids, &labels), "the post-processor's EOS");
 }
 
+/// Generation stops where transformers' generate stops: generation_config.json's eos ids where
+/// the file is there, else config.json's; not the tokenizer's eos_token or end-of-turn names
+/// (a union of all of them cut answers short where transformers ran on).
+#[test]
+fn generate_stops_on_the_eos_ids_transformers_stops_on() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let cfg_path = m.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["eos_token_id"] = serde_json::json!(5);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let _ = std::fs::remove_file(m.join("generation_config.json"));
+    assert_eq!(finetune::generate::stop_ids(&m).unwrap(), [5], "config.json's where there is no generation_config.json");
+    std::fs::write(m.join("generation_config.json"), r#"{"eos_token_id": [7, 8]}"#).unwrap();
+    assert_eq!(finetune::generate::stop_ids(&m).unwrap(), [7, 8], "generation_config.json's, alone");
+    std::fs::write(m.join("generation_config.json"), r#"{"do_sample": false}"#).unwrap();
+    assert_eq!(finetune::generate::stop_ids(&m).unwrap(), Vec::<u32>::new(), "a generation config without eos stops on none, as transformers");
+}
+
 #[test]
 fn generate_feeds_a_plain_prompt_with_bos_as_it_was_trained() {
     // A prompt without a chat template is tokenized as training tokenizes text records and as
