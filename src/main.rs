@@ -232,14 +232,17 @@ fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     println!("data: {} rows; format {}; trained tokens shown as {open}like this{close}\n", loader.total_rows(), r.data.format);
     for i in 0..n.min(loader.total_rows() as usize) {
         let ex = loader.next_example()?;
-        let trained = ex.labels.iter().filter(|&&l| l != finetune::data::IGNORE).count();
+        // Token t is trained where position t - 1 predicts it: never the first token, whatever
+        // its label (a tokenizer that adds no BOS leaves the first label set).
+        let trains = |t: usize| t > 0 && ex.labels[t] != finetune::data::IGNORE;
+        let trained = (0..ex.input_ids.len()).filter(|&t| trains(t)).count();
         println!("--- example {i}: {} tokens, {trained} trained", ex.input_ids.len());
         let mut out = String::new();
         let mut start = 0;
         while start < ex.input_ids.len() {
-            let on = ex.labels[start] != finetune::data::IGNORE;
+            let on = trains(start);
             let mut end = start;
-            while end < ex.input_ids.len() && (ex.labels[end] != finetune::data::IGNORE) == on {
+            while end < ex.input_ids.len() && trains(end) == on {
                 end += 1;
             }
             let text = loader.formatter().decode(&ex.input_ids[start..end]);

@@ -926,6 +926,24 @@ fn data_inspect_marks_trained_tokens_and_counts_overflow() {
     assert!(!d.path().join("out").exists(), "inspect writes nothing");
 }
 
+/// No position predicts the first token, so inspect never counts or marks it as trained, even
+/// where its label is set (a text record through a tokenizer that adds no BOS): it said
+/// "6 tokens, 6 trained" where training trains 5.
+#[test]
+fn data_inspect_never_counts_the_first_token_as_trained() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    write_jsonl(&d.path().join("t.jsonl"), &[serde_json::json!({"text": "one two three"}).to_string()]);
+    std::fs::write(d.path().join("r.toml"), format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"t.jsonl\"\nformat = \"text\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "1"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line = text.lines().find(|l| l.starts_with("--- example 0: ")).unwrap_or_else(|| panic!("{text}"));
+    let nums: Vec<usize> = line.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).collect();
+    assert_eq!(nums[2], nums[1] - 1, "{line}");
+    assert!(text.contains("one«"), "the first token is shown untrained: {text}");
+}
+
 /// `datasets` reads .json files in a data folder; finetune does not, and says so.
 #[test]
 fn json_files_in_a_data_folder_are_named_as_not_read() {
