@@ -511,7 +511,7 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
             Some("the checkpoint does not match its config.json; re-download or re-export it")
         }
         E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) && recipe => Some(
-            "free space on that disk (or point output.dir elsewhere) and rerun: the newest complete checkpoint is intact and the run resumes from it",
+            "free space on that disk (a lower checkpoint.keep_last prunes older checkpoints as the run resumes; or point output.dir elsewhere) and rerun: the newest complete checkpoint is intact and the run resumes from it",
         ),
         E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
             Some("free space on that disk (or write --out elsewhere) and rerun: nothing half-written was left at --out")

@@ -958,6 +958,14 @@ fn non_finite_loss(loaded: &LoadedRecipe, step: usize, first: bool, loss: f64, a
     ))
 }
 
+/// On resume, drop the checkpoints past `checkpoint.keep_last` at once, not after the next
+/// save: the newest is the one resumed from (newer ones were set aside), so this never goes
+/// below keep_last, and a run stopped by a full disk frees its space by lowering keep_last
+/// instead of failing its next save again.
+fn prune_to(loaded: &LoadedRecipe, out_dir: &std::path::Path) -> Result<()> {
+    crate::checkpoint::prune(out_dir, loaded.recipe.checkpoint.keep_last)
+}
+
 /// Take the output folder for this run (see `output`): lock it, clear half-written
 /// checkpoints, and move aside whatever belongs to a run this one does not continue.
 ///
@@ -1009,6 +1017,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, resumable: &dy
                     }
                     let damaged: Vec<PathBuf> = scan.damaged.iter().map(|(d, _)| rel(d)).collect();
                     set_aside_newer(out_dir, *step, damaged, "damaged checkpoints newer than the one resumed from")?;
+                    prune_to(loaded, out_dir)?;
 
                 }
             }
@@ -1029,6 +1038,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, resumable: &dy
                 Some((step, _)) => {
                     let newer: Vec<PathBuf> = crate::checkpoint::list(out_dir).into_iter().filter(|(s, _)| *s > step).map(|(_, d)| rel(&d)).collect();
                     set_aside_newer(out_dir, step, newer, &format!("resuming from step {step}: the later checkpoints"))?;
+                    prune_to(loaded, out_dir)?;
                 }
                 None => {
                     let moved = set_aside(out_dir, &previous_run_files(out_dir))?;

@@ -185,6 +185,21 @@ fn a_resume_that_would_split_micro_batches_differently_is_refused() {
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![2]);
 }
 
+/// A run resumed with a lower checkpoint.keep_last drops the checkpoints past it before its
+/// next save (never the one it resumes from): a run stopped by a full disk freed nothing by
+/// lowering keep_last and failed its next save again.
+#[test]
+fn a_resume_with_a_lower_keep_last_prunes_before_its_next_save() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=5"]).unwrap();
+    let steps = |d: &Path| finetune::checkpoint::list(&d.join("out")).into_iter().map(|(s, _)| s).collect::<Vec<_>>();
+    assert_eq!(steps(&dir), [5, 4, 3, 2, 1]);
+    // Nothing left to train: no save follows, so only a prune on resume can drop them.
+    train(&dir, &["train.max_steps=5", "checkpoint.keep_last=2"]).unwrap();
+    assert_eq!(steps(&dir), [5, 4]);
+}
+
 #[test]
 fn a_finished_run_given_more_steps_sets_its_old_final_outputs_aside() {
     // Left in place, out/adapter would be the step-2 adapter beside checkpoints of steps 3 and
