@@ -277,9 +277,12 @@ pub fn clean_temporaries(out_dir: &Path) {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
-    // A final adapter or merged model a crash left half-written (`train::save_adapter_dir`).
-    for tmp in [".adapter.tmp", ".merged.tmp"] {
-        let _ = std::fs::remove_dir_all(out_dir.join(tmp));
+    // A final adapter or merged model a crash left half-written (`train::save_adapter_dir`),
+    // unless a `finetune export` is staging it right now.
+    for (tmp, out) in [(".adapter.tmp", "adapter"), (".merged.tmp", "merged")] {
+        if !crate::output::StagingLock::held(&out_dir.join(out)) {
+            let _ = std::fs::remove_dir_all(out_dir.join(tmp));
+        }
     }
 }
 

@@ -86,6 +86,55 @@ impl RunLock {
     }
 }
 
+/// The exclusive right to stage one export output (`out`'s `.NAME.tmp` beside it), held until
+/// dropped: two writers of one output (two `finetune export`s, or an export and a run's own
+/// end-of-run merge) would share that staging folder, and one of them exited 0 over a folder
+/// the other had half replaced. The lock file is `.NAME.lock` beside it.
+pub struct StagingLock {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl Drop for StagingLock {
+    /// Unlinked while still locked, so nothing is left beside the output: a writer that
+    /// opened the old file meanwhile finds it replaced (`acquire` checks) and retries.
+    fn drop(&mut self) {
+        if same_file(&self.file, &self.path) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+impl StagingLock {
+    /// Take it, or say the output is being written.
+    pub fn acquire(out: &Path) -> Result<StagingLock> {
+        let path = staging_lock_path(out);
+        for _ in 0..8 {
+            let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| Error::io(&path, e))?;
+            if !try_flock(&file).map_err(|e| Error::io(&path, e))? {
+                return Err(Error::io(out, std::io::Error::other("is being written by another finetune process (an export or a run's end-of-run merge): wait for it to end")));
+            }
+            // Locked the file the path names (not one a finishing writer just unlinked)?
+            if same_file(&file, &path) {
+                return Ok(StagingLock { file, path });
+            }
+        }
+        Err(Error::io(&path, std::io::Error::other("the lock file kept being replaced while locking it")))
+    }
+
+    /// Whether a writer holds `out`'s staging now (a run's cleanup leaves its staging alone).
+    pub fn held(out: &Path) -> bool {
+        let path = staging_lock_path(out);
+        let Ok(file) = std::fs::OpenOptions::new().read(true).open(&path) else { return false };
+        matches!(try_flock(&file), Ok(false))
+    }
+}
+
+fn staging_lock_path(out: &Path) -> PathBuf {
+    let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "export".into());
+    out.with_file_name(format!(".{name}.lock"))
+}
+
 impl Drop for RunLock {
     fn drop(&mut self) {
         if !self.created {
@@ -102,7 +151,7 @@ impl Drop for RunLock {
 }
 
 /// `flock(LOCK_EX | LOCK_NB)`: Ok(false) when another open file holds it.
-fn try_flock(file: &std::fs::File) -> std::io::Result<bool> {
+pub(crate) fn try_flock(file: &std::fs::File) -> std::io::Result<bool> {
     use std::os::fd::AsRawFd;
     // SAFETY: flock on a descriptor we own; no memory is passed.
     let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
@@ -117,7 +166,7 @@ fn try_flock(file: &std::fs::File) -> std::io::Result<bool> {
     }
 }
 
-fn same_file(file: &std::fs::File, path: &Path) -> bool {
+pub(crate) fn same_file(file: &std::fs::File, path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     match (file.metadata(), std::fs::metadata(path)) {
         (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),

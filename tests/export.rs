@@ -353,6 +353,30 @@ fn a_merged_folder_is_replaced_whole_or_refused_and_a_symlink_is_refused_up_fron
     }
 }
 
+/// One writer stages an output at a time: two exports of one merged folder (or an export and
+/// a run's end-of-run merge) shared its staging folder, and one exited 0 over a folder the
+/// other had half replaced; a run starting on the folder deleted an export's staging.
+#[test]
+fn an_output_being_staged_is_refused_to_a_second_writer_and_left_alone_by_a_run_s_cleanup() {
+    let (d, run) = trained(TinyShape::default(), 1);
+    let out = run.join("merged");
+    let held = finetune::output::StagingLock::acquire(&out).unwrap();
+    assert!(finetune::output::StagingLock::held(&out));
+    let a = PeftAdapter::open(&run.join("adapter")).unwrap();
+    let base = ModelDir::resolve(a.base_model.as_deref().unwrap(), Path::new(".")).unwrap();
+    let err = merge(&base, &a, &out, &ExportOptions { merge: true, ..Default::default() }).unwrap_err().to_string();
+    assert!(err.contains("being written by another finetune process"), "{err}");
+    std::fs::create_dir_all(run.join(".merged.tmp")).unwrap();
+    finetune::checkpoint::clean_temporaries(&run);
+    assert!(run.join(".merged.tmp").is_dir(), "the staging of a writer that holds it was deleted");
+    drop(held);
+    assert!(!finetune::output::StagingLock::held(&out) && !run.join(".merged.lock").exists());
+    finetune::checkpoint::clean_temporaries(&run);
+    assert!(!run.join(".merged.tmp").exists(), "a crash's leftover staging is cleaned");
+    merge(&base, &a, &out, &ExportOptions { merge: true, ..Default::default() }).unwrap();
+    let _ = d;
+}
+
 /// A signal during a merge (Ctrl-C while a run's end-of-run merge writes, or during `finetune
 /// export --merge`) stops it at the next tensor: the error names the signal, nothing is left
 /// in the output's place or staged beside it, and a merged model already there (which the

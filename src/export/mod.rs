@@ -224,6 +224,10 @@ fn staged<T>(out: &Path, replace: bool, build: impl FnOnce(&Path) -> Result<T>) 
     }
     let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "export".into());
     let tmp = out.with_file_name(format!(".{name}.tmp"));
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    let _lock = crate::output::StagingLock::acquire(out)?;
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     }
