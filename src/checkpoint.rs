@@ -134,7 +134,7 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
     write_file(&tmp.join("recipe.toml"), recipe.as_bytes())?;
 
     let mut files = BTreeMap::new();
-    for rel in ["adapter/adapter_model.safetensors", "adapter/adapter_config.json", "optimizer.safetensors", "state.json", "recipe.toml"] {
+    for rel in CHECKPOINT_FILES {
         let (bytes, sha) = sha256_file(&tmp.join(rel))?;
         files.insert(rel.to_string(), serde_json::json!({"bytes": bytes, "sha256": sha}));
     }
@@ -159,14 +159,33 @@ pub fn verify(dir: &Path) -> std::result::Result<usize, String> {
     let text = std::fs::read_to_string(dir.join(MANIFEST)).map_err(|e| format!("no readable {MANIFEST}: {e}"))?;
     let m: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{MANIFEST} is not valid JSON: {e}"))?;
     let files = m.get("files").and_then(|f| f.as_object()).ok_or(format!("{MANIFEST} lists no files"))?;
+    // Every file a checkpoint has, not only those the manifest names: a manifest that lost an
+    // entry let a damaged optimizer state resume.
+    if let Some(rel) = CHECKPOINT_FILES.iter().find(|rel| !files.contains_key(**rel)) {
+        return Err(format!("{MANIFEST} does not list {rel}"));
+    }
     for (rel, want) in files {
         let (bytes, sha) = sha256_file(&dir.join(rel)).map_err(|e| e.to_string())?;
         if Some(bytes) != want.get("bytes").and_then(|b| b.as_u64()) || Some(sha.as_str()) != want.get("sha256").and_then(|s| s.as_str()) {
             return Err(format!("{rel} does not match its checksum"));
         }
     }
-    m.get("step").and_then(|s| s.as_u64()).map(|s| s as usize).ok_or(format!("{MANIFEST} has no step"))
+    let step = m.get("step").and_then(|s| s.as_u64()).map(|s| s as usize).ok_or(format!("{MANIFEST} has no step"))?;
+    // The step the manifest, state.json and the folder's name say must agree (state.json of
+    // another step under a step-N name resumed as "step-N (step M)").
+    let state: serde_json::Value = std::fs::read_to_string(dir.join("state.json")).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+    if state.get("step").and_then(|s| s.as_u64()) != Some(step as u64) {
+        return Err(format!("state.json is not of step {step}, the step {MANIFEST} says"));
+    }
+    let named = dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse::<usize>().ok());
+    if named.is_some_and(|n| n != step) {
+        return Err(format!("the folder is named for another step than {MANIFEST}'s {step}"));
+    }
+    Ok(step)
 }
+
+/// The files of a checkpoint, each listed in its manifest with its size and SHA-256.
+const CHECKPOINT_FILES: [&str; 5] = ["adapter/adapter_model.safetensors", "adapter/adapter_config.json", "optimizer.safetensors", "state.json", "recipe.toml"];
 
 /// Checkpoint folders under `out_dir`, newest first.
 pub fn list(out_dir: &Path) -> Vec<(usize, PathBuf)> {

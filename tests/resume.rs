@@ -185,6 +185,30 @@ fn a_resume_that_would_split_micro_batches_differently_is_refused() {
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![2]);
 }
 
+/// A checkpoint verifies only as a whole: its manifest must list every file a checkpoint has,
+/// and the manifest, state.json and the folder's name must say the same step (a manifest that
+/// lost its optimizer entry, or a folder renamed to a later step, resumed from wrong state).
+#[test]
+fn a_checkpoint_whose_manifest_lost_an_entry_or_whose_steps_disagree_does_not_verify() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=2"]).unwrap();
+    let ck = dir.join("out/checkpoints/step-000002");
+    assert_eq!(finetune::checkpoint::verify(&ck), Ok(2));
+    let manifest = std::fs::read_dir(&ck).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|x| x == "json") && p.file_name().unwrap() != "state.json").unwrap();
+    let good = std::fs::read_to_string(&manifest).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&good).unwrap();
+    m["files"].as_object_mut().unwrap().remove("optimizer.safetensors");
+    std::fs::write(&manifest, m.to_string()).unwrap();
+    let e = finetune::checkpoint::verify(&ck).unwrap_err();
+    assert!(e.contains("does not list optimizer.safetensors"), "{e}");
+    std::fs::write(&manifest, &good).unwrap();
+    let moved = dir.join("out/checkpoints/step-000005");
+    std::fs::rename(&ck, &moved).unwrap();
+    let e = finetune::checkpoint::verify(&moved).unwrap_err();
+    assert!(e.contains("named for another step"), "{e}");
+}
+
 /// A run resumed with a lower checkpoint.keep_last drops the checkpoints past it before its
 /// next save (never the one it resumes from): a run stopped by a full disk freed nothing by
 /// lowering keep_last and failed its next save again.
