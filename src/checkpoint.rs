@@ -298,9 +298,9 @@ pub fn clean_temporaries(out_dir: &Path) {
     }
     // A final adapter or merged model a crash left half-written (`train::save_adapter_dir`),
     // unless a `finetune export` is staging it right now.
-    for (tmp, out) in [(".adapter.tmp", "adapter"), (".merged.tmp", "merged")] {
-        if !crate::output::StagingLock::held(&out_dir.join(out)) {
-            let _ = std::fs::remove_dir_all(out_dir.join(tmp));
+    for out in ["adapter", "merged"].map(|o| out_dir.join(o)) {
+        if !crate::output::StagingLock::held(&out) {
+            let _ = std::fs::remove_dir_all(crate::output::beside(&out, "tmp"));
         }
     }
 }

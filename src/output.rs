@@ -131,8 +131,14 @@ impl StagingLock {
 }
 
 fn staging_lock_path(out: &Path) -> PathBuf {
+    beside(out, "lock")
+}
+
+/// `.NAME.EXT` beside `out` (NAME its file name): where an output is staged (`tmp`, by
+/// `export::staged`, and cleaned up by `checkpoint::clean_temporaries`) and locked (`lock`).
+pub fn beside(out: &Path, ext: &str) -> PathBuf {
     let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "export".into());
-    out.with_file_name(format!(".{name}.lock"))
+    out.with_file_name(format!(".{name}.{ext}"))
 }
 
 impl Drop for RunLock {

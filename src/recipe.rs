@@ -883,7 +883,8 @@ fn switched_off_knobs(t: &toml::Table) -> Vec<String> {
     let get = |section: &str, key: &str| t.get(section).and_then(|s| s.as_table()).and_then(|s| s.get(key));
     let mut notes = Vec::new();
     let mut off = |knob: &str, on: bool, why: &str| {
-        if !on && get(knob.split('.').next().unwrap_or_default(), knob.split('.').nth(1).unwrap_or_default()).is_some() {
+        let (section, key) = knob.split_once('.').unwrap_or_default();
+        if !on && get(section, key).is_some() {
             notes.push(format!("`{knob}` does nothing {why}"));
         }
     };

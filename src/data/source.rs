@@ -46,6 +46,11 @@ impl<'a> Split<'a> {
     pub fn eval(name: Option<&'a str>) -> Self {
         Split { name, explicit: false, default: "test", chose_on_hub: false }
     }
+    /// Whether data.split names the split (`name` set, not by a `:split` of the entry).
+    fn by_data_split(&self) -> bool {
+        !self.explicit && self.name.is_some()
+    }
+
     /// `:name` after an entry.
     pub fn named(self, name: &'a str) -> Self {
         Split { name: Some(name), explicit: true, ..self }
@@ -92,7 +97,6 @@ fn shard_files_and_split(spec: &Path, split: Split) -> Result<(Vec<PathBuf>, boo
             return Ok((shard_files(d, split.named(sp))?, false));
         }
     }
-    let chose = !split.explicit && split.name.is_some();
     let path = spec;
     if path.is_file() {
         split.none_here(path, "a single file")?;
@@ -138,7 +142,7 @@ fn shard_files_and_split(spec: &Path, split: Split) -> Result<(Vec<PathBuf>, boo
             .collect();
         let names: Vec<&str> = splits.iter().map(String::as_str).collect();
         let sp = split.pick(&names).map_err(|m| Error::data(path, format!("is a DatasetDict that {m}; pick one with `{}:<split>` (or data.split for data.train)", path.display())))?;
-        return Ok((shard_files(&path.join(sp), Split::train(None))?, chose));
+        return Ok((shard_files(&path.join(sp), Split::train(None))?, split.by_data_split()));
     }
     folder_files(path, split)
 }
@@ -196,8 +200,7 @@ fn folder_files(path: &Path, split: Split) -> Result<(Vec<PathBuf>, bool)> {
     let sp = Split { name: named, ..split }
         .pick(&groups)
         .map_err(|m| Error::data(path, format!("{m}, by its file names; pick one with `{}:<split>` (or data.split for data.train)", path.display())))?;
-    let chose = !split.explicit && split.name.is_some();
-    Ok((files.into_iter().zip(tags).filter(|(_, t)| *t == sp).map(|(f, _)| f).collect(), chose))
+    Ok((files.into_iter().zip(tags).filter(|(_, t)| *t == sp).map(|(f, _)| f).collect(), split.by_data_split()))
 }
 
 /// Drop the pages of `range` from this process's resident set. The map is read-only and
@@ -712,7 +715,7 @@ impl Rows {
         // data.split applies to the entries that have splits. Where none has any, their rows
         // are the one split `datasets` calls train; any other name names nothing, and reading
         // every row anyway trained on what was asked to be left out.
-        if let (Some(name), false, false) = (split.name, split.explicit, chosen || split.name == Some("train")) {
+        if let (Some(name), true, false) = (split.name, split.by_data_split(), chosen || split.name == Some("train")) {
             let what = if specs.len() == 1 { "the data source has" } else { "none of the data sources has" };
             return Err(Error::data(
                 &specs[0],
@@ -773,54 +776,53 @@ impl Rows {
         Ok(self.columns_and_file()?.0)
     }
 
-    /// Column names and the file they were read from: an Arrow or Parquet file's schema, or
-    /// the keys of the valid records of the first JSONL block that has one (a broken or
-    /// non-object line is a bad record, not what the columns are).
+    /// Column names and the file they were read from: the first file's that has any
+    /// ([`Self::file_columns`]); where none has, an error saying why (a broken or non-object
+    /// line is a bad record, not what the columns are).
     pub fn columns_and_file(&mut self) -> Result<(Vec<String>, PathBuf)> {
-        let mut first_bad: Option<(PathBuf, String)> = None;
+        for f in 0..self.shards.len() {
+            if let Some(cols) = self.file_columns(f)? {
+                return Ok((cols, self.shards[f].path().to_path_buf()));
+            }
+        }
         for f in 0..self.shards.len() {
             for b in 0..self.blocks[f].len() {
-                if self.blocks[f][b] == 0 {
-                    continue;
-                }
-                let block = self.block(f, b)?;
-                if let Some(cols) = block.columns() {
-                    return Ok((cols, self.shards[f].path().to_path_buf()));
-                }
-                if first_bad.is_none() {
-                    first_bad = block.first_bad_line().map(|m| (self.shards[f].path().to_path_buf(), m));
+                if self.blocks[f][b] > 0 {
+                    if let Some(m) = self.block(f, b)?.first_bad_line() {
+                        return Err(Error::data(self.shards[f].path(), format!("no line is a JSON object with a record's fields (e.g. {m})")));
+                    }
                 }
             }
         }
-        match first_bad {
-            Some((file, m)) => Err(Error::data(file, format!("no line is a JSON object with a record's fields (e.g. {m})"))),
-            None => Err(Error::data(self.first_file(), "dataset has no rows")),
-        }
+        Err(Error::data(self.first_file(), "dataset has no rows"))
     }
 
-    /// The columns of each file that has rows, with the file: its schema's (Arrow, Parquet),
-    /// or as [`Self::columns_and_file`] finds them in its first block that has a record (JSON
-    /// lines; a file of only bad lines is left out). Every file of a list is checked when the
-    /// loader opens, not only the first: the second file's missing column otherwise surfaced
-    /// rows into training, and the run stopped without a checkpoint.
+    /// The columns of file `f`: its schema's (Arrow, Parquet), or the keys of the valid
+    /// records of its first JSON-lines block that has one; None where it has no rows or no
+    /// record.
+    fn file_columns(&mut self, f: usize) -> Result<Option<Vec<String>>> {
+        if let Some(cols) = self.shards[f].schema_columns().filter(|_| self.blocks[f].iter().any(|&n| n > 0)) {
+            return Ok(Some(cols.to_vec()));
+        }
+        for b in 0..self.blocks[f].len() {
+            if self.blocks[f][b] > 0 {
+                if let Some(cols) = self.block(f, b)?.columns() {
+                    return Ok(Some(cols));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The columns of each file that has a record, with the file ([`Self::file_columns`]).
+    /// Every file of a list is checked when the loader opens, not only the first: the second
+    /// file's missing column otherwise surfaced rows into training, and the run stopped
+    /// without a checkpoint.
     pub fn columns_by_file(&mut self) -> Result<Vec<(Vec<String>, PathBuf)>> {
         let mut out = Vec::new();
         for f in 0..self.shards.len() {
-            if self.blocks[f].iter().all(|&n| n == 0) {
-                continue;
-            }
-            if let Some(cols) = self.shards[f].schema_columns() {
-                out.push((cols.to_vec(), self.shards[f].path().to_path_buf()));
-                continue;
-            }
-            for b in 0..self.blocks[f].len() {
-                if self.blocks[f][b] == 0 {
-                    continue;
-                }
-                if let Some(cols) = self.block(f, b)?.columns() {
-                    out.push((cols, self.shards[f].path().to_path_buf()));
-                    break;
-                }
+            if let Some(cols) = self.file_columns(f)? {
+                out.push((cols, self.shards[f].path().to_path_buf()));
             }
         }
         Ok(out)

@@ -222,8 +222,7 @@ fn staged<T>(out: &Path, replace: bool, build: impl FnOnce(&Path) -> Result<T>) 
     if !replace && out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
         return refuse("output folder exists and is not empty (choose another --out)");
     }
-    let name = out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "export".into());
-    let tmp = out.with_file_name(format!(".{name}.tmp"));
+    let tmp = crate::output::beside(out, "tmp");
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
     }
