@@ -141,9 +141,7 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
     let manifest = serde_json::json!({"format": 1, "step": state.step, "files": files});
     write_file(&tmp.join(MANIFEST), manifest.to_string().as_bytes())?;
     for d in [tmp.join("adapter"), tmp.clone()] {
-        if let Ok(f) = std::fs::File::open(&d) {
-            let _ = f.sync_all();
-        }
+        crate::fsutil::sync_dir(&d)?;
     }
     let dst = root.join(&name);
     if dst.exists() {

@@ -39,10 +39,9 @@ pub fn staging_name(prefix: &str) -> String {
 /// A hash of the hostname and the pid namespace's inode (16 hex digits).
 fn staging_owner() -> String {
     use std::os::unix::fs::MetadataExt;
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let ns = std::fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).unwrap_or(0);
     // FNV-1a: stable across runs and builds (std's hasher is not promised to be).
-    let h = format!("{}\n{ns}", host.trim()).bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let h = format!("{}\n{ns}", hostname()).bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
     format!("{h:016x}")
 }
 
@@ -64,6 +63,22 @@ pub fn sweep_stale_staging(parent: &Path, prefix: &str) {
     }
 }
 
+/// This host's name, made safe for a file name (other characters as `_`; "localhost" when
+/// it has none). A container's is its own, which tells processes of two containers apart.
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at most that many bytes.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name: String = if rc == 0 { String::from_utf8_lossy(&buf[..end]).into() } else { String::new() };
+    let name: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+    if name.is_empty() {
+        "localhost".into()
+    } else {
+        name
+    }
+}
+
 /// Whether process `pid` exists (it may belong to another user).
 fn process_alive(pid: i32) -> bool {
     // SAFETY: signal 0 only checks that the process exists and may be signalled.
@@ -74,13 +89,22 @@ fn process_alive(pid: i32) -> bool {
 pub fn rename_durable(tmp: &Path, dst: &Path) -> Result<()> {
     std::fs::File::open(tmp).and_then(|f| f.sync_all()).map_err(|e| Error::io(tmp, e))?;
     std::fs::rename(tmp, dst).map_err(|e| Error::io(dst, e))?;
-    if let Some(parent) = dst.parent() {
-        // Directory fsync makes the rename itself durable; not all filesystems allow it.
-        if let Ok(d) = std::fs::File::open(parent) {
-            let _ = d.sync_all();
-        }
+    match dst.parent() {
+        Some(parent) => sync_dir(parent),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// fsync the folder `dir`, which makes the renames and creations in it durable. A filesystem
+/// that cannot fsync a folder (it answers EINVAL or ENOTSUP: some network and FUSE ones)
+/// keeps them as durable as it can, so that is not an error; an I/O error (EIO) is, since
+/// what was renamed there may be lost at the next crash.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    let Ok(d) = std::fs::File::open(dir) else { return Ok(()) };
+    match d.sync_all() {
+        Err(e) if !matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOTSUP | libc::ENOSYS | libc::EBADF)) => Err(Error::io(dir, e)),
+        _ => Ok(()),
+    }
 }
 
 /// Put the folder `tmp` where the folder `dst` is (or is not yet) so that `dst` is, at every
@@ -95,9 +119,7 @@ pub fn replace_dir_durable(tmp: &Path, dst: &Path) -> Result<()> {
     std::fs::File::open(tmp).and_then(|f| f.sync_all()).map_err(|e| Error::io(tmp, e))?;
     if exchange(tmp, dst).is_ok() {
         if let Some(parent) = dst.parent() {
-            if let Ok(d) = std::fs::File::open(parent) {
-                let _ = d.sync_all();
-            }
+            sync_dir(parent)?;
         }
         // The old folder; one left by a crash here is cleaned as a stale temporary.
         let _ = std::fs::remove_dir_all(tmp);
@@ -146,6 +168,16 @@ pub fn copy_file(src: &Path, dst: &Path) -> Result<u64> {
     let n = std::fs::copy(src, dst).map_err(|e| Error::io(dst, e))?;
     std::fs::set_permissions(dst, std::fs::Permissions::from_mode(0o666 & !umask())).map_err(|e| Error::io(dst, e))?;
     Ok(n)
+}
+
+/// A candle error met writing `path` (its GGUF writer), as an I/O error naming the file and
+/// keeping the OS error (a full disk is ENOSPC, which the hints recognise), not its text.
+pub fn candle_write_error(path: &Path, e: candle_core::Error) -> Error {
+    match e {
+        candle_core::Error::Io(io) => Error::io(path, io),
+        candle_core::Error::WithBacktrace { inner, .. } | candle_core::Error::Context { inner, .. } | candle_core::Error::WithPath { inner, .. } => candle_write_error(path, *inner),
+        other => Error::io(path, std::io::Error::other(other.to_string())),
+    }
 }
 
 fn safetensors_write_error(path: &Path, e: safetensors::SafeTensorError) -> Error {

@@ -380,7 +380,7 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
             if a.out.exists() {
                 anyhow::bail!("--out {}: the file exists (choose another --out, or remove it first)", a.out.display());
             }
-            let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &a.out)?;
+            let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &a.out, None)?;
             finetune::note!("adapter (llama.cpp LoRA GGUF) written to {} ({} bytes); use it with: llama-cli -m <base>.gguf --lora {}", r.out.display(), r.total_bytes, r.out.display());
             return Ok(());
         }
@@ -656,7 +656,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 finetune::export::stop_requested(&stop).map_err(|e| unwritten(e, "llama.cpp GGUF adapter", &format!("--format gguf --out {}", gguf.display())))?;
                 let adapter = finetune::export::PeftAdapter::open(&summary.output_dir.join("adapter"))?;
                 let base = finetune::train::run_base(&summary.output_dir, &recipe.recipe.model.path, &recipe.dir)?;
-                let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &gguf)?;
+                let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &gguf, Some(&stop))
+                    .map_err(|e| unwritten(e, "llama.cpp GGUF adapter", &format!("--format gguf --out {}", gguf.display())))?;
                 finetune::note!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
             }
             if let Some(sig) = summary.interrupted {

@@ -56,7 +56,7 @@ impl RunLock {
                 // Held under this process's own pid: a lock this process has just released
                 // whose open file a child being spawned by another thread still shares,
                 // between its fork and its exec (close-on-exec ends that). Wait that out.
-                if holder.starts_with(&format!("pid {},", std::process::id())) && own_waits < 60 {
+                if holder.starts_with(&format!("pid {} on {},", std::process::id(), crate::fsutil::hostname())) && own_waits < 60 {
                     own_waits += 1;
                     std::thread::sleep(std::time::Duration::from_millis(50));
                     continue;
@@ -79,7 +79,8 @@ impl RunLock {
                 }
                 continue;
             }
-            let me = format!("pid {}, started {}", std::process::id(), utc_stamp(std::time::SystemTime::now(), " ", ":"));
+            // The host names the pid's machine or container (its pid namespace).
+            let me = format!("pid {} on {}, started {}", std::process::id(), crate::fsutil::hostname(), utc_stamp(std::time::SystemTime::now(), " ", ":"));
             file.set_len(0).and_then(|_| file.rewind()).and_then(|_| file.write_all(me.as_bytes())).map_err(|e| Error::io(&path, e))?;
             return Ok(RunLock { _file: file, dir: dir.to_path_buf(), created });
         }
@@ -181,8 +182,17 @@ pub(crate) fn same_file(file: &std::fs::File, path: &Path) -> bool {
 }
 
 /// Move `names` (relative to `out_dir`, those that exist) into a new
-/// `<out_dir>/previous/<UTC time>/`; returns that folder, or None when there was nothing.
-pub fn set_aside(out_dir: &Path, names: &[PathBuf]) -> Result<Option<PathBuf>> {
+/// `<out_dir>/previous/<UTC time>/`, after copying `copies` there (files the run goes on
+/// writing, such as metrics.jsonl, whose lines the new run replaces); returns that folder, or
+/// None when there was nothing to move. The copies come first: a set-aside cut short (a kill
+/// between two moves) leaves the rest in place to be set aside again by the rerun, but a copy
+/// made after the moves would be made by no one, since the rerun finds nothing left to move.
+pub fn set_aside(out_dir: &Path, names: &[PathBuf], copies: &[&str]) -> Result<Option<PathBuf>> {
+    set_aside_by(out_dir, names, copies, &mut |from, to| crate::fsutil::rename_durable(from, to))
+}
+
+/// [`set_aside`] with the move given (a test makes it fail part way).
+fn set_aside_by(out_dir: &Path, names: &[PathBuf], copies: &[&str], mv: &mut dyn FnMut(&Path, &Path) -> Result<()>) -> Result<Option<PathBuf>> {
     let present: Vec<&PathBuf> = names.iter().filter(|n| out_dir.join(n).symlink_metadata().is_ok()).collect();
     if present.is_empty() {
         return Ok(None);
@@ -195,12 +205,17 @@ pub fn set_aside(out_dir: &Path, names: &[PathBuf]) -> Result<Option<PathBuf>> {
         k += 1;
         dest = base.join(format!("{stamp}-{k}"));
     }
+    std::fs::create_dir_all(&dest).map_err(|e| Error::io(&dest, e))?;
+    for name in copies.iter().filter(|n| out_dir.join(n).is_file()) {
+        let (from, to) = (out_dir.join(name), dest.join(name));
+        crate::fsutil::write_with(&to, |w| std::fs::File::open(&from).and_then(|mut f| std::io::copy(&mut f, w)).map(|_| ()).map_err(|e| Error::io(&from, e)))?;
+    }
     for rel in present {
         let to = dest.join(rel);
         if let Some(parent) = to.parent() {
             std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
         }
-        crate::fsutil::rename_durable(&out_dir.join(rel), &to)?;
+        mv(&out_dir.join(rel), &to)?;
     }
     Ok(Some(dest))
 }
@@ -257,7 +272,7 @@ mod tests {
         let out = dir.path().join("run");
         let first = RunLock::acquire(&out, "r.toml").unwrap();
         let e = RunLock::acquire(&out, "r.toml").unwrap_err().to_string();
-        assert!(e.contains("output.dir") && e.contains(&format!("pid {}", std::process::id())) && e.contains("run"), "{e}");
+        assert!(e.contains("output.dir") && e.contains(&format!("pid {} on {}", std::process::id(), crate::fsutil::hostname())) && e.contains("run"), "{e}");
         drop(first);
         // Released and, since the folder held nothing else, removed.
         assert!(!out.exists());
@@ -273,10 +288,36 @@ mod tests {
         let out = dir.path();
         std::fs::create_dir_all(out.join("checkpoints/step-000002")).unwrap();
         std::fs::write(out.join("metrics.jsonl"), "x\n").unwrap();
-        let moved = set_aside(out, &previous_run_files(out)).unwrap().unwrap();
+        let moved = set_aside(out, &previous_run_files(out), &[]).unwrap().unwrap();
         assert!(moved.starts_with(out.join("previous")));
         assert!(moved.join("checkpoints/step-000002").is_dir() && moved.join("metrics.jsonl").is_file());
         assert!(previous_run_files(out).is_empty());
-        assert_eq!(set_aside(out, &previous_run_files(out)).unwrap(), None);
+        assert_eq!(set_aside(out, &previous_run_files(out), &[]).unwrap(), None);
+    }
+
+    #[test]
+    fn a_set_aside_cut_short_has_already_copied_what_the_new_run_will_overwrite() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        for s in ["checkpoints/step-000018", "checkpoints/step-000020", "adapter"] {
+            std::fs::create_dir_all(out.join(s)).unwrap();
+        }
+        std::fs::write(out.join("metrics.jsonl"), "16\n18\n20\n").unwrap();
+        let names: Vec<PathBuf> = ["adapter", "checkpoints/step-000018", "checkpoints/step-000020"].iter().map(PathBuf::from).collect();
+        // The second move fails, as a kill there would stop it.
+        let mut moves = 0;
+        let mut mv = |from: &Path, to: &Path| {
+            moves += 1;
+            if moves == 2 {
+                return Err(Error::io(to, std::io::Error::other("killed")));
+            }
+            std::fs::rename(from, to).map_err(|e| Error::io(to, e))
+        };
+        assert!(set_aside_by(out, &names, &["metrics.jsonl"], &mut mv).is_err());
+        let dest = std::fs::read_dir(out.join("previous")).unwrap().next().unwrap().unwrap().path();
+        assert_eq!(std::fs::read_to_string(dest.join("metrics.jsonl")).unwrap(), "16\n18\n20\n", "the copy was made before the moves");
+        assert!(dest.join("adapter").is_dir() && !out.join("adapter").exists());
+        assert!(out.join("checkpoints/step-000018").is_dir() && out.join("metrics.jsonl").is_file());
+        assert!(!dest.join(".metrics.jsonl.tmp").exists());
     }
 }

@@ -163,7 +163,8 @@ fn read_optional(path: &Path) -> Result<Option<String>> {
 }
 
 fn parse_metrics(path: &Path, text: &str) -> Result<Vec<StepRecord>> {
-    let mut steps = Vec::new();
+    let mut steps: Vec<StepRecord> = Vec::new();
+    let mut last_line = 0;
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -176,6 +177,15 @@ fn parse_metrics(path: &Path, text: &str) -> Result<Vec<StepRecord>> {
                 i + 1
             ),
         })?;
+        // A run writes each step once, in order (a resume cuts the lines past its checkpoint
+        // first); lines out of order are two runs' logs put together, plotted as one zigzag.
+        if let Some(prev) = steps.last().filter(|p| p.step >= rec.step) {
+            return Err(Error::Config {
+                path: path.to_path_buf(),
+                msg: format!("line {}: step {} after step {} (line {last_line}): steps must increase, one line each", i + 1, rec.step, prev.step),
+            });
+        }
+        last_line = i + 1;
         steps.push(rec);
     }
     if steps.is_empty() {
@@ -717,6 +727,15 @@ mod tests {
         let dir = run_dir(&format!("{}not json\n", metrics_line(1, 2.0, None)));
         let err = write_report(dir.path()).unwrap_err().to_string();
         assert!(err.contains("metrics.jsonl") && err.contains("line 2") && err.contains("expected one JSON object"), "{err}");
+    }
+
+    #[test]
+    fn a_step_written_twice_or_out_of_order_names_both_lines() {
+        for (second, word) in [(1, "step 1 after step 1"), (0, "step 0 after step 1")] {
+            let dir = run_dir(&format!("{}{}", metrics_line(1, 2.0, None), metrics_line(second, 1.0, None)));
+            let err = write_report(dir.path()).unwrap_err().to_string();
+            assert!(err.contains("metrics.jsonl") && err.contains(&format!("line 2: {word} (line 1)")), "{err}");
+        }
     }
 
     #[test]

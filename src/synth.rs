@@ -286,5 +286,5 @@ pub fn write_gguf_model(path: &Path, shape: &TinyShape, seed: u64, dtype: candle
     ];
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    crate::fsutil::write_with(path, |f| candle_core::quantized::gguf_file::write(f, &md_refs, &t_refs).map_err(|e| Error::Train(format!("writing {}: {e}", path.display()))))
+    crate::fsutil::write_with(path, |f| candle_core::quantized::gguf_file::write(f, &md_refs, &t_refs).map_err(|e| crate::fsutil::candle_write_error(path, e)))
 }

@@ -180,9 +180,7 @@ fn rewrite(dir: &Path, step: i64) -> Result<Option<PathBuf>> {
             _ => {}
         }
     }
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
+    crate::fsutil::sync_dir(dir)?;
     Ok(Some(first.clone()))
 }
 
@@ -210,7 +208,7 @@ static FILE_SEQ: AtomicU64 = AtomicU64::new(0);
 /// folder's files in name order, so the zero-padded time keeps that the order they were made.
 fn new_event_file(dir: &Path, wall_time: f64) -> Result<(PathBuf, File)> {
     let secs = wall_time.max(0.0) as u64;
-    let host = hostname();
+    let host = crate::fsutil::hostname();
     let pid = std::process::id();
     loop {
         let n = FILE_SEQ.fetch_add(1, Ordering::Relaxed);
@@ -220,20 +218,6 @@ fn new_event_file(dir: &Path, wall_time: f64) -> Result<(PathBuf, File)> {
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(Error::io(&path, e)),
         }
-    }
-}
-
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname writes at most that many bytes.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    let name: String = if rc == 0 { String::from_utf8_lossy(&buf[..end]).into() } else { String::new() };
-    let name: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
-    if name.is_empty() {
-        "localhost".into()
-    } else {
-        name
     }
 }
 

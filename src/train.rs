@@ -606,7 +606,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         // old adapter for the new one. Only now, once nothing above refused the resume.
         if loaded.recipe.train.max_steps > l.state.step {
             let finals: Vec<PathBuf> = crate::output::FINAL_OUTPUTS.iter().map(PathBuf::from).collect();
-            let moved = if lead { crate::output::set_aside(&rk.out_dir, &finals) } else { Ok(None) };
+            let moved = if lead { crate::output::set_aside(&rk.out_dir, &finals, &[]) } else { Ok(None) };
             let said = from_lead(&*rk.comm, &rk.device, &[moved.is_ok() as u8 as f64])?;
             if let Some(d) = moved? {
                 crate::note!("the run continues past step {}: what it wrote when it ended there (adapter, summary, ...): moved to {} (nothing was deleted)", l.state.step, d.display());
@@ -985,7 +985,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, resumable: &dy
     let rel = |p: &std::path::Path| p.strip_prefix(out_dir).map(std::path::Path::to_path_buf).unwrap_or_else(|_| p.to_path_buf());
     match resume {
         "never" => {
-            let moved = set_aside(out_dir, &previous_run_files(out_dir))?;
+            let moved = set_aside(out_dir, &previous_run_files(out_dir), &[])?;
             say(moved, "checkpoint.resume = \"never\" starts a new run; the previous run's files");
         }
         "auto" => {
@@ -1007,7 +1007,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, resumable: &dy
                     });
                 }
                 None => {
-                    let moved = set_aside(out_dir, &previous_run_files(out_dir))?;
+                    let moved = set_aside(out_dir, &previous_run_files(out_dir), &[])?;
                     say(moved, "no checkpoint to continue from; the previous run's files");
                 }
                 Some((step, dir)) => {
@@ -1041,7 +1041,7 @@ fn claim_output(loaded: &LoadedRecipe, out_dir: &std::path::Path, resumable: &dy
                     prune_to(loaded, out_dir)?;
                 }
                 None => {
-                    let moved = set_aside(out_dir, &previous_run_files(out_dir))?;
+                    let moved = set_aside(out_dir, &previous_run_files(out_dir), &[])?;
                     say(moved, &format!("resuming from {}, which is not this folder's: the folder's previous run", from.display()));
                 }
             }
@@ -1204,17 +1204,15 @@ pub fn check_export_base(run: &std::path::Path, checkpoint: Option<&str>, base: 
 
 /// Set aside `newer` (checkpoints after `step`, the one continued from) with what they
 /// produced: the final adapter, a merged model, the summary and report, and a copy of
-/// metrics.jsonl (whose lines after `step` the resumed run replaces).
-fn set_aside_newer(out_dir: &std::path::Path, step: usize, mut newer: Vec<PathBuf>, why: &str) -> Result<()> {
+/// metrics.jsonl (whose lines after `step` the resumed run replaces). The finals go before
+/// the checkpoints: a set-aside cut short is finished by the rerun only while one of the
+/// newer checkpoints is left to find.
+fn set_aside_newer(out_dir: &std::path::Path, step: usize, newer: Vec<PathBuf>, why: &str) -> Result<()> {
     if newer.is_empty() {
         return Ok(());
     }
-    newer.extend(crate::output::FINAL_OUTPUTS.iter().map(PathBuf::from));
-    if let Some(d) = crate::output::set_aside(out_dir, &newer)? {
-        let m = out_dir.join("metrics.jsonl");
-        if m.is_file() {
-            std::fs::copy(&m, d.join("metrics.jsonl")).map_err(|e| Error::io(&m, e))?;
-        }
+    let names: Vec<PathBuf> = crate::output::FINAL_OUTPUTS.iter().map(PathBuf::from).chain(newer).collect();
+    if let Some(d) = crate::output::set_aside(out_dir, &names, &["metrics.jsonl"])? {
         crate::note!("{why} (after step {step}), the final adapter and a copy of metrics.jsonl: moved to {} (nothing was deleted)", d.display());
     }
     Ok(())

@@ -56,7 +56,7 @@ fn a_gguf_adapter_of_a_deepseek_base_is_refused_as_an_export_error() {
     let base = ModelDir { dir: fixture(V2).join("model"), name: String::new(), commit: None, gguf: None };
     let adapter = finetune::export::PeftAdapter::open(&fixture(V2).join("expected/adapter")).unwrap();
     let out = tempfile::tempdir().unwrap();
-    let e = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &out.path().join("a.gguf")).unwrap_err();
+    let e = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &out.path().join("a.gguf"), None).unwrap_err();
     assert!(matches!(e, finetune::Error::Export(_)), "{e:?}");
     assert!(e.to_string().contains("model_type `deepseek_v2`") && e.to_string().contains("export the PEFT adapter instead"), "{e}");
     assert!(!out.path().join("a.gguf").exists());

@@ -535,6 +535,10 @@ fn export_of_a_run_merges_into_the_commit_it_trained_on_after_the_branch_moved()
     assert!(o.status.success(), "{}", stderr(&o));
     let o = e.finetune(&offline, &["export", "--run", "out", "--merge", "--base", "tiny-org/tiny-llama", "--out", "m3"]);
     assert!(!o.status.success() && stderr(&o).contains("differ from those run"), "{}", stderr(&o));
+    // A damaged record of the run is named, not read as absent (the branch's head).
+    std::fs::write(e.run.join("out/recipe.resolved.toml"), "[model\n").unwrap();
+    let o = e.finetune(&offline, &["export", "--run", "out", "--merge", "--out", "m4"]);
+    assert!(!o.status.success() && stderr(&o).contains("recipe.resolved.toml") && stderr(&o).contains("damaged"), "{}", stderr(&o));
 }
 
 #[test]

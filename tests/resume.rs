@@ -439,3 +439,110 @@ fn a_checkpoint_from_before_the_special_tokens_map_counted_still_resumes() {
     let s = train(&dir, &["train.max_steps=4"]).unwrap();
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![4]);
 }
+
+/// The binary run on `dir`'s recipe under strace, which injects a fault at an exact system
+/// call (`strace_args`: strace's own `-e trace=... -e inject=...`). The test machines have
+/// strace (the machine image installs it); without it these tests fail rather than pass
+/// having checked nothing.
+fn run_under_strace(dir: &Path, extra: &[&str], strace_args: &[&str]) -> std::process::Output {
+    let probe = Command::new("strace").args(["-o", "/dev/null", "true"]).status();
+    assert!(probe.is_ok_and(|s| s.success()), "this test injects faults with strace: install it (apt install strace) and allow ptrace");
+    Command::new("strace")
+        .args(["-f", "-o", "/dev/null", "-e", "signal=none"])
+        .args(strace_args)
+        .arg(env!("CARGO_BIN_EXE_finetune"))
+        .arg("--recipe")
+        .arg(dir.join("recipe.toml"))
+        .args(extra.iter().flat_map(|s| ["--set", s]))
+        .output()
+        .unwrap()
+}
+
+/// Resuming from an older checkpoint moves the newer branch under previous/ (its checkpoints,
+/// final outputs and a copy of metrics.jsonl, whose later lines the resumed run replaces). A
+/// kill between two of those moves, then the same command again: every line and checkpoint of
+/// the old branch is still somewhere under previous/.
+#[test]
+fn a_kill_while_a_newer_branch_is_set_aside_loses_none_of_it() {
+    let root = setup();
+    for kill_at in [2, 3, 5] {
+        let dir = run_dir(root.path(), &format!("run{kill_at}"), RECIPE);
+        train(&dir, &["train.max_steps=6"]).unwrap();
+        let branch: Vec<String> = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap().lines().skip(3).map(String::from).collect();
+        assert_eq!(branch.len(), 3);
+        let older = dir.join("out/checkpoints/step-000003");
+        let args = ["train.max_steps=6".to_string(), format!("checkpoint.resume={}", older.display())];
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let inject = format!("inject=rename:signal=KILL:when={kill_at}");
+        let killed = run_under_strace(&dir, &args, &["-e", "trace=rename", "-e", &inject]);
+        assert_eq!(killed.status.code(), None, "killed by the signal: {}", String::from_utf8_lossy(&killed.stderr));
+        let out = spawn(&dir, &args).wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let previous: Vec<_> = std::fs::read_dir(dir.join("out/previous")).unwrap().map(|e| e.unwrap().path()).collect();
+        let kept: String = previous.iter().filter_map(|p| std::fs::read_to_string(p.join("metrics.jsonl")).ok()).collect();
+        for line in &branch {
+            assert!(kept.lines().any(|l| l == line), "kill at rename {kill_at}: the old branch's line {line} is lost (previous/: {previous:?})");
+        }
+        for step in ["step-000004", "step-000005", "step-000006"] {
+            assert!(previous.iter().any(|p| p.join("checkpoints").join(step).is_dir()), "kill at rename {kill_at}: {step} is lost");
+        }
+        assert!(previous.iter().any(|p| p.join("adapter/adapter_model.safetensors").is_file()), "kill at rename {kill_at}: the old final adapter is lost");
+    }
+}
+
+/// A folder's fsync makes the renames in it durable; one that fails with EIO (not a
+/// filesystem that cannot fsync folders) is an error, and the checkpoints left are whole.
+#[test]
+fn a_folder_fsync_failing_with_eio_stops_the_run_with_an_error() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    let ckpts = dir.join("out/checkpoints");
+    let ckpts_arg = ckpts.display().to_string();
+    let out = run_under_strace(&dir, &["train.max_steps=4"], &["-P", &ckpts_arg, "-e", "trace=fsync", "-e", "inject=fsync:error=EIO:when=2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("checkpoints: Input/output error"), "{err}");
+    for (_, c) in finetune::checkpoint::list(&dir.join("out")) {
+        finetune::checkpoint::verify(&c).unwrap();
+    }
+    train(&dir, &["train.max_steps=4"]).unwrap();
+}
+
+/// A signal while the end-of-run exports are written (the merged model, the llama.cpp GGUF
+/// adapter) stops them: no half output, the exit code of the signal, and the command that
+/// writes them later; the trained adapter stays.
+#[test]
+fn a_signal_during_the_end_of_run_exports_stops_them_naming_the_command_that_writes_them() {
+    let root = setup();
+    for (key, staged, syscall, unwritten) in [
+        ("export.gguf=true", "out/.adapter.gguf.tmp", "openat", "adapter.gguf"),
+        ("export.merged=true", "out/.merged.tmp", "mkdir", "merged"),
+    ] {
+        let dir = run_dir(root.path(), key, RECIPE);
+        let path = dir.join(staged).display().to_string();
+        let out = run_under_strace(&dir, &["train.max_steps=2", key], &["-P", &path, "-e", &format!("trace={syscall}"), "-e", &format!("inject={syscall}:signal=TERM:when=1")]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(143), "{key}: {err}");
+        assert!(err.contains("was not written") && err.contains("finetune export --run") && err.contains("stopped by SIGTERM"), "{key}: {err}");
+        assert!(!dir.join("out").join(unwritten).exists() && !dir.join(staged).exists(), "{key}: half an output left");
+        assert!(dir.join("out/adapter/adapter_model.safetensors").is_file());
+    }
+}
+
+/// A full disk while the end-of-run GGUF adapter is written: an error with the full-disk hint,
+/// no half file, and the same command rerun (space freed) writes it.
+#[test]
+fn a_full_disk_while_the_gguf_adapter_is_written_gets_the_full_disk_hint_and_the_rerun_writes_it() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    let args = ["train.max_steps=2", "export.gguf=true"];
+    let staged = dir.join("out/.adapter.gguf.tmp").display().to_string();
+    let out = run_under_strace(&dir, &args, &["-P", &staged, "-e", "trace=write", "-e", "inject=write:error=ENOSPC:when=1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("adapter.gguf") && err.contains("No space left") && err.contains("hint: free space"), "{err}");
+    assert!(!dir.join("out/adapter.gguf").exists() && !dir.join(&staged).exists());
+    let out = spawn(&dir, &args).wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(dir.join("out/adapter.gguf").is_file());
+}

@@ -39,8 +39,9 @@ pub fn adapter_arch(base: &ModelDir) -> Result<&'static str> {
 }
 
 /// Write `adapter` (trained on `base`) to `out`, a `.gguf` file path; `out` appears whole or
-/// not at all.
-pub fn export_gguf_adapter(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -> Result<ExportReport> {
+/// not at all. A signal caught while it is written (`stop`: the flag the signal handlers
+/// set) leaves no file and returns [`Error::Interrupted`].
+pub fn export_gguf_adapter(adapter: &PeftAdapter, base: &ModelDir, out: &Path, stop: Option<&std::sync::atomic::AtomicUsize>) -> Result<ExportReport> {
     let cfg = base.config()?;
     let adapters = adapter.load(&cfg)?;
     let arch = adapter_arch(base)?;
@@ -74,7 +75,8 @@ pub fn export_gguf_adapter(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     crate::fsutil::write_with(out, |f| {
-        candle_core::quantized::gguf_file::write(f, &md_refs, &t_refs).map_err(|e| Error::io(out, std::io::Error::other(e.to_string())))
+        candle_core::quantized::gguf_file::write(f, &md_refs, &t_refs).map_err(|e| crate::fsutil::candle_write_error(out, e))?;
+        stop.map_or(Ok(()), super::stop_requested)
     })?;
     let total_bytes = std::fs::metadata(out).map_err(|e| Error::io(out, e))?.len();
     Ok(ExportReport { out: out.to_path_buf(), shards: 1, total_bytes, ..Default::default() })

@@ -1295,9 +1295,7 @@ fn write_folder<T>(out: &Path, fill: impl FnOnce(&Path) -> Result<T>) -> Result<
         std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
     }
     staging.0 = None;
-    if let Ok(d) = std::fs::File::open(parent) {
-        let _ = d.sync_all(); // make the rename durable where the filesystem allows
-    }
+    crate::fsutil::sync_dir(parent)?;
     Ok(value)
 }
 
