@@ -9,14 +9,16 @@
 //! - `bf16_amx`: AMX-BF16 and AMX-TILE, and Linux grants tile permission;
 //! - `bf16_avx512`: AVX512-BF16 (with AVX512F);
 //! - `bf16_unit`: the process-wide kernel (`bf16_gemm::kernel()`) will be one of them:
-//!   AVX512-BF16, or AMX unless `FINETUNE_NO_AMX` is set.
+//!   AVX512-BF16, or AMX unless `FINETUNE_NO_AMX` is set;
+//! - `bf16_dot`: that kernel will be AVX512-BF16's dot kernel (no AMX, or `FINETUNE_NO_AMX`),
+//!   for the tests of what only it has (token rows rounded once for many GEMMs).
 //!
 //! Build scripts run natively on the build machine, so detection here is detection there.
 //! Cargo reruns this when /proc/cpuinfo changes (its mtime is the boot's, and a work tree
 //! moves between machines with different CPUs) or when `FINETUNE_NO_AMX` does.
 
 fn main() {
-    for cfg in ["bf16_unit", "bf16_amx", "bf16_avx512"] {
+    for cfg in ["bf16_unit", "bf16_amx", "bf16_avx512", "bf16_dot"] {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
     println!("cargo::rerun-if-changed=build.rs");
@@ -35,8 +37,12 @@ fn main() {
     if avx512 {
         println!("cargo::rustc-cfg=bf16_avx512");
     }
-    if avx512 || (amx && std::env::var_os("FINETUNE_NO_AMX").is_none()) {
+    let amx_on = amx && std::env::var_os("FINETUNE_NO_AMX").is_none();
+    if avx512 || amx_on {
         println!("cargo::rustc-cfg=bf16_unit");
+    }
+    if avx512 && !amx_on {
+        println!("cargo::rustc-cfg=bf16_dot");
     }
 }
 

@@ -2147,17 +2147,14 @@ mod tests {
     /// caller's C, for ragged M and K; where the dot kernel is not this process's kernel there
     /// are none to make.
     #[test]
-    #[cfg_attr(not(bf16_unit), ignore = "needs a bf16 unit (build.rs found none on this machine)")]
+    #[cfg_attr(not(bf16_dot), ignore = "needs AVX512-BF16's dot kernel as the process kernel (on an AMX CPU: FINETUNE_NO_AMX=1)")]
     fn rows_rounded_once_give_the_bits_of_rows_rounded_in_each_gemm() {
-        let kern = kernel().expect("build.rs found a bf16 unit but this process has none");
+        assert_eq!(kernel(), Some(Kernel::Avx512Bf16), "build.rs found the dot kernel but this process runs another");
         for (m, k, n) in [(1, 32, 32), (13, 70, 96), (512, 256, 64), (45, 2048, 128)] {
             let a = data(m * k, 31);
             let w: Vec<u16> = data(k * n, 32).iter().map(|&x| bf16_bits(x)).collect();
             let b = PackedB::from_kn(&w, k, n);
-            let Some(rows) = RoundedRows::new(&a, m, k) else {
-                assert_eq!(kern, Kernel::Amx, "the dot kernel takes rounded rows");
-                return;
-            };
+            let rows = RoundedRows::new(&a, m, k).expect("the dot kernel takes rounded rows");
             same_bits(&format!("stored {m}x{k}x{n}"), &gemm_rounded(&rows, &b), &gemm(&a, m, &b));
             let (mp, np) = padded_dims(m, &b).unwrap();
             let start: Vec<f32> = data(mp * np, 33);
