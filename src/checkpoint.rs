@@ -294,11 +294,13 @@ pub fn clean_temporaries(out_dir: &Path) {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
-    // A final adapter or merged model a crash left half-written (`train::save_adapter_dir`),
-    // unless a `finetune export` is staging it right now.
-    for out in ["adapter", "merged"].map(|o| out_dir.join(o)) {
+    // A final adapter, merged model or GGUF adapter a crash left half-written
+    // (`train::save_adapter_dir`, `fsutil::write_with`), unless a `finetune export` is staging
+    // it right now.
+    for out in ["adapter", "merged", "adapter.gguf"].map(|o| out_dir.join(o)) {
         if !crate::output::StagingLock::held(&out) {
-            let _ = std::fs::remove_dir_all(crate::output::beside(&out, "tmp"));
+            let tmp = crate::output::beside(&out, "tmp");
+            let _ = if tmp.is_dir() { std::fs::remove_dir_all(&tmp) } else { std::fs::remove_file(&tmp) };
         }
     }
 }

@@ -85,19 +85,39 @@ fn process_alive(pid: i32) -> bool {
     pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
 }
 
-/// fsync `tmp`, rename it over `dst`, fsync the folder.
+/// fsync `tmp` (a file or a folder), rename it over `dst`, fsync the folder. An error of that
+/// last fsync says that `dst` is in place all the same.
 pub fn rename_durable(tmp: &Path, dst: &Path) -> Result<()> {
-    std::fs::File::open(tmp).and_then(|f| f.sync_all()).map_err(|e| Error::io(tmp, e))?;
+    sync_staged(tmp)?;
     std::fs::rename(tmp, dst).map_err(|e| Error::io(dst, e))?;
     match dst.parent() {
-        Some(parent) => sync_dir(parent),
+        Some(parent) => sync_dir(parent).map_err(|e| placed_but(dst, e)),
         None => Ok(()),
     }
 }
 
+/// fsync what was staged at `tmp`: a file (any error is one), or a folder (as [`sync_dir`]).
+fn sync_staged(tmp: &Path) -> Result<()> {
+    if tmp.is_dir() {
+        return sync_dir(tmp);
+    }
+    std::fs::File::open(tmp).and_then(|f| f.sync_all()).map_err(|e| Error::io(tmp, e))
+}
+
+/// The error of a folder's fsync after `dst` was renamed into it, saying `dst` is there.
+pub fn placed_but(dst: &Path, e: Error) -> Error {
+    match e {
+        Error::Io { path, source } => {
+            let msg = format!("{} is in place, but this folder's fsync after it failed, so it may not survive a crash: {source}", dst.display());
+            Error::Io { path, source: std::io::Error::new(source.kind(), msg) }
+        }
+        other => other,
+    }
+}
+
 /// fsync the folder `dir`, which makes the renames and creations in it durable. A filesystem
-/// that cannot fsync a folder (it answers EINVAL or ENOTSUP: some network and FUSE ones)
-/// keeps them as durable as it can, so that is not an error; an I/O error (EIO) is, since
+/// that cannot fsync a folder (it answers EINVAL, ENOTSUP or ENOSYS: some network and FUSE
+/// ones) keeps them as durable as it can, so that is not an error; any other (EIO) is, since
 /// what was renamed there may be lost at the next crash.
 pub fn sync_dir(dir: &Path) -> Result<()> {
     let Ok(d) = std::fs::File::open(dir) else { return Ok(()) };
@@ -116,14 +136,12 @@ pub fn replace_dir_durable(tmp: &Path, dst: &Path) -> Result<()> {
     if !dst.exists() {
         return rename_durable(tmp, dst);
     }
-    std::fs::File::open(tmp).and_then(|f| f.sync_all()).map_err(|e| Error::io(tmp, e))?;
+    sync_staged(tmp)?;
     if exchange(tmp, dst).is_ok() {
-        if let Some(parent) = dst.parent() {
-            sync_dir(parent)?;
-        }
+        let synced = dst.parent().map_or(Ok(()), sync_dir).map_err(|e| placed_but(dst, e));
         // The old folder; one left by a crash here is cleaned as a stale temporary.
         let _ = std::fs::remove_dir_all(tmp);
-        return Ok(());
+        return synced;
     }
     std::fs::remove_dir_all(dst).map_err(|e| Error::io(dst, e))?;
     rename_durable(tmp, dst)

@@ -380,7 +380,9 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
             if a.out.exists() {
                 anyhow::bail!("--out {}: the file exists (choose another --out, or remove it first)", a.out.display());
             }
-            let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &a.out, None)?;
+            // Ctrl-C stops it as it stops a merge: no file, exit 130.
+            let stop = install_signal_handlers()?;
+            let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &a.out, Some(&stop))?;
             finetune::note!("adapter (llama.cpp LoRA GGUF) written to {} ({} bytes); use it with: llama-cli -m <base>.gguf --lora {}", r.out.display(), r.total_bytes, r.out.display());
             return Ok(());
         }

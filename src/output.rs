@@ -2,7 +2,7 @@
 //!
 //! - **One writer.** A run holds an exclusive `flock` on `<output.dir>/.finetune.lock` from
 //!   setup until it returns (the merged export included). A second run on the same folder is
-//!   refused at once, naming the folder and the holder's pid. The lock is the kernel's, tied to
+//!   refused at once, naming the folder and the holder's pid and host. The lock is the kernel's, tied to
 //!   the open file: it dies with the process, so a SIGKILLed run never leaves the folder
 //!   locked.
 //! - **Runs kept apart.** Files of a run that is not being continued (`checkpoint.resume =

@@ -374,6 +374,19 @@ fn an_output_being_staged_is_refused_to_a_second_writer_and_left_alone_by_a_run_
     finetune::checkpoint::clean_temporaries(&run);
     assert!(!run.join(".merged.tmp").exists(), "a crash's leftover staging is cleaned");
     merge(&base, &a, &out, &ExportOptions { merge: true, ..Default::default() }).unwrap();
+    // The GGUF adapter, a file staged as `.adapter.gguf.tmp`, the same way.
+    let gguf = run.join("adapter.gguf");
+    let held = finetune::output::StagingLock::acquire(&gguf).unwrap();
+    let err = finetune::export::gguf::export_gguf_adapter(&a, &base, &gguf, None).unwrap_err().to_string();
+    assert!(err.contains("being written by another finetune process"), "{err}");
+    std::fs::write(run.join(".adapter.gguf.tmp"), b"half").unwrap();
+    finetune::checkpoint::clean_temporaries(&run);
+    assert!(run.join(".adapter.gguf.tmp").is_file(), "the staging of a writer that holds it was deleted");
+    drop(held);
+    finetune::checkpoint::clean_temporaries(&run);
+    assert!(!run.join(".adapter.gguf.tmp").exists(), "a crash's leftover staging is cleaned");
+    finetune::export::gguf::export_gguf_adapter(&a, &base, &gguf, None).unwrap();
+    assert!(gguf.is_file() && !run.join(".adapter.gguf.lock").exists());
     let _ = d;
 }
 

@@ -445,15 +445,20 @@ fn a_checkpoint_from_before_the_special_tokens_map_counted_still_resumes() {
 /// strace (the machine image installs it); without it these tests fail rather than pass
 /// having checked nothing.
 fn run_under_strace(dir: &Path, extra: &[&str], strace_args: &[&str]) -> std::process::Output {
+    let mut args = vec!["--recipe".to_string(), dir.join("recipe.toml").display().to_string()];
+    args.extend(extra.iter().flat_map(|s| ["--set".to_string(), s.to_string()]));
+    finetune_under_strace(&args, strace_args)
+}
+
+/// The binary with `args` under strace (as [`run_under_strace`]).
+fn finetune_under_strace(args: &[String], strace_args: &[&str]) -> std::process::Output {
     let probe = Command::new("strace").args(["-o", "/dev/null", "true"]).status();
     assert!(probe.is_ok_and(|s| s.success()), "this test injects faults with strace: install it (apt install strace) and allow ptrace");
     Command::new("strace")
         .args(["-f", "-o", "/dev/null", "-e", "signal=none"])
         .args(strace_args)
         .arg(env!("CARGO_BIN_EXE_finetune"))
-        .arg("--recipe")
-        .arg(dir.join("recipe.toml"))
-        .args(extra.iter().flat_map(|s| ["--set", s]))
+        .args(args)
         .output()
         .unwrap()
 }
@@ -501,7 +506,7 @@ fn a_folder_fsync_failing_with_eio_stops_the_run_with_an_error() {
     let out = run_under_strace(&dir, &["train.max_steps=4"], &["-P", &ckpts_arg, "-e", "trace=fsync", "-e", "inject=fsync:error=EIO:when=2"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("checkpoints: Input/output error"), "{err}");
+    assert!(err.contains("checkpoints: ") && err.contains("is in place, but this folder's fsync after it failed") && err.contains("Input/output error"), "{err}");
     for (_, c) in finetune::checkpoint::list(&dir.join("out")) {
         finetune::checkpoint::verify(&c).unwrap();
     }
@@ -527,6 +532,15 @@ fn a_signal_during_the_end_of_run_exports_stops_them_naming_the_command_that_wri
         assert!(!dir.join("out").join(unwritten).exists() && !dir.join(staged).exists(), "{key}: half an output left");
         assert!(dir.join("out/adapter/adapter_model.safetensors").is_file());
     }
+    // `finetune export --format gguf` as well (it had no handlers: Ctrl-C left its temporary).
+    let dir = run_dir(root.path(), "cli", RECIPE);
+    train(&dir, &["train.max_steps=2"]).unwrap();
+    let (out, staged) = (dir.join("a.gguf"), dir.join(".a.gguf.tmp"));
+    let args: Vec<String> = ["export", "--run", &dir.join("out").display().to_string(), "--format", "gguf", "--out", &out.display().to_string()].map(String::from).to_vec();
+    let got = finetune_under_strace(&args, &["-P", &staged.display().to_string(), "-e", "trace=openat", "-e", "inject=openat:signal=INT:when=1"]);
+    let err = String::from_utf8_lossy(&got.stderr);
+    assert_eq!(got.status.code(), Some(130), "{err}");
+    assert!(!out.exists() && !staged.exists(), "half an output left: {err}");
 }
 
 /// A full disk while the end-of-run GGUF adapter is written: an error with the full-disk hint,

@@ -72,6 +72,9 @@ pub fn export_gguf_adapter(adapter: &PeftAdapter, base: &ModelDir, out: &Path, s
         ("adapter.type", Value::String("lora".into())),
         ("adapter.lora.alpha", Value::F32(adapter.spec.alpha as f32)),
     ];
+    // One writer of `out` at a time (its `.NAME.tmp` is shared): a `finetune export` and a
+    // run's end-of-run write of the same file.
+    let _lock = crate::output::StagingLock::acquire(out)?;
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     crate::fsutil::write_with(out, |f| {

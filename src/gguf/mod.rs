@@ -1295,7 +1295,7 @@ fn write_folder<T>(out: &Path, fill: impl FnOnce(&Path) -> Result<T>) -> Result<
         std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
     }
     staging.0 = None;
-    crate::fsutil::sync_dir(parent)?;
+    crate::fsutil::sync_dir(parent).map_err(|e| crate::fsutil::placed_but(out, e))?;
     Ok(value)
 }
 
