@@ -2,7 +2,7 @@
 CARGO ?= cargo
 PYTHON ?= python3
 
-.PHONY: build test demo tiny bench interop venv check-cuda build-cuda check-dashboards check-llama-cpp clean-runs
+.PHONY: build test demo tiny bench interop venv check-cuda build-cuda check-dashboards check-llama-cpp check-real-model clean-runs
 
 build:
 	$(CARGO) build --release
@@ -55,6 +55,13 @@ build-cuda:
 ## resumed: metrics.jsonl's numbers, each step once; then `finetune report` on it.
 check-dashboards: build
 	bash scripts/check-dashboards.sh
+
+## The real SmolLM2-135M-Instruct GGUF (fetched as `make demo` fetches it): imported, its
+## tokenizer and chat template against transformers' ids, greedy tokens against candle's own
+## GGUF model (tests/gguf.rs's ignored real-model test).
+check-real-model:
+	bash scripts/fetch-smollm2.sh >/dev/null
+	$(CARGO) test --release --test gguf -- --ignored smollm2
 
 clean-runs:
 	rm -rf runs .cache/bench

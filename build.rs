@@ -11,14 +11,15 @@
 //! - `bf16_unit`: the process-wide kernel (`bf16_gemm::kernel()`) will be one of them:
 //!   AVX512-BF16, or AMX unless `FINETUNE_NO_AMX` is set;
 //! - `bf16_dot`: that kernel will be AVX512-BF16's dot kernel (no AMX, or `FINETUNE_NO_AMX`),
-//!   for the tests of what only it has (token rows rounded once for many GEMMs).
+//!   for the tests of what only it has (token rows rounded once for many GEMMs);
+//! - `avx2_fma`: AVX2 and FMA, which the few-row f32 kernels (`src/ops/few_rows.rs`) need.
 //!
 //! Build scripts run natively on the build machine, so detection here is detection there.
 //! Cargo reruns this when /proc/cpuinfo changes (its mtime is the boot's, and a work tree
 //! moves between machines with different CPUs) or when `FINETUNE_NO_AMX` does.
 
 fn main() {
-    for cfg in ["bf16_unit", "bf16_amx", "bf16_avx512", "bf16_dot"] {
+    for cfg in ["bf16_unit", "bf16_amx", "bf16_avx512", "bf16_dot", "avx2_fma"] {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
     println!("cargo::rerun-if-changed=build.rs");
@@ -28,6 +29,10 @@ fn main() {
     // Cross builds: this CPU says nothing about the target's.
     if std::env::var("HOST").ok() != std::env::var("TARGET").ok() {
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        println!("cargo::rustc-cfg=avx2_fma");
     }
     let amx = cpu_bf16::amx_detect_and_enable();
     let avx512 = cpu_bf16::avx512_bf16();

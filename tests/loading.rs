@@ -84,15 +84,20 @@ fn a_folder_with_a_single_file_and_an_index_trains_on_the_single_file_as_transfo
     assert_eq!(losses(&train(both.path(), &[])), losses(&train(other.path(), &[])));
 }
 
+/// bf16 against f32 losses, relative, over 3 steps of the tiny model: the weights rounded to
+/// bf16 (and, on a bf16 unit, the operands). Measured 1.7e-4 on Zen 4 (bf16 operands).
+const BF16_BOUND: f64 = 5e-4;
+
 #[test]
 fn bf16_base_trains_close_to_f32() {
     let f32_ws = workspace(&TinyShape::default(), 1);
     let bf16_ws = workspace(&TinyShape { dtype: candle_core::DType::BF16, ..Default::default() }, 1);
     let a = losses(&train(f32_ws.path(), &["model.dtype=f32"]));
     let b = losses(&train(bf16_ws.path(), &["model.dtype=\"bf16\""]));
-    for (x, y) in a.iter().zip(&b) {
-        assert!(rel(*y, *x) < 1e-2, "f32 {x} vs bf16 {y}");
-    }
+    assert_eq!(a.len(), b.len());
+    let worst = a.iter().zip(&b).map(|(x, y)| rel(*y, *x)).fold(0.0, f64::max);
+    println!("f32 {a:?} vs bf16 {b:?}: max relative diff {worst:.2e}");
+    assert!(worst < BF16_BOUND, "f32 {a:?} vs bf16 {b:?}: {worst:e} relative");
 }
 
 /// On a CPU without a bf16 unit a bf16 checkpoint kept bf16 (the default there) trains as the

@@ -2,14 +2,17 @@
 //! produced by `parity_fixture.py` (kept beside it, with the exact command in its README).
 //! Every fixture runs twice: on the fused CPU kernels (`model.kernels = "auto"`) and on the
 //! portable path a GPU takes (`"portable"`), at the same tolerances.
-//! Every step's loss, lr and grad_norm must agree within 1e-5 relative and every adapter
-//! tensor within 1e-5 absolute (the fixtures agree to about 1e-7). The max differences are printed (`cargo test -- --nocapture`).
+//! Every step's loss, lr and grad_norm must agree within 1.5e-6 relative and every adapter
+//! tensor within 8e-6 absolute: about three times the worst measured (2026-11-28, Zen 4, both
+//! paths: losses 1.7e-7, grad_norm 4.9e-7, adapters 2.6e-6 on parity-llama-mlp; other CPUs
+//! sum in other orders), inside the 1e-5 the DeepSeek issue asked. The max differences are
+//! printed (`cargo test -- --nocapture`).
 
 mod common;
 use common::*;
 
-const REL_TOL: f64 = 1e-5;
-const ABS_TOL: f32 = 1e-5;
+const REL_TOL: f64 = 1.5e-6;
+const ABS_TOL: f32 = 8e-6;
 
 fn check_parity(name: &str, extra: &[&str]) {
     let out = tempfile::tempdir().unwrap();
@@ -255,9 +258,14 @@ fn bnb_dequantisation_equals_bitsandbytes_tensor_by_tensor() {
             check_sums(&format!("{name} {hf}"), &t, e);
             deq.insert(hf.clone(), t);
         }
+        // The NF4 fixture holds two tensors as bitsandbytes dequantised them (the FP4 sample
+        // only their sums).
         let sample = fixture(name).join("expected/dequantized_sample.safetensors");
+        assert_eq!(sample.exists(), name == "parity-bnb-nf4", "{}", sample.display());
         if sample.exists() {
-            for (k, t) in load_tensors(&sample) {
+            let tensors = load_tensors(&sample);
+            assert_eq!(tensors.len(), 2, "{name}: the sample's tensors");
+            for (k, t) in tensors {
                 assert_eq!(max_abs_diff(&deq[&k], &t), 0.0, "{name} {k}: element by element");
             }
         }
