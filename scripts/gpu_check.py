@@ -8,7 +8,7 @@ scripts/build-cuda.sh carried along):
 What it checks, each case on `model.device = "cuda"`:
   * every PEFT parity fixture (tests/fixtures/parity-*: dense llama/qwen2, DeepSeek-V2/V3 MLA + MoE,
     GGUF Q8_0 / Q4_K and bitsandbytes NF4 bases) against the numbers PEFT produced, at the parity
-    tolerances of tests/parity.rs (losses, lr, grad_norm 1e-5 relative; adapter 1e-5 absolute);
+    tolerances of tests/parity.rs (losses, lr, grad_norm 1.5e-6 relative; adapter 8e-6 absolute);
   * a bf16 base (llama and DeepSeek-V3): its losses within bf16 reach of the f32 run;
   * ZeRO-3 (zero_stage = 3, optimizer state on the host) on one rank: the same numbers as without;
   * DeepSeek-V3 with adapters on every routed expert (lora.routed_experts), plain and ZeRO-3: the
@@ -33,7 +33,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REL_TOL, ABS_TOL = 1e-5, 1e-5
+REL_TOL, ABS_TOL = 1.5e-6, 8e-6  # as tests/parity.rs; measured on the H200: 3.0e-7 and 5.0e-6
 
 
 def lib_path():
