@@ -1,4 +1,4 @@
-//! Build-time facts about the CPU the tests will run on, for tests only.
+//! Build-time facts about the machine the tests will run on (its CPU, its kernel), for tests only.
 //!
 //! The bf16 GEMM (`src/ops/bf16_gemm.rs`) picks AMX or AVX512-BF16 at run time, and that
 //! stays so: this script changes no code path. It lets the tests of those kernels be
@@ -12,14 +12,15 @@
 //!   AVX512-BF16, or AMX unless `FINETUNE_NO_AMX` is set;
 //! - `bf16_dot`: that kernel will be AVX512-BF16's dot kernel (no AMX, or `FINETUNE_NO_AMX`),
 //!   for the tests of what only it has (token rows rounded once for many GEMMs);
-//! - `avx2_fma`: AVX2 and FMA, which the few-row f32 kernels (`src/ops/few_rows.rs`) need.
+//! - `avx2_fma`: AVX2 and FMA, which the few-row f32 kernels (`src/ops/few_rows.rs`) need;
+//! - `thp`: the kernel has transparent huge pages (`src/alloc.rs` asks for them).
 //!
 //! Build scripts run natively on the build machine, so detection here is detection there.
 //! Cargo reruns this when /proc/cpuinfo changes (its mtime is the boot's, and a work tree
 //! moves between machines with different CPUs) or when `FINETUNE_NO_AMX` does.
 
 fn main() {
-    for cfg in ["bf16_unit", "bf16_amx", "bf16_avx512", "bf16_dot", "avx2_fma"] {
+    for cfg in ["bf16_unit", "bf16_amx", "bf16_avx512", "bf16_dot", "avx2_fma", "thp"] {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
     println!("cargo::rerun-if-changed=build.rs");
@@ -29,6 +30,9 @@ fn main() {
     // Cross builds: this CPU says nothing about the target's.
     if std::env::var("HOST").ok() != std::env::var("TARGET").ok() {
         return;
+    }
+    if std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
+        println!("cargo::rustc-cfg=thp");
     }
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
