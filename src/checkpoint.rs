@@ -140,9 +140,8 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
     }
     let manifest = serde_json::json!({"format": 1, "step": state.step, "files": files});
     write_file(&tmp.join(MANIFEST), manifest.to_string().as_bytes())?;
-    for d in [tmp.join("adapter"), tmp.clone()] {
-        crate::fsutil::sync_dir(&d)?;
-    }
+    // The folder itself is fsynced by `rename_durable`.
+    crate::fsutil::sync_dir(&tmp.join("adapter"))?;
     let dst = root.join(&name);
     if dst.exists() {
         // Same step saved again (e.g. a signal right after a scheduled save): replace it.

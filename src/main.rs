@@ -655,11 +655,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             if summary.interrupted.is_none() && recipe.recipe.export.gguf && summary.lock.is_some() {
                 let gguf = summary.output_dir.join("adapter.gguf");
-                finetune::export::stop_requested(&stop).map_err(|e| unwritten(e, "llama.cpp GGUF adapter", &format!("--format gguf --out {}", gguf.display())))?;
+                let gguf_unwritten = |e| unwritten(e, "llama.cpp GGUF adapter", &format!("--format gguf --out {}", gguf.display()));
+                finetune::export::stop_requested(&stop).map_err(gguf_unwritten)?;
                 let adapter = finetune::export::PeftAdapter::open(&summary.output_dir.join("adapter"))?;
                 let base = finetune::train::run_base(&summary.output_dir, &recipe.recipe.model.path, &recipe.dir)?;
-                let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &gguf, Some(&stop))
-                    .map_err(|e| unwritten(e, "llama.cpp GGUF adapter", &format!("--format gguf --out {}", gguf.display())))?;
+                let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &gguf, Some(&stop)).map_err(gguf_unwritten)?;
                 finetune::note!("adapter (llama.cpp LoRA GGUF) written to {}", r.out.display());
             }
             if let Some(sig) = summary.interrupted {
