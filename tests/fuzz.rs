@@ -185,10 +185,35 @@ struct Finding {
     what: String,
 }
 
+/// Every format `fuzz` runs (what `FUZZ_ONLY` may name).
+const FORMATS: [&str; 6] = ["recipe", "safetensors", "adapter_config", "arrow", "jsonl", "gguf"];
+
+/// `FUZZ_ONLY`, checked: a format of [`FORMATS`], optionally `:seed` under that format's
+/// `cases`. A name that matches no case would run none and pass having checked nothing.
+fn only_case(format: &str, cases: u64) -> Result<Option<String>, String> {
+    let Ok(only) = std::env::var("FUZZ_ONLY") else { return Ok(None) };
+    let (f, seed) = match only.split_once(':') {
+        Some((f, s)) => (f, Some(s.parse::<u64>().map_err(|_| format!("FUZZ_ONLY={only}: the seed after ':' must be a number"))?)),
+        None => (only.as_str(), None),
+    };
+    if !FORMATS.contains(&f) {
+        return Err(format!("FUZZ_ONLY={only}: no format {f:?}; the formats are {FORMATS:?}"));
+    }
+    match seed {
+        Some(seed) if f == format && seed >= cases => Err(format!("FUZZ_ONLY={only}: {format} runs seeds 0 to {}", cases - 1)),
+        _ => Ok(Some(only)),
+    }
+}
+
 /// Run `cases` mutations of `format` through `run` (which returns the error text, if any).
 /// Each error must contain `names` (the file's name).
 fn fuzz(format: &'static str, cases: u64, names: &str, findings: &mut Vec<Finding>, mut run: impl FnMut(u64) -> Option<String>) {
-    let only = std::env::var("FUZZ_ONLY").ok();
+    assert!(FORMATS.contains(&format), "fuzz: add {format:?} to FORMATS");
+    // Said on stderr too: `quiet_panics` silences the panic's own message.
+    let only = only_case(format, cases).unwrap_or_else(|e| {
+        eprintln!("{e}");
+        panic!("{e}")
+    });
     let (mut errors, mut oks) = (0, 0);
     for seed in 0..cases {
         if let Some(o) = &only {
