@@ -2466,8 +2466,13 @@ mod speed {
         };
         let gate = rate(&|e| drop(std::hint::black_box(gemm_wt(&ah, m, &ih[e], i, h))));
         let down = rate(&|e| drop(std::hint::black_box(gemm_wt(&ai, m, &hi[e], h, i))));
-        let down_grad = rate(&|e| drop(std::hint::black_box(gemm_kn(&ah, m, &hi[e], h, i))));
-        let gate_grad = rate(&|e| drop(std::hint::black_box(gemm_kn(&ai, m, &ih[e], i, h))));
+        // Where `gemm_kn` declines (AMX) it returns at once: timing that would print a rate of
+        // nothing, so those rates say it does not apply (the whole-weight packing below is then
+        // what the input gradient runs).
+        let kn = gemm_kn(&ai, m, &ih[0], i, h).is_some();
+        let kn_rate = |f: &dyn Fn(usize)| if kn { format!("{:.0}", rate(f)) } else { "n/a (gemm_kn does not apply on this kernel)".to_string() };
+        let down_grad = kn_rate(&|e| drop(std::hint::black_box(gemm_kn(&ah, m, &hi[e], h, i))));
+        let gate_grad = kn_rate(&|e| drop(std::hint::black_box(gemm_kn(&ai, m, &ih[e], i, h))));
         let down_old = rate(&|e| drop(std::hint::black_box(gemm(&ah, m, &PackedB::from_kn(&hi[e], h, i)))));
         let gate_old = rate(&|e| drop(std::hint::black_box(gemm(&ai, m, &PackedB::from_kn(&ih[e], i, h)))));
         crate::note!("input grads packing W whole: down {down_old:.0}, gate/up {gate_old:.0}");
@@ -2496,8 +2501,8 @@ mod speed {
             crate::note!("gate x·Wᵀ on the dot kernel alone {alone:.0} GFLOP/s; around it in gemm_wt: rounding and packing A {:.0} µs, Cᵀ transposed back {:.0} µs", us(pack), us(back));
         }
         let warm = rate(&|_| drop(std::hint::black_box(gemm_wt(&ah, m, &ih[0], i, h))));
-        let warm_grad = rate(&|_| drop(std::hint::black_box(gemm_kn(&ai, m, &ih[0], i, h))));
-        crate::note!("warm: gate x·Wᵀ {warm:.0}, gate input grad {warm_grad:.0}");
-        crate::note!("cold experts, {m} rows: gate/up x·Wᵀ {gate:.0}, down x·Wᵀ {down:.0}, down input grad g·W {down_grad:.0}, gate/up input grad g·W {gate_grad:.0} GFLOP/s");
+        let warm_grad = kn_rate(&|_| drop(std::hint::black_box(gemm_kn(&ai, m, &ih[0], i, h))));
+        crate::note!("warm: gate x·Wᵀ {warm:.0}, gate input grad {warm_grad}");
+        crate::note!("cold experts, {m} rows: gate/up x·Wᵀ {gate:.0}, down x·Wᵀ {down:.0}, down input grad g·W {down_grad}, gate/up input grad g·W {gate_grad} GFLOP/s");
     }
 }
