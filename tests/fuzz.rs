@@ -188,10 +188,12 @@ struct Finding {
 /// Every format `fuzz` runs (what `FUZZ_ONLY` may name).
 const FORMATS: [&str; 6] = ["recipe", "safetensors", "adapter_config", "arrow", "jsonl", "gguf"];
 
-/// `FUZZ_ONLY`, checked: a format of [`FORMATS`], optionally `:seed` under that format's
-/// `cases`. A name that matches no case would run none and pass having checked nothing.
-fn only_case(format: &str, cases: u64) -> Result<Option<String>, String> {
-    let Ok(only) = std::env::var("FUZZ_ONLY") else { return Ok(None) };
+/// The seeds of `format` to run, and whether `FUZZ_ONLY` chose them: all `cases` where it is
+/// unset; else it must name a format of [`FORMATS`], optionally `:seed` under that format's
+/// `cases` (a name that matches no case would run none and pass having checked nothing).
+/// Parsed, so `jsonl:03` is seed 3.
+fn seeds(format: &str, cases: u64) -> Result<(std::ops::Range<u64>, bool), String> {
+    let Ok(only) = std::env::var("FUZZ_ONLY") else { return Ok((0..cases, false)) };
     let (f, seed) = match only.split_once(':') {
         Some((f, s)) => (f, Some(s.parse::<u64>().map_err(|_| format!("FUZZ_ONLY={only}: the seed after ':' must be a number"))?)),
         None => (only.as_str(), None),
@@ -200,27 +202,24 @@ fn only_case(format: &str, cases: u64) -> Result<Option<String>, String> {
         return Err(format!("FUZZ_ONLY={only}: no format {f:?}; the formats are {FORMATS:?}"));
     }
     match seed {
-        Some(seed) if f == format && seed >= cases => Err(format!("FUZZ_ONLY={only}: {format} runs seeds 0 to {}", cases - 1)),
-        _ => Ok(Some(only)),
+        _ if f != format => Ok((0..0, true)),
+        None => Ok((0..cases, true)),
+        Some(seed) if seed < cases => Ok((seed..seed + 1, true)),
+        Some(_) => Err(format!("FUZZ_ONLY={only}: {format} runs seeds 0 to {}", cases - 1)),
     }
 }
 
 /// Run `cases` mutations of `format` through `run` (which returns the error text, if any).
 /// Each error must contain `names` (the file's name).
 fn fuzz(format: &'static str, cases: u64, names: &str, findings: &mut Vec<Finding>, mut run: impl FnMut(u64) -> Option<String>) {
-    assert!(FORMATS.contains(&format), "fuzz: add {format:?} to FORMATS");
+    let checked = if FORMATS.contains(&format) { seeds(format, cases) } else { Err(format!("fuzz: add {format:?} to FORMATS")) };
     // Said on stderr too: `quiet_panics` silences the panic's own message.
-    let only = only_case(format, cases).unwrap_or_else(|e| {
+    let (seeds, only) = checked.unwrap_or_else(|e| {
         eprintln!("{e}");
         panic!("{e}")
     });
     let (mut errors, mut oks) = (0, 0);
-    for seed in 0..cases {
-        if let Some(o) = &only {
-            if *o != format!("{format}:{seed}") && *o != format {
-                continue;
-            }
-        }
+    for seed in seeds {
         CASE.with(|c| c.set((format, seed)));
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(seed)));
         match result {
@@ -230,7 +229,7 @@ fn fuzz(format: &'static str, cases: u64, names: &str, findings: &mut Vec<Findin
             }
             Ok(Some(e)) => {
                 errors += 1;
-                if only.is_some() {
+                if only {
                     println!("{format}:{seed}: {e}");
                 }
                 if !e.contains(names) {
