@@ -49,8 +49,12 @@ impl AdamW {
     /// One update of `params` in place with learning rate `lr`. All LoRA tensors share one
     /// param group, so the update is element-wise and a flat run (or a rank's slice of it)
     /// gets exactly the numbers torch's per-tensor loop would.
-    /// Mirrors torch's single-tensor `_single_tensor_adamw` op by op (f32 arithmetic on the
-    /// tensors, Python-float scalars computed in f64).
+    /// Follows torch's single-tensor `_single_tensor_adamw` op by op (f32 arithmetic on the
+    /// tensors, Python-float scalars computed in f64), each op rounded on its own: torch's
+    /// vectorised CPU kernels fuse `lerp_` and `addcmul_` into FMAs and order `addcdiv_` as
+    /// `p + (-s·m) / denom`, so a moment or parameter may differ from torch's in the last bit
+    /// (a review on 2026-11-29 counted up to a third of the moments' elements by step 2), far
+    /// below the parity tests' tolerances. Our own runs, resumed or not, are bit for bit.
     ///
     /// `present[i] = false` marks an element whose tensor had no gradient this step (torch:
     /// `grad is None`): it is left alone entirely (no decay, no moment update, its step count
