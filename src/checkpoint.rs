@@ -140,14 +140,13 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
     }
     let manifest = serde_json::json!({"format": 1, "step": state.step, "files": files});
     write_file(&tmp.join(MANIFEST), manifest.to_string().as_bytes())?;
-    // The folder itself is fsynced by `rename_durable`.
+    // The folder itself is fsynced by `replace_dir_durable`.
     crate::fsutil::sync_dir(&tmp.join("adapter"))?;
     let dst = root.join(&name);
-    if dst.exists() {
-        // Same step saved again (e.g. a signal right after a scheduled save): replace it.
-        std::fs::remove_dir_all(&dst).map_err(|e| Error::io(&dst, e))?;
-    }
-    crate::fsutil::rename_durable(&tmp, &dst)?;
+    // Same step saved again (e.g. a signal right after a scheduled save): swapped in, so a
+    // crash meanwhile leaves the old copy or the new one, never neither (when the old one was
+    // removed first, the new one sat only in `.tmp-*`, which the next run's cleaning deletes).
+    crate::fsutil::replace_dir_durable(&tmp, &dst)?;
     Ok(dst)
 }
 
