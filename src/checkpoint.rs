@@ -55,6 +55,12 @@ pub struct TrainState {
     /// VmHWM, MB): a resumed run's summary reports the whole run's peak.
     #[serde(default)]
     pub peak_rss_mb: Option<f64>,
+    /// What the step's arithmetic ran on (`train::describe_kernels`: the bf16 unit or f32
+    /// math for a bf16 base, the f32 GEMM's instruction set, or the device): a run resumed on
+    /// other kernels goes on with a note saying it will not match bit for bit (None in
+    /// checkpoints written before it was recorded).
+    #[serde(default)]
+    pub kernels: Option<String>,
 }
 
 pub struct Loaded {

@@ -348,6 +348,9 @@ struct RankRun<'a> {
     log: crate::runlog::RunLog,
     /// What ran, for summary.json (benchmarks label their rows with it, not with a guess).
     kernels_used: String,
+    /// What the step's arithmetic runs on (`describe_kernels`; `kernels_used` before the
+    /// checkpointing is added), recorded in checkpoints.
+    kernels: String,
     sharded: bool,
     /// The fused CPU ops run / the base is resident as the matmuls read it: what
     /// checkpointing's choices depend on.
@@ -493,6 +496,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
         out_dir,
         recipe_text,
         log,
+        kernels: kernels_used.clone(),
         kernels_used,
         sharded,
         fused,
@@ -598,6 +602,14 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         }
         let l = crate::checkpoint::load(&dir, &rk.adapters)?;
         check_same_run(rk, &l.state, &saved, &dir)?;
+        if let Some(then) = l.state.kernels.as_ref().filter(|k| **k != rk.kernels && lead) {
+            crate::note!(
+                "{} was trained on other kernels ({then}) than this run's ({}): the same math, but sums in another order (or activations rounded to bf16 \
+                 on one side only), so the steps from here will not match bit for bit those the first machine would have computed",
+                dir.display(),
+                rk.kernels
+            );
+        }
         rk.opt.state = l.moments.slice(rk.part.range());
         rk.opt.step = l.adam_step;
         rk.loader.restore(&l.state.loader)?;
@@ -876,6 +888,7 @@ fn save_checkpoint(rk: &RankRun, step: usize, micro_index: u64) -> Result<Option
             data_fingerprint: Some(rk.data_fingerprint.clone()),
             model_fingerprint_version: MODEL_FINGERPRINT_VERSION,
             peak_rss_mb: rk.run_peak_rss_mb(),
+            kernels: Some(rk.kernels.clone()),
         };
         rk.log
             .sync()

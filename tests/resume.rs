@@ -405,6 +405,33 @@ fn a_resumed_run_reports_the_peak_memory_of_the_whole_run() {
     assert_eq!(peak(&dir.join("out/checkpoints/step-000003/state.json")), Some(1.0e9), "and passes it on");
 }
 
+#[test]
+fn a_run_resumed_on_other_kernels_says_it_will_not_match_bit_for_bit() {
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    let resumed = |steps: &str| {
+        let out = spawn(&dir, &[&format!("train.max_steps={steps}")]).wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let said = resumed("2");
+    assert!(!said.contains("other kernels"), "{said}");
+    let ckpt = dir.join("out/checkpoints/step-000002");
+    let kernels = |ckpt: &Path| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(ckpt.join("state.json")).unwrap()).unwrap()["kernels"].clone();
+    let here = kernels(&ckpt);
+    assert!(here.as_str().is_some_and(|k| !k.is_empty()), "checkpoints record the kernels: {here}");
+    // The same machine: no note.
+    assert!(!resumed("3").contains("other kernels"));
+    // A checkpoint written on another machine (AVX2 only, say): the note names both.
+    edit_state(&dir.join("out/checkpoints/step-000003"), |state| state["kernels"] = "elsewhere's kernels".into());
+    let said = resumed("4");
+    assert!(said.contains("was trained on other kernels (elsewhere's kernels)") && said.contains(here.as_str().unwrap()), "{said}");
+    assert_eq!(kernels(&dir.join("out/checkpoints/step-000004")), here, "this run's own checkpoints record its kernels");
+    // One from before they were recorded: no note.
+    edit_state(&dir.join("out/checkpoints/step-000004"), |state| drop(state.as_object_mut().unwrap().remove("kernels")));
+    assert!(!resumed("5").contains("other kernels"));
+}
+
 /// Edit a checkpoint's state.json as an earlier version (or process) wrote it, keeping its
 /// manifest's checksum true.
 fn edit_state(ckpt: &Path, f: impl Fn(&mut serde_json::Value)) {
