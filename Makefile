@@ -2,7 +2,7 @@
 CARGO ?= cargo
 PYTHON ?= python3
 
-.PHONY: build test demo tiny bench interop venv check-cuda build-cuda check-dashboards check-llama-cpp check-real-model clean-runs
+.PHONY: build test test-checked demo tiny bench interop venv check-cuda build-cuda check-dashboards check-llama-cpp check-real-model clean-runs
 
 build:
 	$(CARGO) build --release
@@ -10,6 +10,12 @@ build:
 ## The whole test suite (unit, parity against PEFT fixtures, CLI, loading).
 test:
 	$(CARGO) test --release
+
+## The same suite with this crate's debug assertions and overflow checks on (every kernel's
+## bounds check on the blocks it writes is a `debug_assert!`), optimised otherwise: a second
+## build of everything (Cargo profile `checked`, in target/checked). CI runs it after `test`.
+test-checked:
+	$(CARGO) test --profile checked
 
 ## The main job: fine-tune the real SmolLM2-135M-Instruct (fetched from PyPI as a GGUF) and
 ## show base vs tuned answers on held-out prompts.

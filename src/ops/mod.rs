@@ -375,9 +375,10 @@ mod tests {
         assert_eq!(buf, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0]);
     }
 
-    /// The check is a `debug_assert!`: release builds (`make test`) skip it, and this test.
+    /// The check is a `debug_assert!`: release builds (`make test`) skip it, and this test;
+    /// `make test-checked` (CI) runs both.
     #[test]
-    #[cfg_attr(not(debug_assertions), ignore = "the bounds check is a debug assertion: run without --release")]
+    #[cfg_attr(not(debug_assertions), ignore = "the bounds check is a debug assertion: `make test-checked` runs it")]
     #[should_panic(expected = "Shared: elements 9..11 of a buffer of 10")]
     fn shared_stops_an_access_past_the_end_of_its_buffer_in_debug_builds() {
         let mut buf = vec![0f32; 10];
