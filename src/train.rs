@@ -532,7 +532,16 @@ fn describe_kernels(lead: bool, kernels: crate::ops::Kernels, device: &candle_co
             };
             format!("fused CPU ops; f32 GEMM: gemm crate ({f32_gemm}); frozen matmuls: {frozen}; attention GEMMs: {attention}")
         }
-        (d, k) => format!("{k:?} ops on {d:?}, activations in {compute_dtype:?}"),
+        (d, k) => {
+            // The kind of device only: its Debug names candle's process-wide device counter,
+            // which differs between runs and ranks (checkpoints compare this text on resume).
+            let on = match d.location() {
+                candle_core::DeviceLocation::Cpu => "CPU",
+                candle_core::DeviceLocation::Cuda { .. } => "CUDA",
+                candle_core::DeviceLocation::Metal { .. } => "Metal",
+            };
+            format!("{k:?} ops on {on}, activations in {compute_dtype:?}")
+        }
     }
 }
 
@@ -1861,6 +1870,14 @@ mod tests {
         assert_eq!((pass_tokens(&r, false, true), pass_tokens(&r, true, false)), (None, None));
         // Routed-expert adapters without dropout: passes as usual.
         assert_eq!(pass_tokens(&recipe("bf16", 8, 512, &["lora.routed_experts=true"]), true, true), Some(2048));
+    }
+
+    #[test]
+    fn the_kernels_a_checkpoint_records_name_the_kind_of_device_not_candle_s_device_counter() {
+        // candle's Debug of a CUDA device prints a process-wide counter, which would differ on
+        // every resume; the portable path on the CPU shows the form.
+        let said = describe_kernels(false, crate::ops::Kernels::Portable, &candle_core::Device::Cpu, (DType::F32, DType::F32), 64);
+        assert_eq!(said, "Portable ops on CPU, activations in F32");
     }
 
     #[test]
