@@ -733,6 +733,26 @@ fn a_qwen3_answer_after_an_answer_trains_its_think_block() {
     assert_eq!(f.decode(&trained), "a1<|im_end|>\n<think>\n\n</think>\n\na1b<|im_end|>\n");
 }
 
+/// Qwen3's template reads `messages[0]` before its loop: the empty conversation before an
+/// opening assistant turn, which the loss mask renders to find the turn, is an error there.
+/// It names the cause and the way out, not only the template's undefined value.
+#[test]
+fn a_conversation_opening_with_the_assistant_under_a_template_that_reads_the_first_message_names_the_cause() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let q = with_template(d.path(), &m, "qwen3");
+    let msgs: Vec<Message> = serde_json::from_value(serde_json::json!([
+        {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+    ]))
+    .unwrap();
+    let Err(e) = formatter(&q, "messages", None, false).render_conversation(&msgs, 0).unwrap() else { panic!("rendered") };
+    let e = e.0;
+    assert!(e.contains("opens with an assistant turn") && e.contains("data.train_on_prompt = true"), "{e}");
+    // As the message says: trained on the prompt too, it renders.
+    let ex = formatter(&q, "messages", None, true).render_conversation(&msgs, 0).unwrap().ok().unwrap();
+    assert!(ex.labels.iter().all(|&l| l != IGNORE), "{:?}", ex.labels);
+}
+
 #[test]
 fn a_messages_other_keys_reach_the_template_from_jsonl_and_arrow() {
     // Qwen3's template renders `reasoning_content` inside the last answer; dropping the key

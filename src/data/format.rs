@@ -643,7 +643,16 @@ fn assistant_spans(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, te
 fn turn_span(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, i: usize, text: &str, limit: usize, tokens: &[(usize, usize)]) -> std::result::Result<Option<std::ops::Range<usize>>, String> {
     let render = |msgs: &[Message], prompt: bool| t.render_with(msgs, vars, prompt).map_err(|e| e.to_string());
     let msg = &m[i];
-    let prompt = render(&m[..i], true)?;
+    // A conversation that opens with the assistant: the turn is located against the empty
+    // conversation before it, which templates that read `messages[0]` outside their loop
+    // (Llama 3.1, Qwen2.5, Qwen3) cannot render, although they render the whole one.
+    let prompt = render(&m[..i], true).map_err(|e| match i {
+        0 => format!(
+            "the conversation opens with an assistant turn, and the chat template cannot render the empty conversation before it, \
+             which is how the loss mask finds where that turn starts ({e}); open it with a system or user message, or set data.train_on_prompt = true"
+        ),
+        _ => e,
+    })?;
     let mut start = common_prefix(text, &prompt);
     // The conversation before the turn, where the generation prompt is not all there (the
     // usual case renders no more than it needs).
