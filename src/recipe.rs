@@ -1006,6 +1006,7 @@ const HF_NAMES: &[(&str, &str)] = &[
     ("max_length", "data.max_seq_len"),
     ("max_seq_length", "data.max_seq_len"),
     ("completion_only_loss", "data.train_on_prompt (inverted)"),
+    ("assistant_only_loss", "data.train_on_prompt = false, the default (it follows the chat template's {% generation %} blocks where it has them)"),
     ("save_steps", "checkpoint.every_steps"),
     ("save_total_limit", "checkpoint.keep_last"),
     ("output_dir", "output.dir"),

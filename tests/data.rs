@@ -10,6 +10,7 @@ use finetune::chat::Message;
 use finetune::data::source::Split;
 use finetune::data::{BadRecord, Formatter, Loader, LoaderOptions, Record, Role, IGNORE};
 use finetune::synth::{write_model, TinyShape};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -145,6 +146,45 @@ fn only_assistant_turns_and_their_end_of_turn_are_trained() {
     let ex = fmt.render_conversation(&msgs, 0).unwrap().ok().unwrap();
     let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &l)| l != IGNORE).map(|(&t, _)| t).collect();
     assert_eq!(fmt.decode(&trained), "Blue.<|im_end|>\nGreen.<|im_end|>\n<|endoftext|>");
+}
+
+#[test]
+fn a_templates_generation_blocks_decide_what_is_trained_as_trls_assistant_only_loss() {
+    // tests/fixtures/chat-templates/generation-masks.json (generation_masks.py): transformers'
+    // return_assistant_tokens_mask for templates whose {% generation %} blocks mark every
+    // answer, the last one only, the content without its end-of-turn, or sit indented with
+    // whitespace control, and for TRL's training templates (DeepSeek-V3, R1-Distill, Qwen3,
+    // Llama 3, gpt-oss, Nemotron 3 Nano, DiffusionGemma) on random conversations with reasoning
+    // and tool calls. FINETUNE_GENERATION_MASKS names a wider file (`--sweep`) to check instead.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let path = std::env::var_os("FINETUNE_GENERATION_MASKS").map(PathBuf::from).unwrap_or_else(|| fixture("chat-templates/generation-masks.json"));
+    let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut formatters = BTreeMap::new();
+    for (name, source) in f["templates"].as_object().unwrap() {
+        let dir = d.path().join(format!("t{}", formatters.len()));
+        copy_dir(&m, &dir);
+        std::fs::write(dir.join("chat_template.jinja"), source.as_str().unwrap()).unwrap();
+        formatters.insert(name.clone(), (formatter(&dir, "messages", None, false), dir));
+    }
+    for (i, c) in f["cases"].as_array().unwrap().iter().enumerate() {
+        let name = c["template"].as_str().unwrap();
+        let fmt = &formatters[name].0;
+        let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).unwrap();
+        let ex = fmt.render_conversation(&msgs, 0).unwrap().unwrap_or_else(|b| panic!("case {i} ({name}): {}", b.0));
+        let ids: Vec<u32> = serde_json::from_value(c["ids"].clone()).unwrap();
+        let mask: Vec<u8> = serde_json::from_value(c["assistant_masks"].clone()).unwrap();
+        let labels: Vec<i64> = ids.iter().zip(&mask).map(|(&t, &k)| if k == 1 { t as i64 } else { IGNORE }).collect();
+        assert_eq!(ex.input_ids, ids, "case {i} ({name})");
+        assert_eq!(ex.labels, labels, "case {i} ({name}): {:?}", fmt.decode(&ex.input_ids));
+    }
+    // A conversation the blocks mark nothing in is a bad record saying so, not a record
+    // with nothing to learn; and a message holding the marks' characters is caught.
+    let Some((fmt, _)) = formatters.get("last") else { return };
+    let b = fmt.render_conversation(&[Message::new("assistant", "a"), Message::new("user", "q")], 0).unwrap().unwrap_err();
+    assert!(b.0.contains("{% generation %} blocks mark nothing"), "{}", b.0);
+    let b = fmt.render_conversation(&[Message::new("user", "q"), Message::new("assistant", "a\u{FDD1}b")], 0).unwrap().unwrap_err();
+    assert!(b.0.contains("holds U+FDD0 or U+FDD1"), "{}", b.0);
 }
 
 /// A model folder with tests/fixtures/spm-tokenizer's tokenizer (SentencePiece-style: it marks

@@ -214,6 +214,45 @@ impl ChatTemplate {
     /// Render with template variables `vars` beside the conversation (a record's `tools`
     /// and `chat_template_kwargs`), as transformers' `apply_chat_template` renders.
     pub fn render_with(&self, messages: &[Message], vars: &Vars, add_generation_prompt: bool) -> Result<String> {
+        self.render_ctx(messages, vars, add_generation_prompt, false)
+    }
+
+    /// Whether the template marks what the assistant says with transformers' `{% generation %}`
+    /// blocks (what `return_assistant_tokens_mask`, and so TRL's `assistant_only_loss`, reads).
+    pub fn has_generation_blocks(&self) -> bool {
+        self.problem.is_none() && generation_as_filter(&self.source).1
+    }
+
+    /// The conversation rendered as [`Self::render_with`] renders it (no generation prompt),
+    /// with the byte ranges of the text its `{% generation %}` blocks wrote, in order
+    /// (transformers' generation indices, empty ones included: its mask trains a token that
+    /// straddles one; a block inside another is part of the outer one's range). The text holds U+FDD0 / U+FDD1 where a message did (the
+    /// marks): a caller compares it with the plain rendering to catch that.
+    pub fn render_generation_spans(&self, messages: &[Message], vars: &Vars) -> Result<(String, Vec<std::ops::Range<usize>>)> {
+        let marked = self.render_ctx(messages, vars, false, true)?;
+        let mut text = String::with_capacity(marked.len());
+        let (mut spans, mut depth, mut start) = (Vec::new(), 0usize, 0);
+        for c in marked.chars() {
+            match c {
+                GENERATION_OPEN => {
+                    if depth == 0 {
+                        start = text.len();
+                    }
+                    depth += 1;
+                }
+                GENERATION_CLOSE if depth > 0 => {
+                    depth -= 1;
+                    if depth == 0 {
+                        spans.push(start..text.len());
+                    }
+                }
+                c => text.push(c),
+            }
+        }
+        Ok((text, spans))
+    }
+
+    fn render_ctx(&self, messages: &[Message], vars: &Vars, add_generation_prompt: bool, mark_generation: bool) -> Result<String> {
         use minijinja::Value;
         self.usable()?;
         let err = |msg: String| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {msg}") };
@@ -234,6 +273,7 @@ impl ChatTemplate {
                 // on plain turns, which `'tool_calls' in message` templates would render as
                 // tool calls), except `content`, whose None marks a tool-call turn.
                 o.extend(m.extra.iter().filter(|(k, v)| !v.is_null() || k.as_str() == "content").map(|(k, v)| (Value::from(k.clone()), jinja_value(v))));
+                alias_reasoning(&mut o);
                 Value::from_object(o)
             })
             .collect();
@@ -250,6 +290,7 @@ impl ChatTemplate {
         for (k, v) in vars {
             ctx.insert(k.clone().into(), jinja_value(v));
         }
+        ctx.insert(MARK_GENERATION.into(), mark_generation.into());
         t.render(Value::from_object(ctx)).map_err(|e| err(e.to_string()))
     }
 
@@ -260,6 +301,14 @@ impl ChatTemplate {
         env.add_filter("trim", |s: String, chars: Option<String>| python::trim(&s, chars.as_deref(), true, true));
         env.add_filter("tojson", python::tojson);
         env.set_formatter(python::formatter);
+        // jinja2's tests, where minijinja's differ: None is neither iterable nor a sequence
+        // (minijinja: both, as an empty one; Nemotron 3 reads `tools is iterable and tools |
+        // length`), and strings and dicts are sequences (they have a length and items).
+        env.add_test("iterable", |v: &minijinja::Value| !v.is_none() && v.try_iter().is_ok());
+        env.add_test("sequence", |v: &minijinja::Value| {
+            use minijinja::value::ValueKind::*;
+            matches!(v.kind(), Seq | String | Bytes | Map | Undefined)
+        });
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
@@ -270,21 +319,53 @@ impl ChatTemplate {
         // transformers renders with jinja2's trim_blocks and lstrip_blocks on.
         env.set_syntax(minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build()?);
         // jinja2 reads every line break of a template (\r\n, \r) as \n.
-        let source = without_generation_tags(&self.source).replace("\r\n", "\n").replace('\r', "\n");
+        env.add_filter(GENERATION_FILTER, |state: &minijinja::State, body: String| -> String {
+            match state.lookup(MARK_GENERATION).is_some_and(|v| v.is_true()) {
+                true => format!("{GENERATION_OPEN}{body}{GENERATION_CLOSE}"),
+                false => body,
+            }
+        });
+        let source = generation_as_filter(&self.source).0.replace("\r\n", "\n").replace('\r', "\n");
         env.add_template_owned("chat", source)?;
         Ok(env)
     }
 }
 
+/// Names a message's reasoning goes by, in the order transformers 5 looks for it.
+const REASONING_KEYS: &[&str] = &["reasoning_content", "thinking", "reasoning"];
+
+/// transformers 5's aliasing of a message's reasoning: the first of [`REASONING_KEYS`] the
+/// message has is also its `reasoning_content` and, unless it has one, its `thinking` (the
+/// first key either way), so a dataset's `reasoning` reaches templates that read `reasoning_content`
+/// (Qwen3, DeepSeek-V3.1) and gpt-oss's, which read `thinking`.
+fn alias_reasoning(o: &mut indexmap::IndexMap<minijinja::Value, minijinja::Value>) {
+    let Some(r) = REASONING_KEYS.iter().find_map(|&k| o.get(&minijinja::Value::from(k))).cloned() else { return };
+    // `{"thinking": r, **message, "reasoning_content": r}`: `thinking` first either way.
+    let thinking = o.shift_remove(&minijinja::Value::from("thinking")).unwrap_or_else(|| r.clone());
+    o.shift_insert(0, "thinking".into(), thinking);
+    o.insert("reasoning_content".into(), r);
+}
+
+/// The filter `{% generation %}` blocks become, and the variable that tells it to mark them.
+const GENERATION_FILTER: &str = "__finetune_generation";
+const MARK_GENERATION: &str = "__finetune_mark_generation";
+/// What the filter writes around a block's text when asked: Unicode noncharacters, which no
+/// template writes and text for interchange should not hold.
+const GENERATION_OPEN: char = '\u{FDD0}';
+const GENERATION_CLOSE: char = '\u{FDD1}';
+
 /// `source` with transformers' `{% generation %}` ... `{% endgeneration %}` (its jinja extension
-/// marking what the assistant says, for `return_assistant_tokens_mask`) as a block that always
-/// renders, whitespace control kept: the same text, where minijinja would refuse the unknown tag.
-fn without_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
+/// marking what the assistant says, for `return_assistant_tokens_mask`) as a filter block,
+/// whitespace control kept (both are block tags, so trim_blocks and lstrip_blocks treat them
+/// alike): the same text, where minijinja would refuse the unknown tag, and the filter marks
+/// where the block's text starts and ends when a render asks for it. Also whether there was one.
+fn generation_as_filter(source: &str) -> (std::borrow::Cow<'_, str>, bool) {
     if !source.contains("generation") {
-        return source.into();
+        return (source.into(), false);
     }
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
+    let mut found = false;
     while let Some(open) = rest.find("{%") {
         out += &rest[..open];
         let tag = &rest[open..];
@@ -302,18 +383,21 @@ fn without_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
             None => (body, ""),
         };
         let replaced = match body.trim() {
-            "generation" => Some("if true"),
-            "endgeneration" => Some("endif"),
+            "generation" => Some(format!("filter {GENERATION_FILTER}")),
+            "endgeneration" => Some("endfilter".to_string()),
             _ => None,
         };
         match replaced {
-            Some(r) => out += &format!("{{%{lead} {r} {trail}%}}"),
+            Some(r) => {
+                found = true;
+                out += &format!("{{%{lead} {r} {trail}%}}");
+            }
             None => out += &tag[..close + 2],
         }
         rest = &tag[close + 2..];
     }
     out += rest;
-    out.into()
+    (out.into(), found)
 }
 
 /// A JSON value as the template sees it (null is Python's None).
@@ -405,7 +489,17 @@ mod tests {
     fn generation_tags_render_their_content_with_their_whitespace_control() {
         let t = ChatTemplate::from_source("{% for m in messages %}{{ m.role }}:\n{%- generation -%}\n {{ m.content }}{% endgeneration %};{% endfor %}", "", "");
         assert_eq!(t.render(&[Message::new("assistant", "hi")], false).unwrap(), "assistant:hi;");
-        assert_eq!(without_generation_tags("{% if x %}a{% endif %}"), "{% if x %}a{% endif %}");
+        assert!(t.has_generation_blocks());
+        // Marked: the blocks' text (every message's content here), in bytes; an empty block
+        // where it stands.
+        let (text, spans) = t.render_generation_spans(&[Message::new("user", "é"), Message::new("assistant", ""), Message::new("assistant", "hi")], &Vars::new()).unwrap();
+        assert_eq!(text, "user:é;assistant:;assistant:hi;");
+        assert_eq!(spans, vec![5..7, 18..18, 29..31]);
+        // Nested: the outer block's range.
+        let n = ChatTemplate::from_source("a{% generation %}b{% generation %}c{% endgeneration %}d{% endgeneration %}e{% generation %}f{% endgeneration %}", "", "");
+        assert_eq!(n.render_generation_spans(&[], &Vars::new()).unwrap(), ("abcdef".to_string(), vec![1..4, 5..6]));
+        assert!(!ChatTemplate::from_source("{{ 'generation' }}", "", "").has_generation_blocks());
+        assert_eq!(generation_as_filter("{% if x %}a{% endif %}"), ("{% if x %}a{% endif %}".into(), false));
     }
 
     #[test]

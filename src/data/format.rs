@@ -9,11 +9,13 @@
 //! concatenated), `model` (the model's own chat template, as transformers'
 //! `apply_chat_template`), or a built-in chat template: `chatml`, `deepseek`, `llama3`.
 //!
-//! Loss masking: by default only what the assistant says is trained — each assistant turn's
-//! text and its end-of-turn marker, found in the rendered conversation by rendering it up to
-//! each turn (with and without the generation prompt; see `assistant_spans`) and marking the
-//! tokens whose text starts in between; for prompt/completion records, the tokens of the
-//! completion (prompt and completion tokenized as one text, as TRL does).
+//! Loss masking: by default only what the assistant says is trained. Where the chat template
+//! marks it with `{% generation %}` blocks, that is the text of those blocks, as TRL's
+//! `assistant_only_loss` trains it (`generation_spans`); otherwise each assistant turn's text
+//! and its end-of-turn marker, found in the rendered conversation by rendering it up to each
+//! turn (with and without the generation prompt; see `assistant_spans`). A token that overlaps
+//! such a span is trained. For prompt/completion records, the tokens of the completion
+//! (prompt and completion tokenized as one text, as TRL does).
 //! `train_on_prompt = true` trains on every token (pre-tokenized rows with `labels` keep
 //! theirs, as TRL does; a note says so).
 //!
@@ -576,6 +578,11 @@ impl Formatter {
         let kept = self.token_limit.and_then(|l| enc.get_offsets().get(l.saturating_sub(1)).map(|o| o.1 + 1)).unwrap_or(tokenized);
         let spans = if self.train_on_prompt {
             Vec::new()
+        } else if t.has_generation_blocks() {
+            match generation_spans(t, m, vars, &text) {
+                Ok(s) => s,
+                Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
+            }
         } else {
             match assistant_spans(t, m, vars, &text, kept.min(tokenized), enc.get_offsets()) {
                 Ok(s) => s,
@@ -587,7 +594,8 @@ impl Formatter {
             .zip(enc.get_offsets())
             // A token that starts in a span, or straddles its start (a span found by bytes may
             // start inside a token: "<" shared by a generation prompt and a tool call's first
-            // special token), is trained.
+            // special token), is trained: a token that overlaps it, or straddles an empty
+            // `{% generation %}` block, as transformers' assistant mask marks them.
             .map(|(&id, &(start, end))| {
                 let trained = spans.iter().any(|s| s.contains(&start) || (start < s.start && s.start < end));
                 if self.train_on_prompt || trained { id as i64 } else { IGNORE }
@@ -614,8 +622,28 @@ fn char_floor(s: &str, n: usize) -> usize {
     i
 }
 
+/// Byte spans of `text` (the whole conversation `m` rendered) that the template's
+/// `{% generation %}` blocks wrote: where a template marks what the assistant says, that is
+/// what is trained, as transformers' `return_assistant_tokens_mask` and so TRL's
+/// `assistant_only_loss` train it (a template may mark some turns only, or leave out the
+/// end-of-turn marker).
+fn generation_spans(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, text: &str) -> std::result::Result<Vec<std::ops::Range<usize>>, String> {
+    let (marked, spans) = t.render_generation_spans(m, vars).map_err(|e| e.to_string())?;
+    if marked != text {
+        return Err("the chat template renders another text when its {% generation %} blocks are marked: a message holds U+FDD0 or U+FDD1 (the marks), \
+                    or the template uses a block's text other than by writing it (set data.train_on_prompt = true, or choose data.template)"
+            .into());
+    }
+    if spans.iter().all(|s| s.is_empty()) {
+        return Err("the chat template's {% generation %} blocks mark nothing in this conversation, so nothing would be trained \
+                    (the template marks what the assistant says; set data.train_on_prompt = true to train on everything)"
+            .into());
+    }
+    Ok(spans)
+}
+
 /// Byte spans of `text` (the whole conversation `m` rendered) that hold what the assistant
-/// says: each assistant turn from the end of the prompt before it to the end of the turn,
+/// says, for templates without `{% generation %}` blocks: each assistant turn from the end of the prompt before it to the end of the turn,
 /// end-of-turn marker included, for the turns that start within the first `limit` bytes.
 ///
 /// Usually a turn starts where the conversation before it, rendered with the generation
