@@ -47,6 +47,11 @@ pub struct TrainState {
     pub model_fingerprint: Option<String>,
     #[serde(default)]
     pub data_fingerprint: Option<String>,
+    /// The fingerprint of the Jinja file `data.template` names (None where it names none, and
+    /// in checkpoints written before it was recorded): an edited template tokenizes the
+    /// same records otherwise.
+    #[serde(default)]
+    pub template_fingerprint: Option<String>,
     /// Which files `model_fingerprint` covered (`train::MODEL_FINGERPRINT_VERSION`; 0 in
     /// checkpoints from before special_tokens_map.json counted), so it is compared over them.
     #[serde(default)]

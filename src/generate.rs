@@ -65,7 +65,11 @@ impl Generator {
             return Err(Error::Gguf { file: gguf.clone(), key: "tokenizer.ggml.model".into(), msg: msg.into() });
         }
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
-        let chat = ChatTemplate::from_model_dir(&model.dir)?;
+        // The template the adapter was trained with, where the run's was not the model's own.
+        let chat = match adapter.map(|a| a.join(crate::chat::TEMPLATE_FILE)).filter(|p| p.is_file()) {
+            Some(p) => Some(ChatTemplate::from_file(&p, &model.dir)?),
+            None => ChatTemplate::from_model_dir(&model.dir)?,
+        };
         let stop = stop_ids(&model.dir)?;
         Ok(Generator { model: llama, adapters, tokenizer, chat, chat_vars: Default::default(), stop, tok_path })
     }

@@ -67,16 +67,21 @@ struct KeySpec {
     required: bool,
     /// For string keys with a closed set of values.
     choices: &'static [&'static str],
+    /// A file name ending that is accepted besides `choices` (a path to such a file).
+    or_file: Option<&'static str>,
 }
 
 const fn key(name: &'static str, kind: Kind) -> KeySpec {
-    KeySpec { name, kind, required: false, choices: &[] }
+    KeySpec { name, kind, required: false, choices: &[], or_file: None }
 }
 const fn req(name: &'static str, kind: Kind) -> KeySpec {
-    KeySpec { name, kind, required: true, choices: &[] }
+    KeySpec { name, kind, required: true, choices: &[], or_file: None }
 }
 const fn one_of(name: &'static str, choices: &'static [&'static str]) -> KeySpec {
-    KeySpec { name, kind: Kind::Str, required: false, choices }
+    KeySpec { name, kind: Kind::Str, required: false, choices, or_file: None }
+}
+const fn one_of_or_file(name: &'static str, choices: &'static [&'static str], ending: &'static str) -> KeySpec {
+    KeySpec { name, kind: Kind::Str, required: false, choices, or_file: Some(ending) }
 }
 
 
@@ -106,7 +111,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
             req("train", Kind::StrOrList),
             key("split", Kind::Str),
             one_of("format", crate::data::format::FORMATS),
-            one_of("template", crate::data::format::TEMPLATES),
+            one_of_or_file("template", crate::data::format::TEMPLATES, ".jinja"),
             key("columns", Kind::StrMap),
             key("train_on_prompt", Kind::Bool),
             key("shuffle", Kind::Bool),
@@ -628,6 +633,12 @@ impl LoadedRecipe {
         Ok(loaded)
     }
 
+    /// The Jinja file `data.template` names, resolved against the recipe's folder (`None`
+    /// when it names a built-in template or the model's own).
+    pub fn chat_template_file(&self) -> Option<PathBuf> {
+        self.recipe.data.template.as_deref().filter(|t| t.ends_with(".jinja")).map(|t| self.resolve(Path::new(t)))
+    }
+
     /// Resolve a path from the recipe against the recipe's folder.
     pub fn resolve(&self, p: &Path) -> PathBuf {
         if p.is_absolute() {
@@ -663,6 +674,9 @@ impl LoadedRecipe {
     /// Checks that need more than one key or a value range.
     fn check_values(&self) -> Result<()> {
         let r = &self.recipe;
+        if let Some(p) = self.chat_template_file().filter(|p| !p.is_file()) {
+            return Err(self.err("data.template", format!("{} is not a file (a path to a Jinja chat template, relative to the recipe's folder)", p.display())));
+        }
         if r.lora.rank == 0 {
             return Err(self.err("lora.rank", "must be at least 1"));
         }
@@ -923,7 +937,7 @@ fn check_inert_keys(t: &toml::Table, file: &str) -> Result<()> {
 /// would: a recipe shared between machines says `~/models/x` or `$DATA/alpaca`, and taking
 /// those literally made a folder named `~` or looked `~/m` up as a hub repo.
 const PATH_KEYS: &[(&str, &str)] =
-    &[("model", "path"), ("data", "train"), ("data", "eval"), ("lora", "init_from"), ("output", "dir"), ("checkpoint", "resume")];
+    &[("model", "path"), ("data", "train"), ("data", "eval"), ("data", "template"), ("lora", "init_from"), ("output", "dir"), ("checkpoint", "resume")];
 
 fn expand_paths(t: &mut toml::Table, file: &str) -> Result<()> {
     for &(sec, key) in PATH_KEYS {
@@ -1056,10 +1070,12 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
             }
             if !spec.choices.is_empty() {
                 let s = val.as_str().unwrap_or_default();
-                if !spec.choices.contains(&s) {
+                let file = spec.or_file.is_some_and(|e| s.ends_with(e));
+                if !spec.choices.contains(&s) && !file {
+                    let or_file = spec.or_file.map(|e| format!(", or a path to a {e} file")).unwrap_or_default();
                     return Err(err(
                         dotted,
-                        format!("\"{s}\" is not one of {}{}", spec.choices.join(", "), suggest(s, spec.choices)),
+                        format!("\"{s}\" is not one of {}{or_file}{}", spec.choices.join(", "), suggest(s, spec.choices)),
                     ));
                 }
             }

@@ -360,6 +360,7 @@ struct RankRun<'a> {
     /// checkpoints and compared on resume.
     model_fingerprint: String,
     data_fingerprint: String,
+    template_fingerprint: Option<String>,
     /// The highest peak RSS of the run's earlier processes (the checkpoint resumed from
     /// records it), so a resumed run's summary reports the run's peak, not this process's.
     earlier_peak_rss_mb: Option<f64>,
@@ -475,7 +476,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let recipe_text = recorded_recipe(loaded, &model.cfg, &model_dir)?;
     let log = crate::runlog::RunLog::new(&out_dir, &recipe_text, r.output.tensorboard);
     let (fused, resident) = (kernels.fused_on(&device), !sharded && !quantized && matmul == storage_dtype);
-    let (model_fingerprint, data_fingerprint) = input_fingerprints(loaded, &model_dir, &loader);
+    let (model_fingerprint, data_fingerprint, template_fingerprint) = input_fingerprints(loaded, &model_dir, &loader);
     Ok(RankRun {
         loaded,
         comm,
@@ -503,6 +504,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
         resident,
         model_fingerprint,
         data_fingerprint,
+        template_fingerprint,
         earlier_peak_rss_mb: None,
     })
 }
@@ -895,6 +897,7 @@ fn save_checkpoint(rk: &RankRun, step: usize, micro_index: u64) -> Result<Option
             pass_rows: Some(pass_rows(r, rk.fused, rk.resident)),
             model_fingerprint: Some(rk.model_fingerprint.clone()),
             data_fingerprint: Some(rk.data_fingerprint.clone()),
+            template_fingerprint: rk.template_fingerprint.clone(),
             model_fingerprint_version: MODEL_FINGERPRINT_VERSION,
             peak_rss_mb: rk.run_peak_rss_mb(),
             kernels: Some(rk.kernels.clone()),
@@ -937,7 +940,7 @@ fn cleanup(mut rk: RankRun, resumed: Resumed, trained: Trained) -> Result<RunSum
             kernels: rk.kernels_used.clone(),
         })?;
         if trained.interrupted.is_none() {
-            save_adapter_dir(&rk.adapters, &rk.out_dir.join("adapter"), &rk.model_dir.name)?;
+            save_adapter_dir(&rk.adapters, &rk.out_dir.join("adapter"), &rk.model_dir.name, rk.loader.formatter().template_not_the_models())?;
             crate::note!("adapter written to {}", rk.out_dir.join("adapter").display());
             if let Some(c) = rk.adapters.spec.peft_caveat(&rk.model.cfg) {
                 crate::note!("{c}");
@@ -1134,7 +1137,13 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
     let out = canonical(rk.out_dir.clone());
     let model_same = state.model_fingerprint.as_ref().is_none_or(|s| model_matches(s, state.model_fingerprint_version, &rk.model_dir, &out));
     let data_same = state.data_fingerprint.as_ref().is_none_or(|s| *s == rk.data_fingerprint);
-    for (same, key, what) in [(model_same, "model.path", "the model's files (config.json, weights, tokenizer)"), (data_same, "data.train", "the training data's files")] {
+    // (A template named by another path, or none, is a recipe change, refused before this.)
+    let template_same = state.template_fingerprint.as_ref().zip(rk.template_fingerprint.as_ref()).is_none_or(|(s, c)| s == c);
+    for (same, key, what) in [
+        (model_same, "model.path", "the model's files (config.json, weights, tokenizer)"),
+        (data_same, "data.train", "the training data's files"),
+        (template_same, "data.template", "the chat template's file"),
+    ] {
         if !same {
             return Err(Error::Recipe {
                 file: loaded.file.display().to_string(),
@@ -1153,11 +1162,13 @@ fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &s
 /// Fingerprints (`fsutil::fingerprint`) of the model's files that training reads (config,
 /// weights, tokenizer and its special_tokens_map.json, chat template; not a README beside
 /// them, nor the run's own folder were it inside) and of the files the training loader reads (its shards, as it resolved
-/// them: a DatasetDict split, a hub dataset's cached files).
-fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir, loader: &Loader) -> (String, String) {
+/// them: a DatasetDict split, a hub dataset's cached files), and of the Jinja file
+/// `data.template` names, where it names one.
+fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir, loader: &Loader) -> (String, String, Option<String>) {
     let out = canonical(loaded.resolve(&loaded.recipe.output.dir));
     let data: Vec<PathBuf> = loader.files().into_iter().map(canonical).collect();
-    (model_fingerprint(model_dir, &out, MODEL_FINGERPRINT_VERSION), crate::fsutil::fingerprint(&data, &|_| true, &out, true))
+    let template = loaded.chat_template_file().map(|p| crate::fsutil::fingerprint(&[canonical(p)], &|_| true, &out, false));
+    (model_fingerprint(model_dir, &out, MODEL_FINGERPRINT_VERSION), crate::fsutil::fingerprint(&data, &|_| true, &out, true), template)
 }
 
 fn canonical(p: PathBuf) -> PathBuf {
@@ -1275,7 +1286,8 @@ fn flatten(vars: &[Var]) -> Result<Vec<f32>> {
 pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, role: Role) -> Result<Loader> {
     let r = &loaded.recipe;
     let d = &r.data;
-    let fmt = Formatter::new(&d.format, d.template.as_deref(), &d.columns, d.train_on_prompt, &model_dir.dir, vocab)?;
+    let template = loaded.chat_template_file().map(|p| p.to_string_lossy().into_owned()).or_else(|| d.template.clone());
+    let fmt = Formatter::new(&d.format, template.as_deref(), &d.columns, d.train_on_prompt, &model_dir.dir, vocab)?;
     let opts = LoaderOptions {
         max_seq_len: d.max_seq_len,
         shuffle: d.shuffle && role == Role::Train,
@@ -1507,13 +1519,19 @@ fn pinned_data(loaded: &LoadedRecipe, paths: &crate::recipe::Paths, role: Role) 
 }
 
 /// Write the adapter into `<dir>.tmp` and swap it in, so `dir` is always a complete adapter.
-pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str) -> Result<()> {
+/// With `chat_template` (the run's, where it is not the model's own), the adapter carries it
+/// as `chat_template.jinja`, as TRL's output folder carries the tokenizer it trained with:
+/// `generate`, `eval` and `export` read it there before the base's.
+pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str, chat_template: Option<&str>) -> Result<()> {
     let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let tmp = dir.with_file_name(format!(".{name}.tmp"));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     }
     adapters.save_peft(&tmp, base)?;
+    if let Some(t) = chat_template {
+        crate::fsutil::write_atomic(&tmp.join(crate::chat::TEMPLATE_FILE), t.as_bytes())?;
+    }
     crate::fsutil::replace_dir_durable(&tmp, dir)
 }
 

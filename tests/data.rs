@@ -187,6 +187,63 @@ fn a_templates_generation_blocks_decide_what_is_trained_as_trls_assistant_only_l
     assert!(b.0.contains("holds U+FDD0 or U+FDD1"), "{}", b.0);
 }
 
+/// `data.template` may name a Jinja file (TRL's `chat_template_path`), relative to the
+/// recipe: it renders the records, the adapter carries it for generate and export, and a
+/// resume refuses it edited.
+#[test]
+fn a_recipes_template_file_trains_and_travels_with_the_adapter() {
+    let d = tempfile::tempdir().unwrap();
+    smol_tokenizer_model(d.path());
+    let msgs = |q: &str, a: &str| serde_json::json!({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}).to_string();
+    write_jsonl(&d.path().join("chat.jsonl"), &(0..8).map(|i| msgs(&format!("q{i}"), &format!("answer {i}"))).collect::<Vec<_>>());
+    std::fs::create_dir(d.path().join("templates")).unwrap();
+    let tmpl = "{% for m in messages %}[{{ m.role }}] {% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}";
+    let tmpl_path = d.path().join("templates/train.jinja");
+    std::fs::write(&tmpl_path, tmpl).unwrap();
+    let recipe = "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"chat.jsonl\"\nformat = \"messages\"\ntemplate = \"templates/train.jinja\"\n\
+                  max_seq_len = 32\n[train]\nmax_steps = 2\nmicro_batch_size = 2\nlr = 1e-2\n[checkpoint]\nevery_steps = 1\n[output]\ndir = \"out\"\n";
+    std::fs::write(d.path().join("r.toml"), recipe).unwrap();
+    let load = |extra: &[&str]| finetune::recipe::LoadedRecipe::load(&d.path().join("r.toml"), &extra.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    // What is trained: the file's generation blocks (the answer and its <|im_end|>).
+    let r = load(&[]).unwrap();
+    let md = finetune::weights::ModelDir::of_recipe(&r).unwrap();
+    let mut l = finetune::train::open_loader(&r, &md, 49152, Role::Train).unwrap();
+    let ex = l.next_example().unwrap();
+    let trained: Vec<u32> = ex.input_ids.iter().zip(&ex.labels).filter(|(_, &t)| t != IGNORE).map(|(&t, _)| t).collect();
+    let text = l.formatter().decode(&ex.input_ids);
+    assert!(text.starts_with("[user] q") && text.contains("[assistant] answer "), "{text}");
+    // (" answer" is one token, which straddles the block's start: trained, as transformers marks it.)
+    assert_eq!(l.formatter().decode(&trained), " answer 0<|im_end|>", "{text}");
+    finetune::train::run(&r).unwrap();
+    let adapter = d.path().join("out/adapter");
+    assert_eq!(std::fs::read_to_string(adapter.join("chat_template.jinja")).unwrap(), tmpl);
+    // generate --adapter renders its prompt with the adapter's template, not the model's.
+    let g = finetune::generate::Generator::load(&md, Some(&adapter)).unwrap();
+    assert_eq!(g.chat_prompt("hi").unwrap(), "[user] hi[assistant] ");
+    assert!(finetune::generate::Generator::load(&md, None).unwrap().chat_prompt("hi").unwrap().contains("<|im_start|>"), "the model's own without the adapter");
+    // export: the merged model and the adapter copy carry it (transformers reads it first).
+    let peft = finetune::export::PeftAdapter::open(&adapter).unwrap();
+    finetune::export::merge(&md, &peft, &d.path().join("merged"), &Default::default()).unwrap();
+    assert_eq!(std::fs::read_to_string(d.path().join("merged/chat_template.jinja")).unwrap(), tmpl);
+    finetune::export::export_adapter_only(&peft, &md, &d.path().join("copy")).unwrap();
+    assert_eq!(std::fs::read_to_string(d.path().join("copy/chat_template.jinja")).unwrap(), tmpl);
+    // An edited template is not the run's: resuming from its checkpoint is refused, naming the key.
+    std::fs::write(&tmpl_path, tmpl.replace("[assistant]", "[bot]")).unwrap();
+    let e = finetune::train::run(&load(&["train.max_steps=3"]).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("data.template") && e.contains("chat template's file"), "{e}");
+    // A built-in template is carried too (a base without one of its own can then chat); the
+    // model's own is not copied.
+    finetune::train::run(&load(&["data.template=\"chatml\"", "output.dir=\"out2\""]).unwrap()).unwrap();
+    assert!(std::fs::read_to_string(d.path().join("out2/adapter/chat_template.jinja")).unwrap().contains("<|im_start|>"));
+    finetune::train::run(&load(&["data.template=\"model\"", "output.dir=\"out3\"", "data.max_seq_len=128"]).unwrap()).unwrap();
+    assert!(!d.path().join("out3/adapter/chat_template.jinja").exists());
+    // A path that is not a file, and a name that is neither built in nor a .jinja path.
+    let e = load(&["data.template=\"templates/missing.jinja\""]).unwrap_err().to_string();
+    assert!(e.contains("data.template") && e.contains("missing.jinja is not a file"), "{e}");
+    let e = load(&["data.template=\"chatmll\""]).unwrap_err().to_string();
+    assert!(e.contains("or a path to a .jinja file") && e.contains("chatml"), "{e}");
+}
+
 /// A model folder with tests/fixtures/spm-tokenizer's tokenizer (SentencePiece-style: it marks
 /// the start of a text with "▁" and adds BOS) over a tiny random model, and the fixture's
 /// expected.json.

@@ -49,6 +49,10 @@ pub type Vars = serde_json::Map<String, serde_json::Value>;
 /// Names `apply_chat_template` binds itself: a record's `chat_template_kwargs` cannot set them.
 pub const RESERVED_VARS: &[&str] = &["messages", "add_generation_prompt", "tools", "documents", "conversation", "chat_template", "continue_final_message", "tokenize"];
 
+/// The file a folder holds its chat template in (a model's, which transformers reads before
+/// tokenizer_config.json's `chat_template`, or an adapter's: the template it was trained with).
+pub const TEMPLATE_FILE: &str = "chat_template.jinja";
+
 pub struct ChatTemplate {
     source: String,
     origin: PathBuf,
@@ -137,16 +141,15 @@ impl ChatTemplate {
     /// The model folder's template: `chat_template.jinja`, else `chat_template` in
     /// tokenizer_config.json. `None` when the model has none.
     pub fn from_model_dir(dir: &Path) -> Result<Option<Self>> {
+        let jinja = dir.join(TEMPLATE_FILE);
+        if jinja.is_file() {
+            return Self::from_file(&jinja, dir).map(Some);
+        }
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg = with_special_tokens_map(dir, optional_json(dir, "tokenizer_config.json")?)?;
         let (bos, eos) = special_tokens(&cfg);
         let (bos_token, eos_token) = (bos.unwrap_or_default(), eos.unwrap_or_default());
         let other_tokens = other_special_tokens(&cfg);
-        let jinja = dir.join("chat_template.jinja");
-        if jinja.is_file() {
-            let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
-            return Ok(Some(ChatTemplate { source, origin: jinja, bos_token, eos_token, other_tokens, problem: None, now: unix_now(), env: Default::default() }));
-        }
         let source = match cfg.get("chat_template") {
             Some(serde_json::Value::String(s)) => s.clone(),
             // A list of named templates: take "default", as transformers does. Without one,
@@ -168,6 +171,29 @@ impl ChatTemplate {
             _ => return Ok(None),
         };
         Ok(Some(ChatTemplate { source, origin: cfg_path, bos_token, eos_token, other_tokens, problem: None, now: unix_now(), env: Default::default() }))
+    }
+
+    /// The Jinja template in `path` (a model's `chat_template.jinja`, or one a recipe names, as
+    /// TRL's `chat_template_path`), with the special tokens of the model in `model_dir`.
+    pub fn from_file(path: &Path, model_dir: &Path) -> Result<Self> {
+        let cfg = with_special_tokens_map(model_dir, optional_json(model_dir, "tokenizer_config.json")?)?;
+        let (bos, eos) = special_tokens(&cfg);
+        let source = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Ok(ChatTemplate {
+            source,
+            origin: path.to_path_buf(),
+            bos_token: bos.unwrap_or_default(),
+            eos_token: eos.unwrap_or_default(),
+            other_tokens: other_special_tokens(&cfg),
+            problem: None,
+            now: unix_now(),
+            env: Default::default(),
+        })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     fn unusable(origin: PathBuf, problem: String) -> Self {
@@ -199,12 +225,19 @@ impl ChatTemplate {
         self.env = Default::default();
     }
 
-    /// Whether the template can render at all (an error naming the file and why not).
+    /// Whether the template can render at all: it was found whole and compiles (an error
+    /// naming the file and why not).
     pub fn usable(&self) -> Result<()> {
-        match &self.problem {
-            Some(p) => Err(Error::Tokenizer { path: self.origin.clone(), msg: p.clone() }),
-            None => Ok(()),
+        self.env().map(|_| ())
+    }
+
+    /// The compiled template (compiled on first use), or why it cannot render.
+    fn env(&self) -> Result<&minijinja::Environment<'static>> {
+        if let Some(p) = &self.problem {
+            return Err(Error::Tokenizer { path: self.origin.clone(), msg: p.clone() });
         }
+        let env = self.env.get_or_init(|| self.compile().map_err(|e| e.to_string()));
+        env.as_ref().map_err(|m| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {m}") })
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
@@ -254,9 +287,8 @@ impl ChatTemplate {
 
     fn render_ctx(&self, messages: &[Message], vars: &Vars, add_generation_prompt: bool, mark_generation: bool) -> Result<String> {
         use minijinja::Value;
-        self.usable()?;
+        let env = self.env()?;
         let err = |msg: String| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {msg}") };
-        let env = self.env.get_or_init(|| self.compile().map_err(|e| e.to_string())).as_ref().map_err(|m| err(m.clone()))?;
         let t = env.get_template("chat").map_err(|e| err(e.to_string()))?;
         let messages: Vec<Value> = messages
             .iter()

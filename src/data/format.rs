@@ -128,6 +128,8 @@ pub struct Formatter {
     token_bytes: usize,
     /// The note that train_on_prompt leaves a row's `labels` as they are was printed.
     labels_noted: std::sync::atomic::AtomicBool,
+    /// Whether `template` is the model's own chat template.
+    models_template: bool,
 }
 
 impl Formatter {
@@ -192,12 +194,20 @@ impl Formatter {
         });
         let bos = bos_s.unwrap_or_default();
         let eos_text = eos_s.unwrap_or_default();
+        let mut models_template = false;
         let template = match name {
             "alpaca" => Template::Alpaca,
             "raw" => Template::Raw,
             "chatml" => Template::Chat(Box::new(ChatTemplate::from_source(CHATML, &bos, &eos_text))),
             "deepseek" => Template::Chat(Box::new(ChatTemplate::from_source(DEEPSEEK, &bos, &eos_text))),
             "llama3" => Template::Chat(Box::new(ChatTemplate::from_source(LLAMA3, &bos, &eos_text))),
+            // A Jinja file the recipe names (its path resolved by the caller), as TRL's
+            // `chat_template_path`: with the model's special tokens.
+            file if file.ends_with(".jinja") => {
+                let t = ChatTemplate::from_file(Path::new(file), model_dir)?;
+                t.usable()?;
+                Template::Chat(Box::new(t))
+            }
             _ => {
                 let t = ChatTemplate::from_model_dir(model_dir)?.ok_or_else(|| Error::Tokenizer {
                     path: model_dir.join("tokenizer_config.json"),
@@ -208,6 +218,7 @@ impl Formatter {
                     Error::Tokenizer { path, msg } => Error::Tokenizer { path, msg: format!("{msg}; set data.template to chatml, deepseek or llama3 (or alpaca or raw for single-turn records)") },
                     other => other,
                 })?;
+                models_template = true;
                 Template::Chat(Box::new(t))
             }
         };
@@ -226,6 +237,7 @@ impl Formatter {
             token_limit: None,
             token_bytes,
             labels_noted: Default::default(),
+            models_template,
         })
     }
 
@@ -602,6 +614,15 @@ impl Formatter {
             })
             .collect();
         Ok(Ok(Example::new(ids, labels)))
+    }
+
+    /// The chat template's source where it is not the model's own (a built-in one, or a file
+    /// the recipe names): what the run's adapter carries.
+    pub fn template_not_the_models(&self) -> Option<&str> {
+        match &self.template {
+            Template::Chat(t) if !self.models_template => Some(t.source()),
+            _ => None,
+        }
     }
 
     /// Decode ids (for `data inspect`).

@@ -254,7 +254,7 @@ pub fn export_adapter_only(adapter: &PeftAdapter, base: &ModelDir, out: &Path) -
     adapter.load(&cfg)?;
     staged(out, false, |tmp| {
         let mut total = 0;
-        for f in ["adapter_model.safetensors", "adapter_config.json", "README.md"] {
+        for f in ["adapter_model.safetensors", "adapter_config.json", "README.md", crate::chat::TEMPLATE_FILE] {
             let src = adapter.dir.join(f);
             if src.is_file() {
                 total += crate::fsutil::copy_file(&src, &tmp.join(f))?;
@@ -377,6 +377,12 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
         let text = serde_json::to_string_pretty(&config).map_err(|e| Error::Export(e.to_string()))?;
         crate::fsutil::write_atomic(&tmp.join("config.json"), text.as_bytes())?;
         copy_side_files(&base.dir, tmp, &config)?;
+        // The template the adapter was trained with, where it carries one, over the base's:
+        // transformers reads chat_template.jinja before tokenizer_config.json's.
+        let template = adapter.dir.join(crate::chat::TEMPLATE_FILE);
+        if template.is_file() {
+            crate::fsutil::copy_file(&template, &tmp.join(crate::chat::TEMPLATE_FILE))?;
+        }
         if !opts.no_verify {
             opts.check_stop()?;
             let diff = verify_merge(base, &adapters, tmp, opts)?;
