@@ -187,6 +187,21 @@ fn a_templates_generation_blocks_decide_what_is_trained_as_trls_assistant_only_l
     assert!(b.0.contains("holds U+FDD0 or U+FDD1"), "{}", b.0);
 }
 
+/// A template that does not compile stops the run before any record, naming its file, not
+/// every record as bad one by one.
+#[test]
+fn a_chat_template_that_does_not_compile_is_an_error_naming_its_file() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    std::fs::write(m.join("chat_template.jinja"), "{% for m in messages %}{{ m.content }}").unwrap();
+    let e = Formatter::new("messages", None, &Default::default(), false, &m, 49152).err().unwrap().to_string();
+    assert!(e.contains("chat_template.jinja") && e.contains("chat template:") && e.contains("set data.template"), "{e}");
+    let f = d.path().join("t.jinja");
+    std::fs::write(&f, "{{ messages[0].content ").unwrap();
+    let e = Formatter::new("messages", Some(f.to_str().unwrap()), &Default::default(), false, &m, 49152).err().unwrap().to_string();
+    assert!(e.contains("t.jinja") && e.contains("chat template:"), "{e}");
+}
+
 /// `data.template` may name a Jinja file (TRL's `chat_template_path`), relative to the
 /// recipe: it renders the records, the adapter carries it for generate and export, and a
 /// resume refuses it edited.
