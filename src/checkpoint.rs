@@ -102,7 +102,28 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Write a checkpoint for `state.step`; returns its folder. `moments` are the consolidated
 /// AdamW moments of all parameters (flat, `Adapters::params` order), so the checkpoint does
 /// not depend on how many ranks wrote it.
-pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u64, state: &TrainState, recipe: &str, base_model: &str) -> Result<PathBuf> {
+/// What an adapter folder records besides its tensors: the base it was trained on
+/// (`base_model_name_or_path`), and the chat template the run used where it was not the
+/// model's own, which the adapter carries as `chat_template.jinja` (listed in a checkpoint's
+/// manifest), as TRL's output folder carries the tokenizer it trained with.
+#[derive(Clone, Copy)]
+pub struct AdapterOrigin<'a> {
+    pub base_model: &'a str,
+    pub chat_template: Option<&'a str>,
+}
+
+impl AdapterOrigin<'_> {
+    /// Write the adapter and what it carries into `dir`.
+    pub fn save(&self, adapters: &Adapters, dir: &Path) -> Result<()> {
+        adapters.save_peft(dir, self.base_model)?;
+        match self.chat_template {
+            Some(t) => write_file(&dir.join(crate::chat::TEMPLATE_FILE), t.as_bytes()),
+            None => Ok(()),
+        }
+    }
+}
+
+pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u64, state: &TrainState, recipe: &str, origin: AdapterOrigin) -> Result<PathBuf> {
     let root = root(out_dir);
     std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
     let name = step_name(state.step);
@@ -112,7 +133,7 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
     }
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
 
-    adapters.save_peft(&tmp.join("adapter"), base_model)?;
+    origin.save(adapters, &tmp.join("adapter"))?;
     let moments_in = moments;
     let mut moments: BTreeMap<String, Tensor> = BTreeMap::new();
     // Tensors whose own step count fell behind (skipped while they had no gradient): listed by
@@ -145,8 +166,9 @@ pub fn save(out_dir: &Path, adapters: &Adapters, moments: &Moments, adam_step: u
     write_file(&tmp.join("recipe.toml"), recipe.as_bytes())?;
 
     let mut files = BTreeMap::new();
-    for rel in CHECKPOINT_FILES {
-        let (bytes, sha) = sha256_file(&tmp.join(rel))?;
+    let carried = origin.chat_template.map(|_| format!("adapter/{}", crate::chat::TEMPLATE_FILE));
+    for rel in CHECKPOINT_FILES.iter().map(|r| r.to_string()).chain(carried) {
+        let (bytes, sha) = sha256_file(&tmp.join(&rel))?;
         files.insert(rel.to_string(), serde_json::json!({"bytes": bytes, "sha256": sha}));
     }
     let manifest = serde_json::json!({"format": 1, "step": state.step, "files": files});

@@ -30,7 +30,11 @@ pub struct Generator {
     pub model: Model,
     pub adapters: Adapters,
     pub tokenizer: tokenizers::Tokenizer,
+    /// The model's own chat template.
     pub chat: Option<ChatTemplate>,
+    /// The one the adapter was trained with, where the run's was not the model's own (the
+    /// adapter's `chat_template.jinja`): the tuned model's prompts go through it.
+    adapter_chat: Option<ChatTemplate>,
     /// Variables the chat template is given beside the conversation (`--chat-template-kwargs`:
     /// DeepSeek-V3.1's `thinking`, Qwen3's `enable_thinking`).
     pub chat_vars: crate::chat::Vars,
@@ -65,13 +69,13 @@ impl Generator {
             return Err(Error::Gguf { file: gguf.clone(), key: "tokenizer.ggml.model".into(), msg: msg.into() });
         }
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
-        // The template the adapter was trained with, where the run's was not the model's own.
-        let chat = match adapter.map(|a| a.join(crate::chat::TEMPLATE_FILE)).filter(|p| p.is_file()) {
+        let chat = ChatTemplate::from_model_dir(&model.dir)?;
+        let adapter_chat = match adapter.map(|a| a.join(crate::chat::TEMPLATE_FILE)).filter(|p| p.is_file()) {
             Some(p) => Some(ChatTemplate::from_file(&p, &model.dir)?),
-            None => ChatTemplate::from_model_dir(&model.dir)?,
+            None => None,
         };
         let stop = stop_ids(&model.dir)?;
-        Ok(Generator { model: llama, adapters, tokenizer, chat, chat_vars: Default::default(), stop, tok_path })
+        Ok(Generator { model: llama, adapters, tokenizer, chat, adapter_chat, chat_vars: Default::default(), stop, tok_path })
     }
 
     /// The model (f32 compute) with an optional PEFT adapter, without a tokenizer (what
@@ -126,9 +130,20 @@ impl Generator {
         Adapters::none(&self.model.cfg)
     }
 
-    /// The prompt for one user turn, through the model's chat template.
+    /// The prompt for one user turn, through the chat template the adapter was trained with
+    /// (its own where it carries one, else the model's).
     pub fn chat_prompt(&self, user: &str) -> Result<String> {
-        let t = self.chat.as_ref().ok_or_else(|| {
+        self.render_prompt(self.adapter_chat.as_ref().or(self.chat.as_ref()), user)
+    }
+
+    /// The prompt for one user turn as the base model is prompted: through the model's own
+    /// template (the adapter's where the model has none).
+    pub fn base_chat_prompt(&self, user: &str) -> Result<String> {
+        self.render_prompt(self.chat.as_ref().or(self.adapter_chat.as_ref()), user)
+    }
+
+    fn render_prompt(&self, t: Option<&ChatTemplate>, user: &str) -> Result<String> {
+        let t = t.ok_or_else(|| {
             Error::Generate(format!("--chat: {} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja); drop --chat to use the prompt as plain text", self.tok_path.parent().unwrap_or(&self.tok_path).display()))
         })?;
         t.render_with(&[Message::new("user", user)], &self.chat_vars, true)
@@ -161,6 +176,15 @@ impl Generator {
     pub fn prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
         if chat {
             self.encode(&self.chat_prompt(prompt)?)
+        } else {
+            self.encode_plain(prompt)
+        }
+    }
+
+    /// [`Self::prompt_ids`] as the base model is prompted (`eval`'s base column).
+    pub fn base_prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+        if chat {
+            self.encode(&self.base_chat_prompt(prompt)?)
         } else {
             self.encode_plain(prompt)
         }

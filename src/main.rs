@@ -446,9 +446,12 @@ fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, 
         } else {
             finetune::data::alpaca_prompt(&instruction, &input)
         };
-        let ids = g.prompt_ids(&prompt, chat)?;
-        let b = g.decode(&g.generate_ids_with(&ids, &opts, &base)?)?;
-        let t = if adapter.is_some() { Some(g.decode(&g.generate_ids_with(&ids, &opts, &g.adapters)?)?) } else { None };
+        // Each model prompted as it was trained: the adapter may carry the template its run used.
+        let b = g.decode(&g.generate_ids_with(&g.base_prompt_ids(&prompt, chat)?, &opts, &base)?)?;
+        let t = match adapter {
+            Some(_) => Some(g.decode(&g.generate_ids_with(&g.prompt_ids(&prompt, chat)?, &opts, &g.adapters)?)?),
+            None => None,
+        };
         n += 1;
         let hit = |s: &str| s.trim() == expected.trim();
         ok_base += usize::from(hit(&b));

@@ -639,6 +639,15 @@ impl LoadedRecipe {
         self.recipe.data.template.as_deref().filter(|t| t.ends_with(".jinja")).map(|t| self.resolve(Path::new(t)))
     }
 
+    /// [`Self::chat_template_file`], which must be a file (checked where the data is read, so
+    /// `export --run` needs no template the adapter already carries).
+    pub fn existing_chat_template_file(&self) -> Result<Option<PathBuf>> {
+        match self.chat_template_file() {
+            Some(p) if !p.is_file() => Err(self.err("data.template", format!("{} is not a file (a path to a Jinja chat template, relative to the recipe's folder)", p.display()))),
+            p => Ok(p),
+        }
+    }
+
     /// Resolve a path from the recipe against the recipe's folder.
     pub fn resolve(&self, p: &Path) -> PathBuf {
         if p.is_absolute() {
@@ -674,9 +683,6 @@ impl LoadedRecipe {
     /// Checks that need more than one key or a value range.
     fn check_values(&self) -> Result<()> {
         let r = &self.recipe;
-        if let Some(p) = self.chat_template_file().filter(|p| !p.is_file()) {
-            return Err(self.err("data.template", format!("{} is not a file (a path to a Jinja chat template, relative to the recipe's folder)", p.display())));
-        }
         if r.lora.rank == 0 {
             return Err(self.err("lora.rank", "must be at least 1"));
         }

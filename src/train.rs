@@ -375,6 +375,12 @@ impl RankRun<'_> {
             (a, b) => a.or(b),
         }
     }
+
+    /// What the run's adapters record besides their tensors: the base, and the chat template
+    /// where the run's was not the model's own.
+    fn adapter_origin(&self) -> crate::checkpoint::AdapterOrigin<'_> {
+        crate::checkpoint::AdapterOrigin { base_model: &self.model_dir.name, chat_template: self.loader.formatter().template_not_the_models() }
+    }
 }
 
 /// Where the step loop starts.
@@ -904,7 +910,7 @@ fn save_checkpoint(rk: &RankRun, step: usize, micro_index: u64) -> Result<Option
         };
         rk.log
             .sync()
-            .and_then(|_| crate::checkpoint::save(&rk.out_dir, &rk.adapters, &moments, rk.opt.step, &state, &rk.recipe_text, &rk.model_dir.name))
+            .and_then(|_| crate::checkpoint::save(&rk.out_dir, &rk.adapters, &moments, rk.opt.step, &state, &rk.recipe_text, rk.adapter_origin()))
             .and_then(|dir| crate::checkpoint::prune(&rk.out_dir, r.checkpoint.keep_last).map(|_| Some(dir)))
     } else {
         Ok(None)
@@ -940,7 +946,7 @@ fn cleanup(mut rk: RankRun, resumed: Resumed, trained: Trained) -> Result<RunSum
             kernels: rk.kernels_used.clone(),
         })?;
         if trained.interrupted.is_none() {
-            save_adapter_dir(&rk.adapters, &rk.out_dir.join("adapter"), &rk.model_dir.name, rk.loader.formatter().template_not_the_models())?;
+            save_adapter_dir(&rk.adapters, &rk.out_dir.join("adapter"), rk.adapter_origin())?;
             crate::note!("adapter written to {}", rk.out_dir.join("adapter").display());
             if let Some(c) = rk.adapters.spec.peft_caveat(&rk.model.cfg) {
                 crate::note!("{c}");
@@ -1286,7 +1292,7 @@ fn flatten(vars: &[Var]) -> Result<Vec<f32>> {
 pub fn open_loader(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, role: Role) -> Result<Loader> {
     let r = &loaded.recipe;
     let d = &r.data;
-    let template = loaded.chat_template_file().map(|p| p.to_string_lossy().into_owned()).or_else(|| d.template.clone());
+    let template = loaded.existing_chat_template_file()?.map(|p| p.to_string_lossy().into_owned()).or_else(|| d.template.clone());
     let fmt = Formatter::new(&d.format, template.as_deref(), &d.columns, d.train_on_prompt, &model_dir.dir, vocab)?;
     let opts = LoaderOptions {
         max_seq_len: d.max_seq_len,
@@ -1518,20 +1524,16 @@ fn pinned_data(loaded: &LoadedRecipe, paths: &crate::recipe::Paths, role: Role) 
     })
 }
 
-/// Write the adapter into `<dir>.tmp` and swap it in, so `dir` is always a complete adapter.
-/// With `chat_template` (the run's, where it is not the model's own), the adapter carries it
-/// as `chat_template.jinja`, as TRL's output folder carries the tokenizer it trained with:
-/// `generate`, `eval` and `export` read it there before the base's.
-pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, base: &str, chat_template: Option<&str>) -> Result<()> {
+/// Write the adapter into `<dir>.tmp` and swap it in, so `dir` is always a complete adapter
+/// (with the chat template it carries, which `generate`, `eval` and `export` read there
+/// before the base's).
+pub fn save_adapter_dir(adapters: &Adapters, dir: &std::path::Path, origin: crate::checkpoint::AdapterOrigin) -> Result<()> {
     let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let tmp = dir.with_file_name(format!(".{name}.tmp"));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     }
-    adapters.save_peft(&tmp, base)?;
-    if let Some(t) = chat_template {
-        crate::fsutil::write_atomic(&tmp.join(crate::chat::TEMPLATE_FILE), t.as_bytes())?;
-    }
+    origin.save(adapters, &tmp)?;
     crate::fsutil::replace_dir_durable(&tmp, dir)
 }
 

@@ -155,7 +155,8 @@ fn a_templates_generation_blocks_decide_what_is_trained_as_trls_assistant_only_l
     // answer, the last one only, the content without its end-of-turn, or sit indented with
     // whitespace control, and for TRL's training templates (DeepSeek-V3, R1-Distill, Qwen3,
     // Llama 3, gpt-oss, Nemotron 3 Nano, DiffusionGemma) on random conversations with reasoning
-    // and tool calls. FINETUNE_GENERATION_MASKS names a wider file (`--sweep`) to check instead.
+    // and tool calls; and conversational prompt/completion records, as TRL trains them with
+    // assistant_only_loss. FINETUNE_GENERATION_MASKS names a wider file (`--sweep`) to check instead.
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
     let path = std::env::var_os("FINETUNE_GENERATION_MASKS").map(PathBuf::from).unwrap_or_else(|| fixture("chat-templates/generation-masks.json"));
@@ -177,6 +178,22 @@ fn a_templates_generation_blocks_decide_what_is_trained_as_trls_assistant_only_l
         let labels: Vec<i64> = ids.iter().zip(&mask).map(|(&t, &k)| if k == 1 { t as i64 } else { IGNORE }).collect();
         assert_eq!(ex.input_ids, ids, "case {i} ({name})");
         assert_eq!(ex.labels, labels, "case {i} ({name}): {:?}", fmt.decode(&ex.input_ids));
+    }
+    // Conversational prompt/completion records: what both TRL's masks keep.
+    let pc = f["prompt_completion"].as_array().map(Vec::as_slice).unwrap_or_default();
+    for (i, c) in pc.iter().enumerate() {
+        let name = c["template"].as_str().unwrap();
+        let fmt = formatter(&formatters[name].1, "prompt_completion", None, false);
+        let p = d.path().join("pc.jsonl");
+        write_jsonl(&p, &[c["record"].to_string()]);
+        let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+        let (r, _) = rows.next_row().unwrap();
+        let rec = fmt.read(&r).unwrap().unwrap_or_else(|b| panic!("{}", b.0));
+        let ex = fmt.tokenize(rec, 0).unwrap().unwrap_or_else(|b| panic!("prompt/completion {i} ({name}): {}", b.0));
+        let ids: Vec<u32> = serde_json::from_value(c["ids"].clone()).unwrap();
+        let mask: Vec<u8> = serde_json::from_value(c["mask"].clone()).unwrap();
+        let labels: Vec<i64> = ids.iter().zip(&mask).map(|(&t, &k)| if k == 1 { t as i64 } else { IGNORE }).collect();
+        assert_eq!((&ex.input_ids, &ex.labels), (&ids, &labels), "prompt/completion {i} ({name})");
     }
     // A conversation the blocks mark nothing in is a bad record saying so, not a record
     // with nothing to learn; and a message holding the marks' characters is caught.
@@ -235,11 +252,17 @@ fn a_recipes_template_file_trains_and_travels_with_the_adapter() {
     // generate --adapter renders its prompt with the adapter's template, not the model's.
     let g = finetune::generate::Generator::load(&md, Some(&adapter)).unwrap();
     assert_eq!(g.chat_prompt("hi").unwrap(), "[user] hi[assistant] ");
+    assert!(g.base_chat_prompt("hi").unwrap().contains("<|im_start|>"), "the base is prompted with its own (eval's base column)");
     assert!(finetune::generate::Generator::load(&md, None).unwrap().chat_prompt("hi").unwrap().contains("<|im_start|>"), "the model's own without the adapter");
     // export: the merged model and the adapter copy carry it (transformers reads it first).
     let peft = finetune::export::PeftAdapter::open(&adapter).unwrap();
     finetune::export::merge(&md, &peft, &d.path().join("merged"), &Default::default()).unwrap();
     assert_eq!(std::fs::read_to_string(d.path().join("merged/chat_template.jinja")).unwrap(), tmpl);
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.path().join("merged/tokenizer_config.json")).unwrap()).unwrap();
+    assert!(cfg.get("chat_template").is_none(), "the base's template key is dropped, as transformers drops it beside a .jinja");
+    assert!(std::fs::read_to_string(md.dir.join("tokenizer_config.json")).unwrap().contains("chat_template"), "the base's own file is untouched");
+    // Each checkpoint's adapter carries it too (export --checkpoint, generate --adapter).
+    assert_eq!(std::fs::read_to_string(d.path().join("out/checkpoints/step-000001/adapter/chat_template.jinja")).unwrap(), tmpl);
     finetune::export::export_adapter_only(&peft, &md, &d.path().join("copy")).unwrap();
     assert_eq!(std::fs::read_to_string(d.path().join("copy/chat_template.jinja")).unwrap(), tmpl);
     // An edited template is not the run's: resuming from its checkpoint is refused, naming the key.
@@ -253,7 +276,7 @@ fn a_recipes_template_file_trains_and_travels_with_the_adapter() {
     finetune::train::run(&load(&["data.template=\"model\"", "output.dir=\"out3\"", "data.max_seq_len=128"]).unwrap()).unwrap();
     assert!(!d.path().join("out3/adapter/chat_template.jinja").exists());
     // A path that is not a file, and a name that is neither built in nor a .jinja path.
-    let e = load(&["data.template=\"templates/missing.jinja\""]).unwrap_err().to_string();
+    let e = finetune::train::run(&load(&["data.template=\"templates/missing.jinja\""]).unwrap()).unwrap_err().to_string();
     assert!(e.contains("data.template") && e.contains("missing.jinja is not a file"), "{e}");
     let e = load(&["data.template=\"chatmll\""]).unwrap_err().to_string();
     assert!(e.contains("or a path to a .jinja file") && e.contains("chatml"), "{e}");

@@ -387,25 +387,19 @@ const GENERATION_OPEN: char = '\u{FDD0}';
 const GENERATION_CLOSE: char = '\u{FDD1}';
 
 /// `source` with transformers' `{% generation %}` ... `{% endgeneration %}` (its jinja extension
-/// marking what the assistant says, for `return_assistant_tokens_mask`) as a filter block,
-/// whitespace control kept (both are block tags, so trim_blocks and lstrip_blocks treat them
-/// alike): the same text, where minijinja would refuse the unknown tag, and the filter marks
-/// where the block's text starts and ends when a render asks for it. Also whether there was one.
+/// marking what the assistant says, for `return_assistant_tokens_mask`) as a filter block
+/// around a `with` block, whitespace control kept (all are block tags, so trim_blocks and
+/// lstrip_blocks treat them alike): the same text, where minijinja would refuse the unknown
+/// tag, and the filter marks where the block's text starts and ends when a render asks for
+/// it. The `with` gives the body its own scope, as jinja2 renders it as a macro (a `set`
+/// inside does not change the variable outside). Comments and `raw` blocks are left as they
+/// are. Also whether there was a block.
 fn generation_as_filter(source: &str) -> (std::borrow::Cow<'_, str>, bool) {
     if !source.contains("generation") {
         return (source.into(), false);
     }
-    let mut out = String::with_capacity(source.len());
-    let mut rest = source;
-    let mut found = false;
-    while let Some(open) = rest.find("{%") {
-        out += &rest[..open];
-        let tag = &rest[open..];
-        let Some(close) = tag.find("%}") else {
-            rest = tag;
-            break;
-        };
-        let inner = &tag[2..close];
+    // A tag's name without its whitespace control, and that control on each side.
+    fn parts(inner: &str) -> (&str, &str, &str) {
         let (lead, body) = match inner.strip_prefix(['-', '+']) {
             Some(b) => (&inner[..1], b),
             None => ("", inner),
@@ -414,19 +408,48 @@ fn generation_as_filter(source: &str) -> (std::borrow::Cow<'_, str>, bool) {
             Some(b) => (b, &body[body.len() - 1..]),
             None => (body, ""),
         };
-        let replaced = match body.trim() {
-            "generation" => Some(format!("filter {GENERATION_FILTER}")),
-            "endgeneration" => Some("endfilter".to_string()),
-            _ => None,
+        (lead, body.trim(), trail)
+    }
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    let mut found = false;
+    while let Some(open) = rest.find("{%").into_iter().chain(rest.find("{#")).min() {
+        out += &rest[..open];
+        let tag = &rest[open..];
+        let end = if tag.starts_with("{#") { "#}" } else { "%}" };
+        let Some(close) = tag.find(end) else {
+            rest = tag;
+            break;
         };
-        match replaced {
-            Some(r) => {
-                found = true;
-                out += &format!("{{%{lead} {r} {trail}%}}");
-            }
-            None => out += &tag[..close + 2],
-        }
         rest = &tag[close + 2..];
+        if end == "#}" {
+            out += &tag[..close + 2];
+            continue;
+        }
+        let (lead, name, trail) = parts(&tag[2..close]);
+        match name {
+            "generation" => {
+                found = true;
+                out += &format!("{{%{lead} filter {GENERATION_FILTER} %}}{{% with {trail}%}}");
+            }
+            "endgeneration" => out += &format!("{{%{lead} endwith %}}{{% endfilter {trail}%}}"),
+            "raw" => {
+                // Up to and with its `endraw` tag, as written.
+                out += &tag[..close + 2];
+                let mut search = 0;
+                let stop = loop {
+                    let Some(o) = rest[search..].find("{%").map(|o| search + o) else { break rest.len() };
+                    let Some(c) = rest[o..].find("%}").map(|c| o + c) else { break rest.len() };
+                    if parts(&rest[o + 2..c]).1 == "endraw" {
+                        break c + 2;
+                    }
+                    search = c + 2;
+                };
+                out += &rest[..stop];
+                rest = &rest[stop..];
+            }
+            _ => out += &tag[..close + 2],
+        }
     }
     out += rest;
     (out.into(), found)
@@ -531,6 +554,13 @@ mod tests {
         let n = ChatTemplate::from_source("a{% generation %}b{% generation %}c{% endgeneration %}d{% endgeneration %}e{% generation %}f{% endgeneration %}", "", "");
         assert_eq!(n.render_generation_spans(&[], &Vars::new()).unwrap(), ("abcdef".to_string(), vec![1..4, 5..6]));
         assert!(!ChatTemplate::from_source("{{ 'generation' }}", "", "").has_generation_blocks());
+        // Not in a comment or a raw block, which stay as written.
+        let c = "{# {% generation %} #}{% raw %}{% generation %}{% endraw %}{{ 'x' }}";
+        assert_eq!(generation_as_filter(c), (c.into(), false));
+        assert_eq!(ChatTemplate::from_source(c, "", "").render(&[], false).unwrap(), "{% generation %}x");
+        // The body has its own scope, as jinja2's macro body: a `set` inside stays inside.
+        let scoped = ChatTemplate::from_source("{% set x = 'out' %}{% for m in messages %}{% generation %}{% set x = m.content %}{{ x }}{% endgeneration %}|{{ x }}{% endfor %}", "", "");
+        assert_eq!(scoped.render(&[Message::new("assistant", "in")], false).unwrap(), "in|out");
         assert_eq!(generation_as_filter("{% if x %}a{% endif %}"), ("{% if x %}a{% endif %}".into(), false));
     }
 

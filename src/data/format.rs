@@ -576,43 +576,59 @@ impl Formatter {
         };
         let (enc, tokenized) = self.encode_prefix(&text, false)?;
         let ids = enc.get_ids().to_vec();
-        if let Some(k) = completion_from {
+        // The template's `{% generation %}` blocks, where it has them: what is trained.
+        let blocks = match (self.train_on_prompt, t.has_generation_blocks()) {
+            (false, true) => match generation_spans(t, m, vars, &text) {
+                Ok(s) => Some(s),
+                Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
+            },
+            _ => None,
+        };
+        let labels = if let Some(k) = completion_from {
             // TRL's rule: the completion starts where the ids of the prompt rendered with its
             // generation prompt stop agreeing with the whole conversation's.
             let prompt = match t.render_with(&m[..k], vars, true) {
                 Ok(s) => s,
                 Err(e) => return Ok(Err(BadRecord(format!("row {index}: {e}")))),
             };
-            let labels = self.trained_after_prefix(&ids, &self.encode_prefix(&prompt, false)?.0);
-            return Ok(Ok(Example::new(ids, labels)));
-        }
-        // Turns that start past the tokens kept need not be looked for (each costs renders).
-        let kept = self.token_limit.and_then(|l| enc.get_offsets().get(l.saturating_sub(1)).map(|o| o.1 + 1)).unwrap_or(tokenized);
-        let spans = if self.train_on_prompt {
-            Vec::new()
-        } else if t.has_generation_blocks() {
-            match generation_spans(t, m, vars, &text) {
-                Ok(s) => s,
-                Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
-            }
+            self.trained_after_prefix(&ids, &self.encode_prefix(&prompt, false)?.0)
+        } else if blocks.is_some() {
+            ids.iter().map(|&id| id as i64).collect()
         } else {
-            match assistant_spans(t, m, vars, &text, kept.min(tokenized), enc.get_offsets()) {
-                Ok(s) => s,
-                Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
-            }
+            // Turns that start past the tokens kept need not be looked for (each costs renders).
+            let kept = self.token_limit.and_then(|l| enc.get_offsets().get(l.saturating_sub(1)).map(|o| o.1 + 1)).unwrap_or(tokenized);
+            let spans = match self.train_on_prompt {
+                true => Vec::new(),
+                false => match assistant_spans(t, m, vars, &text, kept.min(tokenized), enc.get_offsets()) {
+                    Ok(s) => s,
+                    Err(msg) => return Ok(Err(BadRecord(format!("row {index}: {msg}")))),
+                },
+            };
+            ids.iter()
+                .zip(enc.get_offsets())
+                // A token that starts in a span, or straddles its start (a span found by bytes
+                // may start inside a token: "<" shared by a generation prompt and a tool call's
+                // first special token), is trained.
+                .map(|(&id, &(start, end))| {
+                    let trained = spans.iter().any(|s| s.contains(&start) || (start < s.start && s.start < end));
+                    if self.train_on_prompt || trained { id as i64 } else { IGNORE }
+                })
+                .collect()
         };
-        let labels = ids
-            .iter()
+        let Some(blocks) = blocks else { return Ok(Ok(Example::new(ids, labels))) };
+        // Only tokens that overlap a block, as transformers' assistant mask marks them (one
+        // that straddles an empty block too); a completion's besides, as TRL's
+        // `assistant_only_loss` keeps only what both its masks keep.
+        let labels: Vec<i64> = labels
+            .into_iter()
             .zip(enc.get_offsets())
-            // A token that starts in a span, or straddles its start (a span found by bytes may
-            // start inside a token: "<" shared by a generation prompt and a tool call's first
-            // special token), is trained: a token that overlaps it, or straddles an empty
-            // `{% generation %}` block, as transformers' assistant mask marks them.
-            .map(|(&id, &(start, end))| {
-                let trained = spans.iter().any(|s| s.contains(&start) || (start < s.start && s.start < end));
-                if self.train_on_prompt || trained { id as i64 } else { IGNORE }
-            })
+            .map(|(l, &(start, end))| if blocks.iter().any(|s| start < s.end && end > s.start) { l } else { IGNORE })
             .collect();
+        if labels.iter().all(|&l| l == IGNORE) {
+            let msg = "the chat template's {% generation %} blocks mark nothing in this conversation, so nothing would be trained \
+                       (the template marks what the assistant says; set data.train_on_prompt = true to train on everything)";
+            return Ok(Err(BadRecord(format!("row {index}: {msg}"))));
+        }
         Ok(Ok(Example::new(ids, labels)))
     }
 
@@ -653,11 +669,6 @@ fn generation_spans(t: &ChatTemplate, m: &[Message], vars: &crate::chat::Vars, t
     if marked != text {
         return Err("the chat template renders another text when its {% generation %} blocks are marked: a message holds U+FDD0 or U+FDD1 (the marks), \
                     or the template uses a block's text other than by writing it (set data.train_on_prompt = true, or choose data.template)"
-            .into());
-    }
-    if spans.iter().all(|s| s.is_empty()) {
-        return Err("the chat template's {% generation %} blocks mark nothing in this conversation, so nothing would be trained \
-                    (the template marks what the assistant says; set data.train_on_prompt = true to train on everything)"
             .into());
     }
     Ok(spans)

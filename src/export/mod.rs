@@ -208,6 +208,26 @@ fn copy_side_files(base: &Path, dst: &Path, config: &serde_json::Value) -> Resul
     Ok(())
 }
 
+/// The template the adapter was trained with, where it carries one, in place of the base's:
+/// as chat_template.jinja, which transformers reads before tokenizer_config.json's
+/// `chat_template`, and with that key dropped from the copied tokenizer_config.json, as
+/// transformers' `save_chat_templates` drops it (llama.cpp's converter reads the key first).
+fn carry_adapter_template(adapter: &PeftAdapter, dst: &Path) -> Result<()> {
+    let template = adapter.dir.join(crate::chat::TEMPLATE_FILE);
+    if !template.is_file() {
+        return Ok(());
+    }
+    crate::fsutil::copy_file(&template, &dst.join(crate::chat::TEMPLATE_FILE))?;
+    let cfg_path = dst.join("tokenizer_config.json");
+    let mut cfg = crate::chat::optional_json(dst, "tokenizer_config.json")?;
+    if let Some(obj) = cfg.as_object_mut().filter(|o| o.contains_key("chat_template")) {
+        obj.remove("chat_template");
+        let text = serde_json::to_string_pretty(&cfg).map_err(|e| Error::Export(e.to_string()))?;
+        crate::fsutil::write_atomic(&cfg_path, text.as_bytes())?;
+    }
+    Ok(())
+}
+
 /// Make `out` appear whole: build in a sibling temporary, then rename (with `replace`, swap
 /// it for the existing folder, which stays whole until then).
 fn staged<T>(out: &Path, replace: bool, build: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
@@ -377,12 +397,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
         let text = serde_json::to_string_pretty(&config).map_err(|e| Error::Export(e.to_string()))?;
         crate::fsutil::write_atomic(&tmp.join("config.json"), text.as_bytes())?;
         copy_side_files(&base.dir, tmp, &config)?;
-        // The template the adapter was trained with, where it carries one, over the base's:
-        // transformers reads chat_template.jinja before tokenizer_config.json's.
-        let template = adapter.dir.join(crate::chat::TEMPLATE_FILE);
-        if template.is_file() {
-            crate::fsutil::copy_file(&template, &tmp.join(crate::chat::TEMPLATE_FILE))?;
-        }
+        carry_adapter_template(adapter, tmp)?;
         if !opts.no_verify {
             opts.check_stop()?;
             let diff = verify_merge(base, &adapters, tmp, opts)?;
