@@ -406,6 +406,8 @@ struct Trained {
 fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::Device) -> Result<RankRun<'_>> {
     let r = &loaded.recipe;
     let t = &r.train;
+    // Before the model loads (minutes for a large one): the data needs the template.
+    loaded.existing_chat_template_file()?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let lead = rank == 0;
     let model_dir = ModelDir::of_recipe(loaded)?;

@@ -202,6 +202,20 @@ fn a_templates_generation_blocks_decide_what_is_trained_as_trls_assistant_only_l
     assert!(b.0.contains("{% generation %} blocks mark nothing"), "{}", b.0);
     let b = fmt.render_conversation(&[Message::new("user", "q"), Message::new("assistant", "a\u{FDD1}b")], 0).unwrap().unwrap_err();
     assert!(b.0.contains("holds U+FDD0 or U+FDD1"), "{}", b.0);
+    // A completion the blocks miss says so; a record cut before its blocks is left to the
+    // loader, which names the truncation.
+    let pc = formatter(&formatters["last"].1, "prompt_completion", None, false);
+    let p = d.path().join("miss.jsonl");
+    write_jsonl(&p, &[serde_json::json!({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]}).to_string()]);
+    let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    let (r, _) = rows.next_row().unwrap();
+    let rec = pc.read(&r).unwrap().unwrap_or_else(|b| panic!("{}", b.0));
+    let b = pc.tokenize(rec, 0).unwrap().err().unwrap();
+    assert!(b.0.contains("nothing in the completion is inside"), "{}", b.0);
+    let mut cut = formatter(&formatters["every"].1, "messages", None, false);
+    cut.set_token_limit(Some(8));
+    let ex = cut.render_conversation(&[Message::new("user", &"long ".repeat(3000)), Message::new("assistant", "a")], 0).unwrap().unwrap_or_else(|b| panic!("{}", b.0));
+    assert!(ex.labels.iter().all(|&l| l == IGNORE));
 }
 
 /// A template that does not compile stops the run before any record, naming its file, not

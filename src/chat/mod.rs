@@ -253,7 +253,7 @@ impl ChatTemplate {
     /// Whether the template marks what the assistant says with transformers' `{% generation %}`
     /// blocks (what `return_assistant_tokens_mask`, and so TRL's `assistant_only_loss`, reads).
     pub fn has_generation_blocks(&self) -> bool {
-        self.problem.is_none() && generation_as_filter(&self.source).1
+        self.problem.is_none() && generation_as_filter(&self.source).is_ok_and(|(_, found)| found)
     }
 
     /// The conversation rendered as [`Self::render_with`] renders it (no generation prompt),
@@ -357,7 +357,8 @@ impl ChatTemplate {
                 false => body,
             }
         });
-        let source = generation_as_filter(&self.source).0.replace("\r\n", "\n").replace('\r', "\n");
+        let source = generation_as_filter(&self.source).map_err(|m| minijinja::Error::new(minijinja::ErrorKind::SyntaxError, m))?;
+        let source = source.0.replace("\r\n", "\n").replace('\r', "\n");
         env.add_template_owned("chat", source)?;
         Ok(env)
     }
@@ -392,11 +393,13 @@ const GENERATION_CLOSE: char = '\u{FDD1}';
 /// lstrip_blocks treat them alike): the same text, where minijinja would refuse the unknown
 /// tag, and the filter marks where the block's text starts and ends when a render asks for
 /// it. The `with` gives the body its own scope, as jinja2 renders it as a macro (a `set`
-/// inside does not change the variable outside). Comments and `raw` blocks are left as they
-/// are. Also whether there was a block.
-fn generation_as_filter(source: &str) -> (std::borrow::Cow<'_, str>, bool) {
+/// inside does not change the variable outside). Expressions, comments and `raw` blocks are
+/// left as they are (a tag inside a string is text). Also whether there was a block. A
+/// `{% continue %}` or `{% break %}` in a block outside a loop of its own is refused, as jinja2
+/// refuses it (the body is a macro there; minijinja would jump out of the `with`).
+fn generation_as_filter(source: &str) -> std::result::Result<(std::borrow::Cow<'_, str>, bool), String> {
     if !source.contains("generation") {
-        return (source.into(), false);
+        return Ok((source.into(), false));
     }
     // A tag's name without its whitespace control, and that control on each side.
     fn parts(inner: &str) -> (&str, &str, &str) {
@@ -413,46 +416,86 @@ fn generation_as_filter(source: &str) -> (std::borrow::Cow<'_, str>, bool) {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     let mut found = false;
-    while let Some(open) = rest.find("{%").into_iter().chain(rest.find("{#")).min() {
+    // Loops open, and how many were open where each generation block still open began.
+    let (mut loops, mut blocks) = (0usize, Vec::new());
+    while let Some(open) = ["{{", "{%", "{#"].iter().filter_map(|d| rest.find(d)).min() {
         out += &rest[..open];
         let tag = &rest[open..];
-        let end = if tag.starts_with("{#") { "#}" } else { "%}" };
-        let Some(close) = tag.find(end) else {
+        let (close, strings) = match &tag[..2] {
+            "{{" => ("}}", true),
+            "{#" => ("#}", false),
+            _ => ("%}", true),
+        };
+        let Some(end) = tag_end(tag, 2, close, strings) else {
             rest = tag;
             break;
         };
-        rest = &tag[close + 2..];
-        if end == "#}" {
-            out += &tag[..close + 2];
+        rest = &tag[end..];
+        if close != "%}" {
+            out += &tag[..end];
             continue;
         }
-        let (lead, name, trail) = parts(&tag[2..close]);
+        let (lead, name, trail) = parts(&tag[2..end - 2]);
         match name {
             "generation" => {
                 found = true;
+                blocks.push(loops);
                 out += &format!("{{%{lead} filter {GENERATION_FILTER} %}}{{% with {trail}%}}");
             }
-            "endgeneration" => out += &format!("{{%{lead} endwith %}}{{% endfilter {trail}%}}"),
+            "endgeneration" => {
+                blocks.pop();
+                out += &format!("{{%{lead} endwith %}}{{% endfilter {trail}%}}");
+            }
             "raw" => {
                 // Up to and with its `endraw` tag, as written.
-                out += &tag[..close + 2];
+                out += &tag[..end];
                 let mut search = 0;
                 let stop = loop {
                     let Some(o) = rest[search..].find("{%").map(|o| search + o) else { break rest.len() };
-                    let Some(c) = rest[o..].find("%}").map(|c| o + c) else { break rest.len() };
-                    if parts(&rest[o + 2..c]).1 == "endraw" {
-                        break c + 2;
+                    let Some(c) = tag_end(rest, o + 2, "%}", false) else { break rest.len() };
+                    if parts(&rest[o + 2..c - 2]).1 == "endraw" {
+                        break c;
                     }
-                    search = c + 2;
+                    search = c;
                 };
                 out += &rest[..stop];
                 rest = &rest[stop..];
             }
-            _ => out += &tag[..close + 2],
+            "continue" | "break" if blocks.last() == Some(&loops) => {
+                return Err(format!("`{{% {name} %}}` inside a {{% generation %}} block, outside a loop of its own: jinja2 refuses it ('{name}' not properly in loop)"));
+            }
+            _ => {
+                if name.starts_with("for ") {
+                    loops += 1;
+                } else if name == "endfor" {
+                    loops = loops.saturating_sub(1);
+                }
+                out += &tag[..end];
+            }
         }
     }
     out += rest;
-    (out.into(), found)
+    Ok((out.into(), found))
+}
+
+/// The index just past the first `close` in `s` from byte `from`, outside string literals
+/// ('...' or "...", backslash escapes) where `strings` (jinja2 lexes them inside `{{ }}` and
+/// `{% %}`, so a `}}` in one does not end the tag).
+fn tag_end(s: &str, from: usize, close: &str, strings: bool) -> Option<usize> {
+    let (b, c) = (s.as_bytes(), close.as_bytes());
+    let (mut i, mut quote) = (from, None);
+    while i < b.len() {
+        match quote {
+            Some(_) if b[i] == b'\\' => i += 1,
+            Some(q) if b[i] == q => quote = None,
+            Some(_) => {}
+            None if strings && (b[i] == b'\'' || b[i] == b'"') => quote = Some(b[i]),
+            None if b[i..].starts_with(c) => return Some(i + c.len()),
+            None => {}
+        }
+        i += 1;
+    }
+    None
 }
 
 /// A JSON value as the template sees it (null is Python's None).
@@ -556,12 +599,23 @@ mod tests {
         assert!(!ChatTemplate::from_source("{{ 'generation' }}", "", "").has_generation_blocks());
         // Not in a comment or a raw block, which stay as written.
         let c = "{# {% generation %} #}{% raw %}{% generation %}{% endraw %}{{ 'x' }}";
-        assert_eq!(generation_as_filter(c), (c.into(), false));
+        assert_eq!(generation_as_filter(c), Ok((c.into(), false)));
         assert_eq!(ChatTemplate::from_source(c, "", "").render(&[], false).unwrap(), "{% generation %}x");
+        // Nor in a string, where `%}` or `}}` do not end the tag either; `{%}` is text there.
+        let lit = "{{ 'a{% generation %}b}}{%}' }}{% set x = '%}{#' %}{{ x }}";
+        assert_eq!(generation_as_filter(lit), Ok((lit.into(), false)));
+        assert_eq!(ChatTemplate::from_source(lit, "", "").render(&[], false).unwrap(), "a{% generation %}b}}{%}%}{#");
+        // A `continue` in a block outside a loop of its own is refused (jinja2 refuses it);
+        // in a loop inside the block it is that loop's.
+        let stray = "{% for m in messages %}{% generation %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.content }}{% endgeneration %}{% endfor %}";
+        assert!(ChatTemplate::from_source(stray, "", "").usable().unwrap_err().to_string().contains("not properly in loop"));
+        let inner = "{% generation %}{% for m in messages %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}{% endgeneration %}";
+        let t = ChatTemplate::from_source(inner, "", "");
+        assert_eq!(t.render(&[Message::new("user", "q"), Message::new("assistant", "a")], false).unwrap(), "a");
         // The body has its own scope, as jinja2's macro body: a `set` inside stays inside.
         let scoped = ChatTemplate::from_source("{% set x = 'out' %}{% for m in messages %}{% generation %}{% set x = m.content %}{{ x }}{% endgeneration %}|{{ x }}{% endfor %}", "", "");
         assert_eq!(scoped.render(&[Message::new("assistant", "in")], false).unwrap(), "in|out");
-        assert_eq!(generation_as_filter("{% if x %}a{% endif %}"), ("{% if x %}a{% endif %}".into(), false));
+        assert_eq!(generation_as_filter("{% if x %}a{% endif %}"), Ok(("{% if x %}a{% endif %}".into(), false)));
     }
 
     #[test]

@@ -624,9 +624,14 @@ impl Formatter {
             .zip(enc.get_offsets())
             .map(|(l, &(start, end))| if blocks.iter().any(|s| start < s.end && end > s.start) { l } else { IGNORE })
             .collect();
-        if labels.iter().all(|&l| l == IGNORE) {
-            let msg = "the chat template's {% generation %} blocks mark nothing in this conversation, so nothing would be trained \
-                       (the template marks what the assistant says; set data.train_on_prompt = true to train on everything)";
+        // Nothing kept: say why, unless the text was cut (the loader then names the truncation).
+        if labels.iter().all(|&l| l == IGNORE) && tokenized == text.len() {
+            let msg = match completion_from {
+                Some(_) => "nothing in the completion is inside the chat template's {% generation %} blocks, so nothing would be trained \
+                            (TRL's assistant_only_loss trains what both mark; set data.train_on_prompt = true to train on everything)",
+                None => "the chat template's {% generation %} blocks mark nothing in this conversation, so nothing would be trained \
+                         (the template marks what the assistant says; set data.train_on_prompt = true to train on everything)",
+            };
             return Ok(Err(BadRecord(format!("row {index}: {msg}"))));
         }
         Ok(Ok(Example::new(ids, labels)))
