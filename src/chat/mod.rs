@@ -323,7 +323,15 @@ impl ChatTemplate {
             ctx.insert(k.clone().into(), jinja_value(v));
         }
         ctx.insert(MARK_GENERATION.into(), mark_generation.into());
-        t.render(Value::from_object(ctx)).map_err(|e| err(e.to_string()))
+        // minijinja 3.0.5 panics on some templates jinja2 renders (a `{% continue %}` inside a
+        // `{% with %}` inside a loop): an error naming the template, not a crashed run.
+        let ctx = Value::from_object(ctx);
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.render(ctx))) {
+            Ok(rendered) => rendered.map_err(|e| err(e.to_string())),
+            Err(_) => Err(err("minijinja failed on this template (it panicked; see the message above), where jinja2 may render it: \
+                               choose another data.template, or simplify the template"
+                .into())),
+        }
     }
 
     /// The template in an environment set up as transformers renders chat templates.
@@ -612,6 +620,9 @@ mod tests {
         let inner = "{% generation %}{% for m in messages %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}{% endgeneration %}";
         let t = ChatTemplate::from_source(inner, "", "");
         assert_eq!(t.render(&[Message::new("user", "q"), Message::new("assistant", "a")], false).unwrap(), "a");
+        // A template minijinja panics on (jinja2 renders it): an error, not a crash.
+        let with = ChatTemplate::from_source("{% for m in messages %}{% with %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.content }}{% endwith %}{% endfor %}", "", "");
+        assert!(with.render(&[Message::new("user", "q")], false).unwrap_err().to_string().contains("minijinja failed on this template"));
         // The body has its own scope, as jinja2's macro body: a `set` inside stays inside.
         let scoped = ChatTemplate::from_source("{% set x = 'out' %}{% for m in messages %}{% generation %}{% set x = m.content %}{{ x }}{% endgeneration %}|{{ x }}{% endfor %}", "", "");
         assert_eq!(scoped.render(&[Message::new("assistant", "in")], false).unwrap(), "in|out");
