@@ -133,13 +133,21 @@ impl Generator {
     /// The prompt for one user turn, through the chat template the adapter was trained with
     /// (its own where it carries one, else the model's).
     pub fn chat_prompt(&self, user: &str) -> Result<String> {
-        self.render_prompt(self.adapter_chat.as_ref().or(self.chat.as_ref()), user)
+        self.render_prompt(self.tuned_template(), user)
     }
 
     /// The prompt for one user turn as the base model is prompted: through the model's own
     /// template (the adapter's where the model has none).
     pub fn base_chat_prompt(&self, user: &str) -> Result<String> {
-        self.render_prompt(self.chat.as_ref().or(self.adapter_chat.as_ref()), user)
+        self.render_prompt(self.base_template(), user)
+    }
+
+    fn tuned_template(&self) -> Option<&ChatTemplate> {
+        self.adapter_chat.as_ref().or(self.chat.as_ref())
+    }
+
+    fn base_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref().or(self.adapter_chat.as_ref())
     }
 
     fn render_prompt(&self, t: Option<&ChatTemplate>, user: &str) -> Result<String> {
@@ -174,19 +182,18 @@ impl Generator {
     /// The prompt's ids: through the model's chat template as one user turn (`chat`), else
     /// as plain text ([`Self::encode_plain`]).
     pub fn prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
-        if chat {
-            self.encode(&self.chat_prompt(prompt)?)
-        } else {
-            self.encode_plain(prompt)
-        }
+        self.ids_through(self.tuned_template(), prompt, chat)
     }
 
     /// [`Self::prompt_ids`] as the base model is prompted (`eval`'s base column).
     pub fn base_prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
-        if chat {
-            self.encode(&self.base_chat_prompt(prompt)?)
-        } else {
-            self.encode_plain(prompt)
+        self.ids_through(self.base_template(), prompt, chat)
+    }
+
+    fn ids_through(&self, t: Option<&ChatTemplate>, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+        match chat {
+            true => self.encode(&self.render_prompt(t, prompt)?),
+            false => self.encode_plain(prompt),
         }
     }
 

@@ -68,7 +68,14 @@ pub struct ChatTemplate {
     now: u64,
     /// The template compiled once, on first use (a record's turns render it several times
     /// each), or why it does not compile.
-    env: std::sync::OnceLock<std::result::Result<minijinja::Environment<'static>, String>>,
+    env: std::sync::OnceLock<std::result::Result<Compiled, String>>,
+}
+
+/// A template compiled, and whether its source has `{% generation %}` blocks (found while
+/// rewriting them, so a record's mask does not scan the source again).
+struct Compiled {
+    env: minijinja::Environment<'static>,
+    generation_blocks: bool,
 }
 
 fn unix_now() -> u64 {
@@ -228,11 +235,11 @@ impl ChatTemplate {
     /// Whether the template can render at all: it was found whole and compiles (an error
     /// naming the file and why not).
     pub fn usable(&self) -> Result<()> {
-        self.env().map(|_| ())
+        self.compiled().map(|_| ())
     }
 
     /// The compiled template (compiled on first use), or why it cannot render.
-    fn env(&self) -> Result<&minijinja::Environment<'static>> {
+    fn compiled(&self) -> Result<&Compiled> {
         if let Some(p) = &self.problem {
             return Err(Error::Tokenizer { path: self.origin.clone(), msg: p.clone() });
         }
@@ -253,7 +260,7 @@ impl ChatTemplate {
     /// Whether the template marks what the assistant says with transformers' `{% generation %}`
     /// blocks (what `return_assistant_tokens_mask`, and so TRL's `assistant_only_loss`, reads).
     pub fn has_generation_blocks(&self) -> bool {
-        self.problem.is_none() && generation_as_filter(&self.source).is_ok_and(|(_, found)| found)
+        self.compiled().is_ok_and(|c| c.generation_blocks)
     }
 
     /// The conversation rendered as [`Self::render_with`] renders it (no generation prompt),
@@ -287,7 +294,7 @@ impl ChatTemplate {
 
     fn render_ctx(&self, messages: &[Message], vars: &Vars, add_generation_prompt: bool, mark_generation: bool) -> Result<String> {
         use minijinja::Value;
-        let env = self.env()?;
+        let env = &self.compiled()?.env;
         let err = |msg: String| Error::Tokenizer { path: self.origin.clone(), msg: format!("chat template: {msg}") };
         let t = env.get_template("chat").map_err(|e| err(e.to_string()))?;
         let messages: Vec<Value> = messages
@@ -335,7 +342,7 @@ impl ChatTemplate {
     }
 
     /// The template in an environment set up as transformers renders chat templates.
-    fn compile(&self) -> std::result::Result<minijinja::Environment<'static>, minijinja::Error> {
+    fn compile(&self) -> std::result::Result<Compiled, minijinja::Error> {
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(python::string_methods);
         env.add_filter("trim", |s: String, chars: Option<String>| python::trim(&s, chars.as_deref(), true, true));
@@ -358,17 +365,16 @@ impl ChatTemplate {
         env.add_function("strftime_now", move |fmt: String| -> String { strftime(&fmt, now) });
         // transformers renders with jinja2's trim_blocks and lstrip_blocks on.
         env.set_syntax(minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build()?);
-        // jinja2 reads every line break of a template (\r\n, \r) as \n.
         env.add_filter(GENERATION_FILTER, |state: &minijinja::State, body: String| -> String {
             match state.lookup(MARK_GENERATION).is_some_and(|v| v.is_true()) {
                 true => format!("{GENERATION_OPEN}{body}{GENERATION_CLOSE}"),
                 false => body,
             }
         });
-        let source = generation_as_filter(&self.source).map_err(|m| minijinja::Error::new(minijinja::ErrorKind::SyntaxError, m))?;
-        let source = source.0.replace("\r\n", "\n").replace('\r', "\n");
-        env.add_template_owned("chat", source)?;
-        Ok(env)
+        let (source, generation_blocks) = generation_as_filter(&self.source).map_err(|m| minijinja::Error::new(minijinja::ErrorKind::SyntaxError, m))?;
+        // jinja2 reads every line break of a template (\r\n, \r) as \n.
+        env.add_template_owned("chat", source.replace("\r\n", "\n").replace('\r', "\n"))?;
+        Ok(Compiled { env, generation_blocks })
     }
 }
 
