@@ -67,21 +67,21 @@ struct KeySpec {
     required: bool,
     /// For string keys with a closed set of values.
     choices: &'static [&'static str],
-    /// A file name ending that is accepted besides `choices` (a path to such a file).
-    or_file: Option<&'static str>,
+    /// File name endings accepted besides `choices` (a path to such a file).
+    or_file: &'static [&'static str],
 }
 
 const fn key(name: &'static str, kind: Kind) -> KeySpec {
-    KeySpec { name, kind, required: false, choices: &[], or_file: None }
+    KeySpec { name, kind, required: false, choices: &[], or_file: &[] }
 }
 const fn req(name: &'static str, kind: Kind) -> KeySpec {
-    KeySpec { name, kind, required: true, choices: &[], or_file: None }
+    KeySpec { name, kind, required: true, choices: &[], or_file: &[] }
 }
 const fn one_of(name: &'static str, choices: &'static [&'static str]) -> KeySpec {
-    KeySpec { name, kind: Kind::Str, required: false, choices, or_file: None }
+    KeySpec { name, kind: Kind::Str, required: false, choices, or_file: &[] }
 }
-const fn one_of_or_file(name: &'static str, choices: &'static [&'static str], ending: &'static str) -> KeySpec {
-    KeySpec { name, kind: Kind::Str, required: false, choices, or_file: Some(ending) }
+const fn one_of_or_file(name: &'static str, choices: &'static [&'static str], endings: &'static [&'static str]) -> KeySpec {
+    KeySpec { name, kind: Kind::Str, required: false, choices, or_file: endings }
 }
 
 
@@ -111,7 +111,7 @@ const SCHEMA: &[(&str, bool, &[KeySpec])] = &[
             req("train", Kind::StrOrList),
             key("split", Kind::Str),
             one_of("format", crate::data::format::FORMATS),
-            one_of_or_file("template", crate::data::format::TEMPLATES, ".jinja"),
+            one_of_or_file("template", crate::data::format::TEMPLATES, crate::data::format::TEMPLATE_FILE_ENDINGS),
             key("columns", Kind::StrMap),
             key("train_on_prompt", Kind::Bool),
             key("shuffle", Kind::Bool),
@@ -615,12 +615,14 @@ impl LoadedRecipe {
         for o in overrides {
             apply_override(&mut value, o, &fname)?;
         }
+        // Before the schema check, which reads `data.template = "$TEMPLATES/chat.jinja"`
+        // by its expanded ending.
+        expand_paths(&mut value, &fname)?;
         check_schema(&value, &fname)?;
         check_inert_keys(&value, &fname)?;
         for n in switched_off_knobs(&value) {
             crate::note!("note: recipe {fname}: {n}");
         }
-        expand_paths(&mut value, &fname)?;
         let recipe: Recipe = toml::Value::Table(value).try_into().map_err(|e: toml::de::Error| {
             Error::Recipe { file: fname.clone(), key: "(structure)".into(), msg: e.message().to_string() }
         })?;
@@ -636,7 +638,7 @@ impl LoadedRecipe {
     /// The Jinja file `data.template` names, resolved against the recipe's folder (`None`
     /// when it names a built-in template or the model's own).
     pub fn chat_template_file(&self) -> Option<PathBuf> {
-        self.recipe.data.template.as_deref().filter(|t| t.ends_with(".jinja")).map(|t| self.resolve(Path::new(t)))
+        self.recipe.data.template.as_deref().filter(|t| crate::data::format::is_template_file(t)).map(|t| self.resolve(Path::new(t)))
     }
 
     /// [`Self::chat_template_file`], which must be a file (checked where the data is read, so
@@ -1076,9 +1078,9 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
             }
             if !spec.choices.is_empty() {
                 let s = val.as_str().unwrap_or_default();
-                let file = spec.or_file.is_some_and(|e| s.ends_with(e));
+                let file = spec.or_file.iter().any(|e| s.ends_with(e));
                 if !spec.choices.contains(&s) && !file {
-                    let or_file = spec.or_file.map(|e| format!(", or a path to a {e} file")).unwrap_or_default();
+                    let or_file = if spec.or_file.is_empty() { String::new() } else { format!(", or a path to a {} file", spec.or_file.join(" or ")) };
                     return Err(err(
                         dotted,
                         format!("\"{s}\" is not one of {}{or_file}{}", spec.choices.join(", "), suggest(s, spec.choices)),
@@ -1366,6 +1368,24 @@ dir = "out"
         assert_eq!(expand_path("a$/b~c$1").unwrap(), "a$/b~c$1", "no name after $: literal");
         let e = err_text(MINIMAL, &["output.dir=\"$FINETUNE_TEST_UNSET/out\""]);
         assert!(e.contains("`output.dir`") && e.contains("$FINETUNE_TEST_UNSET") && e.contains("not set"), "{e}");
+    }
+
+    #[test]
+    fn a_template_file_is_named_by_its_jinja_or_j2_ending_after_expansion() {
+        std::env::set_var("FINETUNE_TEST_DATA", "/srv/data");
+        std::env::set_var("FINETUNE_TEST_TEMPLATE", "/srv/chat.j2");
+        for (set, file) in [
+            ("data.template=\"t/chat.jinja\"", "/recipes/t/chat.jinja"),
+            ("data.template=\"t/chat.j2\"", "/recipes/t/chat.j2"),
+            ("data.template=\"$FINETUNE_TEST_DATA/chat.jinja\"", "/srv/data/chat.jinja"),
+            ("data.template=\"$FINETUNE_TEST_TEMPLATE\"", "/srv/chat.j2"),
+        ] {
+            let r = load(MINIMAL, &["data.format=\"messages\"", set]).unwrap();
+            assert_eq!(r.chat_template_file(), Some(PathBuf::from(file)), "{set}");
+        }
+        assert_eq!(load(MINIMAL, &["data.format=\"messages\"", "data.template=\"chatml\""]).unwrap().chat_template_file(), None);
+        let e = err_text(MINIMAL, &["data.format=\"messages\"", "data.template=\"t/chat.txt\""]);
+        assert!(e.contains("`data.template`") && e.contains("a path to a .jinja or .j2 file"), "{e}");
     }
 
     #[test]

@@ -48,6 +48,15 @@ fn format_columns(format: &str) -> &'static [(&'static str, bool)] {
 
 pub const TEMPLATES: &[&str] = &["model", "alpaca", "raw", "chatml", "deepseek", "llama3"];
 
+/// The endings that make `data.template` a path to a Jinja file rather than one of
+/// [`TEMPLATES`]: those TRL's `chat_template_path` reads as a template file.
+pub const TEMPLATE_FILE_ENDINGS: &[&str] = &[".jinja", ".j2"];
+
+/// Whether `data.template`'s value names a Jinja file.
+pub fn is_template_file(name: &str) -> bool {
+    TEMPLATE_FILE_ENDINGS.iter().any(|e| name.ends_with(e))
+}
+
 /// ChatML (Qwen, SmolLM): `<|im_start|>role\ncontent<|im_end|>\n`.
 const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 /// DeepSeek LLM chat: `User: ...\n\nAssistant: ...<eos>`.
@@ -203,7 +212,7 @@ impl Formatter {
             "llama3" => Template::Chat(Box::new(ChatTemplate::from_source(LLAMA3, &bos, &eos_text))),
             // A Jinja file the recipe names (its path resolved by the caller), as TRL's
             // `chat_template_path`: with the model's special tokens.
-            file if file.ends_with(".jinja") => {
+            file if is_template_file(file) => {
                 let t = ChatTemplate::from_file(Path::new(file), model_dir)?;
                 t.usable()?;
                 Template::Chat(Box::new(t))
