@@ -293,7 +293,7 @@ fn a_recipes_template_file_trains_and_travels_with_the_adapter() {
     let e = finetune::train::run(&load(&["data.template=\"templates/missing.jinja\""]).unwrap()).unwrap_err().to_string();
     assert!(e.contains("data.template") && e.contains("missing.jinja is not a file"), "{e}");
     let e = load(&["data.template=\"chatmll\""]).unwrap_err().to_string();
-    assert!(e.contains("or a path to a .jinja file") && e.contains("chatml"), "{e}");
+    assert!(e.contains("or a path to a .jinja or .j2 file") && e.contains("chatml"), "{e}");
 }
 
 /// A model folder with tests/fixtures/spm-tokenizer's tokenizer (SentencePiece-style: it marks
@@ -1838,4 +1838,45 @@ fn an_eos_token_the_vocabulary_lacks_or_an_eos_id_past_it_is_an_error_naming_whe
     edit("config.json", &|v| v["eos_token_id"] = 99999.into());
     let e = err();
     assert!(e.contains("config.json") && e.contains("id 99999, past the model's vocabulary of 49152"), "{e}");
+}
+
+/// The first two examples a loader gives for `src` (the datasets-json files hold two records).
+fn two_examples(src: &Path, f: Formatter) -> Vec<finetune::data::Example> {
+    let mut l = loader(&[src.to_path_buf()], None, f, opts()).unwrap();
+    (0..2).map(|_| l.next_example().unwrap()).collect()
+}
+
+#[test]
+fn datasets_json_fields_in_parquet_and_arrow_train_the_tokens_their_jsonl_trains() {
+    // `datasets` 5 stores a field whose shape differs between records (tool-call arguments,
+    // tool schemas, messages with different keys) as JSON text; read as a string, the
+    // arguments rendered as a quoted string and the schemas as escaped JSON, with exit 0.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let q = with_template(d.path(), &m, "qwen3-tools");
+    let dir = fixture("datasets-json");
+    for name in ["nested", "whole"] {
+        let want = two_examples(&dir.join(format!("{name}.jsonl")), formatter(&q, "messages", None, false));
+        assert_ne!(want[0], want[1]);
+        let mut stored = vec![format!("{name}.parquet"), format!("{name}_arrow")];
+        if name == "nested" {
+            stored.extend(["nested.noschema.parquet", "nested.gzip.parquet", "nested.brotli.parquet", "nested.lz4.parquet"].map(String::from));
+        }
+        for s in stored {
+            assert_eq!(two_examples(&dir.join(&s), formatter(&q, "messages", None, false)), want, "{s}");
+        }
+    }
+    let text = formatter(&q, "messages", None, false).decode(&two_examples(&dir.join("nested.parquet"), formatter(&q, "messages", None, false))[1].input_ids);
+    assert!(text.contains(r#""arguments": {"n": 3, "sides": [6, 6, 6]}"#), "{text}");
+}
+
+#[test]
+fn a_column_datasets_types_null_reads_as_missing_as_jsonl_nulls_do() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let dir = fixture("datasets-json");
+    let want = two_examples(&dir.join("alpaca_null_input.jsonl"), formatter(&m, "alpaca", None, false));
+    for s in ["alpaca_null_input.parquet", "alpaca_null_input_arrow"] {
+        assert_eq!(two_examples(&dir.join(s), formatter(&m, "alpaca", None, false)), want, "{s}");
+    }
 }

@@ -957,18 +957,26 @@ impl RowRef<'_> {
         }
     }
 
+    /// The cell of an Arrow column of JSON text (`arrow.json`, see [`holds_json_text`]),
+    /// parsed; `None` for a JSON line or a column of any other type.
+    fn json_text_cell(&self, column: &str) -> Result<Option<serde_json::Value>> {
+        let Row::Arrow { batch, row } = &self.row else { return Ok(None) };
+        let schema = batch.schema();
+        let Some((i, _)) = schema.column_with_name(column).filter(|(_, f)| holds_json_text(f)) else { return Ok(None) };
+        arrow_json_value(batch.column(i).as_ref(), true, *row).map(Some).map_err(|t| self.err(column, format!("holds {t}")))
+    }
+
     /// An integer list cell (`list<int*>`, `large_list<int*>`, or a JSON array of integers).
     pub fn int_list(&self, column: &str) -> Result<Vec<i64>> {
+        if let Some(v) = self.json_text_cell(column)? {
+            return self.int_list_from_json(column, Some(&v));
+        }
         match &self.row {
             Row::BadLine { .. } => Err(self.bad_line_err()),
-            Row::Json { fields, .. } => {
-                let a = fields.get(column).ok_or_else(|| self.err(column, "missing"))?;
-                let a = a.as_array().ok_or_else(|| self.err(column, format!("expected a list of integers, got {a}")))?;
-                a.iter().map(|x| x.as_i64().ok_or_else(|| self.err(column, format!("expected integers, got {x}")))).collect()
-            }
+            Row::Json { fields, .. } => self.int_list_from_json(column, fields.get(column)),
             Row::Arrow { batch, row } => {
                 let col = batch.column_by_name(column).ok_or_else(|| self.err(column, "missing"))?;
-                if col.is_null(*row) {
+                if null_at(col.as_ref(), *row) {
                     return Err(self.err(column, "is null"));
                 }
                 let values = list_cell(col, *row)
@@ -994,6 +1002,12 @@ impl RowRef<'_> {
         }
     }
 
+    fn int_list_from_json(&self, column: &str, v: Option<&serde_json::Value>) -> Result<Vec<i64>> {
+        let a = v.ok_or_else(|| self.err(column, "missing"))?;
+        let a = a.as_array().ok_or_else(|| self.err(column, format!("expected a list of integers, got {a}")))?;
+        a.iter().map(|x| x.as_i64().ok_or_else(|| self.err(column, format!("expected integers, got {x}")))).collect()
+    }
+
     /// Any cell as JSON (an Arrow struct as an object, a list as an array); `None` when the
     /// column is absent or the cell is null.
     pub fn json(&self, column: &str) -> Result<Option<serde_json::Value>> {
@@ -1001,8 +1015,10 @@ impl RowRef<'_> {
             Row::BadLine { .. } => Err(self.bad_line_err()),
             Row::Json { fields, .. } => Ok(fields.get(column).filter(|v| !v.is_null()).cloned()),
             Row::Arrow { batch, row } => {
-                let Some(col) = batch.column_by_name(column) else { return Ok(None) };
-                let v = arrow_json_value(col.as_ref(), *row).map_err(|t| self.err(column, format!("holds {t}, which has no JSON form")))?;
+                let schema = batch.schema();
+                let Some((i, f)) = schema.column_with_name(column) else { return Ok(None) };
+                let v = arrow_json_value(batch.column(i).as_ref(), holds_json_text(f), *row)
+                    .map_err(|t| self.err(column, format!("holds {t}, which has no JSON form")))?;
                 Ok(Some(v).filter(|v| !v.is_null()))
             }
         }
@@ -1010,16 +1026,15 @@ impl RowRef<'_> {
 
     /// A string cell; `None` when the column is absent or the cell is null.
     pub fn string(&self, column: &str) -> Result<Option<String>> {
+        if let Some(v) = self.json_text_cell(column)? {
+            return self.string_from_json(column, Some(&v));
+        }
         match &self.row {
             Row::BadLine { .. } => Err(self.bad_line_err()),
-            Row::Json { fields, .. } => match fields.get(column) {
-                None | Some(serde_json::Value::Null) => Ok(None),
-                Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-                Some(other) => Err(self.err(column, format!("expected a string, got {other}"))),
-            },
+            Row::Json { fields, .. } => self.string_from_json(column, fields.get(column)),
             Row::Arrow { batch, row } => {
                 let Some(col) = batch.column_by_name(column) else { return Ok(None) };
-                if col.is_null(*row) {
+                if null_at(col.as_ref(), *row) {
                     return Ok(None);
                 }
                 match text_cell(col.as_ref(), *row) {
@@ -1027,6 +1042,14 @@ impl RowRef<'_> {
                     None => Err(self.err(column, format!("expected a string, got {}", col.data_type()))),
                 }
             }
+        }
+    }
+
+    fn string_from_json(&self, column: &str, v: Option<&serde_json::Value>) -> Result<Option<String>> {
+        match v {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+            Some(other) => Err(self.err(column, format!("expected a string, got {other}"))),
         }
     }
 
@@ -1038,79 +1061,65 @@ impl RowRef<'_> {
     }
 
     /// A list of {role, content} messages (`list<struct<role, content>>` or a JSON array).
+    /// An Arrow cell is read as the JSON value `datasets` would hand Python (every message
+    /// with every key any message has, null where it has none), so both read alike.
     pub fn messages(&self, column: &str) -> Result<Option<Vec<crate::chat::Message>>> {
         use crate::chat::Message;
-        match &self.row {
-            Row::BadLine { .. } => Err(self.bad_line_err()),
-            Row::Json { fields, .. } => match fields.get(column) {
-                None | Some(serde_json::Value::Null) => Ok(None),
-                Some(serde_json::Value::Array(a)) => a
-                    .iter()
-                    .map(|m| {
-                        let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| {
-                            let sharegpt = m.get("from").is_some() && m.get("value").is_some();
-                            self.err(column, format!("a message has no string `role`{}", if sharegpt { SHAREGPT } else { "" }))
-                        })?;
-                        let mut msg = match m.get("content") {
-                            Some(serde_json::Value::String(c)) => Message::new(role, c),
-                            // A tool-call turn: the template decides what None renders as.
-                            Some(serde_json::Value::Null) if role == "assistant" => Message::without_content(role),
-                            _ => return Err(self.err(column, "a message has no string `content` (only an assistant turn's may be null)")),
-                        };
-                        if let Some(o) = m.as_object() {
-                            msg.extra.extend(o.iter().filter(|(k, _)| *k != "role" && *k != "content").map(|(k, v)| (k.clone(), v.clone())));
-                        }
-                        Ok(msg)
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map(Some),
-                Some(other) => Err(self.err(column, format!("expected a list of messages, got {other}"))),
-            },
+        let cell = match &self.row {
+            Row::BadLine { .. } => return Err(self.bad_line_err()),
+            Row::Json { fields, .. } => fields.get(column).cloned(),
             Row::Arrow { batch, row } => {
-                let Some(col) = batch.column_by_name(column) else { return Ok(None) };
-                if col.is_null(*row) {
-                    return Ok(None);
+                let schema = batch.schema();
+                let Some((i, f)) = schema.column_with_name(column) else { return Ok(None) };
+                let json = holds_json_text(f);
+                let col = batch.column(i);
+                if !json && !null_at(col.as_ref(), *row) && list_cell(col, *row).is_none() {
+                    return Err(self.err(column, format!("expected a list of {{role, content}} structs, got {}", col.data_type())));
                 }
-                let list = list_cell(col, *row)
-                    .ok_or_else(|| self.err(column, format!("expected a list of {{role, content}} structs, got {}", col.data_type())))?;
-                let s = list.as_struct_opt().ok_or_else(|| self.err(column, format!("expected structs, got {}", list.data_type())))?;
-                let field = |name: &str| -> Result<Vec<Option<String>>> {
-                    let sharegpt = if s.column_by_name("from").is_some() && s.column_by_name("value").is_some() { SHAREGPT } else { "" };
-                    let c = s.column_by_name(name).ok_or_else(|| self.err(column, format!("messages have no `{name}` field{sharegpt}")))?;
-                    (0..c.len())
-                        .map(|i| match c.is_null(i) {
-                            true => Ok(None),
-                            false => text_cell(c.as_ref(), i).map(Some).ok_or_else(|| self.err(column, format!("message `{name}` is {}, expected a string", c.data_type()))),
-                        })
-                        .collect()
-                };
-                let (roles, contents) = (field("role")?, field("content")?);
-                // The structs' other fields (`reasoning_content`, ...) as JSON, null where null.
-                let extra: Vec<(String, &arrow_array::ArrayRef)> =
-                    s.fields().iter().zip(s.columns()).filter(|(f, _)| f.name() != "role" && f.name() != "content").map(|(f, c)| (f.name().clone(), c)).collect();
-                roles
-                    .into_iter()
-                    .zip(contents)
-                    .enumerate()
-                    .map(|(i, (r, c))| match (r, c) {
-                        (Some(r), c) if c.is_some() || r == "assistant" => {
-                            let mut msg = match c {
-                                Some(c) => Message::new(&r, &c),
-                                None => Message::without_content(&r),
-                            };
-                            for (name, col) in &extra {
-                                let v = arrow_json_value(col.as_ref(), i).map_err(|t| self.err(column, format!("message field `{name}` holds {t}, which a chat template cannot read")))?;
-                                msg.extra.insert(name.clone(), v);
-                            }
-                            Ok(msg)
-                        }
-                        _ => Err(self.err(column, "a message has a null role, or a null content that is not an assistant turn's")),
-                    })
-                    .collect::<Result<Vec<_>>>()
-                    .map(Some)
+                Some(arrow_json_value(col.as_ref(), json, *row).map_err(|t| self.err(column, format!("a message holds {t}, which a chat template cannot read")))?)
             }
+        };
+        match cell {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|m| {
+                    let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| {
+                        let sharegpt = m.get("from").is_some() && m.get("value").is_some();
+                        self.err(column, format!("a message has no string `role`{}", if sharegpt { SHAREGPT } else { "" }))
+                    })?;
+                    let mut msg = match m.get("content") {
+                        Some(serde_json::Value::String(c)) => Message::new(role, c),
+                        // A tool-call turn: the template decides what None renders as.
+                        Some(serde_json::Value::Null) if role == "assistant" => Message::without_content(role),
+                        _ => return Err(self.err(column, "a message has no string `content` (only an assistant turn's may be null)")),
+                    };
+                    if let Some(o) = m.as_object() {
+                        msg.extra.extend(o.iter().filter(|(k, _)| *k != "role" && *k != "content").map(|(k, v)| (k.clone(), v.clone())));
+                    }
+                    Ok(msg)
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(other) => Err(self.err(column, format!("expected a list of messages, got {other}"))),
         }
     }
+}
+
+/// Whether an Arrow field holds JSON text: the canonical `arrow.json` extension type, as
+/// `datasets` 5 stores a `Json` feature (what `load_dataset("json")` infers for a field whose
+/// shape differs between records: tool-call arguments, tool schemas, messages with different
+/// keys) in `save_to_disk` and Parquet files, and as a Parquet column of the JSON logical type
+/// reads. Its cells are JSON documents to parse, never strings to hand a template.
+fn holds_json_text(f: &arrow_schema::Field) -> bool {
+    f.metadata().get("ARROW:extension:name").is_some_and(|n| n == "arrow.json")
+}
+
+/// Whether element `i` is null. A column of Arrow's null type (what `datasets` types a column
+/// that is None in every record, e.g. an alpaca `input` never given) is null everywhere, though
+/// arrow's `is_null` says false for it (it has no validity buffer).
+fn null_at(a: &dyn Array, i: usize) -> bool {
+    a.data_type() == &arrow_schema::DataType::Null || a.is_null(i)
 }
 
 /// Element `i` (not null) of a string array: utf8, large_utf8, utf8_view, or a dictionary of
@@ -1132,15 +1141,19 @@ fn text_cell(a: &dyn Array, i: usize) -> Option<String> {
 
 /// Element `i` of an Arrow array as the JSON value `datasets` would hand a template in
 /// Python (strings, numbers, booleans, lists and structs, null; other types as text).
-fn arrow_json_value(a: &dyn Array, i: usize) -> std::result::Result<serde_json::Value, String> {
+/// `json`: the array holds JSON text ([`holds_json_text`]), parsed here.
+fn arrow_json_value(a: &dyn Array, json: bool, i: usize) -> std::result::Result<serde_json::Value, String> {
     use arrow_array::types::{Float32Type, Float64Type};
     use arrow_schema::DataType as T;
     use serde_json::Value as V;
-    if a.is_null(i) {
+    if null_at(a, i) {
         return Ok(V::Null);
     }
     if let Some(t) = text_cell(a, i) {
-        return Ok(V::String(t));
+        return match json {
+            true => serde_json::from_str(&t).map_err(|e| format!("arrow.json text that is not JSON ({e})")),
+            false => Ok(V::String(t)),
+        };
     }
     macro_rules! num {
         ($t:ty) => {
@@ -1160,15 +1173,15 @@ fn arrow_json_value(a: &dyn Array, i: usize) -> std::result::Result<serde_json::
         T::UInt64 => num!(UInt64Type),
         T::Float32 => num!(Float32Type),
         T::Float64 => num!(Float64Type),
-        T::List(_) | T::LargeList(_) => {
+        T::List(f) | T::LargeList(f) => {
             let l: arrow_array::ArrayRef = if let Some(l) = a.as_list_opt::<i32>() { l.value(i) } else { a.as_list::<i64>().value(i) };
-            V::Array((0..l.len()).map(|j| arrow_json_value(l.as_ref(), j)).collect::<std::result::Result<_, _>>()?)
+            V::Array((0..l.len()).map(|j| arrow_json_value(l.as_ref(), holds_json_text(f), j)).collect::<std::result::Result<_, _>>()?)
         }
         T::Struct(_) => {
             let st = a.as_struct();
             let mut o = serde_json::Map::new();
             for (f, c) in st.fields().iter().zip(st.columns()) {
-                o.insert(f.name().clone(), arrow_json_value(c.as_ref(), i)?);
+                o.insert(f.name().clone(), arrow_json_value(c.as_ref(), holds_json_text(f), i)?);
             }
             V::Object(o)
         }
@@ -1196,9 +1209,9 @@ mod tests {
     #[test]
     fn message_fields_of_other_arrow_types_reach_the_template_as_text() {
         let ts = arrow_array::TimestampMillisecondArray::from(vec![Some(86_400_000), None]);
-        assert_eq!(super::arrow_json_value(&ts, 0).unwrap(), serde_json::json!("1970-01-02T00:00:00"));
-        assert_eq!(super::arrow_json_value(&ts, 1).unwrap(), serde_json::Value::Null);
+        assert_eq!(super::arrow_json_value(&ts, false, 0).unwrap(), serde_json::json!("1970-01-02T00:00:00"));
+        assert_eq!(super::arrow_json_value(&ts, false, 1).unwrap(), serde_json::Value::Null);
         let n = arrow_array::Int32Array::from(vec![7]);
-        assert_eq!(super::arrow_json_value(&n, 0).unwrap(), serde_json::json!(7));
+        assert_eq!(super::arrow_json_value(&n, false, 0).unwrap(), serde_json::json!(7));
     }
 }
