@@ -354,8 +354,8 @@ const MAY_CHANGE: &[&str] = &[
 ];
 
 /// Compare the recipe a checkpoint was written with against the current one. Returns the
-/// warnings for allowed changes, or an error naming the first key that may not change.
-pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Vec<String>, String> {
+/// warnings for allowed changes, or the first key that may not change and why.
+pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Vec<String>, (String, String)> {
     // Both through the typed recipe first, so keys added since the checkpoint was written
     // compare as their defaults instead of as changes.
     let normal = |s: &str| {
@@ -377,7 +377,7 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
             .unwrap_or_else(|| s.to_string())
     };
     let (saved, current) = (normal(saved), normal(current));
-    let parse = |s: &str| toml::from_str::<toml::Table>(s).map_err(|e| format!("saved recipe unreadable: {e}"));
+    let parse = |s: &str| toml::from_str::<toml::Table>(s).map_err(|e| ("(resume)".to_string(), format!("saved recipe unreadable: {e}")));
     let (a, b) = (parse(&saved)?, parse(&current)?);
     let mut keys = std::collections::BTreeSet::new();
     for t in [&a, &b] {
@@ -412,12 +412,13 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change || unrecorded_commit || unrecorded_data_commit {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
-            return Err(format!(
-                "`{key}` changed since the checkpoint ({} -> {}); resuming would not continue the same run. \
+            let msg = format!(
+                "changed since the checkpoint ({} -> {}); resuming would not continue the same run. \
                  Restore it, or start over with checkpoint.resume = \"never\" or a new output.dir",
                 show(&old),
                 show(&new)
-            ));
+            );
+            return Err((key, msg));
         }
     }
     Ok(warnings)
@@ -476,7 +477,7 @@ dir = "out"
         let now = old.replace("\"constant\"", "\"constant_with_warmup\"");
         assert_eq!(check_recipe_change(&old, &now), Ok(vec![]));
         let cosine = old.replace("\"constant\"", "\"cosine\"");
-        assert!(check_recipe_change(&old, &cosine).unwrap_err().contains("lr_scheduler"));
+        assert!(check_recipe_change(&old, &cosine).unwrap_err().0.contains("lr_scheduler"));
     }
 
     #[test]
@@ -485,7 +486,7 @@ dir = "out"
         let w = check_recipe_change(OLD, &pinned).unwrap();
         assert!(w.iter().any(|w| w.contains("model.revision")), "{w:?}");
         let moved = OLD.replace("path = \"m\"", "path = \"m\"\nrevision = \"bbbb\"");
-        assert!(check_recipe_change(&pinned, &moved).unwrap_err().contains("model.revision"));
+        assert!(check_recipe_change(&pinned, &moved).unwrap_err().0.contains("model.revision"));
     }
 
     #[test]
@@ -495,15 +496,15 @@ dir = "out"
         let w = check_recipe_change(&hub, &pinned).unwrap();
         assert!(w.iter().any(|w| w.contains("data.train")), "{w:?}");
         let moved = hub.replace("org/d", &format!("org/d@{}", "b".repeat(40)));
-        assert!(check_recipe_change(&pinned, &moved).unwrap_err().contains("data.train"));
+        assert!(check_recipe_change(&pinned, &moved).unwrap_err().0.contains("data.train"));
         let other = hub.replace("org/d", &format!("org/e@{}", "a".repeat(40)));
-        assert!(check_recipe_change(&hub, &other).unwrap_err().contains("data.train"));
+        assert!(check_recipe_change(&hub, &other).unwrap_err().0.contains("data.train"));
         // In a list, entry by entry: one pinned before, one pinned now.
         let (a, b) = ("a".repeat(40), "b".repeat(40));
         let list = |x: &str, y: &str| OLD.replace("train = \"d\"", &format!("train = [\"org/x{x}\", \"org/y{y}\"]"));
         let w = check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{a}"), &format!("@{b}"))).unwrap();
         assert!(w.iter().any(|w| w.contains("data.train")), "{w:?}");
-        assert!(check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{b}"), &format!("@{b}"))).unwrap_err().contains("data.train"));
+        assert!(check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{b}"), &format!("@{b}"))).unwrap_err().0.contains("data.train"));
     }
 
     #[test]
@@ -512,6 +513,6 @@ dir = "out"
         let w = check_recipe_change(OLD, &more).unwrap();
         assert!(w.iter().any(|w| w.contains("dist.world_size")), "{w:?}");
         let other = OLD.replace("rank = 4", "rank = 8");
-        assert!(check_recipe_change(OLD, &other).unwrap_err().contains("lora.rank"));
+        assert!(check_recipe_change(OLD, &other).unwrap_err().0.contains("lora.rank"));
     }
 }

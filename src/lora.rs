@@ -270,13 +270,17 @@ impl Adapters {
         let data: Vec<(&String, &Tensor)> = map.iter().collect();
         crate::fsutil::write_safetensors(data, None, &tmp)?;
         crate::fsutil::rename_durable(&tmp, &file)?;
+        // PEFT with transformers 5 loads routed-expert adapters onto its stacked expert
+        // parameters (`ParamWrapper`), which refuses any `lora_dropout` but 0. Dropout acts
+        // only in training, so such an adapter says 0 (the run's recipe keeps what it used).
+        let dropout = if self.spec.routed_experts { 0.0 } else { self.spec.dropout };
         let config = serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base_model,
             "r": self.spec.rank,
             "lora_alpha": self.spec.alpha,
-            "lora_dropout": self.spec.dropout,
+            "lora_dropout": dropout,
             "target_modules": self.spec.targets,
             "bias": "none",
             "fan_in_fan_out": false,

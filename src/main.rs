@@ -323,6 +323,10 @@ struct ExportArgs {
 
 fn export(a: &ExportArgs) -> anyhow::Result<()> {
     use finetune::export::{export_adapter_only, merge, parse_size, ExportOptions, PeftAdapter};
+    // clap's `requires` is not enforced beside `--adapter` (which conflicts with `--run`).
+    if let (Some(c), None) = (&a.checkpoint, &a.run) {
+        anyhow::bail!("--checkpoint {c} picks a checkpoint of --run's run; with --adapter, name the checkpoint's adapter folder itself (<run>/checkpoints/{c}/adapter)");
+    }
     let adapter_dir = match (&a.run, &a.adapter) {
         (Some(run), _) => match &a.checkpoint {
             Some(c) => {

@@ -126,6 +126,7 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     let kept_dtype = dtype_of_resumed_run(loaded);
     let loaded = &kept_dtype.unwrap_or_else(|| loaded.clone());
     let r = &loaded.recipe;
+    note_rounded_auto_dtype(loaded);
     let file = loaded.file.display().to_string();
     let layout = crate::dist::layout(&r.dist, &r.model.device, &|k| std::env::var(k).ok())
         .map_err(|(key, msg)| Error::Recipe { file: file.clone(), key, msg })?;
@@ -202,6 +203,24 @@ fn dtype_of_resumed_run(loaded: &LoadedRecipe) -> Option<LoadedRecipe> {
     let mut l = loaded.clone();
     l.recipe.model.dtype = dtype;
     Some(l)
+}
+
+/// With `model.dtype` left to "auto" on a CPU with a bf16 unit, an f32 or f16 checkpoint
+/// trains on its weights rounded to bf16 (as PEFT on a bf16 base): said once, with the key
+/// that keeps them exact, since transformers' `dtype="auto"` would keep them as stored.
+fn note_rounded_auto_dtype(loaded: &LoadedRecipe) {
+    let m = &loaded.recipe.model;
+    if !loaded.dtype_auto || m.dtype != "bf16" || m.quantize.is_some() {
+        return;
+    }
+    let Some(stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir) else { return };
+    let wider: Vec<String> = stored.into_iter().filter(|d| d == "F32" || d == "F16").map(|d| d.to_lowercase()).collect();
+    if !wider.is_empty() {
+        crate::note!(
+            "note: model.dtype = \"auto\" runs the frozen base in bf16 on this CPU's bf16 unit: the checkpoint's {} weights are rounded to bf16; model.dtype = \"f32\" keeps them exact (slower)",
+            wider.join(" and ")
+        );
+    }
 }
 
 /// The checkpoint a run continues from, as `checkpoint.resume` says: none ("never"), the
@@ -615,7 +634,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         // not as a tensor that no longer fits.
         let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
         let warnings = crate::checkpoint::check_recipe_change(&saved, &rk.recipe_text)
-            .map_err(|msg| Error::Recipe { file: loaded.file.display().to_string(), key: "(resume)".into(), msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
+            .map_err(|(key, msg)| Error::Recipe { file: loaded.file.display().to_string(), key, msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
         for w in warnings.iter().filter(|_| lead) {
             crate::note!("warning: {w}");
         }
@@ -1091,9 +1110,9 @@ fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
     let model_dir = ModelDir::of_recipe(loaded)?;
     let cfg = model_dir.config()?;
     let current = recorded_recipe(loaded, &cfg, &model_dir)?;
-    crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|msg| Error::Recipe {
+    crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|(key, msg)| Error::Recipe {
         file: loaded.file.display().to_string(),
-        key: "(resume)".into(),
+        key,
         msg: format!("{msg} [checkpoint {}]; nothing was changed", dir.display()),
     })
 }
@@ -1103,6 +1122,23 @@ fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
 /// the same model and data files. An error naming the key that differs otherwise.
 fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &str, dir: &std::path::Path) -> Result<()> {
     let (loaded, world) = (rk.loaded, rk.world);
+    // A lower max_steps than the run reached would stop at once and record that lower count
+    // beside the adapter of the later step.
+    let max_steps = loaded.recipe.train.max_steps;
+    if state.step > max_steps {
+        return Err(Error::Recipe {
+            file: loaded.file.display().to_string(),
+            key: "train.max_steps".into(),
+            msg: format!(
+                "is {max_steps}, but the run's checkpoint is at step {} (its adapter is that step's): raise it to continue the run, \
+                 resume an earlier checkpoint by its path (checkpoint.resume = \"{}\"), or start over with checkpoint.resume = \"never\" \
+                 (the run is moved to previous/, nothing is deleted) [checkpoint {}]; nothing was changed",
+                state.step,
+                dir.parent().unwrap_or(dir).join("step-NNNNNN").display(),
+                dir.display()
+            ),
+        });
+    }
     let accum = loaded.recipe.train.grad_accum_steps;
     // The world size may change between runs, the micro-batches per step may not (the
     // same examples per step is what makes the resumed run the same run).

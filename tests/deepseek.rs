@@ -388,9 +388,13 @@ fn fresh_recipe(root: &Path, extra: &[&str]) -> finetune::recipe::LoadedRecipe {
 #[test]
 fn routed_expert_adapters_use_peft_per_module_keys_and_train() {
     let root = tempfile::tempdir().unwrap();
-    let r = fresh_recipe(root.path(), &["lora.targets=[\"gate_proj\", \"up_proj\", \"down_proj\"]", "lora.routed_experts=true"]);
+    let r = fresh_recipe(root.path(), &["lora.targets=[\"gate_proj\", \"up_proj\", \"down_proj\"]", "lora.routed_experts=true", "lora.dropout=0.1"]);
     finetune::train::run(&r).unwrap();
     let out = root.path().join("out");
+    // PEFT with transformers 5 refuses to load routed-expert adapters whose config has
+    // dropout (its ParamWrapper), which acts only in training.
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("adapter/adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["lora_dropout"], serde_json::json!(0.0));
     let t = load_tensors(&out.join("adapter/adapter_model.safetensors"));
     // Layer 0 dense, layers 1-2: shared experts + 6 routed experts, 3 projections, A and B.
     assert_eq!(t.len(), 2 * 3 * (1 + 2 * 7));

@@ -264,6 +264,15 @@ fn recipe_export_merged_writes_a_verified_merged_folder_via_the_cli() {
     assert!(!missing.status.success() && err.contains("--checkpoint step-9: no such checkpoint") && err.contains(&step), "{err}");
     let ok = export_ckpt("from-checkpoint");
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    // With --adapter instead of --run it is refused, not dropped (the final adapter had been
+    // exported, exit 0).
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .args(["export", "--adapter", &run.join("adapter").display().to_string(), "--checkpoint", &step, "--out", &d.path().join("from-adapter").display().to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--checkpoint") && err.contains("checkpoints/"), "{err}");
+    assert!(!d.path().join("from-adapter").exists());
     let file = run.join("checkpoints").join(&step).join("adapter/adapter_model.safetensors");
     let mut bytes = std::fs::read(&file).unwrap();
     let n = bytes.len();

@@ -240,6 +240,16 @@ fn a_finished_run_given_more_steps_sets_its_old_final_outputs_aside() {
     assert_ne!(adapter_bytes(&dir), at_2, "the final adapter is the step-4 one");
     let resolved = std::fs::read_to_string(dir.join("out/recipe.resolved.toml")).unwrap();
     assert!(resolved.contains("max_steps = 4"), "the recipe the run continued with:\n{resolved}");
+    // Fewer steps than the run reached is refused, naming the key, and nothing moves: it had
+    // exited 0 as "already complete", recording max_steps = 3 beside the step-4 adapter.
+    let at_4 = adapter_bytes(&dir);
+    let e = train(&dir, &["train.max_steps=3"]).expect_err("fewer steps than the checkpoint").to_string();
+    assert!(e.contains("`train.max_steps`") && e.contains("step 4") && e.contains("checkpoint.resume"), "{e}");
+    assert_eq!(std::fs::read_to_string(dir.join("out/recipe.resolved.toml")).unwrap(), resolved);
+    assert_eq!(adapter_bytes(&dir), at_4);
+    // The same steps again: already complete, as before.
+    train(&dir, &["train.max_steps=4"]).unwrap();
+    assert_eq!(adapter_bytes(&dir), at_4);
 }
 
 #[test]

@@ -376,6 +376,12 @@ impl ModelDir {
 /// unknown (not yet downloaded, a GGUF file, an unreadable header) answers false: f32, which
 /// is exact for every stored dtype.
 pub fn stored_all_bf16(path: &str, revision: Option<&str>, recipe_dir: &Path) -> bool {
+    stored_dtypes(path, revision, recipe_dir).is_some_and(|d| d.len() == 1 && d.contains("BF16"))
+}
+
+/// The dtypes the checkpoint `path` names stores its tensors in (safetensors' names: "BF16",
+/// "F16", "F32", ...), as far as [`stored_all_bf16`] can tell; `None` where it cannot.
+pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path) -> Option<std::collections::BTreeSet<String>> {
     let local = recipe_dir.join(path);
     let dir = if local.is_dir() {
         Some(local)
@@ -384,11 +390,9 @@ pub fn stored_all_bf16(path: &str, revision: Option<&str>, recipe_dir: &Path) ->
     } else {
         None
     };
-    let Some(dir) = dir else { return false };
-    let Ok(files) = (ModelDir { name: path.to_string(), dir, commit: None, gguf: None }).open_weights() else { return false };
-    let mut names = files.names().peekable();
-    names.peek().is_some()
-        && names.all(|n| files.raw_view(n).is_ok_and(|v| v.dtype() == safetensors::Dtype::BF16))
+    let files = (ModelDir { name: path.to_string(), dir: dir?, commit: None, gguf: None }).open_weights().ok()?;
+    let dtypes: Option<std::collections::BTreeSet<String>> = files.names().map(|n| files.raw_view(n).ok().map(|v| format!("{:?}", v.dtype()))).collect();
+    dtypes.filter(|d| !d.is_empty())
 }
 
 /// Parse a dtype name from the recipe.
@@ -1119,6 +1123,18 @@ mod tests {
 
     fn rows_of(t: &Tensor, ids: &[u32]) -> Tensor {
         t.index_select(&Tensor::new(ids, &Device::Cpu).unwrap(), 0).unwrap()
+    }
+
+    #[test]
+    fn stored_dtypes_are_read_from_the_headers_and_only_all_bf16_is_all_bf16() {
+        let root = tempfile::tempdir().unwrap();
+        for (name, dtype, want) in [("m16", DType::F16, "F16"), ("mbf", DType::BF16, "BF16"), ("m32", DType::F32, "F32")] {
+            crate::synth::write_model(&root.path().join(name), &crate::synth::TinyShape { dtype, ..Default::default() }, 1, 1).unwrap();
+            let got = stored_dtypes(name, None, root.path()).unwrap();
+            assert_eq!(got.into_iter().collect::<Vec<_>>(), [want], "{name}");
+            assert_eq!(stored_all_bf16(name, None, root.path()), want == "BF16", "{name}");
+        }
+        assert_eq!(stored_dtypes("missing", None, root.path()), None);
     }
 
     #[test]
