@@ -874,6 +874,15 @@ fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
     // TOML is taken as a bare string so `--set model.path=/models/x` needs no quotes. No key
     // takes a date: `output.dir=2024-06-01` is the folder's name.
     let value = match toml::from_str::<toml::Table>(&format!("v = {v}")).ok().and_then(|mut t| t.remove("v")) {
+        // A list or table that is not TOML (`[a.jsonl]`): taken as a string it became a path
+        // or a hub repo named "[a.jsonl]".
+        None if v.starts_with(['[', '{']) => {
+            let msg = format!("got `{v}`, which is not a TOML list or table (quote each element: --set '{k}=[\"a\", \"b\"]')");
+            return Err(Error::Recipe { file: file.into(), key: k.trim().to_string(), msg });
+        }
+        None if v.trim_start_matches(['-', '+']).bytes().all(|b| b.is_ascii_digit() || b == b'_') => {
+            return Err(bad(format!("{v} is beyond the integer range (quote it if it is a name: --set '{k}=\"{v}\"')")));
+        }
         Some(toml::Value::Datetime(_)) | None => toml::Value::String(v.to_string()),
         Some(x) => x,
     };
@@ -951,12 +960,18 @@ fn expand_paths(t: &mut toml::Table, file: &str) -> Result<()> {
     for &(sec, key) in PATH_KEYS {
         let Some(v) = t.get_mut(sec).and_then(|s| s.as_table_mut()).and_then(|s| s.get_mut(key)) else { continue };
         let err = |msg: String| Error::Recipe { file: file.into(), key: format!("{sec}.{key}"), msg };
+        // An empty path resolves to the recipe's own folder: output.dir = "" wrote the run
+        // beside the recipe, model.path = "" looked for its config.json there.
+        let expand = |s: &str| match s.trim().is_empty() {
+            true => Err("is empty; expected a path".to_string()),
+            false => expand_path(s),
+        };
         match v {
-            toml::Value::String(s) => *s = expand_path(s).map_err(err)?,
+            toml::Value::String(s) => *s = expand(s).map_err(err)?,
             toml::Value::Array(a) => {
                 for item in a.iter_mut() {
                     if let toml::Value::String(s) = item {
-                        *s = expand_path(s).map_err(err)?;
+                        *s = expand(s).map_err(err)?;
                     }
                 }
             }
@@ -1386,6 +1401,21 @@ dir = "out"
         assert_eq!(load(MINIMAL, &["data.format=\"messages\"", "data.template=\"chatml\""]).unwrap().chat_template_file(), None);
         let e = err_text(MINIMAL, &["data.format=\"messages\"", "data.template=\"t/chat.txt\""]);
         assert!(e.contains("`data.template`") && e.contains("a path to a .jinja or .j2 file"), "{e}");
+    }
+
+    #[test]
+    fn an_empty_path_a_list_that_is_not_toml_and_an_integer_too_large_are_named() {
+        for key in ["output.dir", "model.path", "data.train", "data.template", "lora.init_from"] {
+            let e = err_text(MINIMAL, &["data.format=\"messages\"", &format!("{key}=\"\"")]);
+            assert!(e.contains(&format!("`{key}`")) && e.contains("is empty; expected a path"), "{e}");
+        }
+        let e = err_text(MINIMAL, &["data.train=[\"a.jsonl\", \" \"]"]);
+        assert!(e.contains("`data.train`") && e.contains("is empty"), "{e}");
+        let e = err_text(MINIMAL, &["data.train=[d/chat.jsonl]"]);
+        assert!(e.contains("`data.train`") && e.contains("not a TOML list") && e.contains("quote each element"), "{e}");
+        let e = err_text(MINIMAL, &["data.max_seq_len=99999999999999999999"]);
+        assert!(e.contains("beyond the integer range"), "{e}");
+        assert_eq!(load(MINIMAL, &["data.train=[\"d/chat.jsonl\"]"]).unwrap().recipe.data.train.list(), [PathBuf::from("d/chat.jsonl")]);
     }
 
     #[test]

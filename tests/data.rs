@@ -433,23 +433,29 @@ fn pretokenized_rows_take_trls_masks_and_drop_padding() {
         serde_json::json!({"input_ids": [5, 6, 7], "labels": [5, -100, 7], "completion_mask": [0, 0, 0]}),
         serde_json::json!({"input_ids": [5, 6, 7, 8, 9], "completion_mask": [0, 0, 0, 1, 1], "assistant_masks": [0, 1, 1, 1, 0]}),
         serde_json::json!({"input_ids": [5, 6, 7], "attention_mask": [1, 1]}),
+        serde_json::json!({"input_ids": [0, 0, 5, 6], "attention_mask": [0, 0, 1, 1]}),
+        serde_json::json!({"input_ids": [5, 6, 7, 8], "attention_mask": [1, 0, 1, 1]}),
     ];
     write_jsonl(&p, &rows.iter().map(|r| r.to_string()).collect::<Vec<_>>());
     let m = d.path().join("model");
     write_model(&m, &TinyShape::default(), 0, 1).unwrap();
     let fmt = Formatter::new("tokenized", None, &Default::default(), false, &m, 64).unwrap();
     let mut rows = finetune::data::source::Rows::open(&p).unwrap();
+    // (ids, labels) of the next row, or why it is a bad record.
     let mut next = || {
         let (r, _) = rows.next_row().unwrap();
-        fmt.tokenize(fmt.read(&r).unwrap().ok().unwrap(), 0).unwrap().ok().map(|e| (e.input_ids, e.labels))
+        fmt.read(&r).unwrap().map(|rec| fmt.tokenize(rec, 0).unwrap().ok().map(|e| (e.input_ids, e.labels)).unwrap()).map_err(|b| b.0)
     };
-    assert_eq!(next(), Some((vec![5, 6, 7, 8], vec![-100, -100, 7, 8])), "padding dropped, completion trained");
-    assert_eq!(next(), Some((vec![5, 6, 7], vec![-100, 6, 7])), "assistant_masks");
-    assert_eq!(next(), Some((vec![5, 6, 7], vec![5, -100, 7])), "labels, where given, decide");
-    assert_eq!(next(), Some((vec![5, 6, 7, 8, 9], vec![-100, -100, -100, 8, -100])), "both masks, as TRL's collator applies both");
-    let (r, _) = rows.next_row().unwrap();
-    let bad = fmt.read(&r).unwrap().err().map(|b| b.0).unwrap_or_else(|| "accepted".into());
+    assert_eq!(next(), Ok((vec![5, 6, 7, 8], vec![-100, -100, 7, 8])), "padding dropped, completion trained");
+    assert_eq!(next(), Ok((vec![5, 6, 7], vec![-100, 6, 7])), "assistant_masks");
+    assert_eq!(next(), Ok((vec![5, 6, 7], vec![5, -100, 7])), "labels, where given, decide");
+    assert_eq!(next(), Ok((vec![5, 6, 7, 8, 9], vec![-100, -100, -100, 8, -100])), "both masks, as TRL's collator applies both");
+    let bad = next().unwrap_err();
     assert!(bad.contains("attention_mask has 2 entries"), "{bad}");
+    assert_eq!(next(), Ok((vec![5, 6], vec![5, 6])), "left padding dropped");
+    // A 0 between 1s would have trained 5 -> 7 -> 8 as one sequence.
+    let bad = next().unwrap_err();
+    assert!(bad.contains("attention_mask has a 0 at position 1 between 1s"), "{bad}");
     // train_on_prompt: the masks are not applied (TRL's completion_only_loss and
     // assistant_only_loss off); padding is still dropped and given labels still decide.
     let fmt = Formatter::new("tokenized", None, &Default::default(), true, &m, 64).unwrap();
@@ -1295,8 +1301,9 @@ fn a_broken_or_non_object_first_jsonl_line_is_one_bad_record_not_the_columns() {
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
     let good = serde_json::json!({"text": "hello"}).to_string();
-    for first in ["{\"text\": \"unterminated", "[1, 2, 3]", "\"just a string\""] {
-        let p = d.path().join("first.jsonl");
+    // A .json file too, though it may hold one array: this one's first line is an array alone.
+    for (first, name) in [("{\"text\": \"unterminated", "first.jsonl"), ("[1, 2, 3]", "first.jsonl"), ("[1, 2, 3]", "first.json"), ("\"just a string\"", "first.jsonl")] {
+        let p = d.path().join(name);
         write_jsonl(&p, &[first.to_string(), good.clone(), good.clone()]);
         // skip: the columns come from the valid records; the first line is counted and reported.
         let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), skip()).unwrap();
@@ -1308,7 +1315,7 @@ fn a_broken_or_non_object_first_jsonl_line_is_one_bad_record_not_the_columns() {
         // error: the run stops at that line, naming the file and the line.
         let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, false), opts()).unwrap();
         let e = l.next_example().err().unwrap().to_string();
-        assert!(e.contains("first.jsonl") && e.contains("line 1") && e.contains("on_bad_record"), "{first}: {e}");
+        assert!(e.contains(name) && e.contains("line 1") && e.contains("on_bad_record"), "{first}: {e}");
     }
     // Blank lines do not shift the line numbers reported.
     let p = d.path().join("gaps.jsonl");
@@ -1879,4 +1886,55 @@ fn a_column_datasets_types_null_reads_as_missing_as_jsonl_nulls_do() {
     for s in ["alpaca_null_input.parquet", "alpaca_null_input_arrow"] {
         assert_eq!(two_examples(&dir.join(s), formatter(&m, "alpaca", None, false)), want, "{s}");
     }
+}
+
+#[test]
+fn a_json_file_holding_one_array_of_records_reads_as_its_lines_would() {
+    // Stanford's alpaca_data.json layout (`json.dump(records, f, indent=4)`), which
+    // `datasets`' json loader reads; it was "no line is a JSON object".
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let recs = [
+        serde_json::json!({"instruction": "Give a color.", "input": "", "output": "Blue, with a \"quote\", a ] and a , inside."}),
+        serde_json::json!({"instruction": "Count\n to 3.", "input": "x", "output": "1, 2, 3 \\ {"}),
+    ];
+    let jsonl = d.path().join("a.jsonl");
+    write_jsonl(&jsonl, &recs.iter().map(|r| r.to_string()).collect::<Vec<_>>());
+    let want = two_examples(&jsonl, formatter(&m, "alpaca", None, false));
+    let pretty = d.path().join("pretty.json");
+    std::fs::write(&pretty, format!("\u{feff}\n{}\n", serde_json::to_string_pretty(&recs).unwrap())).unwrap();
+    let compact = d.path().join("compact.json");
+    std::fs::write(&compact, serde_json::to_string(&recs).unwrap()).unwrap();
+    for p in [&pretty, &compact] {
+        assert_eq!(two_examples(p, formatter(&m, "alpaca", None, false)), want, "{}", p.display());
+    }
+    // Cut short: an error naming the file, not fewer rows.
+    let cut = d.path().join("cut.json");
+    let text = serde_json::to_string_pretty(&recs).unwrap();
+    std::fs::write(&cut, &text[..text.len() - 30]).unwrap();
+    let e = loader(&[cut], None, formatter(&m, "alpaca", None, false), opts()).err().unwrap().to_string();
+    assert!(e.contains("cut.json") && e.contains("JSON array") && e.contains("cut short"), "{e}");
+    // A bad element is named by its row and the line it starts on.
+    let bad = d.path().join("bad.json");
+    std::fs::write(&bad, "[\n  {\"instruction\": \"a\", \"output\": \"b\"},\n  3\n]\n").unwrap();
+    let mut l = loader(&[bad], None, formatter(&m, "alpaca", None, false), opts()).unwrap();
+    l.next_example().unwrap();
+    let e = l.next_example().err().unwrap().to_string();
+    assert!(e.contains("row 1 (line 3)") && e.contains("got a number"), "{e}");
+}
+
+#[test]
+fn pythons_nan_and_infinity_in_a_json_line_read_as_null() {
+    // json.dumps writes them for float fields; `datasets` reads such a file.
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("nan.jsonl");
+    write_jsonl(&p, &[
+        r#"{"instruction": "NaN", "input": "-Infinity \" NaN", "output": "o", "score": NaN, "w": [Infinity, -Infinity]}"#.to_string(),
+        r#"{"instruction": "NaN", "input": "-Infinity \" NaN", "output": "o", "score": null, "w": [null, null]}"#.to_string(),
+    ]);
+    let ex = two_examples(&p, formatter(&m, "alpaca", None, false));
+    assert_eq!(ex[0], ex[1]);
+    let text = formatter(&m, "alpaca", None, false).decode(&ex[0].input_ids);
+    assert!(text.contains("NaN") && text.contains("-Infinity \" NaN"), "strings untouched: {text}");
 }

@@ -359,6 +359,20 @@ impl Formatter {
                     (c, a) => Some((0..ids.len()).map(|i| c.as_ref().is_none_or(|c| c[i] != 0) && a.as_ref().is_none_or(|a| a[i] != 0)).collect()),
                 };
                 let labels = labels.or_else(|| trained.map(|m| ids.iter().zip(&m).map(|(&t, &k)| if k { t } else { IGNORE }).collect()));
+                // Padding sits at the ends of a row. A 0 between 1s would splice the tokens
+                // on either side together (transformers keeps their positions apart), so such a
+                // row is refused rather than trained as a different sequence.
+                if let Some(a) = &attention {
+                    let (first, last) = (a.iter().position(|&k| k != 0), a.iter().rposition(|&k| k != 0));
+                    if let (Some(f), Some(l)) = (first, last) {
+                        if let Some(i) = (f..l).find(|&i| a[i] == 0) {
+                            return Ok(Err(BadRecord(format!(
+                                "{}: attention_mask has a 0 at position {i} between 1s; only padding at the ends of a row is supported (drop those positions from input_ids, or split the row)",
+                                r.at()
+                            ))));
+                        }
+                    }
+                }
                 match attention {
                     // (labels of another length are reported as such by `tokenize`)
                     Some(a) if labels.as_ref().is_none_or(|l| l.len() == ids.len()) => {

@@ -478,13 +478,21 @@ impl ParquetShard {
     }
 }
 
-/// JSON lines: one block per 1024 lines, found by a single scan for newlines.
+/// JSON lines: one block per 1024 lines, found by a single scan for newlines. Or a file that
+/// is one JSON array of records (what `to_json(lines=False)` and Stanford's
+/// `alpaca_data.json` hold, and `datasets`' json loader reads): one block per 1024 elements,
+/// found by one scan of its brackets and strings, each element parsed where it lies.
 struct JsonlShard {
     path: PathBuf,
     map: Arc<memmap2::Mmap>,
-    /// Byte range, row count and the 1-based line number of the range's first line, per block.
-    blocks: Vec<(Range<usize>, usize, u64)>,
+    blocks: Vec<JsonBlock>,
+    /// The file is one JSON array; a block's range runs from its first element's start to
+    /// its last one's end.
+    array: bool,
 }
+
+/// Byte range, row count and the 1-based line number of the range's first line.
+type JsonBlock = (Range<usize>, usize, u64);
 
 const JSONL_BLOCK: usize = 1024;
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
@@ -495,7 +503,8 @@ fn blank(line: &[u8]) -> bool {
 }
 
 impl JsonlShard {
-    fn open(path: &Path) -> Result<Self> {
+    /// `may_be_array`: a `.json` file, which may hold one JSON array instead of lines.
+    fn open(path: &Path, may_be_array: bool) -> Result<Self> {
         let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         let len = f.metadata().map_err(|e| Error::io(path, e))?.len();
         // SAFETY: read-only map of a file we do not modify while training.
@@ -508,6 +517,11 @@ impl JsonlShard {
             }
             // Editors on Windows write a UTF-8 byte-order mark; it is not part of line 1.
             let body = if m.starts_with(UTF8_BOM) { UTF8_BOM.len() } else { 0 };
+            if may_be_array && is_one_array(&m[body..]) {
+                let blocks = array_blocks(m, body).map_err(|why| Error::data(path, format!("is a JSON array of records, but {why}")))?;
+                release(m, 0..m.len());
+                return Ok(JsonlShard { path: path.to_path_buf(), map: Arc::new(map.expect("mapped")), blocks, array: true });
+            }
             let (mut start, mut lines, mut pos) = (body, 0usize, body);
             let (mut line_no, mut first_line) = (0u64, 1u64);
             let mut released = 0usize;
@@ -539,7 +553,7 @@ impl JsonlShard {
             Some(m) => Arc::new(m),
             None => Arc::new(memmap2::MmapOptions::new().len(0).map_anon().map_err(|e| Error::io(path, e))?.make_read_only().map_err(|e| Error::io(path, e))?),
         };
-        Ok(JsonlShard { path: path.to_path_buf(), map, blocks })
+        Ok(JsonlShard { path: path.to_path_buf(), map, blocks, array: false })
     }
 
     /// Lines of a block as JSON objects; a line that is not one becomes `JsonRow::Bad` with
@@ -547,15 +561,109 @@ impl JsonlShard {
     fn decode(&self, block: usize) -> Result<Vec<(u64, JsonRow)>> {
         let (range, _, first_line) = self.blocks[block].clone();
         let bytes = &self.map[range.clone()];
-        let rows = bytes
-            .split(|&b| b == b'\n')
-            .zip(first_line..)
-            .filter(|(l, _)| !blank(l))
-            .map(|(l, line)| (line, parse_line(l)))
-            .collect();
+        let rows = if self.array {
+            let mut rows = Vec::new();
+            // The block was scanned whole at open: its elements are well formed.
+            array_elements(bytes, |r, newlines| rows.push((first_line + newlines, parse_line(&bytes[r])))).map_err(|why| Error::data(&self.path, why))?;
+            rows
+        } else {
+            bytes.split(|&b| b == b'\n').zip(first_line..).filter(|(l, _)| !blank(l)).map(|(l, line)| (line, parse_line(l))).collect()
+        };
         release(&self.map, range);
         Ok(rows)
     }
+}
+
+/// Whether `b` (a `.json` file's bytes) is one JSON array rather than JSON lines: it opens
+/// with `[`, and its first line is not a whole JSON value on its own (JSON lines whose first
+/// record is an array; a one-line array is both, and read as the array).
+fn is_one_array(b: &[u8]) -> bool {
+    let Some(start) = b.iter().position(|c| !c.is_ascii_whitespace()) else { return false };
+    if b[start] != b'[' {
+        return false;
+    }
+    let line_end = b[start..].iter().position(|&c| c == b'\n').map_or(b.len(), |n| start + n);
+    let rest_blank = b[line_end..].iter().all(|c| c.is_ascii_whitespace());
+    rest_blank || serde_json::from_slice::<serde::de::IgnoredAny>(&b[start..line_end]).is_err()
+}
+
+/// The blocks of a file that is one JSON array (its `[` the first byte after `body`'s start
+/// and whitespace): byte ranges of [`JSONL_BLOCK`] elements each, as [`JsonlShard::blocks`].
+fn array_blocks(m: &memmap2::Mmap, body: usize) -> std::result::Result<Vec<JsonBlock>, String> {
+    let open = body + m[body..].iter().position(|&b| b == b'[').expect("checked by the caller");
+    let close = m.iter().rposition(|b| !b.is_ascii_whitespace()).filter(|&c| m[c] == b']' && c > open).ok_or("it does not end with `]` (cut short?)")?;
+    let inner = open + 1..close;
+    let line_of_open = 1 + m[..open].iter().filter(|&&b| b == b'\n').count() as u64;
+    let (mut blocks, mut current): (Vec<JsonBlock>, Option<JsonBlock>) = (Vec::new(), None);
+    let mut released = inner.start;
+    array_elements(&m[inner.clone()], |r, newlines| {
+        let (start, end) = (inner.start + r.start, inner.start + r.end);
+        let c = current.get_or_insert((start..end, 0, line_of_open + newlines));
+        c.0.end = end;
+        c.1 += 1;
+        if c.1 == JSONL_BLOCK {
+            blocks.extend(current.take());
+        }
+        // Keep the scan itself from making the whole file resident.
+        if end - released > 32 << 20 {
+            release(m, released..end);
+            released = end;
+        }
+    })?;
+    blocks.extend(current);
+    Ok(blocks)
+}
+
+/// Calls `each` with the byte range of every element of `b`, a run of JSON values separated
+/// by commas (an array's inside), and the newlines before the element's start. Strings (with
+/// their escapes) and nesting are followed so that only a top-level comma separates; the
+/// elements themselves are parsed later, one at a time.
+fn array_elements(b: &[u8], mut each: impl FnMut(Range<usize>, u64)) -> std::result::Result<(), String> {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    let (mut start, mut last, mut newlines, mut start_newlines) = (None::<usize>, 0usize, 0u64, 0u64);
+    let mut count = 0usize;
+    for (i, &c) in b.iter().enumerate() {
+        if in_string {
+            match c {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            last = i;
+            continue;
+        }
+        match c {
+            b'\n' => newlines += 1,
+            c if c.is_ascii_whitespace() => {}
+            b',' if depth == 0 => {
+                let s = start.take().ok_or_else(|| format!("element {} is empty (two commas, or a comma first)", count + 1))?;
+                each(s..last + 1, start_newlines);
+                count += 1;
+            }
+            _ => {
+                if start.is_none() {
+                    (start, start_newlines) = (Some(i), newlines);
+                }
+                match c {
+                    b'"' => in_string = true,
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => depth = depth.checked_sub(1).ok_or_else(|| format!("its brackets do not balance (a `{}` closes nothing)", c as char))?,
+                    _ => {}
+                }
+                last = i;
+            }
+        }
+    }
+    if in_string || depth > 0 {
+        return Err("it ends inside a record (an unclosed string or bracket; cut short?)".into());
+    }
+    match start {
+        Some(s) => each(s..last + 1, start_newlines),
+        None if count > 0 => return Err("it ends with a comma".into()),
+        None => {}
+    }
+    Ok(())
 }
 
 fn parse_line(l: &[u8]) -> JsonRow {
@@ -563,7 +671,13 @@ fn parse_line(l: &[u8]) -> JsonRow {
         Ok(s) => s,
         Err(e) => return JsonRow::Bad(format!("invalid UTF-8 at byte {} of the line", e.valid_up_to())),
     };
-    match serde_json::from_str::<serde_json::Value>(s) {
+    // Python's json.dumps writes NaN, Infinity and -Infinity (not JSON) for float fields, and
+    // `datasets` reads them: they are read as null, pandas' and datasets' missing value.
+    let parsed = serde_json::from_str::<serde_json::Value>(s).or_else(|e| match python_constants_as_null(s) {
+        Some(fixed) => serde_json::from_str(&fixed).map_err(|_| e),
+        None => Err(e),
+    });
+    match parsed {
         Ok(serde_json::Value::Object(o)) => JsonRow::Object(o),
         Ok(other) => {
             let kind = match other {
@@ -585,6 +699,32 @@ fn parse_line(l: &[u8]) -> JsonRow {
     }
 }
 
+/// `s` with Python's `NaN`, `Infinity` and `-Infinity` outside strings written as `null`;
+/// `None` where it has none.
+fn python_constants_as_null(s: &str) -> Option<String> {
+    let (mut out, mut rest, mut found) = (String::with_capacity(s.len()), s, false);
+    let (mut in_string, mut escaped) = (false, false);
+    while let Some(c) = rest.chars().next() {
+        if !in_string {
+            if let Some(t) = ["-Infinity", "Infinity", "NaN"].into_iter().find(|t| rest.starts_with(t)) {
+                out.push_str("null");
+                rest = &rest[t.len()..];
+                found = true;
+                continue;
+            }
+        }
+        match c {
+            _ if in_string && escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            _ => {}
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    found.then_some(out)
+}
+
 enum Shard {
     Ipc(IpcShard),
     Parquet(ParquetShard),
@@ -595,7 +735,7 @@ impl Shard {
     fn open(path: &Path) -> Result<Shard> {
         match path.extension().and_then(|e| e.to_str()) {
             Some("parquet") => Ok(Shard::Parquet(ParquetShard::open(path)?)),
-            Some("jsonl") | Some("json") => Ok(Shard::Jsonl(JsonlShard::open(path)?)),
+            Some(x @ ("jsonl" | "json")) => Ok(Shard::Jsonl(JsonlShard::open(path, x == "json")?)),
             Some("arrow") | None => Ok(Shard::Ipc(IpcShard::open(path)?)),
             Some(x @ ("gz" | "bz2" | "xz" | "zst" | "zip" | "lz4")) => {
                 Err(Error::data(path, format!("is compressed (.{x}); decompress it first: data files are read in place, as .jsonl, .json, .parquet or .arrow")))
@@ -716,7 +856,7 @@ impl Rows {
         // are the one split `datasets` calls train; any other name names nothing, and reading
         // every row anyway trained on what was asked to be left out.
         if let (Some(name), true, false) = (split.name, split.by_data_split(), chosen || split.name == Some("train")) {
-            let what = if specs.len() == 1 { "the data source has" } else { "none of the data sources has" };
+            let what = if specs.len() == 1 { "the data source has no" } else { "none of the data sources has" };
             return Err(Error::data(
                 &specs[0],
                 format!("data.split = \"{name}\", but {what} splits (a single file, a single `datasets` Dataset, or a folder whose file names say none): its rows are all one split, `train` as `datasets` names it; drop data.split"),
