@@ -354,8 +354,11 @@ const MAY_CHANGE: &[&str] = &[
 ];
 
 /// Compare the recipe a checkpoint was written with against the current one. Returns the
-/// warnings for allowed changes, or the first key that may not change and why.
-pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Vec<String>, (String, String)> {
+/// warnings for allowed changes, or the first key that may not change and why. `place`
+/// gives where a path of the recipe leads (canonical: symbolic links and `..` resolved), or
+/// `None` (not a local path): a path spelt another way (relative then absolute, through a
+/// link) that leads to the same place is no change.
+pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> Option<std::path::PathBuf>) -> std::result::Result<Vec<String>, (String, String)> {
     // Both through the typed recipe first, so keys added since the checkpoint was written
     // compare as their defaults instead of as changes.
     let normal = |s: &str| {
@@ -394,9 +397,24 @@ pub fn check_recipe_change(saved: &str, current: &str) -> std::result::Result<Ve
         t.get(s).and_then(|v| v.get(k)).cloned()
     };
     let mut warnings = Vec::new();
+    // Paths, or lists of them, that lead to the same places.
+    let same_places = |old: &toml::Value, new: &toml::Value| {
+        let places = |v: &toml::Value| -> Option<Vec<std::path::PathBuf>> {
+            match v {
+                toml::Value::String(s) => Some(vec![place(s)?]),
+                toml::Value::Array(a) => a.iter().map(|v| v.as_str().and_then(place)).collect(),
+                _ => None,
+            }
+        };
+        places(old).is_some_and(|o| places(new).is_some_and(|n| o == n))
+    };
     for key in keys {
         let (old, new) = (get(&a, &key), get(&b, &key));
         if old == new {
+            continue;
+        }
+        let path_key = ["model.path", "data.train", "data.eval", "data.template", "lora.init_from", "output.dir"].contains(&key.as_str());
+        if path_key && old.as_ref().zip(new.as_ref()).is_some_and(|(o, n)| same_places(o, n)) {
             continue;
         }
         let show = |v: &Option<toml::Value>| v.as_ref().map_or("(unset)".to_string(), |v| v.to_string());
@@ -468,51 +486,51 @@ dir = "out"
         // A checkpoint written before [dist] existed resumes under a recipe that spells the
         // defaults out.
         let now = format!("{OLD}[dist]\nzero_stage = 0\noffload_optimizer = \"cpu\"\nprefetch_layers = 1\n");
-        assert_eq!(check_recipe_change(OLD, &now), Ok(vec![]));
+        assert_eq!(check_recipe_change(OLD, &now, &|_| None), Ok(vec![]));
     }
 
     #[test]
     fn a_checkpoint_from_before_constant_with_warmup_resumes_under_that_name() {
         let old = OLD.replace("lr = 0.001", "lr = 0.001\nlr_scheduler = \"constant\"\nwarmup_steps = 2");
         let now = old.replace("\"constant\"", "\"constant_with_warmup\"");
-        assert_eq!(check_recipe_change(&old, &now), Ok(vec![]));
+        assert_eq!(check_recipe_change(&old, &now, &|_| None), Ok(vec![]));
         let cosine = old.replace("\"constant\"", "\"cosine\"");
-        assert!(check_recipe_change(&old, &cosine).unwrap_err().0.contains("lr_scheduler"));
+        assert!(check_recipe_change(&old, &cosine, &|_| None).unwrap_err().0.contains("lr_scheduler"));
     }
 
     #[test]
     fn a_base_commit_may_be_recorded_late_but_never_change() {
         let pinned = OLD.replace("path = \"m\"", "path = \"m\"\nrevision = \"aaaa\"");
-        let w = check_recipe_change(OLD, &pinned).unwrap();
+        let w = check_recipe_change(OLD, &pinned, &|_| None).unwrap();
         assert!(w.iter().any(|w| w.contains("model.revision")), "{w:?}");
         let moved = OLD.replace("path = \"m\"", "path = \"m\"\nrevision = \"bbbb\"");
-        assert!(check_recipe_change(&pinned, &moved).unwrap_err().0.contains("model.revision"));
+        assert!(check_recipe_change(&pinned, &moved, &|_| None).unwrap_err().0.contains("model.revision"));
     }
 
     #[test]
     fn a_hub_dataset_commit_may_be_recorded_late_but_never_change() {
         let hub = OLD.replace("train = \"d\"", "train = \"org/d:train_sft\"");
         let pinned = hub.replace("org/d", &format!("org/d@{}", "a".repeat(40)));
-        let w = check_recipe_change(&hub, &pinned).unwrap();
+        let w = check_recipe_change(&hub, &pinned, &|_| None).unwrap();
         assert!(w.iter().any(|w| w.contains("data.train")), "{w:?}");
         let moved = hub.replace("org/d", &format!("org/d@{}", "b".repeat(40)));
-        assert!(check_recipe_change(&pinned, &moved).unwrap_err().0.contains("data.train"));
+        assert!(check_recipe_change(&pinned, &moved, &|_| None).unwrap_err().0.contains("data.train"));
         let other = hub.replace("org/d", &format!("org/e@{}", "a".repeat(40)));
-        assert!(check_recipe_change(&hub, &other).unwrap_err().0.contains("data.train"));
+        assert!(check_recipe_change(&hub, &other, &|_| None).unwrap_err().0.contains("data.train"));
         // In a list, entry by entry: one pinned before, one pinned now.
         let (a, b) = ("a".repeat(40), "b".repeat(40));
         let list = |x: &str, y: &str| OLD.replace("train = \"d\"", &format!("train = [\"org/x{x}\", \"org/y{y}\"]"));
-        let w = check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{a}"), &format!("@{b}"))).unwrap();
+        let w = check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{a}"), &format!("@{b}")), &|_| None).unwrap();
         assert!(w.iter().any(|w| w.contains("data.train")), "{w:?}");
-        assert!(check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{b}"), &format!("@{b}"))).unwrap_err().0.contains("data.train"));
+        assert!(check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{b}"), &format!("@{b}")), &|_| None).unwrap_err().0.contains("data.train"));
     }
 
     #[test]
     fn the_world_size_may_change_but_the_model_may_not() {
         let more = format!("{OLD}[dist]\nworld_size = 4\nzero_stage = 3\n");
-        let w = check_recipe_change(OLD, &more).unwrap();
+        let w = check_recipe_change(OLD, &more, &|_| None).unwrap();
         assert!(w.iter().any(|w| w.contains("dist.world_size")), "{w:?}");
         let other = OLD.replace("rank = 4", "rank = 8");
-        assert!(check_recipe_change(OLD, &other).unwrap_err().0.contains("lora.rank"));
+        assert!(check_recipe_change(OLD, &other, &|_| None).unwrap_err().0.contains("lora.rank"));
     }
 }

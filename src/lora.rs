@@ -370,6 +370,10 @@ impl AdapterConfig {
     pub fn read(dir: &Path) -> Result<Self> {
         let err = |msg: String| Error::Adapter { dir: dir.to_path_buf(), msg };
         let p = dir.join("adapter_config.json");
+        // A run's folder or a checkpoint's holds its adapter in `adapter/`.
+        if !p.exists() && dir.join("adapter/adapter_config.json").is_file() {
+            return Err(err(format!("has no adapter_config.json; its adapter is in {} (a run's or checkpoint's folder holds it there)", dir.join("adapter").display())));
+        }
         let text = std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))?;
         let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("adapter_config.json is not valid JSON: {e}")))?;
         if !c.is_object() {

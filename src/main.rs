@@ -232,6 +232,12 @@ fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     println!("data: {} rows; format {}; trained tokens shown as {open}like this{close}\n", loader.total_rows(), r.data.format);
     for i in 0..n.min(loader.total_rows() as usize) {
         let ex = loader.next_example()?;
+        // Past the last usable record the loader starts the data over (bad, dropped or
+        // held-out rows are skipped): the rest would be repeats.
+        if loader.state().cursor.epoch > 0 {
+            println!("(that is every usable record: the data has {i}; see the counts below)\n");
+            break;
+        }
         // Token t is trained where position t - 1 predicts it: never the first token, whatever
         // its label (a tokenizer that adds no BOS leaves the first label set).
         let trains = |t: usize| t > 0 && ex.labels[t] != finetune::data::IGNORE;
@@ -287,9 +293,10 @@ fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["run", "adapter"])))]
 struct ExportArgs {
     /// A training output folder (holds adapter/ and checkpoints/).
-    #[arg(long, conflicts_with = "adapter", required_unless_present = "adapter")]
+    #[arg(long)]
     run: Option<PathBuf>,
     /// With --run: export this checkpoint (e.g. step-000100) instead of the final adapter.
     #[arg(long, requires = "run")]
@@ -739,7 +746,21 @@ fn install_signal_handlers() -> anyhow::Result<std::sync::Arc<std::sync::atomic:
     let stopping = Arc::new(AtomicBool::new(false));
     for (sig, code) in [(SIGINT, 130), (SIGTERM, 143)] {
         // Registered before the flag: on the first signal it sees `false` and does nothing.
-        signal_hook::flag::register_conditional_shutdown(sig, code, stopping.clone())?;
+        // On the second it says why the run ends there, then exits (write(2) and _exit(2)
+        // are async-signal-safe; nothing else runs in the handler).
+        let again = stopping.clone();
+        let action = move || {
+            if again.load(std::sync::atomic::Ordering::SeqCst) {
+                const SAID: &[u8] = b"\nsecond interrupt: stopping at once; the last complete checkpoint stands (run the same command to resume from it)\n";
+                // SAFETY: plain system calls on a static buffer, allowed in a signal handler.
+                unsafe {
+                    libc::write(2, SAID.as_ptr().cast(), SAID.len());
+                    libc::_exit(code);
+                }
+            }
+        };
+        // SAFETY: the action only loads an atomic and makes async-signal-safe system calls.
+        unsafe { signal_hook::low_level::register(sig, action) }?;
         signal_hook::flag::register(sig, stopping.clone())?;
         signal_hook::flag::register_usize(sig, which.clone(), sig as usize)?;
     }

@@ -770,6 +770,9 @@ impl LoadedRecipe {
                 format!("`{k}` is not a column data.format = \"{}\" reads; it reads {}", r.data.format, read.join(", ")),
             ));
         }
+        if let Some(k) = r.data.columns.iter().find(|(_, v)| v.trim().is_empty()).map(|(k, _)| k) {
+            return Err(self.err("data.columns", format!("maps `{k}` to an empty column name; name the dataset's column, or drop `{k}` to read `{k}`")));
+        }
         // Two read columns from one dataset column (`tools = "messages"`) would hand one
         // column's content to both: the effective column of every read name must differ.
         let effective = |k: &'static str| -> &str { r.data.columns.get(k).map_or(k, String::as_str) };
@@ -1053,7 +1056,15 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
     let err = |key: String, msg: String| Error::Recipe { file: file.into(), key, msg };
     let sections: Vec<&str> = SCHEMA.iter().map(|s| s.0).collect();
     for (name, v) in t {
+        // The section a key of another section's name lives in (`max_seq_len` at the top, or
+        // under [train]): the first thing to say about it.
+        let home = |key: &str| SCHEMA.iter().find(|(_, _, keys)| keys.iter().any(|k| k.name == key)).map(|s| s.0);
         let Some((_, _, keys)) = SCHEMA.iter().find(|s| s.0 == name) else {
+            if !v.is_table() {
+                if let Some(sec) = home(name) {
+                    return Err(err(name.clone(), format!("is a key of [{sec}]: put it under [{sec}] ({sec}.{name})")));
+                }
+            }
             return Err(err(name.clone(), format!("unknown section{}; valid: {}", suggest(name, &sections), sections.join(", "))));
         };
         let toml::Value::Table(tab) = v else {
@@ -1063,9 +1074,10 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
         for (k, val) in tab {
             let dotted = format!("{name}.{k}");
             let Some(spec) = keys.iter().find(|s| s.name == k) else {
-                let hint = match HF_NAMES.iter().find(|(hf, _)| *hf == k) {
-                    Some((hf, ours)) => format!(" (`{hf}` in transformers / PEFT / TRL is `{ours}` here)"),
-                    None => suggest(k, &names),
+                let hint = match (HF_NAMES.iter().find(|(hf, _)| *hf == k), home(k)) {
+                    (Some((hf, ours)), _) => format!(" (`{hf}` in transformers / PEFT / TRL is `{ours}` here)"),
+                    (None, Some(sec)) => format!(" (it is a key of [{sec}]: {sec}.{k})"),
+                    (None, None) => suggest(k, &names),
                 };
                 return Err(err(dotted, format!("unknown key{hint}; valid keys in [{name}]: {}", names.join(", "))));
             };
@@ -1133,7 +1145,8 @@ pub fn suggest(word: &str, candidates: &[&str]) -> String {
     candidates
         .iter()
         .map(|c| (edit_distance(word, c), *c))
-        .filter(|(d, c)| *d <= 3.max(c.len() / 3))
+        // Or a name the word begins (`every` for `every_steps`).
+        .filter(|(d, c)| *d <= 3.max(c.len() / 3) || (word.len() >= 4 && c.starts_with(word)))
         .min()
         .map(|(_, c)| format!(" (did you mean \"{c}\"?)"))
         .unwrap_or_default()
@@ -1291,6 +1304,16 @@ dir = "out"
     }
 
     #[test]
+    fn a_key_in_the_wrong_section_or_at_the_top_names_its_section() {
+        let e = err_text(MINIMAL, &["train.max_seq_len=512"]);
+        assert!(e.contains("`train.max_seq_len`") && e.contains("it is a key of [data]: data.max_seq_len"), "{e}");
+        let e = err_text(MINIMAL, &["checkpoint.every=5"]);
+        assert!(e.contains("did you mean \"every_steps\""), "{e}");
+        let e = err_text(&format!("max_seq_len = 64\n{MINIMAL}"), &[]);
+        assert!(e.contains("`max_seq_len`") && e.contains("put it under [data]"), "{e}");
+    }
+
+    #[test]
     fn wrong_type_names_key_and_expectation() {
         let e = err_text(MINIMAL, &["train.lr=\"fast\""]);
         assert!(e.contains("`train.lr`") && e.contains("expected a number"), "{e}");
@@ -1369,6 +1392,8 @@ dir = "out"
         assert!(e.contains("`messages` and `tools` would both read the dataset column `messages`"), "{e}");
         let e = err_text(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ instruction = \"q\", output = \"q\" }"]);
         assert!(e.contains("`instruction` and `output`"), "{e}");
+        let e = err_text(MINIMAL, &["data.format=\"messages\"", "data.columns={ messages = \"\" }"]);
+        assert!(e.contains("`data.columns`") && e.contains("maps `messages` to an empty column name"), "{e}");
         load(MINIMAL, &["data.format=\"alpaca\"", "data.columns={ instruction = \"output\", output = \"instruction\" }"]).unwrap();
     }
 

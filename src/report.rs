@@ -165,8 +165,16 @@ fn read_optional(path: &Path) -> Result<Option<String>> {
 fn parse_metrics(path: &Path, text: &str) -> Result<Vec<StepRecord>> {
     let mut steps: Vec<StepRecord> = Vec::new();
     let mut last_line = 0;
+    let lines = text.lines().count();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
+            continue;
+        }
+        // A last line without its newline that does not parse was cut short by a crash or a
+        // full disk mid-write (a resume cuts it): the steps before it still plot.
+        let cut_short = i + 1 == lines && !text.ends_with('\n');
+        if cut_short && serde_json::from_str::<StepRecord>(line).is_err() {
+            crate::note!("note: {}: line {} is cut short (the run stopped while writing it): left out", path.display(), i + 1);
             continue;
         }
         let rec: StepRecord = serde_json::from_str(line).map_err(|e| Error::Config {
@@ -727,6 +735,15 @@ mod tests {
         let dir = run_dir(&format!("{}not json\n", metrics_line(1, 2.0, None)));
         let err = write_report(dir.path()).unwrap_err().to_string();
         assert!(err.contains("metrics.jsonl") && err.contains("line 2") && err.contains("expected one JSON object"), "{err}");
+    }
+
+    #[test]
+    fn a_last_metrics_line_cut_short_is_left_out_not_the_whole_report() {
+        let two = format!("{}{}", metrics_line(1, 2.0, None), metrics_line(2, 1.5, None));
+        let cut = format!("{two}{}", &metrics_line(3, 1.0, None)[..20]);
+        assert_eq!(parse_metrics(Path::new("metrics.jsonl"), &cut).unwrap().len(), 2);
+        // With its newline it was written whole: a damaged file, refused.
+        assert!(parse_metrics(Path::new("metrics.jsonl"), &format!("{cut}\n")).is_err());
     }
 
     #[test]

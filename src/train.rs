@@ -127,6 +127,11 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     let loaded = &kept_dtype.unwrap_or_else(|| loaded.clone());
     let r = &loaded.recipe;
     note_rounded_auto_dtype(loaded);
+    let out = loaded.resolve(&r.output.dir);
+    if out.exists() && !out.is_dir() {
+        let msg = format!("{} exists and is not a folder (the run's folder is created where none is)", out.display());
+        return Err(Error::Recipe { file: loaded.file.display().to_string(), key: "output.dir".into(), msg });
+    }
     let file = loaded.file.display().to_string();
     let layout = crate::dist::layout(&r.dist, &r.model.device, &|k| std::env::var(k).ok())
         .map_err(|(key, msg)| Error::Recipe { file: file.clone(), key, msg })?;
@@ -633,7 +638,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         // Recipe rules first: a changed LoRA shape should be reported as the key that changed,
         // not as a tensor that no longer fits.
         let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
-        let warnings = crate::checkpoint::check_recipe_change(&saved, &rk.recipe_text)
+        let warnings = crate::checkpoint::check_recipe_change(&saved, &rk.recipe_text, &|p| recipe_place(loaded, p))
             .map_err(|(key, msg)| Error::Recipe { file: loaded.file.display().to_string(), key, msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
         for w in warnings.iter().filter(|_| lead) {
             crate::note!("warning: {w}");
@@ -1110,7 +1115,7 @@ fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> Result<()> {
     let model_dir = ModelDir::of_recipe(loaded)?;
     let cfg = model_dir.config()?;
     let current = recorded_recipe(loaded, &cfg, &model_dir)?;
-    crate::checkpoint::check_recipe_change(&saved, &current).map(|_| ()).map_err(|(key, msg)| Error::Recipe {
+    crate::checkpoint::check_recipe_change(&saved, &current, &|p| recipe_place(loaded, p)).map(|_| ()).map_err(|(key, msg)| Error::Recipe {
         file: loaded.file.display().to_string(),
         key,
         msg: format!("{msg} [checkpoint {}]; nothing was changed", dir.display()),
@@ -1213,6 +1218,12 @@ fn input_fingerprints(loaded: &LoadedRecipe, model_dir: &ModelDir, loader: &Load
     let data: Vec<PathBuf> = loader.files().into_iter().map(canonical).collect();
     let template = loaded.chat_template_file().map(|p| crate::fsutil::fingerprint(&[canonical(p)], &|_| true, &out, false));
     (model_fingerprint(model_dir, &out, MODEL_FINGERPRINT_VERSION), crate::fsutil::fingerprint(&data, &|_| true, &out, true), template)
+}
+
+/// Where a path of the recipe leads, if it is a local one that exists (for
+/// `check_recipe_change`; a checkpoint's recipe is taken as written beside this one).
+fn recipe_place(loaded: &LoadedRecipe, p: &str) -> Option<PathBuf> {
+    loaded.resolve(std::path::Path::new(p)).canonicalize().ok()
 }
 
 fn canonical(p: PathBuf) -> PathBuf {

@@ -1938,3 +1938,40 @@ fn pythons_nan_and_infinity_in_a_json_line_read_as_null() {
     let text = formatter(&m, "alpaca", None, false).decode(&ex[0].input_ids);
     assert!(text.contains("NaN") && text.contains("-Infinity \" NaN"), "strings untouched: {text}");
 }
+
+#[test]
+fn a_built_in_templates_markers_the_vocabulary_lacks_are_named_once() {
+    // Llama 3's markers on SmolLM2's vocabulary: written as plain text, several tokens each.
+    let d = tempfile::tempdir().unwrap();
+    smol_tokenizer_model(d.path());
+    let chat = serde_json::json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).to_string();
+    write_jsonl(&d.path().join("chat.jsonl"), &[chat.clone(), chat]);
+    std::fs::write(d.path().join("r.toml"), "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"chat.jsonl\"\nformat = \"messages\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n").unwrap();
+    let inspect = |template: &str| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+            .args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "2", "--set", &format!("data.template={template}")])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stderr).to_string()
+    };
+    let err = inspect("llama3");
+    assert_eq!(err.matches("<|start_header_id|>, <|end_header_id|>, <|eot_id|> are not tokens of").count(), 1, "{err}");
+    assert!(!inspect("chatml").contains("are not tokens"), "SmolLM2 has ChatML's tokens");
+}
+
+#[test]
+fn data_inspect_stops_at_the_last_usable_record_instead_of_repeating_rows() {
+    let d = tempfile::tempdir().unwrap();
+    smol_tokenizer_model(d.path());
+    let chat = serde_json::json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).to_string();
+    write_jsonl(&d.path().join("chat.jsonl"), &[chat, "{broken".into()]);
+    std::fs::write(d.path().join("r.toml"), "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"chat.jsonl\"\nformat = \"messages\"\non_bad_record = \"skip\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n").unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "3"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("--- example 0") && !out.contains("--- example 1") && out.contains("every usable record: the data has 1"), "{out}");
+}

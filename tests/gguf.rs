@@ -696,3 +696,16 @@ fn a_merge_outside_the_vocabulary_is_an_error_naming_the_key_not_a_panic() {
         assert!(e.contains("merge 0"), "{e}");
     }
 }
+
+#[test]
+fn a_gguf_file_named_otherwise_is_read_by_its_magic_and_another_file_is_named_as_not_a_model() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture("parity-gguf-q8_0/model.gguf"), d.path().join("model.bin")).unwrap();
+    let m = finetune::weights::ModelDir::resolve_at("model.bin", None, d.path(), finetune::hub::Want::Model).unwrap();
+    assert!(m.gguf.is_some_and(|g| g.ends_with("model.bin")));
+    // A recipe passed as --model was "folder ./r.toml does not exist"; a file that is not a
+    // GGUF was looked up on the hub.
+    std::fs::write(d.path().join("notes.txt"), b"hello").unwrap();
+    let e = finetune::weights::ModelDir::resolve_at("notes.txt", None, d.path(), finetune::hub::Want::Model).unwrap_err().to_string();
+    assert!(e.contains("is a file, not a model"), "{e}");
+}

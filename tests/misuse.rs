@@ -491,3 +491,20 @@ fn an_output_dir_that_is_the_model_or_data_folder_or_a_root_is_refused_before_an
     finetune::train::check_export_base(&dir.join("../model/run-1"), None, &model).unwrap();
     train(&dir, &["output.dir=../model/run-1", "train.max_steps=2"]).unwrap();
 }
+
+#[test]
+fn an_output_dir_that_is_a_file_or_an_adapter_path_at_a_runs_folder_names_what_to_fix() {
+    let root = tiny_workspace(23, (4, 18), None);
+    let dir = run_dir(root.path(), "run", RECIPE);
+    // Named before the model loads, by its key (was "File exists (os error 17)" after it).
+    std::fs::write(dir.join("taken"), b"notes").unwrap();
+    let e = train(&dir, &["output.dir=\"taken\""]).unwrap_err().to_string();
+    assert!(e.contains("`output.dir`") && e.contains("is not a folder"), "{e}");
+    assert_eq!(std::fs::read(dir.join("taken")).unwrap(), b"notes");
+    // An adapter path at the run's folder (or a checkpoint's) points at its adapter/.
+    train(&dir, &["train.max_steps=1"]).unwrap();
+    for at in [dir.join("out"), dir.join("out/checkpoints/step-000001")] {
+        let e = finetune::lora::AdapterConfig::read(&at).err().unwrap().to_string();
+        assert!(e.contains(&at.join("adapter").display().to_string()) && e.contains("run's or checkpoint's folder"), "{e}");
+    }
+}

@@ -225,6 +225,31 @@ fn a_resume_with_a_lower_keep_last_prunes_before_its_next_save() {
 }
 
 #[test]
+fn a_model_or_data_path_spelt_another_way_to_the_same_place_resumes() {
+    // Relative then absolute, through `..`, or through a symbolic link: the same files (their
+    // fingerprints are checked as always). These had been refused as changed keys.
+    let root = setup();
+    let dir = run_dir(root.path(), "run", RECIPE);
+    train(&dir, &["train.max_steps=2"]).unwrap();
+    std::os::unix::fs::symlink(root.path().join("model"), root.path().join("link")).unwrap();
+    let model = root.path().join("model").canonicalize().unwrap();
+    let data = root.path().join("data").canonicalize().unwrap();
+    let spelt = [
+        format!("model.path=\"{}\"", model.display()),
+        format!("data.train=\"{}/../data/\"", data.display()),
+        format!("model.path=\"{}\"", root.path().join("link").display()),
+    ];
+    for (i, set) in spelt.iter().enumerate() {
+        let s = train(&dir, &[set.as_str(), &format!("train.max_steps={}", 3 + i)]).unwrap_or_else(|e| panic!("{set}: {e}"));
+        assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![3 + i], "{set}");
+    }
+    // Another folder is still a change.
+    copy_dir(&root.path().join("model"), &root.path().join("model2"));
+    let e = train(&dir, &["model.path=\"../model2\"", "train.max_steps=9"]).unwrap_err().to_string();
+    assert!(e.contains("`model.path`") && e.contains("changed since the checkpoint"), "{e}");
+}
+
+#[test]
 fn a_finished_run_given_more_steps_sets_its_old_final_outputs_aside() {
     // Left in place, out/adapter would be the step-2 adapter beside checkpoints of steps 3 and
     // 4 until the run ends (and for good if it is stopped), and `export --run` would take it.
@@ -362,8 +387,11 @@ fn a_second_sigint_aborts_at_once_and_the_last_checkpoint_stands() {
     wait_for_steps(&dir, 3, &mut child);
     signal(&child, 2);
     signal(&child, 2);
-    let status = child.wait().unwrap();
-    assert!(!status.success());
+    let out = child.wait_with_output().unwrap();
+    // Exit 130, saying why (it had exited without a word).
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("second interrupt") && err.contains("last complete checkpoint"), "{err}");
     let newest = finetune::checkpoint::latest_valid(&dir.join("out")).expect("a valid checkpoint");
     finetune::checkpoint::verify(&newest).unwrap();
 }

@@ -46,6 +46,10 @@ fn format_columns(format: &str) -> &'static [(&'static str, bool)] {
     }
 }
 
+/// Whether the note on a built-in template's missing markers was printed (once a process:
+/// a Formatter is built per rank and for eval data too).
+static TEMPLATE_MARKERS_NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 pub const TEMPLATES: &[&str] = &["model", "alpaca", "raw", "chatml", "deepseek", "llama3"];
 
 /// The endings that make `data.template` a path to a Jinja file rather than one of
@@ -207,9 +211,28 @@ impl Formatter {
         let template = match name {
             "alpaca" => Template::Alpaca,
             "raw" => Template::Raw,
-            "chatml" => Template::Chat(Box::new(ChatTemplate::from_source(CHATML, &bos, &eos_text))),
-            "deepseek" => Template::Chat(Box::new(ChatTemplate::from_source(DEEPSEEK, &bos, &eos_text))),
-            "llama3" => Template::Chat(Box::new(ChatTemplate::from_source(LLAMA3, &bos, &eos_text))),
+            "chatml" | "deepseek" | "llama3" => {
+                // A built-in template's markers that the vocabulary lacks are trained as the
+                // plain text they spell (several tokens each), as transformers would render
+                // them: allowed, but said, since it is rarely what was meant.
+                let (source, markers): (&str, &[&str]) = match name {
+                    "chatml" => (CHATML, &["<|im_start|>", "<|im_end|>"]),
+                    "llama3" => (LLAMA3, &["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
+                    _ => (DEEPSEEK, &[]),
+                };
+                let missing: Vec<&str> = markers.iter().copied().filter(|m| tokenizer.as_ref().is_some_and(|t| t.token_to_id(m).is_none())).collect();
+                if !missing.is_empty() && !TEMPLATE_MARKERS_NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    crate::note!(
+                        "note: data.template = \"{name}\": {} {} of {}, so the template writes {} as plain text (several tokens each); \
+                         the model's own template (data.template = \"model\") or one written for its tokens may be what you want",
+                        missing.join(", "),
+                        if missing.len() == 1 { "is not a token" } else { "are not tokens" },
+                        tok_path.display(),
+                        if missing.len() == 1 { "it" } else { "them" }
+                    );
+                }
+                Template::Chat(Box::new(ChatTemplate::from_source(source, &bos, &eos_text)))
+            }
             // A Jinja file the recipe names (its path resolved by the caller), as TRL's
             // `chat_template_path`: with the model's special tokens.
             file if is_template_file(file) => {

@@ -103,7 +103,9 @@ fn shard_files_and_split(spec: &Path, split: Split) -> Result<(Vec<PathBuf>, boo
         return Ok((vec![path.to_path_buf()], false));
     }
     if !path.is_dir() {
-        return Err(Error::data(path, "does not exist"));
+        // A device, a pipe or a socket is there but holds no file to map or seek in.
+        let what = if path.exists() { "is not a regular file or a folder (a device or a pipe?); data is read from files" } else { "does not exist" };
+        return Err(Error::data(path, what));
     }
     let state = path.join("state.json");
     if state.is_file() {

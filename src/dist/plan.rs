@@ -213,20 +213,31 @@ fn gb(b: usize) -> String {
 /// One cell of the table `render` prints: a plan's value in a row.
 type Cell = Box<dyn Fn(&Plan) -> String>;
 
+/// A parameter count as people say them: 6.91 B, 12.6 M, 40.1 k (a tiny model's base was
+/// "0.00 B").
+fn param_count(n: f64) -> String {
+    match n {
+        n if n >= 1e9 => format!("{:.2} B", n / 1e9),
+        n if n >= 1e6 => format!("{:.1} M", n / 1e6),
+        n if n >= 1e3 => format!("{:.1} k", n / 1e3),
+        n => format!("{n:.0}"),
+    }
+}
+
 /// The table `finetune plan` prints: one column per world size.
 pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> String {
     let dev = if on_gpu { "GPU" } else { "rank" };
     let base = cfg.base_param_count();
     let lora = crate::train::trainable_parameters(cfg, &r.lora.spec(cfg)).0;
     let mut out = format!(
-        "{} ({} layers, hidden {}, vocab {}): base {:.2} B params in {}, LoRA {:.1} M params (f32), micro-batch {} x {} tokens, zero_stage {}\n\n",
+        "{} ({} layers, hidden {}, vocab {}): base {} params in {}, LoRA {} params (f32), micro-batch {} x {} tokens, zero_stage {}\n\n",
         cfg.architecture_name,
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.vocab_size,
-        base as f64 / 1e9,
+        param_count(base as f64),
         r.model.dtype,
-        lora as f64 / 1e6,
+        param_count(lora as f64),
         r.train.micro_batch_size,
         r.data.max_seq_len,
         r.dist.zero_stage
@@ -272,4 +283,13 @@ pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> St
         out.push_str("Each GPU process also holds the CUDA context, kernels and cuBLAS workspace: 1.0-1.2 GiB measured on an H200.\n");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parameter_counts_read_at_every_size() {
+        let got: Vec<String> = [6.91e9, 12.6e6, 40_100.0, 999.0].map(super::param_count).into();
+        assert_eq!(got, ["6.91 B", "12.6 M", "40.1 k", "999"]);
+    }
 }

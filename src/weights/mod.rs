@@ -248,10 +248,15 @@ impl ModelDir {
             let abs = local.canonicalize().map_err(|e| Error::io(&local, e))?;
             return Ok(ModelDir { name: abs.display().to_string(), dir: abs, commit: None, gguf: None });
         }
-        if local.is_file() && path.to_ascii_lowercase().ends_with(".gguf") {
+        // A GGUF file by its extension or, named otherwise, by its magic bytes.
+        let gguf_magic = || std::fs::File::open(&local).and_then(|mut f| { let mut m = [0u8; 4]; std::io::Read::read_exact(&mut f, &mut m).map(|_| m) }).is_ok_and(|m| &m == b"GGUF");
+        if local.is_file() && (path.to_ascii_lowercase().ends_with(".gguf") || gguf_magic()) {
             let abs = local.canonicalize().map_err(|e| Error::io(&local, e))?;
             let dir = crate::gguf::describe_in_cache(&abs)?;
             return Ok(ModelDir { name: abs.display().to_string(), dir, commit: None, gguf: Some(abs) });
+        }
+        if local.exists() && !local.is_dir() {
+            return Err(Error::model(path, format!("{} is a file, not a model: a model is a folder (config.json and safetensors), a GGUF file, or a hub repo id", local.display())));
         }
         if crate::hub::looks_like_repo(path) {
             let dir = crate::hub::Hub::from_env()?.model(path, revision, want).map_err(|e| crate::hub::not_local_either(e, &local))?;
