@@ -534,7 +534,7 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
         }
         E::Gguf { .. } => Some("the GGUF file must be a model llama.cpp loads (llama, qwen2 or deepseek2 architecture); check the key or tensor named above"),
         E::Data { .. } if recipe => Some("check the data.train or data.eval named above, and data.format, in the recipe"),
-        E::Data { .. } => Some("--data must name a .jsonl, .parquet or .arrow file, or a datasets folder"),
+        E::Data { .. } => Some("--data must name a .jsonl, .json, .parquet or .arrow file, or a datasets folder"),
         E::Hub { .. } => Some(
             "HF_TOKEN for gated repos, HF_ENDPOINT for a mirror, HF_HUB_OFFLINE=1 for the cache alone (HF_HUB_CACHE or HF_HOME say where it is); or name a local folder instead (model.path / data.train, or --model / --data)",
         ),
@@ -751,7 +751,7 @@ fn install_signal_handlers() -> anyhow::Result<std::sync::Arc<std::sync::atomic:
         let again = stopping.clone();
         let action = move || {
             if again.load(std::sync::atomic::Ordering::SeqCst) {
-                const SAID: &[u8] = b"\nsecond interrupt: stopping at once; the last complete checkpoint stands (run the same command to resume from it)\n";
+                const SAID: &[u8] = b"\nsecond stop signal: stopping at once; the last complete checkpoint, if one was saved, stands (checkpoint.resume = \"auto\" continues from it)\n";
                 // SAFETY: plain system calls on a static buffer, allowed in a signal handler.
                 unsafe {
                     libc::write(2, SAID.as_ptr().cast(), SAID.len());

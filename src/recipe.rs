@@ -883,7 +883,8 @@ fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
             let msg = format!("got `{v}`, which is not a TOML list or table (quote each element: --set '{k}=[\"a\", \"b\"]')");
             return Err(Error::Recipe { file: file.into(), key: k.trim().to_string(), msg });
         }
-        None if v.trim_start_matches(['-', '+']).bytes().all(|b| b.is_ascii_digit() || b == b'_') => {
+        // Only TOML's own integers can overflow (no leading 0; i64 has 19 digits).
+        None if v.trim_start_matches(['-', '+']).len() >= 19 && !v.trim_start_matches(['-', '+']).starts_with('0') && v.trim_start_matches(['-', '+']).bytes().all(|b| b.is_ascii_digit()) => {
             return Err(bad(format!("{v} is beyond the integer range (quote it if it is a name: --set '{k}=\"{v}\"')")));
         }
         Some(toml::Value::Datetime(_)) | None => toml::Value::String(v.to_string()),
@@ -1440,6 +1441,10 @@ dir = "out"
         assert!(e.contains("`data.train`") && e.contains("not a TOML list") && e.contains("quote each element"), "{e}");
         let e = err_text(MINIMAL, &["data.max_seq_len=99999999999999999999"]);
         assert!(e.contains("beyond the integer range"), "{e}");
+        // Names that are not TOML integers stay names.
+        for name in ["007", "-", "1__2"] {
+            assert_eq!(load(MINIMAL, &[&format!("output.dir={name}")]).unwrap().recipe.output.dir, PathBuf::from(name));
+        }
         assert_eq!(load(MINIMAL, &["data.train=[\"d/chat.jsonl\"]"]).unwrap().recipe.data.train.list(), [PathBuf::from("d/chat.jsonl")]);
     }
 

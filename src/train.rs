@@ -218,7 +218,9 @@ fn note_rounded_auto_dtype(loaded: &LoadedRecipe) {
     if !loaded.dtype_auto || m.dtype != "bf16" || m.quantize.is_some() {
         return;
     }
-    let Some(stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir) else { return };
+    // The tensors a bf16 base holds in bf16 (not the router's, kept f32; not FP8 scales).
+    let rounded = |n: &str| crate::weights::stored_dtype(n, DType::BF16) == DType::BF16 && !n.ends_with("_scale_inv");
+    let Some(stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir, &rounded) else { return };
     let wider: Vec<String> = stored.into_iter().filter(|d| d == "F32" || d == "F16").map(|d| d.to_lowercase()).collect();
     if !wider.is_empty() {
         crate::note!(

@@ -1302,7 +1302,7 @@ fn a_broken_or_non_object_first_jsonl_line_is_one_bad_record_not_the_columns() {
     let m = smol_tokenizer_model(d.path());
     let good = serde_json::json!({"text": "hello"}).to_string();
     // A .json file too, though it may hold one array: this one's first line is an array alone.
-    for (first, name) in [("{\"text\": \"unterminated", "first.jsonl"), ("[1, 2, 3]", "first.jsonl"), ("[1, 2, 3]", "first.json"), ("\"just a string\"", "first.jsonl")] {
+    for (first, name) in [("{\"text\": \"unterminated", "first.jsonl"), ("[1, 2, 3]", "first.jsonl"), ("[1, 2, 3]", "first.json"), ("[1, 2", "first.json"), ("\"just a string\"", "first.jsonl")] {
         let p = d.path().join(name);
         write_jsonl(&p, &[first.to_string(), good.clone(), good.clone()]);
         // skip: the columns come from the valid records; the first line is counted and reported.

@@ -708,4 +708,6 @@ fn a_gguf_file_named_otherwise_is_read_by_its_magic_and_another_file_is_named_as
     std::fs::write(d.path().join("notes.txt"), b"hello").unwrap();
     let e = finetune::weights::ModelDir::resolve_at("notes.txt", None, d.path(), finetune::hub::Want::Model).unwrap_err().to_string();
     assert!(e.contains("is a file, not a model"), "{e}");
+    // `plan` reads the base as GGUF blocks by the same test.
+    assert!(finetune::weights::is_gguf_file(&d.path().join("model.bin")) && !finetune::weights::is_gguf_file(&d.path().join("notes.txt")));
 }

@@ -586,7 +586,15 @@ fn is_one_array(b: &[u8]) -> bool {
     }
     let line_end = b[start..].iter().position(|&c| c == b'\n').map_or(b.len(), |n| start + n);
     let rest_blank = b[line_end..].iter().all(|c| c.is_ascii_whitespace());
-    rest_blank || serde_json::from_slice::<serde::de::IgnoredAny>(&b[start..line_end]).is_err()
+    if rest_blank {
+        return true;
+    }
+    // JSON lines: the first line is a value of its own (an array record), or the next line
+    // with anything on it is a whole object (the first a broken record; a pretty-printed
+    // array's second line is a `{` alone).
+    let whole = |l: &[u8]| serde_json::from_slice::<serde::de::IgnoredAny>(l).is_ok();
+    let next = b[line_end..].split(|&c| c == b'\n').find(|l| !blank(l));
+    !whole(&b[start..line_end]) && !next.is_some_and(|l| l.trim_ascii_start().starts_with(b"{") && whole(l))
 }
 
 /// The blocks of a file that is one JSON array (its `[` the first byte after `body`'s start

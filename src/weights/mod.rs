@@ -248,9 +248,7 @@ impl ModelDir {
             let abs = local.canonicalize().map_err(|e| Error::io(&local, e))?;
             return Ok(ModelDir { name: abs.display().to_string(), dir: abs, commit: None, gguf: None });
         }
-        // A GGUF file by its extension or, named otherwise, by its magic bytes.
-        let gguf_magic = || std::fs::File::open(&local).and_then(|mut f| { let mut m = [0u8; 4]; std::io::Read::read_exact(&mut f, &mut m).map(|_| m) }).is_ok_and(|m| &m == b"GGUF");
-        if local.is_file() && (path.to_ascii_lowercase().ends_with(".gguf") || gguf_magic()) {
+        if local.is_file() && is_gguf_file(&local) {
             let abs = local.canonicalize().map_err(|e| Error::io(&local, e))?;
             let dir = crate::gguf::describe_in_cache(&abs)?;
             return Ok(ModelDir { name: abs.display().to_string(), dir, commit: None, gguf: Some(abs) });
@@ -381,12 +379,13 @@ impl ModelDir {
 /// unknown (not yet downloaded, a GGUF file, an unreadable header) answers false: f32, which
 /// is exact for every stored dtype.
 pub fn stored_all_bf16(path: &str, revision: Option<&str>, recipe_dir: &Path) -> bool {
-    stored_dtypes(path, revision, recipe_dir).is_some_and(|d| d.len() == 1 && d.contains("BF16"))
+    stored_dtypes(path, revision, recipe_dir, &|_| true).is_some_and(|d| d.len() == 1 && d.contains("BF16"))
 }
 
-/// The dtypes the checkpoint `path` names stores its tensors in (safetensors' names: "BF16",
-/// "F16", "F32", ...), as far as [`stored_all_bf16`] can tell; `None` where it cannot.
-pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path) -> Option<std::collections::BTreeSet<String>> {
+/// The dtypes the checkpoint `path` names stores the tensors `which` keeps in (safetensors'
+/// names: "BF16", "F16", "F32", ...), as far as [`stored_all_bf16`] can tell; `None` where it
+/// cannot.
+pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path, which: &dyn Fn(&str) -> bool) -> Option<std::collections::BTreeSet<String>> {
     let local = recipe_dir.join(path);
     let dir = if local.is_dir() {
         Some(local)
@@ -396,8 +395,18 @@ pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path) -> O
         None
     };
     let files = (ModelDir { name: path.to_string(), dir: dir?, commit: None, gguf: None }).open_weights().ok()?;
-    let dtypes: Option<std::collections::BTreeSet<String>> = files.names().map(|n| files.raw_view(n).ok().map(|v| format!("{:?}", v.dtype()))).collect();
+    let dtypes: Option<std::collections::BTreeSet<String>> = files.names().filter(|n| which(n)).map(|n| files.raw_view(n).ok().map(|v| format!("{:?}", v.dtype()))).collect();
     dtypes.filter(|d| !d.is_empty())
+}
+
+/// Whether the file at `p` is a GGUF model: by its `.gguf` extension or, named otherwise, by
+/// its magic bytes.
+pub fn is_gguf_file(p: &Path) -> bool {
+    let magic = || std::fs::File::open(p).and_then(|mut f| {
+        let mut m = [0u8; 4];
+        std::io::Read::read_exact(&mut f, &mut m).map(|_| m)
+    });
+    p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) || magic().is_ok_and(|m| &m == b"GGUF")
 }
 
 /// Parse a dtype name from the recipe.
@@ -1135,11 +1144,11 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         for (name, dtype, want) in [("m16", DType::F16, "F16"), ("mbf", DType::BF16, "BF16"), ("m32", DType::F32, "F32")] {
             crate::synth::write_model(&root.path().join(name), &crate::synth::TinyShape { dtype, ..Default::default() }, 1, 1).unwrap();
-            let got = stored_dtypes(name, None, root.path()).unwrap();
+            let got = stored_dtypes(name, None, root.path(), &|_| true).unwrap();
             assert_eq!(got.into_iter().collect::<Vec<_>>(), [want], "{name}");
             assert_eq!(stored_all_bf16(name, None, root.path()), want == "BF16", "{name}");
         }
-        assert_eq!(stored_dtypes("missing", None, root.path()), None);
+        assert_eq!(stored_dtypes("missing", None, root.path(), &|_| true), None);
     }
 
     #[test]

@@ -280,7 +280,7 @@ pub fn ggml_bytes(d: GgmlDType, elems: usize) -> usize {
 pub fn plan_base(loaded: &crate::recipe::LoadedRecipe, cfg: &crate::config::ModelConfig) -> Result<Option<crate::dist::plan::QuantizedBase>> {
     let m = &loaded.recipe.model;
     let local = loaded.dir.join(&m.path);
-    if local.is_file() && m.path.to_ascii_lowercase().ends_with(".gguf") {
+    if local.is_file() && super::is_gguf_file(&local) {
         let g = crate::gguf::open(&local)?;
         let types: Vec<String> = g.bytes_by_type().iter().rev().map(|(t, b)| format!("{t} {:.1} MB", *b as f64 / 1e6)).collect();
         return Ok(Some(crate::dist::plan::QuantizedBase { bytes: g.hf_bytes(), what: format!("GGUF blocks ({})", types.join(", ")) }));
