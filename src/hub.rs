@@ -218,9 +218,15 @@ impl Hub {
             return Ok(files);
         }
         let listing = repo.listing().map_err(|(_, msg)| msg)?;
-        let all: Vec<String> = listing.files.iter().filter(|f| is_data_file(f)).cloned().collect();
+        let mut all: Vec<String> = listing.files.iter().filter(|f| is_data_file(f)).cloned().collect();
+        // A repo whose data is .json files (JSON lines or one array each, as
+        // yahma/alpaca-cleaned's), read where it has no other data files.
         if all.is_empty() {
-            return Err(repo.err(format!("has no {} files", DATA_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", "))));
+            let json_data = |f: &&String| Path::new(f.as_str()).file_name().and_then(|n| n.to_str()).is_some_and(crate::data::source::is_json_data_name);
+            all = listing.files.iter().filter(json_data).cloned().collect();
+        }
+        if all.is_empty() {
+            return Err(repo.err(format!("has no {} or .json files", DATA_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", "))));
         }
         let chosen = choose_split(&all, split).map_err(|m| repo.err(m))?;
         for f in &chosen {

@@ -1119,9 +1119,10 @@ fn data_inspect_never_counts_the_first_token_as_trained() {
     assert!(text.contains("one«"), "the first token is shown untrained: {text}");
 }
 
-/// `datasets` reads .json files in a data folder; finetune does not, and says so.
+/// `datasets` reads .json files in a data folder. Beside other data files finetune does not,
+/// and says so; a folder of .json files alone (metadata aside) it reads.
 #[test]
-fn json_files_in_a_data_folder_are_named_as_not_read() {
+fn json_files_beside_other_data_are_named_as_not_read_and_a_folder_of_json_is_read() {
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
     let dir = d.path().join("data");
@@ -1135,6 +1136,12 @@ fn json_files_in_a_data_folder_are_named_as_not_read() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("more.json not read") && !err.contains("dataset_info.json"), "{err}");
+    std::fs::remove_file(dir.join("a.jsonl")).unwrap();
+    std::fs::write(dir.join("array.json"), serde_json::to_string_pretty(&serde_json::json!([{"text": "d e"}, {"text": "f"}])).unwrap()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "1"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.starts_with("data: 3 rows"), "array.json's 2 and more.json's 1, not dataset_info.json: {text}");
 }
 
 #[test]

@@ -611,3 +611,19 @@ fn a_hub_that_goes_silent_is_an_error_naming_the_timeout_not_a_hang() {
     let (ok, err, _) = finetune_within(60, &e.run, &e.hub.url, e.home.path(), &[("HF_HUB_DOWNLOAD_TIMEOUT", "1")], &["--recipe", "recipe.toml"]);
     assert!(!ok && err.contains("HF_HUB_DOWNLOAD_TIMEOUT") && err.contains("model.safetensors"), "{err}");
 }
+
+#[test]
+fn a_dataset_repo_whose_data_is_json_files_alone_is_read() {
+    // As yahma/alpaca-cleaned keeps its records: one JSON array in a .json file, beside the
+    // hub's metadata. It was "has no .parquet, .arrow, .jsonl files".
+    let e = setup("models/tiny-org/tiny-llama", None, "tiny-org/tiny-llama", "tiny-org/json-rows", "");
+    let repo = e.ws.path().join("datasets-tiny-org-json-rows");
+    std::fs::create_dir_all(&repo).unwrap();
+    let rows: Vec<serde_json::Value> = (0..8u32).map(|i| serde_json::json!({ "input_ids": (0..12u32).map(|t| (t * 7 + i) % 200).collect::<Vec<_>>() })).collect();
+    std::fs::write(repo.join("rows_cleaned.json"), serde_json::to_string_pretty(&rows).unwrap()).unwrap();
+    std::fs::write(repo.join("dataset_infos.json"), "{}").unwrap();
+    e.hub.add_repo("datasets/tiny-org/json-rows", &repo, None);
+    let o = e.finetune(&[], &["--recipe", "recipe.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(snapshot_files(e.home.path(), "datasets--tiny-org--json-rows"), vec![PathBuf::from("rows_cleaned.json")]);
+}

@@ -171,23 +171,32 @@ fn split_of(file: &Path) -> Option<&'static str> {
 /// How files without a split in their name are listed beside those with one.
 const NO_SPLIT: &str = "(files without a split name)";
 
+/// Whether a `.json` file name may hold data: not the metadata `datasets` and model folders
+/// keep beside it.
+pub fn is_json_data_name(name: &str) -> bool {
+    const METADATA: [&str; 5] = ["dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json", "config.json"];
+    name.ends_with(".json") && !name.starts_with('.') && !METADATA.contains(&name)
+}
+
 /// The .arrow, .parquet and .jsonl files of a plain folder. When their names say which split
 /// they hold (train.jsonl and test.jsonl), only the files of one split are read ([`Split`]),
 /// never a mix (a test set trained on with exit 0).
 fn folder_files(path: &Path, split: Split) -> Result<(Vec<PathBuf>, bool)> {
     let mut entries: Vec<PathBuf> = std::fs::read_dir(path).map_err(|e| Error::io(path, e))?.filter_map(|e| e.ok().map(|e| e.path())).collect();
     entries.sort();
-    // `datasets`' json loader reads .json files too (JSON Lines or one array): say which are
-    // not read here rather than train without them (metadata files aside).
-    let metadata = ["dataset_info.json", "dataset_dict.json", "state.json", "config.json"];
-    let json: Vec<&str> = entries.iter().filter_map(|p| p.file_name()?.to_str()).filter(|n| n.ends_with(".json") && !metadata.contains(n)).collect();
-    if let Some(first) = json.first() {
-        let more = if json.len() > 1 { format!(" and {} more", json.len() - 1) } else { String::new() };
-        crate::note!("note: {}: {first}{more} not read: data files are .jsonl, .parquet and .arrow (rename a JSON Lines file to .jsonl)", path.display());
-    }
-    let files: Vec<PathBuf> = entries.iter().filter(|p| p.extension().is_some_and(|x| x == "arrow" || x == "parquet" || x == "jsonl")).cloned().collect();
+    // `datasets`' json loader reads .json files too (JSON Lines or one array). Beside .jsonl,
+    // .parquet or .arrow files a .json is more likely notes or metadata: it is named as not
+    // read. A folder of .json files alone (metadata aside) is read.
+    let json: Vec<PathBuf> = entries.iter().filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(is_json_data_name)).cloned().collect();
+    let mut files: Vec<PathBuf> = entries.iter().filter(|p| p.extension().is_some_and(|x| x == "arrow" || x == "parquet" || x == "jsonl")).cloned().collect();
     if files.is_empty() {
-        return Err(Error::data(path, "has no state.json and no .arrow, .parquet or .jsonl files"));
+        files = json;
+    } else if let Some(first) = json.first().and_then(|p| p.file_name()) {
+        let more = if json.len() > 1 { format!(" and {} more", json.len() - 1) } else { String::new() };
+        crate::note!("note: {}: {}{more} not read beside the folder's .jsonl, .parquet or .arrow files (move a .json data file to its own folder, or name it in data.train)", path.display(), first.to_string_lossy());
+    }
+    if files.is_empty() {
+        return Err(Error::data(path, "has no state.json and no .arrow, .parquet, .jsonl or .json files"));
     }
     let tags: Vec<&str> = files.iter().map(|f| split_of(f).unwrap_or(NO_SPLIT)).collect();
     let mut groups = tags.clone();
