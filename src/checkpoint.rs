@@ -413,7 +413,7 @@ pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> O
         if old == new {
             continue;
         }
-        let path_key = ["model.path", "data.train", "data.eval", "data.template", "lora.init_from", "output.dir"].contains(&key.as_str());
+        let path_key = crate::recipe::PATH_KEYS.iter().any(|(s, k)| key.split_once('.') == Some((*s, *k)));
         if path_key && old.as_ref().zip(new.as_ref()).is_some_and(|(o, n)| same_places(o, n)) {
             continue;
         }

@@ -222,8 +222,7 @@ impl Hub {
         // A repo whose data is .json files (JSON lines or one array each, as
         // yahma/alpaca-cleaned's), read where it has no other data files.
         if all.is_empty() {
-            let json_data = |f: &&String| Path::new(f.as_str()).file_name().and_then(|n| n.to_str()).is_some_and(crate::data::source::is_json_data_name);
-            all = listing.files.iter().filter(json_data).cloned().collect();
+            all = listing.files.iter().filter(|f| crate::data::source::is_json_data_file(Path::new(f.as_str()))).cloned().collect();
         }
         if all.is_empty() {
             return Err(repo.err(format!("has no {} or .json files", DATA_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", "))));

@@ -884,7 +884,7 @@ fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
             return Err(Error::Recipe { file: file.into(), key: k.trim().to_string(), msg });
         }
         // Only TOML's own integers can overflow (no leading 0; i64 has 19 digits).
-        None if v.trim_start_matches(['-', '+']).len() >= 19 && !v.trim_start_matches(['-', '+']).starts_with('0') && v.trim_start_matches(['-', '+']).bytes().all(|b| b.is_ascii_digit()) => {
+        None if is_long_toml_integer(v) => {
             return Err(bad(format!("{v} is beyond the integer range (quote it if it is a name: --set '{k}=\"{v}\"')")));
         }
         Some(toml::Value::Datetime(_)) | None => toml::Value::String(v.to_string()),
@@ -908,6 +908,13 @@ fn apply_override(table: &mut toml::Table, o: &str, file: &str) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Whether `v` is spelt as a TOML integer of 19 digits or more (optionally signed, no leading
+/// zero): one that fails to parse only by overflowing.
+fn is_long_toml_integer(v: &str) -> bool {
+    let digits = v.trim_start_matches(['-', '+']);
+    digits.len() >= 19 && !digits.starts_with('0') && digits.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// Knobs set in the recipe for a feature another key turns off, as "`knob` does nothing
@@ -957,7 +964,7 @@ fn check_inert_keys(t: &toml::Table, file: &str) -> Result<()> {
 /// Keys that hold paths (or lists of them), where `~` and `$VAR` are expanded as a shell
 /// would: a recipe shared between machines says `~/models/x` or `$DATA/alpaca`, and taking
 /// those literally made a folder named `~` or looked `~/m` up as a hub repo.
-const PATH_KEYS: &[(&str, &str)] =
+pub const PATH_KEYS: &[(&str, &str)] =
     &[("model", "path"), ("data", "train"), ("data", "eval"), ("data", "template"), ("lora", "init_from"), ("output", "dir"), ("checkpoint", "resume")];
 
 fn expand_paths(t: &mut toml::Table, file: &str) -> Result<()> {
@@ -1056,10 +1063,10 @@ const HF_NAMES: &[(&str, &str)] = &[
 fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
     let err = |key: String, msg: String| Error::Recipe { file: file.into(), key, msg };
     let sections: Vec<&str> = SCHEMA.iter().map(|s| s.0).collect();
+    // The section a key of another section's name lives in (`max_seq_len` at the top, or
+    // under [train]): the first thing to say about it.
+    let home = |key: &str| SCHEMA.iter().find(|(_, _, keys)| keys.iter().any(|k| k.name == key)).map(|s| s.0);
     for (name, v) in t {
-        // The section a key of another section's name lives in (`max_seq_len` at the top, or
-        // under [train]): the first thing to say about it.
-        let home = |key: &str| SCHEMA.iter().find(|(_, _, keys)| keys.iter().any(|k| k.name == key)).map(|s| s.0);
         let Some((_, _, keys)) = SCHEMA.iter().find(|s| s.0 == name) else {
             if !v.is_table() {
                 if let Some(sec) = home(name) {
@@ -1086,8 +1093,8 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
                 // A string that looks like a number or a bool (a model named 1234, a run dir
                 // "true") parses as one, in the file and after --set alike.
                 let wants_text = matches!(spec.kind, Kind::Str | Kind::StrOrList) && (val.is_integer() || val.is_float() || val.is_bool());
-                // `--set lora.targets=[q_proj]` is not TOML (bare words in a list) and so
-                // arrives as one string.
+                // A list written as one string (`targets = "[q_proj]"`; a bare `--set
+                // lora.targets=[q_proj]` is stopped earlier, in `apply_override`).
                 let bare_list = matches!(spec.kind, Kind::StrList | Kind::StrOrList) && val.as_str().is_some_and(|s| s.starts_with('['));
                 let quote = if wants_text {
                     format!(" (quote it as text: {dotted} = \"{val}\", or --set '{dotted}=\"{val}\"')")

@@ -221,7 +221,11 @@ fn note_rounded_auto_dtype(loaded: &LoadedRecipe) {
     // The tensors a bf16 base holds in bf16 (not the router's, kept f32; not FP8 scales).
     let rounded = |n: &str| crate::weights::stored_dtype(n, DType::BF16) == DType::BF16 && !n.ends_with("_scale_inv");
     let Some(stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir, &rounded) else { return };
-    let wider: Vec<String> = stored.into_iter().filter(|d| d == "F32" || d == "F16").map(|d| d.to_lowercase()).collect();
+    let wider: Vec<&str> = stored.into_iter().filter_map(|d| match d {
+        safetensors::Dtype::F32 => Some("f32"),
+        safetensors::Dtype::F16 => Some("f16"),
+        _ => None,
+    }).collect();
     if !wider.is_empty() {
         crate::note!(
             "note: model.dtype = \"auto\" runs the frozen base in bf16 on this CPU's bf16 unit: the checkpoint's {} weights are rounded to bf16; model.dtype = \"f32\" keeps them exact (slower)",

@@ -51,6 +51,14 @@ fn with_template(root: &Path, model: &Path, name: &str) -> PathBuf {
     dir
 }
 
+/// `finetune data inspect --recipe <dir>/r.toml <args>`, the recipe's [data] section
+/// `data_keys` over `model` (its other sections the least a recipe needs).
+fn data_inspect(dir: &Path, model: &str, data_keys: &str, args: &[&str]) -> std::process::Output {
+    let r = dir.join("r.toml");
+    std::fs::write(&r, format!("[model]\npath = \"{model}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\n{data_keys}[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n")).unwrap();
+    std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe"]).arg(&r).args(args).output().unwrap()
+}
+
 #[test]
 fn chat_templates_give_the_token_ids_transformers_gives() {
     let d = tempfile::tempdir().unwrap();
@@ -1089,11 +1097,7 @@ fn data_inspect_marks_trained_tokens_and_counts_overflow() {
     // The long row is long in its completion: one whose completion lies past max_seq_len has
     // no target tokens, a bad record (see data_inspect_surfaces_records_with_no_target_tokens).
     write_jsonl(&p, &[serde_json::json!({"prompt": "Say hi", "completion": "hi there"}).to_string(), serde_json::json!({"prompt": "y", "completion": "x ".repeat(50)}).to_string()]);
-    std::fs::write(d.path().join("r.toml"), format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"pc.jsonl\"\nformat = \"prompt_completion\"\nmax_seq_len = 64\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
-        .args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "1"])
-        .output()
-        .unwrap();
+    let out = data_inspect(d.path(), &m.display().to_string(), "train = \"pc.jsonl\"\nformat = \"prompt_completion\"\nmax_seq_len = 64\n", &["--n", "1"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("«hi there<|im_end|>\n»"), "{text}");
@@ -1109,8 +1113,7 @@ fn data_inspect_never_counts_the_first_token_as_trained() {
     let d = tempfile::tempdir().unwrap();
     let m = smol_tokenizer_model(d.path());
     write_jsonl(&d.path().join("t.jsonl"), &[serde_json::json!({"text": "one two three"}).to_string()]);
-    std::fs::write(d.path().join("r.toml"), format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"t.jsonl\"\nformat = \"text\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "1"]).output().unwrap();
+    let out = data_inspect(d.path(), &m.display().to_string(), "train = \"t.jsonl\"\nformat = \"text\"\n", &["--n", "1"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let line = text.lines().find(|l| l.starts_with("--- example 0: ")).unwrap_or_else(|| panic!("{text}"));
@@ -1131,14 +1134,14 @@ fn json_files_beside_other_data_are_named_as_not_read_and_a_folder_of_json_is_re
     write_jsonl(&dir.join("a.jsonl"), std::slice::from_ref(&row));
     write_jsonl(&dir.join("more.json"), &[row]);
     std::fs::write(dir.join("dataset_info.json"), "{}").unwrap();
-    std::fs::write(d.path().join("r.toml"), format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"data\"\nformat = \"text\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "1"]).output().unwrap();
+    let inspect = || data_inspect(d.path(), &m.display().to_string(), "train = \"data\"\nformat = \"text\"\n", &["--n", "1"]);
+    let out = inspect();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("more.json not read") && !err.contains("dataset_info.json"), "{err}");
     std::fs::remove_file(dir.join("a.jsonl")).unwrap();
     std::fs::write(dir.join("array.json"), serde_json::to_string_pretty(&serde_json::json!([{"text": "d e"}, {"text": "f"}])).unwrap()).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "1"]).output().unwrap();
+    let out = inspect();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.starts_with("data: 3 rows"), "array.json's 2 and more.json's 1, not dataset_info.json: {text}");
@@ -1453,9 +1456,8 @@ fn data_inspect_surfaces_records_with_no_target_tokens() {
     let m = smol_tokenizer_model(d.path());
     cut_response_data(d.path());
     let recipe = |policy: &str| {
-        let r = d.path().join(format!("{policy}.toml"));
-        std::fs::write(&r, format!("[model]\npath = \"{}\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"cut.jsonl\"\nformat = \"prompt_completion\"\nmax_seq_len = 64\non_bad_record = \"{policy}\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n", m.display())).unwrap();
-        std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["data", "inspect", "--recipe", &r.display().to_string(), "--n", "1"]).output().unwrap()
+        let keys = format!("train = \"cut.jsonl\"\nformat = \"prompt_completion\"\nmax_seq_len = 64\non_bad_record = \"{policy}\"\n");
+        data_inspect(d.path(), &m.display().to_string(), &keys, &["--n", "1"])
     };
     let out = recipe("skip");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -1953,12 +1955,8 @@ fn a_built_in_templates_markers_the_vocabulary_lacks_are_named_once() {
     smol_tokenizer_model(d.path());
     let chat = serde_json::json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).to_string();
     write_jsonl(&d.path().join("chat.jsonl"), &[chat.clone(), chat]);
-    std::fs::write(d.path().join("r.toml"), "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"chat.jsonl\"\nformat = \"messages\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n").unwrap();
     let inspect = |template: &str| {
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
-            .args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "2", "--set", &format!("data.template={template}")])
-            .output()
-            .unwrap();
+        let o = data_inspect(d.path(), "model", "train = \"chat.jsonl\"\nformat = \"messages\"\n", &["--n", "2", "--set", &format!("data.template={template}")]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stderr).to_string()
     };
@@ -1973,11 +1971,7 @@ fn data_inspect_stops_at_the_last_usable_record_instead_of_repeating_rows() {
     smol_tokenizer_model(d.path());
     let chat = serde_json::json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).to_string();
     write_jsonl(&d.path().join("chat.jsonl"), &[chat, "{broken".into()]);
-    std::fs::write(d.path().join("r.toml"), "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"chat.jsonl\"\nformat = \"messages\"\non_bad_record = \"skip\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n").unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
-        .args(["data", "inspect", "--recipe", &d.path().join("r.toml").display().to_string(), "--n", "3"])
-        .output()
-        .unwrap();
+    let o = data_inspect(d.path(), "model", "train = \"chat.jsonl\"\nformat = \"messages\"\non_bad_record = \"skip\"\n", &["--n", "3"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("--- example 0") && !out.contains("--- example 1") && out.contains("every usable record: the data has 1"), "{out}");

@@ -171,11 +171,11 @@ fn split_of(file: &Path) -> Option<&'static str> {
 /// How files without a split in their name are listed beside those with one.
 const NO_SPLIT: &str = "(files without a split name)";
 
-/// Whether a `.json` file name may hold data: not the metadata `datasets` and model folders
-/// keep beside it.
-pub fn is_json_data_name(name: &str) -> bool {
+/// Whether a `.json` file may hold data, by its name: not the metadata `datasets` and model
+/// folders keep beside it.
+pub fn is_json_data_file(p: &Path) -> bool {
     const METADATA: [&str; 5] = ["dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json", "config.json"];
-    name.ends_with(".json") && !name.starts_with('.') && !METADATA.contains(&name)
+    p.file_name().and_then(|n| n.to_str()).is_some_and(|name| name.ends_with(".json") && !name.starts_with('.') && !METADATA.contains(&name))
 }
 
 /// The .arrow, .parquet and .jsonl files of a plain folder. When their names say which split
@@ -187,7 +187,7 @@ fn folder_files(path: &Path, split: Split) -> Result<(Vec<PathBuf>, bool)> {
     // `datasets`' json loader reads .json files too (JSON Lines or one array). Beside .jsonl,
     // .parquet or .arrow files a .json is more likely notes or metadata: it is named as not
     // read. A folder of .json files alone (metadata aside) is read.
-    let json: Vec<PathBuf> = entries.iter().filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(is_json_data_name)).cloned().collect();
+    let json: Vec<PathBuf> = entries.iter().filter(|p| is_json_data_file(p)).cloned().collect();
     let mut files: Vec<PathBuf> = entries.iter().filter(|p| p.extension().is_some_and(|x| x == "arrow" || x == "parquet" || x == "jsonl")).cloned().collect();
     if files.is_empty() {
         files = json;
@@ -638,24 +638,16 @@ fn array_blocks(m: &memmap2::Mmap, body: usize) -> std::result::Result<Vec<JsonB
 /// their escapes) and nesting are followed so that only a top-level comma separates; the
 /// elements themselves are parsed later, one at a time.
 fn array_elements(b: &[u8], mut each: impl FnMut(Range<usize>, u64)) -> std::result::Result<(), String> {
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    let mut strings = JsonStrings::default();
+    let mut depth = 0usize;
     let (mut start, mut last, mut newlines, mut start_newlines) = (None::<usize>, 0usize, 0u64, 0u64);
     let mut count = 0usize;
     for (i, &c) in b.iter().enumerate() {
-        if in_string {
-            match c {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            last = i;
-            continue;
-        }
+        let in_string = strings.step(c);
         match c {
-            b'\n' => newlines += 1,
-            c if c.is_ascii_whitespace() => {}
-            b',' if depth == 0 => {
+            b'\n' if !in_string => newlines += 1,
+            c if !in_string && c.is_ascii_whitespace() => {}
+            b',' if !in_string && depth == 0 => {
                 let s = start.take().ok_or_else(|| format!("element {} is empty (two commas, or a comma first)", count + 1))?;
                 each(s..last + 1, start_newlines);
                 count += 1;
@@ -665,7 +657,7 @@ fn array_elements(b: &[u8], mut each: impl FnMut(Range<usize>, u64)) -> std::res
                     (start, start_newlines) = (Some(i), newlines);
                 }
                 match c {
-                    b'"' => in_string = true,
+                    _ if in_string => {}
                     b'{' | b'[' => depth += 1,
                     b'}' | b']' => depth = depth.checked_sub(1).ok_or_else(|| format!("its brackets do not balance (a `{}` closes nothing)", c as char))?,
                     _ => {}
@@ -674,7 +666,7 @@ fn array_elements(b: &[u8], mut each: impl FnMut(Range<usize>, u64)) -> std::res
             }
         }
     }
-    if in_string || depth > 0 {
+    if strings.inside() || depth > 0 {
         return Err("it ends inside a record (an unclosed string or bracket; cut short?)".into());
     }
     match start {
@@ -721,27 +713,53 @@ fn parse_line(l: &[u8]) -> JsonRow {
 /// `s` with Python's `NaN`, `Infinity` and `-Infinity` outside strings written as `null`;
 /// `None` where it has none.
 fn python_constants_as_null(s: &str) -> Option<String> {
-    let (mut out, mut rest, mut found) = (String::with_capacity(s.len()), s, false);
-    let (mut in_string, mut escaped) = (false, false);
-    while let Some(c) = rest.chars().next() {
-        if !in_string {
-            if let Some(t) = ["-Infinity", "Infinity", "NaN"].into_iter().find(|t| rest.starts_with(t)) {
-                out.push_str("null");
-                rest = &rest[t.len()..];
+    let b = s.as_bytes();
+    let (mut out, mut i, mut found) = (Vec::with_capacity(b.len()), 0, false);
+    let mut strings = JsonStrings::default();
+    while i < b.len() {
+        // (The constants hold no quote, so the lexer need not see them.)
+        if !strings.inside() {
+            if let Some(t) = ["-Infinity", "Infinity", "NaN"].into_iter().find(|t| b[i..].starts_with(t.as_bytes())) {
+                out.extend_from_slice(b"null");
+                i += t.len();
                 found = true;
                 continue;
             }
         }
-        match c {
-            _ if in_string && escaped => escaped = false,
-            '\\' if in_string => escaped = true,
-            '"' => in_string = !in_string,
-            _ => {}
-        }
-        out.push(c);
-        rest = &rest[c.len_utf8()..];
+        strings.step(b[i]);
+        out.push(b[i]);
+        i += 1;
     }
-    found.then_some(out)
+    // Only ASCII was replaced, on character boundaries: still UTF-8.
+    found.then(|| String::from_utf8(out).expect("UTF-8 in, UTF-8 out"))
+}
+
+/// Where a JSON text's string literals are, byte by byte: what [`array_elements`] and
+/// [`python_constants_as_null`] must not look inside (a `,`, `]` or `NaN` in a string is text).
+#[derive(Default)]
+struct JsonStrings {
+    inside: bool,
+    escaped: bool,
+}
+
+impl JsonStrings {
+    /// Take byte `c`; whether it is part of a string literal (its quotes included).
+    fn step(&mut self, c: u8) -> bool {
+        match (self.inside, c) {
+            (true, _) if self.escaped => self.escaped = false,
+            (true, b'\\') => self.escaped = true,
+            (true, b'"') => self.inside = false,
+            (true, _) => {}
+            (false, b'"') => self.inside = true,
+            (false, _) => return false,
+        }
+        true
+    }
+
+    /// Whether the next byte is inside a string literal.
+    fn inside(&self) -> bool {
+        self.inside
+    }
 }
 
 enum Shard {

@@ -379,13 +379,12 @@ impl ModelDir {
 /// unknown (not yet downloaded, a GGUF file, an unreadable header) answers false: f32, which
 /// is exact for every stored dtype.
 pub fn stored_all_bf16(path: &str, revision: Option<&str>, recipe_dir: &Path) -> bool {
-    stored_dtypes(path, revision, recipe_dir, &|_| true).is_some_and(|d| d.len() == 1 && d.contains("BF16"))
+    stored_dtypes(path, revision, recipe_dir, &|_| true).is_some_and(|d| d.len() == 1 && d.contains(&safetensors::Dtype::BF16))
 }
 
-/// The dtypes the checkpoint `path` names stores the tensors `which` keeps in (safetensors'
-/// names: "BF16", "F16", "F32", ...), as far as [`stored_all_bf16`] can tell; `None` where it
-/// cannot.
-pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path, which: &dyn Fn(&str) -> bool) -> Option<std::collections::BTreeSet<String>> {
+/// The dtypes the checkpoint `path` names stores the tensors `which` keeps in, as far as
+/// [`stored_all_bf16`] can tell; `None` where it cannot.
+pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path, which: &dyn Fn(&str) -> bool) -> Option<std::collections::BTreeSet<safetensors::Dtype>> {
     let local = recipe_dir.join(path);
     let dir = if local.is_dir() {
         Some(local)
@@ -395,7 +394,7 @@ pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path, whic
         None
     };
     let files = (ModelDir { name: path.to_string(), dir: dir?, commit: None, gguf: None }).open_weights().ok()?;
-    let dtypes: Option<std::collections::BTreeSet<String>> = files.names().filter(|n| which(n)).map(|n| files.raw_view(n).ok().map(|v| format!("{:?}", v.dtype()))).collect();
+    let dtypes: Option<std::collections::BTreeSet<safetensors::Dtype>> = files.names().filter(|n| which(n)).map(|n| files.raw_view(n).ok().map(|v| v.dtype())).collect();
     dtypes.filter(|d| !d.is_empty())
 }
 
@@ -1142,11 +1141,12 @@ mod tests {
     #[test]
     fn stored_dtypes_are_read_from_the_headers_and_only_all_bf16_is_all_bf16() {
         let root = tempfile::tempdir().unwrap();
-        for (name, dtype, want) in [("m16", DType::F16, "F16"), ("mbf", DType::BF16, "BF16"), ("m32", DType::F32, "F32")] {
+        use safetensors::Dtype as S;
+        for (name, dtype, want) in [("m16", DType::F16, S::F16), ("mbf", DType::BF16, S::BF16), ("m32", DType::F32, S::F32)] {
             crate::synth::write_model(&root.path().join(name), &crate::synth::TinyShape { dtype, ..Default::default() }, 1, 1).unwrap();
             let got = stored_dtypes(name, None, root.path(), &|_| true).unwrap();
             assert_eq!(got.into_iter().collect::<Vec<_>>(), [want], "{name}");
-            assert_eq!(stored_all_bf16(name, None, root.path()), want == "BF16", "{name}");
+            assert_eq!(stored_all_bf16(name, None, root.path()), want == S::BF16, "{name}");
         }
         assert_eq!(stored_dtypes("missing", None, root.path(), &|_| true), None);
     }
