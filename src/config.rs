@@ -290,6 +290,22 @@ impl ModelConfig {
                 ))
             }
         };
+        // transformers' Auto classes build the model `model_type` names, not `architectures`:
+        // where the two name different families of ours, the checkpoint describes two models.
+        // (Other model types, and Kimi-K2's own for the DeepSeek-V3 network, are left alone.)
+        let typed = match hf.model_type.as_deref() {
+            Some("llama") => Some(Arch::Llama),
+            Some("qwen2") => Some(Arch::Qwen2),
+            Some("deepseek_v2") => Some(Arch::DeepseekV2),
+            Some("deepseek_v3" | "kimi_k2") => Some(Arch::DeepseekV3),
+            _ => None,
+        };
+        if typed.is_some_and(|t| t != arch) {
+            return Err(format!(
+                "`architectures` says {name} but `model_type` says `{}`, another model family (transformers builds the model `model_type` names): fix whichever is wrong",
+                hf.model_type.as_deref().unwrap_or_default()
+            ));
+        }
         if let Some(act) = &hf.hidden_act {
             if act != "silu" {
                 return Err(format!("hidden_act `{act}` is not supported (expected silu)"));
@@ -368,13 +384,9 @@ impl ModelConfig {
                 },
                 "yarn" => {
                     let original = original(s, "yarn")?;
-                    // transformers: without `factor`, the ratio of the context lengths.
-                    let factor = match (s.factor, hf.max_position_embeddings) {
-                        (Some(f), _) => f,
-                        (None, Some(max)) => max as f64 / original as f64,
-                        (None, None) => return Err("rope_scaling yarn needs `factor` (or max_position_embeddings)".into()),
-                    };
-                    let factor = positive("rope_scaling.factor", factor)?;
+                    // Required: transformers' DeepSeek attention reads it for the softmax scale
+                    // (a missing key or null fails there), as DeepSeek's own code does.
+                    let factor = factor(s, "yarn")?;
                     RopeScaling::Yarn {
                         factor,
                         original_max_position_embeddings: original,
@@ -812,6 +824,15 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
         (Arch::DeepseekV2, f, _) => return Err(format!("scoring_func `{f}` is not supported for DeepSeek-V2 (softmax)")),
         (_, f, _) => return Err(format!("scoring_func `{f}` is not supported for DeepSeek-V3 (sigmoid)")),
     };
+    // transformers' DeepseekV2Config has no defaults for these (its group-limited router
+    // fails without them); V3's are DeepSeek-V3's.
+    if routing == Routing::SoftmaxGroupLimited {
+        for (key, v) in [("n_group", hf.n_group), ("topk_group", hf.topk_group)] {
+            if v.is_none() {
+                return Err(format!("{key} is required with topk_method `group_limited_greedy`"));
+            }
+        }
+    }
     let n_group = hf.n_group.unwrap_or(if v3 { 8 } else { 1 });
     let topk_group = hf.topk_group.unwrap_or(if v3 { 4 } else { 1 });
     if n_group == 0 || experts % n_group != 0 {
@@ -836,6 +857,14 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
     if !rsf.is_finite() {
         return Err("routed_scaling_factor must be a finite number".into());
     }
+    // transformers' deepseek_v2 ignores norm_topk_prob (the weights are the softmax scores);
+    // DeepSeek's own V2 code normalises them instead of scaling by routed_scaling_factor.
+    // Every released V2 config says false, where both agree.
+    if !v3 && top_k > 1 && hf.norm_topk_prob == Some(true) {
+        return Err(
+            "norm_topk_prob = true is not supported for DeepSeek-V2 (transformers ignores the key; DeepSeek's own code normalises the chosen experts' weights and skips routed_scaling_factor): set it to false to train as transformers does".into(),
+        );
+    }
     let moe = Moe {
         n_routed_experts: experts,
         num_experts_per_tok: top_k,
@@ -846,7 +875,7 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
         n_group,
         topk_group,
         routed_scaling_factor: rsf,
-        // transformers' deepseek_v2 ignores norm_topk_prob (weights are the softmax scores).
+        // V2: refused above where it would differ; its weights are the softmax scores.
         norm_topk_prob: v3 && hf.norm_topk_prob.unwrap_or(true),
     };
     Ok(Some(moe))

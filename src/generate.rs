@@ -105,6 +105,7 @@ impl Generator {
         };
         let llama = Model::load(src.clone(), cfg, &adapters)?;
         src.seal();
+        crate::train::note_unread_tensors(model, &llama);
         Ok((llama, adapters))
     }
 

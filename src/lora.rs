@@ -370,6 +370,10 @@ impl AdapterConfig {
     pub fn read(dir: &Path) -> Result<Self> {
         let err = |msg: String| Error::Adapter { dir: dir.to_path_buf(), msg };
         let p = dir.join("adapter_config.json");
+        if dir.is_file() {
+            let what = if crate::weights::is_gguf_file(dir) { "a GGUF file (llama.cpp's LoRA format is written for llama.cpp, not read back)" } else { "a file" };
+            return Err(err(format!("is {what}: an adapter here is a PEFT adapter folder (adapter_config.json and adapter_model.safetensors)")));
+        }
         // A run's folder or a checkpoint's holds its adapter in `adapter/`.
         if !p.exists() && dir.join("adapter/adapter_config.json").is_file() {
             return Err(err(format!("has no adapter_config.json; its adapter is in {} (a run's or checkpoint's folder holds it there)", dir.join("adapter").display())));
@@ -390,11 +394,6 @@ impl AdapterConfig {
         // Trained base biases ("all", "lora_only") are part of the adapter, a base change.
         if let Some(b) = c.get("bias").and_then(|v| v.as_str()).filter(|b| *b != "none") {
             return Err(err(format!("adapter_config.json: bias = \"{b}\" adapters (trained base biases) are not supported")));
-        }
-        for k in ["rank_pattern", "alpha_pattern"] {
-            if c.get(k).and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty()) {
-                return Err(err(format!("adapter_config.json: per-module `{k}` is not supported")));
-            }
         }
         // PEFT variants whose forward is not Wx + (alpha/r)·B·A·x on the unmodified base: any
         // of these set (not null, false or empty) would be loaded as a plain LoRA and compute
@@ -422,6 +421,13 @@ impl AdapterConfig {
             };
             if set {
                 return Err(err(format!("adapter_config.json: {what} adapters are not supported (`{k}` is set)")));
+            }
+        }
+        // After the variants: PEFT writes a rank_pattern for `target_parameters` too, which
+        // is the cause to name.
+        for k in ["rank_pattern", "alpha_pattern"] {
+            if c.get(k).and_then(|v| v.as_object()).is_some_and(|m| !m.is_empty()) {
+                return Err(err(format!("adapter_config.json: per-module `{k}` is not supported")));
             }
         }
         // Initialisations after which PEFT rewrites the base weights when it loads the adapter
@@ -462,7 +468,14 @@ impl AdapterConfig {
         let targets = ALL_TARGETS.iter().filter(|m| listed.iter().any(|t| t == *m)).map(|s| s.to_string()).collect();
         // Routed-expert adapters are per-module keys (`...mlp.experts.{j}.gate_proj.lora_A`);
         // their presence, not a config field PEFT would not know, says the adapter has them.
-        let routed_experts = adapter_keys(&dir.join("adapter_model.safetensors"))?.iter().any(|k| k.contains(".mlp.experts."));
+        let keys = adapter_keys(&dir.join("adapter_model.safetensors"))?;
+        let per_expert = |k: &str| k.split(".mlp.experts.").nth(1).and_then(|rest| rest.split('.').next()).is_some_and(|j| j.parse::<usize>().is_ok());
+        if let Some(k) = keys.iter().find(|k| k.contains(".mlp.experts.") && !per_expert(k)) {
+            return Err(err(format!(
+                "adapter_model.safetensors: `{k}` adapts the routed experts stacked (transformers 5's expert parameters, PEFT's `target_parameters`), which is not supported: expert adapters here are per expert (`mlp.experts.{{j}}.gate_proj`)"
+            )));
+        }
+        let routed_experts = keys.iter().any(|k| per_expert(k));
         let dropout = c.get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
         let base_model = c.get("base_model_name_or_path").and_then(|v| v.as_str()).map(String::from);
         Ok(AdapterConfig { spec: LoraSpec { rank: rank as usize, alpha, dropout, targets, routed_experts }, base_model, target_modules })

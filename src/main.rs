@@ -409,6 +409,9 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify, stop: Some(install_signal_handlers()?), ..Default::default() };
+    if base.gguf.is_none() {
+        note_quantized_merge(a.run.as_deref().and_then(run_quantize).as_deref());
+    }
     let r = merge(&base, &adapter, &a.out, &opts)?;
     print_merge_report(&r);
     Ok(())
@@ -483,6 +486,24 @@ fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, 
     Ok(())
 }
 
+/// A run that quantised its base on load (`model.quantize`) merges into the checkpoint's own
+/// full-precision weights, as QLoRA merges do: say so, since the merged model is not quite
+/// the one training saw (it differs by the quantisation error).
+fn note_quantized_merge(quantize: Option<&str>) {
+    if let Some(q) = quantize {
+        finetune::note!(
+            "note: the run trained on its base quantised on load (model.quantize = \"{q}\"); the adapter is merged into the checkpoint's full-precision weights, as QLoRA merges are, so the merged model differs from what training saw by the quantisation error"
+        );
+    }
+}
+
+/// `model.quantize` as a run's `recipe.resolved.toml` records it.
+fn run_quantize(run: &std::path::Path) -> Option<String> {
+    let text = std::fs::read_to_string(run.join("recipe.resolved.toml")).ok()?;
+    let v: toml::Value = toml::from_str(&text).ok()?;
+    v.get("model")?.get("quantize")?.as_str().map(str::to_string)
+}
+
 fn print_merge_report(r: &finetune::export::ExportReport) {
     finetune::note!(
         "merged model written to {}: {} tensor(s) merged, {} shard(s), {:.1} MB; peak tensor memory {:.1} MB (one shard)",
@@ -532,7 +553,7 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
         E::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
             Some("free space on that disk (or write --out elsewhere) and rerun: nothing half-written was left at --out")
         }
-        E::Gguf { .. } => Some("the GGUF file must be a model llama.cpp loads (llama, qwen2 or deepseek2 architecture); check the key or tensor named above"),
+        E::Gguf { .. } => Some("GGUF models of the llama, qwen2 and deepseek2 architectures are read (see the README's GGUF section for the tensor types); check the key or tensor named above"),
         E::Data { .. } if recipe => Some("check the data.train or data.eval named above, and data.format, in the recipe"),
         E::Data { .. } => Some("--data must name a .jsonl, .json, .parquet or .arrow file, or a datasets folder"),
         E::Hub { .. } => Some(
@@ -664,6 +685,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     replace: true,
                     stop: Some(stop.clone()),
                 };
+                note_quantized_merge(recipe.recipe.model.quantize.as_deref());
                 let merged = finetune::export::merge(&base, &adapter, &out, &opts).map_err(|e| unwritten(e, "merged model", &format!("--merge --out {}", out.display())))?;
                 print_merge_report(&merged);
             }

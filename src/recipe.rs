@@ -696,6 +696,11 @@ impl LoadedRecipe {
             return Err(self.err("lora.targets", "needs at least one module"));
         }
         for t in targets {
+            // DeepSeek-V2/V3's router (`mlp.gate`) chooses the experts: adapting it is not
+            // LoRA on a projection, and transformers keeps it in f32 apart from the rest.
+            if t == "gate" || t.ends_with("mlp.gate") {
+                return Err(self.err("lora.targets", format!("\"{t}\" is the MoE router, which stays frozen (it is never a LoRA target); the experts' projections are gate_proj, up_proj and down_proj")));
+            }
             if !ALL_TARGETS.contains(&t.as_str()) {
                 return Err(self.err(
                     "lora.targets",
@@ -1358,6 +1363,8 @@ dir = "out"
     fn unknown_lora_target_is_rejected() {
         let e = err_text(MINIMAL, &["lora.targets=[\"q_prj\"]"]);
         assert!(e.contains("did you mean \"q_proj\""), "{e}");
+        let e = err_text(MINIMAL, &["lora.targets=[\"gate\"]"]);
+        assert!(e.contains("router") && e.contains("never a LoRA target"), "{e}");
     }
 
     #[test]

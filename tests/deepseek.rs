@@ -312,13 +312,60 @@ fn unknown_routing_settings_are_errors_naming_the_key() {
     }
 }
 
+/// Configs transformers would not build as they read (a router without its groups, YaRN
+/// without the factor its attention scale reads, a model_type of another family), or would
+/// build otherwise than DeepSeek's own code (norm_topk_prob on V2), are errors naming the key,
+/// not a model trained on a guess.
+#[test]
+fn configs_the_references_disagree_on_or_refuse_are_errors_naming_the_key() {
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: [(Edit, &str); 4] = [
+        (Box::new(|c| c["model_type"] = "deepseek_v3".into()), "`model_type` says `deepseek_v3`"),
+        (
+            Box::new(|c| {
+                c["topk_method"] = "group_limited_greedy".into();
+                c.as_object_mut().unwrap().remove("topk_group");
+            }),
+            "topk_group is required",
+        ),
+        (Box::new(|c| c["norm_topk_prob"] = true.into()), "norm_topk_prob = true"),
+        (
+            Box::new(|c| {
+                for key in ["rope_scaling", "rope_parameters"] {
+                    c[key].as_object_mut().unwrap().remove("factor");
+                }
+            }),
+            "rope_scaling yarn needs `factor`",
+        ),
+    ];
+    for (edit, expect) in cases {
+        let root = tempfile::tempdir().unwrap();
+        let model = with_config(root.path(), &edit);
+        let e = train_error(root.path(), &model, &[]);
+        assert!(e.contains(expect) && e.contains("config.json"), "{expect}: {e}");
+    }
+}
+
 #[test]
 fn a_missing_expert_or_a_misshapen_router_is_an_error_naming_the_tensor() {
     type Edit = Box<dyn Fn(&mut std::collections::HashMap<String, Tensor>)>;
-    let cases: [(&str, Edit, &str); 2] = [
+    let cases: [(&str, Edit, &str); 3] = [
         ("missing expert", Box::new(|t| {
             t.remove("model.layers.2.mlp.experts.4.up_proj.weight");
         }), "model.layers.2.mlp.experts.4.up_proj.weight"),
+        // transformers 5's own layout (save_original_format=False): named, with the way out.
+        ("stacked experts", Box::new(|t| {
+            let p = "model.layers.1.mlp.experts";
+            let take = |t: &mut std::collections::HashMap<String, Tensor>, j: usize, w: &str| t.remove(&format!("{p}.{j}.{w}.weight")).unwrap();
+            let (mut gate_up, mut down) = (vec![], vec![]);
+            for j in 0..6 {
+                let (g, u) = (take(t, j, "gate_proj"), take(t, j, "up_proj"));
+                gate_up.push(Tensor::cat(&[g, u], 0).unwrap()); // [2I, H]
+                down.push(take(t, j, "down_proj")); // [H, I]
+            }
+            t.insert(format!("{p}.gate_up_proj"), Tensor::stack(&gate_up, 0).unwrap()); // [E, 2I, H]
+            t.insert(format!("{p}.down_proj"), Tensor::stack(&down, 0).unwrap()); // [E, H, I]
+        }), "save_original_format=True"),
         ("router shape", Box::new(|t| {
             let g = t["model.layers.1.mlp.gate.weight"].narrow(0, 0, 5).unwrap();
             t.insert("model.layers.1.mlp.gate.weight".into(), g);

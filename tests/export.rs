@@ -178,6 +178,42 @@ fn max_shard_size_cuts_shards_and_bounds_memory_below_the_model() {
     }
 }
 
+/// A base of mixed dtypes: the merge rounds only the adapted weights, so their dtype (bf16
+/// here, in an otherwise f32 base) decides how far the merged logits may be from base +
+/// adapter. It was decided by whichever tensor a hash map gave first: a random verdict.
+#[test]
+fn merge_verification_of_a_mixed_dtype_base_allows_for_the_rounding_of_what_it_merges() {
+    let (d, run) = trained(TinyShape::default(), 1);
+    let path = d.path().join("model/model.safetensors");
+    let mut st = load_tensors(&path);
+    let adapted = |k: &str| ["q_proj", "v_proj", "o_proj", "down_proj"].iter().any(|p| k.contains(p));
+    for (k, t) in st.iter_mut() {
+        if adapted(k) {
+            *t = t.to_dtype(DType::BF16).unwrap();
+        }
+    }
+    candle_core::safetensors::save(&st, &path).unwrap();
+    let out = d.path().join("merged");
+    let rep = merge_run(&run, &out, ExportOptions::default());
+    println!("mixed-dtype merge: logits diff {:?}", rep.max_logit_diff);
+    for (k, t) in load_tensors(&out.join("model.safetensors")) {
+        assert_eq!(t.dtype(), if adapted(&k) { DType::BF16 } else { DType::F32 }, "{k} keeps its stored dtype");
+    }
+}
+
+/// An adapter where a model is asked for, and a llama.cpp LoRA GGUF where an adapter is, are
+/// named for what they are, not refused for a file they lack.
+#[test]
+fn an_adapter_given_as_the_model_or_a_gguf_given_as_the_adapter_is_named() {
+    let (d, run) = trained(TinyShape::default(), 1);
+    let e = ModelDir::resolve(&run.join("adapter").display().to_string(), Path::new(".")).unwrap_err().to_string();
+    assert!(e.contains("holds a PEFT adapter") && e.contains("as adapter_config.json names it"), "{e}");
+    let g = d.path().join("adapter.gguf");
+    std::fs::write(&g, b"GGUF\x03\0\0\0").unwrap();
+    let e = PeftAdapter::open(&g).err().unwrap().to_string();
+    assert!(e.contains("is a GGUF file") && e.contains("PEFT adapter folder"), "{e}");
+}
+
 #[test]
 fn bf16_base_stays_bf16_and_dtype_override_converts() {
     let (d, run) = trained(TinyShape { dtype: DType::BF16, ..Default::default() }, 1);

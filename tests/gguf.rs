@@ -315,6 +315,14 @@ fn a_block_count_that_disagrees_with_the_blocks_present_is_an_error_naming_the_k
     rejects("a block without ffn_up", "blk.1.ffn_up.weight", |_, qs| qs.retain(|(n, _)| n != "blk.1.ffn_up.weight"));
 }
 
+/// A LoRA GGUF (what `export --format gguf` writes) named as a model is said to be one,
+/// rather than refused for the first model key it lacks.
+#[test]
+fn an_adapter_gguf_given_as_a_model_is_named_an_adapter() {
+    let e = rejects("an adapter", "general.type", |md, _| set(md, "general.type", Value::String("adapter".into())));
+    assert!(e.contains("LoRA adapter"), "{e}");
+}
+
 #[test]
 fn missing_required_keys_are_errors_naming_the_key() {
     for key in [
@@ -525,7 +533,7 @@ fn cli_import_of_a_zero_head_count_fails_naming_the_key_and_writes_nothing() {
     assert!(!r.status.success(), "exit {:?}: {stderr}", r.status);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(stderr.contains("llama.attention.head_count") && stderr.contains("zero-heads.gguf"), "{stderr}");
-    assert!(stderr.contains("hint: the GGUF file must be a model llama.cpp loads"), "{stderr}");
+    assert!(stderr.contains("hint: GGUF models of the llama, qwen2 and deepseek2 architectures are read"), "{stderr}");
     assert!(!stderr.contains("data.train"), "the dataset hint is not for import: {stderr}");
     assert!(!out.exists(), "a failed import left {}", out.display());
 }
@@ -628,6 +636,19 @@ fn hostile_header_sizes_are_errors_without_huge_allocations_overflow_or_panics()
         println!("{what}: {err}");
         assert_names(&err, &g, key);
     }
+}
+
+/// A tensor type llama.cpp has and this does not read is named as llama.cpp names it (IQ4_NL
+/// is type 20), with the way out.
+#[test]
+fn a_tensor_type_this_does_not_read_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let g = d.path().join("iq4_nl.gguf");
+    let arch = kv("general.architecture", 8, &gstr("llama"));
+    std::fs::write(&g, raw(1, 1, &[arch, tensor_record("token_embd.weight", &[64, 4], 20, 0)].concat())).unwrap();
+    let err = import_error(&g);
+    assert_names(&err, &g, "token_embd.weight");
+    assert!(err.to_string().contains("IQ4_NL (20)") && err.to_string().contains("requantize"), "{err}");
 }
 
 /// A valid file cut short anywhere in its header, or with header bytes overwritten, is an

@@ -155,6 +155,35 @@ fn a_tied_config_with_an_equal_stored_head_stays_tied() {
     assert_eq!(losses(&train(ws.path(), &[])), tied);
 }
 
+/// `finetune logits` on `model`, returning its stderr (the notes loading printed).
+fn logits_notes(model: &Path) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_finetune")).args(["logits", "--tokens", "1,2,3", "--model"]).arg(model).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stderr).unwrap()
+}
+
+/// A bias the config does not call for changes the math: it is named, as transformers lists
+/// it among the unexpected keys, rather than dropped without a word. What every checkpoint
+/// holds, and a stored head equal to a tied embedding, are not.
+#[test]
+fn tensors_no_layer_reads_are_named_when_the_model_loads() {
+    for shape in [TinyShape::default(), TinyShape { arch: "Qwen2ForCausalLM", tie: true, ..Default::default() }] {
+        let ws = workspace(&shape, 1);
+        assert_eq!(logits_notes(&ws.path().join("model")), "", "{}", shape.arch);
+    }
+    let ws = workspace(&TinyShape { tie: true, ..Default::default() }, 1);
+    let path = ws.path().join("model/model.safetensors");
+    let mut st = load_tensors(&path);
+    st.insert("lm_head.weight".into(), st["model.embed_tokens.weight"].clone());
+    candle_core::safetensors::save(&st, &path).unwrap();
+    assert_eq!(logits_notes(&ws.path().join("model")), "");
+    let h = st["model.norm.weight"].dims()[0];
+    st.insert("model.layers.0.self_attn.q_proj.bias".into(), candle_core::Tensor::zeros(h, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap());
+    candle_core::safetensors::save(&st, &path).unwrap();
+    let notes = logits_notes(&ws.path().join("model"));
+    assert!(notes.contains("1 tensor in") && notes.contains("`model.layers.0.self_attn.q_proj.bias`") && notes.contains("attention_bias"), "{notes}");
+}
+
 #[test]
 fn repo_id_resolves_through_the_hf_hub_cache() {
     let ws = workspace(&TinyShape::default(), 1);

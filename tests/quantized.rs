@@ -419,5 +419,5 @@ fn deepseek2_gguf_metadata_llama_cpp_requires_is_required_by_name() {
         *t = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::Q8_1).unwrap();
     });
     let e = finetune::gguf::open(&p).err().expect("Q8_1 accepted").to_string();
-    assert!(e.contains("blk.0.ffn_down.weight") && e.contains("tensor type 9"), "{e}");
+    assert!(e.contains("blk.0.ffn_down.weight") && e.contains("tensor type Q8_1 (9)"), "{e}");
 }

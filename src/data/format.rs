@@ -49,6 +49,8 @@ fn format_columns(format: &str) -> &'static [(&'static str, bool)] {
 /// Whether the note on a built-in template's missing markers was printed (once a process:
 /// a Formatter is built per rank and for eval data too).
 static TEMPLATE_MARKERS_NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Whether the note that answers are trained without an end-of-sequence token was printed.
+static NO_EOS_NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 pub const TEMPLATES: &[&str] = &["model", "alpaca", "raw", "chatml", "deepseek", "llama3"];
 
@@ -254,6 +256,14 @@ impl Formatter {
                 Template::Chat(Box::new(t))
             }
         };
+        // Alpaca and raw records end with the EOS (TRL appends eos_token to completions):
+        // without one the model never learns where its answer stops.
+        if eos.is_none() && matches!(template, Template::Alpaca | Template::Raw) && !NO_EOS_NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            crate::note!(
+                "note: {} names no end-of-sequence token (tokenizer_config.json's eos_token, config.json's eos_token_id): records are trained without one, so the tuned model will not learn where an answer ends",
+                model_dir.display()
+            );
+        }
         if format == "messages" && matches!(template, Template::Alpaca | Template::Raw) {
             return Err(Error::Train(format!("data.template = \"{name}\" cannot render multi-turn messages; use model, chatml, deepseek or llama3")));
         }

@@ -298,7 +298,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
     // name -> (A, B) of every targeted projection.
     let mut lora: HashMap<String, (Tensor, Tensor)> = HashMap::new();
     for (i, path, ad) in adapters.iter() {
-        let key = peft_prefix(i, path).replace("base_model.model.", "") + ".weight";
+        let key = base_weight_name(i, path);
         lora.insert(key, (ad.a.as_tensor().clone(), ad.b.as_tensor().clone()));
     }
     let scale = adapter.spec.scale();
@@ -481,7 +481,7 @@ fn verify_merge(base: &ModelDir, adapters: &Adapters, merged_dir: &Path, opts: &
     let merged = Model::load(src, cfg, &none)?.with_kernels(opts.kernels).logits(&ids, &none)?;
     let diff = (&merged - &reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
     let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0);
-    let half = matches!(out_dtype, Some(DType::BF16 | DType::F16)) || base_is_half(base);
+    let half = matches!(out_dtype, Some(DType::BF16 | DType::F16)) || merge_rounds_to_half(base, adapters);
     let limit = if half { 5e-2 } else { 1e-4 } * scale;
     if diff.is_nan() || diff > limit {
         // A model with routed experts picks them by score: a merge rounded to bf16 can flip
@@ -499,14 +499,20 @@ fn is_dropped_scale(files: &crate::weights::SafetensorsFiles, name: &str) -> boo
     name.ends_with(".weight_scale_inv") && files.is_fp8(name.trim_end_matches("_scale_inv"))
 }
 
-fn base_is_half(base: &ModelDir) -> bool {
-    // Any float tensor tells the base's dtype (an integer buffer, if present, does not). An
-    // FP8 base merges into bf16.
+/// The base tensor an adapter on layer `i`'s projection `path` merges into.
+fn base_weight_name(i: usize, path: &str) -> String {
+    peft_prefix(i, path).replace("base_model.model.", "") + ".weight"
+}
+
+/// Whether the merge writes an adapted weight rounded to 16 bits (its stored dtype, or bf16
+/// for an FP8 base, all of whose weights are rounded so): the merged logits then differ from
+/// base + adapter by that rounding. A tensor copied is the same bits in both, whatever its
+/// dtype, so a base of mixed dtypes is judged by the tensors merged, not by any one tensor.
+fn merge_rounds_to_half(base: &ModelDir, adapters: &Adapters) -> bool {
     let Ok(f) = base.open_weights() else { return false };
     if f.names().any(|n| f.is_fp8(n)) {
         return true;
     }
-    let floats = f.names().filter_map(|n| f.raw_view(n).ok().map(|v| v.dtype())).find(|d| candle_dtype(*d).is_some());
-    matches!(floats, Some(safetensors::Dtype::BF16 | safetensors::Dtype::F16))
+    adapters.iter().any(|(i, path, _)| matches!(f.raw_view(&base_weight_name(i, path)).map(|v| v.dtype()), Ok(safetensors::Dtype::BF16 | safetensors::Dtype::F16)))
 }
 

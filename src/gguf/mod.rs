@@ -60,7 +60,7 @@ const MAX_KEPT_ARRAY: u64 = 1 << 22;
 /// Metadata the import reads; the values of other keys are checked for their type and
 /// length and skipped, so a large unrelated array costs no memory.
 fn kept(key: &str) -> bool {
-    key == "general.architecture" || key == "general.alignment" || ["llama.", "qwen2.", "deepseek2.", "tokenizer."].iter().any(|p| key.starts_with(p))
+    key == "general.architecture" || key == "general.alignment" || key == "general.type" || ["llama.", "qwen2.", "deepseek2.", "tokenizer."].iter().any(|p| key.starts_with(p))
 }
 
 struct Reader<'a, R> {
@@ -252,6 +252,33 @@ fn ggml_dtype(code: u32) -> Option<GgmlDType> {
     })
 }
 
+/// llama.cpp's name of a tensor type this does not read (`ggml_type` in ggml.h), for the
+/// error refusing it.
+fn ggml_type_name(code: u32) -> Option<&'static str> {
+    Some(match code {
+        9 => "Q8_1",
+        15 => "Q8_K",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => return None,
+    })
+}
+
 /// Read and check a GGUF header: the open file and candle's `Content` for it, holding the
 /// metadata the import uses (`general.architecture`, `general.alignment`, `llama.*`,
 /// `tokenizer.*`; other keys are checked and skipped) and every tensor's record.
@@ -323,7 +350,10 @@ pub fn read_header(gguf: &Path) -> Result<(std::fs::File, Content)> {
             dims.push(usize::try_from(d).map_err(|_| r.err(&name, format!("dimension {d} does not fit this machine's address space")))?);
         }
         let code = r.u32(&name, "the tensor type")?;
-        let dtype = ggml_dtype(code).ok_or_else(|| r.err(&name, format!("tensor type {code} is not one candle reads (f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k..q6_k)")))?;
+        let dtype = ggml_dtype(code).ok_or_else(|| {
+            let what = ggml_type_name(code).map_or(format!("tensor type {code}"), |n| format!("tensor type {n} ({code})"));
+            r.err(&name, format!("{what} is not one this reads (f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k..q6_k): requantize the model to one of those (llama.cpp's llama-quantize, e.g. Q4_K_M)"))
+        })?;
         let offset = r.u64(&name, "the data offset")?;
         records.push((name, dims, dtype, offset));
     }
@@ -756,9 +786,9 @@ impl Llama {
                     return Err(m.err(&k("block_count"), format!("is {} but the file has tensors of block {b} ({name})", self.layers)));
                 }
                 if rest.ends_with(".bias") && !self.qkv_bias() {
-                    // HF's llama has q/k/v biases only with an o_proj bias too, and
-                    // llama.cpp permutes q/k biases like the rows: not a llama layout.
-                    return Err(m.err(name, "a q/k/v bias is not part of a llama model (no o_proj bias to go with it)"));
+                    // HF's llama has biases only with attention_bias (q, k, v and o), which
+                    // llama.cpp's converter permutes like the rows: not read here.
+                    return Err(m.err(name, "is a bias in a llama file: only qwen2 files' q/k/v biases are read (a llama model with attention_bias is not supported from GGUF; use its safetensors folder)"));
                 }
                 blocks.insert(b);
             }
@@ -1022,6 +1052,11 @@ pub struct GgufModel {
 pub fn open(gguf: &Path) -> Result<GgufModel> {
     let (mut file, c) = read_header(gguf)?;
     let m = Meta { c: &c, file: gguf };
+    // A LoRA adapter (`export --format gguf`, llama.cpp's convert_lora_to_gguf.py) has the
+    // base's architecture but no model in it: say what it is, not which model key it lacks.
+    if let Some(t) = m.string("general.type")?.filter(|t| *t != "model") {
+        return Err(m.err("general.type", format!("is `{t}`: this file is not a model{}", if t == "adapter" { " but a LoRA adapter for llama.cpp (`llama-cli -m <base>.gguf --lora <this file>`); name its base model instead" } else { "" })));
+    }
     let d = match m.string("general.architecture")? {
         Some("deepseek2") => deepseek2::describe(&m)?,
         _ => Llama::from_gguf(&m, &mut file)?.describe(&m),

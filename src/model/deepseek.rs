@@ -141,6 +141,11 @@ impl<'a> Moe<'a> {
             }
             _ => None,
         };
+        if !vb.contains("mlp.experts.0.gate_proj.weight") && vb.contains("mlp.experts.gate_up_proj") {
+            let msg = "holds the routed experts stacked (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`: transformers 5's own layout, from save_pretrained(save_original_format=False)); \
+                       this tool reads the per-expert tensors the hub's checkpoints hold (`mlp.experts.{j}.gate_proj.weight`): save the model again with transformers' default save_original_format=True";
+            return Err(Error::model(format!("model.layers.{layer}"), msg));
+        }
         let experts = (0..e).map(|j| Mlp::load(vb, cfg, layer, &format!("mlp.experts.{j}"), lora)).collect::<Result<Vec<_>>>()?;
         let shared_experts = if m.n_shared_experts > 0 { Some(Mlp::load(vb, cfg, layer, "mlp.shared_experts", lora)?) } else { None };
         Ok(Moe { gate, e_score_correction_bias, experts, shared_experts, cfg: m })

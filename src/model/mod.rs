@@ -185,26 +185,29 @@ pub struct Model {
     src: Arc<dyn WeightSource>,
     inv_freq: Vec<f64>,
     kernels: Kernels,
+    /// Every tensor `load` asked the source for (see [`crate::weights::unread`]).
+    asked: std::collections::BTreeSet<String>,
 }
 
 impl Model {
     /// Check every frozen tensor exists with the right shape (so a bad checkpoint fails
     /// before training starts, naming the tensor), and keep the source.
     pub fn load(src: Arc<dyn WeightSource>, cfg: ModelConfig, lora: &Adapters) -> Result<Self> {
-        let m = Model { inv_freq: cfg.inv_freq(), cfg, src, kernels: Kernels::Auto };
+        let mut m = Model { inv_freq: cfg.inv_freq(), cfg, src, kernels: Kernels::Auto, asked: Default::default() };
         let (v, h) = (m.cfg.vocab_size, m.cfg.hidden_size);
+        let src = crate::weights::Asked::new(&*m.src);
         if m.cfg.tie_word_embeddings {
-            m.src.check("model.embed_tokens.weight", &[v, h])?; // the head too: held whole
+            src.check("model.embed_tokens.weight", &[v, h])?; // the head too: held whole
         } else {
-            m.src.check_rows("model.embed_tokens.weight", &[v, h])?;
+            src.check_rows("model.embed_tokens.weight", &[v, h])?;
         }
-        m.src.check("model.norm.weight", &[h])?;
+        src.check("model.norm.weight", &[h])?;
         if m.cfg.tie_word_embeddings {
-            m.src.check(m.lm_head_name(), &[v, h])?;
+            src.check(m.lm_head_name(), &[v, h])?;
         } else {
-            m.src.check_head(m.lm_head_name(), &[v, h])?; // read by the loss in chunks
+            src.check_head(m.lm_head_name(), &[v, h])?; // read by the loss in chunks
         }
-        let vb = Frozen::new(&*m.src);
+        let vb = Frozen::new(&src);
         for i in 0..m.cfg.num_hidden_layers {
             DecoderLayer::load(&vb.pp(format!("model.layers.{i}")), &m.cfg, i, lora)?;
         }
@@ -219,7 +222,13 @@ impl Model {
                 format!("num_hidden_layers = {n}, but the weights hold more layers (e.g. `{extra}`); fix num_hidden_layers or the checkpoint"),
             ));
         }
+        m.asked = src.into_names();
         Ok(m)
+    }
+
+    /// The tensors among `stored` (a checkpoint's names) that no part of this model reads.
+    pub fn unread<'n>(&self, stored: impl Iterator<Item = &'n String>) -> Vec<&'n str> {
+        crate::weights::unread(stored, &self.asked, self.cfg.num_hidden_layers)
     }
 
     /// Run with `kernels` (the recipe's `model.kernels`).
