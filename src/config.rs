@@ -116,6 +116,25 @@ pub struct HfConfig {
     pub quantization_config: Option<serde_json::Value>,
 }
 
+/// transformers' Auto classes build the model `model_type` names, not `architectures`: where
+/// the two name different families of ours, the checkpoint describes two models. (Other
+/// model types, and Kimi-K2's own for the DeepSeek-V3 network, are left alone.)
+fn check_model_type(hf: &HfConfig, arch: Arch, name: &str) -> std::result::Result<(), String> {
+    let typed = match hf.model_type.as_deref() {
+        Some("llama") => Some(Arch::Llama),
+        Some("qwen2") => Some(Arch::Qwen2),
+        Some("deepseek_v2") => Some(Arch::DeepseekV2),
+        Some("deepseek_v3" | "kimi_k2") => Some(Arch::DeepseekV3),
+        _ => None,
+    };
+    match (typed, &hf.model_type) {
+        (Some(t), Some(ty)) if t != arch => Err(format!(
+            "`architectures` says {name} but `model_type` says `{ty}`, another model family (transformers builds the model `model_type` names): fix whichever is wrong"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A key that may be absent (`None`), null (`Some(None)`) or a value.
 fn present_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<Option<usize>>, D::Error> {
     Option::<usize>::deserialize(d).map(Some)
@@ -290,22 +309,7 @@ impl ModelConfig {
                 ))
             }
         };
-        // transformers' Auto classes build the model `model_type` names, not `architectures`:
-        // where the two name different families of ours, the checkpoint describes two models.
-        // (Other model types, and Kimi-K2's own for the DeepSeek-V3 network, are left alone.)
-        let typed = match hf.model_type.as_deref() {
-            Some("llama") => Some(Arch::Llama),
-            Some("qwen2") => Some(Arch::Qwen2),
-            Some("deepseek_v2") => Some(Arch::DeepseekV2),
-            Some("deepseek_v3" | "kimi_k2") => Some(Arch::DeepseekV3),
-            _ => None,
-        };
-        if typed.is_some_and(|t| t != arch) {
-            return Err(format!(
-                "`architectures` says {name} but `model_type` says `{}`, another model family (transformers builds the model `model_type` names): fix whichever is wrong",
-                hf.model_type.as_deref().unwrap_or_default()
-            ));
-        }
+        check_model_type(hf, arch, &name)?;
         if let Some(act) = &hf.hidden_act {
             if act != "silu" {
                 return Err(format!("hidden_act `{act}` is not supported (expected silu)"));
@@ -384,8 +388,10 @@ impl ModelConfig {
                 },
                 "yarn" => {
                     let original = original(s, "yarn")?;
-                    // Required: transformers' DeepSeek attention reads it for the softmax scale
-                    // (a missing key or null fails there), as DeepSeek's own code does.
+                    // Required: transformers refuses a yarn config without it when the config
+                    // loads, and DeepSeek's own code reads it. A null, which transformers
+                    // would replace by the ratio of the context lengths, is refused too: no
+                    // released config has one, and DeepSeek's code would fail on it.
                     let factor = factor(s, "yarn")?;
                     RopeScaling::Yarn {
                         factor,

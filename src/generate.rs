@@ -105,7 +105,7 @@ impl Generator {
         };
         let llama = Model::load(src.clone(), cfg, &adapters)?;
         src.seal();
-        crate::train::note_unread_tensors(model, &llama);
+        llama.note_unread(model);
         Ok((llama, adapters))
     }
 

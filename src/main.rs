@@ -497,11 +497,11 @@ fn note_quantized_merge(quantize: Option<&str>) {
     }
 }
 
-/// `model.quantize` as a run's `recipe.resolved.toml` records it.
+/// `model.quantize` as a run's `recipe.resolved.toml` records it (`ModelDir::of_run` has
+/// read the file already, refusing a damaged one).
 fn run_quantize(run: &std::path::Path) -> Option<String> {
-    let text = std::fs::read_to_string(run.join("recipe.resolved.toml")).ok()?;
-    let v: toml::Value = toml::from_str(&text).ok()?;
-    v.get("model")?.get("quantize")?.as_str().map(str::to_string)
+    let t = finetune::runlog::read_resolved_recipe(run).ok()??;
+    t.get("model")?.get("quantize")?.as_str().map(str::to_string)
 }
 
 fn print_merge_report(r: &finetune::export::ExportReport) {

@@ -147,6 +147,22 @@ impl RunLog {
 
 /// The TensorBoard scalars of one step: the metrics line's numbers under the tags the
 /// dashboards group by section.
+/// A run's `recipe.resolved.toml`, as read back by `export --run` (the hub commit the base
+/// was trained at, whether the base was quantised on load). Absent in a folder that is not a
+/// run's (an adapter copied elsewhere); present but unreadable, it is an error.
+pub fn read_resolved_recipe(run: &Path) -> Result<Option<toml::Table>> {
+    let file = run.join("recipe.resolved.toml");
+    match std::fs::read_to_string(&file) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(&file, e)),
+        Ok(t) => Ok(Some(t.parse::<toml::Table>().map_err(|e| Error::Recipe {
+            file: file.display().to_string(),
+            key: "(syntax)".into(),
+            msg: format!("the run's record of its recipe is damaged: {}", e.message()),
+        })?)),
+    }
+}
+
 pub fn scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
     let mut v = vec![("train/loss", m.loss), ("train/lr", m.lr), ("train/grad_norm", m.grad_norm), ("train/tokens_per_s", m.tokens_per_s)];
     if let Some(e) = m.eval_loss {

@@ -234,38 +234,6 @@ fn note_rounded_auto_dtype(loaded: &LoadedRecipe) {
     }
 }
 
-/// Name the tensors of a safetensors base that no part of the model reads, as transformers
-/// lists its unexpected keys: a bias the config does not call for, say, would otherwise be
-/// dropped without a word. A GGUF base is not looked at (its names are llama.cpp's).
-pub fn note_unread_tensors(model_dir: &ModelDir, model: &Model) {
-    if model_dir.gguf.is_some() {
-        return;
-    }
-    let Ok(files) = model_dir.open_weights() else { return };
-    let mut unread = model.unread(files.names());
-    // A stored head beside a tied config is read only to learn it equals the embedding (the
-    // config is untied otherwise: `ModelConfig`), which transformers does not name either.
-    unread.retain(|n| !(model.cfg.tie_word_embeddings && *n == "lm_head.weight"));
-    if unread.is_empty() {
-        return;
-    }
-    let shown = unread.iter().take(4).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
-    let more = if unread.len() > 4 { format!(" and {} more", unread.len() - 4) } else { String::new() };
-    let why = if unread.iter().any(|n| n.ends_with(".bias")) {
-        " (biases are read where the architecture or config.json's attention_bias / mlp_bias call for them)"
-    } else {
-        ""
-    };
-    crate::note!(
-        "note: {} tensor{} in {} {} not read by a {} model with this config.json: {shown}{more}. They are left out, as transformers leaves out what it reports as unexpected keys; if the model needs them, config.json does not match the checkpoint{why}",
-        unread.len(),
-        if unread.len() == 1 { "" } else { "s" },
-        model_dir.dir.display(),
-        if unread.len() == 1 { "is" } else { "are" },
-        model.cfg.architecture_name,
-    );
-}
-
 /// The checkpoint a run continues from, as `checkpoint.resume` says: none ("never"), the
 /// newest valid one in output.dir ("auto"), or the folder named.
 fn resume_dir(loaded: &LoadedRecipe) -> Option<PathBuf> {
@@ -514,7 +482,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let model = Model::load(src.clone(), cfg, &adapters)?.with_kernels(kernels);
     src.seal();
     if lead {
-        note_unread_tensors(&model_dir, &model);
+        model.note_unread(&model_dir);
     }
     if !sharded && !quantized {
         // ShardedWeights and QuantizedWeights count what they hold as they read it.

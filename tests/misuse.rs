@@ -348,6 +348,34 @@ fn init_from_refuses_the_adapters_export_refuses() {
     }
 }
 
+/// What PEFT 0.21 writes for `gate_proj`/`up_proj`/`down_proj` targets on a transformers 5
+/// MoE model: LoRA on the stacked expert parameters, with a rank_pattern for them. Refused
+/// for the cause (`target_parameters`), not the rank_pattern beside it; an adapter whose
+/// keys are stacked with that key edited out is refused by its keys.
+#[test]
+fn an_adapter_on_stacked_experts_is_refused_for_what_it_is() {
+    let root = tiny_workspace(23, (4, 18), None);
+    let adapter = trained_adapter(root.path());
+    let both = root.path().join("both");
+    copy_dir(&adapter, &both);
+    edit_json(&both.join("adapter_config.json"), |c| {
+        c["target_parameters"] = serde_json::json!(["mlp.experts.gate_up_proj"]);
+        c["rank_pattern"] = serde_json::json!({"mlp.experts.gate_up_proj": 4});
+    });
+    let e = finetune::export::PeftAdapter::open(&both).err().unwrap().to_string();
+    assert!(e.contains("`target_parameters` is set"), "{e}");
+    let stacked = root.path().join("stacked");
+    copy_dir(&adapter, &stacked);
+    let file = stacked.join("adapter_model.safetensors");
+    let mut t = load_tensors(&file);
+    let (k, v) = t.iter().next().map(|(k, v)| (k.clone(), v.clone())).unwrap();
+    t.remove(&k);
+    t.insert("base_model.model.model.layers.0.mlp.experts.lora_A.weight".into(), v);
+    candle_core::safetensors::save(&t, &file).unwrap();
+    let e = finetune::export::PeftAdapter::open(&stacked).err().unwrap().to_string();
+    assert!(e.contains("mlp.experts.lora_A.weight") && e.contains("stacked"), "{e}");
+}
+
 /// PEFT writes full module paths for `target_modules = "all-linear"` and matches entries by
 /// their dotted tail: such an adapter loads as the leaf names it covers; one whose paths name
 /// only some layers is refused (its other layers have no tensors), never half applied.

@@ -420,4 +420,12 @@ fn deepseek2_gguf_metadata_llama_cpp_requires_is_required_by_name() {
     });
     let e = finetune::gguf::open(&p).err().expect("Q8_1 accepted").to_string();
     assert!(e.contains("blk.0.ffn_down.weight") && e.contains("tensor type Q8_1 (9)"), "{e}");
+    // V2 (softmax gating) with normalised weights: transformers and llama.cpp disagree there.
+    let v2 = fixture("gguf-deepseek").join("model-v2-q8_0.gguf");
+    edited_deepseek_gguf(&v2, &p, |md, _| {
+        md.retain(|(k, _)| k != "deepseek2.expert_weights_norm");
+        md.push(("deepseek2.expert_weights_norm".into(), Value::Bool(true)));
+    });
+    let e = finetune::gguf::open(&p).err().expect("normalised V2 weights accepted").to_string();
+    assert!(e.contains("deepseek2.expert_weights_norm") && e.contains("softmax gating"), "{e}");
 }

@@ -256,16 +256,17 @@ impl Formatter {
                 Template::Chat(Box::new(t))
             }
         };
+        if format == "messages" && matches!(template, Template::Alpaca | Template::Raw) {
+            return Err(Error::Train(format!("data.template = \"{name}\" cannot render multi-turn messages; use model, chatml, deepseek or llama3")));
+        }
         // Alpaca and raw records end with the EOS (TRL appends eos_token to completions):
-        // without one the model never learns where its answer stops.
-        if eos.is_none() && matches!(template, Template::Alpaca | Template::Raw) && !NO_EOS_NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        // without one the model never learns where its answer stops. (Tokenized rows are
+        // trained as given.)
+        if eos.is_none() && tokenizer.is_some() && matches!(template, Template::Alpaca | Template::Raw) && !NO_EOS_NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
             crate::note!(
                 "note: {} names no end-of-sequence token (tokenizer_config.json's eos_token, config.json's eos_token_id): records are trained without one, so the tuned model will not learn where an answer ends",
                 model_dir.display()
             );
-        }
-        if format == "messages" && matches!(template, Template::Alpaca | Template::Raw) {
-            return Err(Error::Train(format!("data.template = \"{name}\" cannot render multi-turn messages; use model, chatml, deepseek or llama3")));
         }
         Ok(Formatter {
             format: format.into(),

@@ -64,6 +64,11 @@ pub(super) fn describe(m: &Meta) -> Result<Described> {
     // DeepSeek-V3), so a default would train a different model.
     let scale = m.positive_float(&k("expert_weights_scale"))?.ok_or_else(|| m.missing(&k("expert_weights_scale")))?;
     let norm = m.bool(&k("expert_weights_norm"))?.unwrap_or(false);
+    // As config.json's norm_topk_prob on V2 (`ModelConfig`): transformers ignores it there,
+    // DeepSeek's code and llama.cpp normalise; named here, where the user's file says it.
+    if norm && !d.sigmoid && d.used > 1 {
+        return Err(m.err(&k("expert_weights_norm"), "is true with softmax gating (DeepSeek-V2): transformers ignores it there while DeepSeek's code and llama.cpp normalise the chosen experts' weights, so the model is not one both agree on; no published DeepSeek-V2 file sets it"));
+    }
     let (arch, model_type, topk) = match (d.sigmoid, groups_used < groups) {
         (true, _) => ("DeepseekV3ForCausalLM", "deepseek_v3", "noaux_tc"),
         (false, true) => ("DeepseekV2ForCausalLM", "deepseek_v2", "group_limited_greedy"),

@@ -272,16 +272,26 @@ fn ggml_type_name(code: u32) -> Option<&'static str> {
         27 => "I64",
         28 => "F64",
         29 => "IQ1_M",
+        // 31-33 and 36-38: repacked layouts llama.cpp no longer writes, found in older files.
+        31 => "Q4_0_4_4",
+        32 => "Q4_0_4_8",
+        33 => "Q4_0_8_8",
         34 => "TQ1_0",
         35 => "TQ2_0",
+        36 => "IQ4_NL_4_4",
+        37 => "IQ4_NL_4_8",
+        38 => "IQ4_NL_8_8",
         39 => "MXFP4",
+        40 => "NVFP4",
+        41 => "Q1_0",
         _ => return None,
     })
 }
 
 /// Read and check a GGUF header: the open file and candle's `Content` for it, holding the
-/// metadata the import uses (`general.architecture`, `general.alignment`, `llama.*`,
-/// `tokenizer.*`; other keys are checked and skipped) and every tensor's record.
+/// metadata the import uses ([`kept`]: `general.architecture`, `general.alignment`,
+/// `general.type`, `llama.*`, `qwen2.*`, `deepseek2.*`, `tokenizer.*`; other keys are checked
+/// and skipped) and every tensor's record.
 ///
 /// Nothing the header declares is trusted: lengths and counts are checked against the bytes
 /// left in the file before anything is allocated, dimension products and data ranges with

@@ -231,6 +231,38 @@ impl Model {
         crate::weights::unread(stored, &self.asked, self.cfg.num_hidden_layers)
     }
 
+    /// Name the tensors of a safetensors base that no part of the model reads, as transformers
+    /// lists its unexpected keys: a bias the config does not call for, say, would otherwise be
+    /// dropped without a word. A GGUF base is not looked at (its names are llama.cpp's).
+    pub fn note_unread(&self, model_dir: &crate::weights::ModelDir) {
+        if model_dir.gguf.is_some() {
+            return;
+        }
+        let Ok(files) = model_dir.open_weights() else { return };
+        let mut unread = self.unread(files.names());
+        // A stored head beside a tied config is read only to learn it equals the embedding (the
+        // config is untied otherwise: `ModelConfig`), which transformers does not name either.
+        unread.retain(|n| !(self.cfg.tie_word_embeddings && *n == "lm_head.weight"));
+        if unread.is_empty() {
+            return;
+        }
+        let shown = unread.iter().take(4).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
+        let more = if unread.len() > 4 { format!(" and {} more", unread.len() - 4) } else { String::new() };
+        let why = if unread.iter().any(|n| n.ends_with(".bias")) {
+            " (biases are read where the architecture or config.json's attention_bias / mlp_bias call for them)"
+        } else {
+            ""
+        };
+        crate::note!(
+            "note: {} tensor{} in {} {} not read by a {} model with this config.json: {shown}{more}. They are left out, as transformers leaves out what it reports as unexpected keys; if the model needs them, config.json does not match the checkpoint{why}",
+            unread.len(),
+            if unread.len() == 1 { "" } else { "s" },
+            model_dir.dir.display(),
+            if unread.len() == 1 { "is" } else { "are" },
+            self.cfg.architecture_name,
+        );
+    }
+
     /// Run with `kernels` (the recipe's `model.kernels`).
     pub fn with_kernels(mut self, kernels: Kernels) -> Self {
         self.kernels = kernels;

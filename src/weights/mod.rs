@@ -308,18 +308,8 @@ impl ModelDir {
     /// adapter names) at the hub commit the run recorded in its recipe.resolved.toml, so a
     /// branch that moved since (another job's download) is not what gets merged into.
     pub fn of_run(run: &Path, path: &str, recipe_dir: &Path) -> Result<Self> {
-        // Absent in a folder that is not a run's (an adapter copied elsewhere); present but
-        // unreadable, it is an error: read as absent it would merge into the branch's head.
-        let file = run.join("recipe.resolved.toml");
-        let resolved = match std::fs::read_to_string(&file) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(Error::io(&file, e)),
-            Ok(t) => Some(t.parse::<toml::Table>().map_err(|e| Error::Recipe {
-                file: file.display().to_string(),
-                key: "(syntax)".into(),
-                msg: format!("the run's record of its recipe is damaged (it names the hub commit the base was trained at): {}", e.message()),
-            })?),
-        };
+        // Unreadable, it is an error: read as absent it would merge into the branch's head.
+        let resolved = crate::runlog::read_resolved_recipe(run)?;
         let commit = resolved.as_ref().and_then(|t| t.get("model")?.get("revision")?.as_str().map(String::from));
         let repo = path.split_once('@').map_or(path, |(repo, _)| repo);
         match commit.filter(|_| !recipe_dir.join(path).exists() && crate::hub::looks_like_repo(repo)) {
