@@ -17,12 +17,45 @@ pub struct SampleOptions {
     /// 0 = greedy.
     pub temperature: f64,
     pub top_p: f64,
+    /// Sampling from the k likeliest tokens only (0: all). `None`: generation_config.json's
+    /// `top_k`, else transformers' default, 50.
+    pub top_k: Option<usize>,
+    /// transformers' repetition penalty (1 = none), greedy or not. `None`:
+    /// generation_config.json's `repetition_penalty`, else 1.
+    pub repetition_penalty: Option<f64>,
     pub seed: u64,
 }
 
 impl Default for SampleOptions {
     fn default() -> Self {
-        SampleOptions { max_new_tokens: 128, temperature: 0.0, top_p: 1.0, seed: 0 }
+        SampleOptions { max_new_tokens: 128, temperature: 0.0, top_p: 1.0, top_k: None, repetition_penalty: None, seed: 0 }
+    }
+}
+
+/// What generation_config.json sets that `generate` follows where the command line does not
+/// (transformers' `generate` takes them from there too).
+#[derive(Clone, Debug, Default)]
+struct GenerationDefaults {
+    top_k: Option<usize>,
+    repetition_penalty: Option<f64>,
+}
+
+impl GenerationDefaults {
+    /// generation_config.json's values; a note where it asks for sampling, which this does
+    /// only when told (`--temperature`): greedy is what `eval` and a first look want.
+    fn read(dir: &Path) -> Result<Self> {
+        let gen = crate::chat::optional_json(dir, "generation_config.json")?;
+        if gen.get("do_sample").and_then(|v| v.as_bool()) == Some(true) {
+            let t = gen.get("temperature").map_or("1".into(), |v| v.to_string());
+            crate::note!(
+                "note: {}/generation_config.json asks for sampling (do_sample, temperature {t}), as transformers' generate would; this generates greedily unless --temperature is given",
+                dir.display()
+            );
+        }
+        Ok(GenerationDefaults {
+            top_k: gen.get("top_k").and_then(|v| v.as_u64()).map(|k| k as usize),
+            repetition_penalty: gen.get("repetition_penalty").and_then(|v| v.as_f64()),
+        })
     }
 }
 
@@ -39,6 +72,7 @@ pub struct Generator {
     /// DeepSeek-V3.1's `thinking`, Qwen3's `enable_thinking`).
     pub chat_vars: crate::chat::Vars,
     stop: Vec<u32>,
+    defaults: GenerationDefaults,
     tok_path: std::path::PathBuf,
 }
 
@@ -70,12 +104,16 @@ impl Generator {
         }
         let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), msg: e.to_string() })?;
         let chat = ChatTemplate::from_model_dir(&model.dir)?;
-        let adapter_chat = match adapter.map(|a| a.join(crate::chat::TEMPLATE_FILE)).filter(|p| p.is_file()) {
-            Some(p) => Some(ChatTemplate::from_file(&p, &model.dir)?),
-            None => None,
+        let adapter_chat = match adapter {
+            Some(a) if a.join(crate::chat::TEMPLATE_FILE).is_file() => Some(ChatTemplate::from_file(&a.join(crate::chat::TEMPLATE_FILE), &model.dir)?),
+            // The older save (TRL with transformers 4): the tokenizer saved beside the adapter,
+            // its template in tokenizer_config.json, which AutoTokenizer on that folder reads.
+            Some(a) if a.join("tokenizer_config.json").is_file() => ChatTemplate::from_model_dir(a)?,
+            _ => None,
         };
         let stop = stop_ids(&model.dir)?;
-        Ok(Generator { model: llama, adapters, tokenizer, chat, adapter_chat, chat_vars: Default::default(), stop, tok_path })
+        let defaults = GenerationDefaults::read(&model.dir)?;
+        Ok(Generator { model: llama, adapters, tokenizer, chat, adapter_chat, chat_vars: Default::default(), stop, defaults, tok_path })
     }
 
     /// The model (f32 compute) with an optional PEFT adapter, without a tokenizer (what
@@ -141,6 +179,11 @@ impl Generator {
     /// template (the adapter's where the model has none).
     pub fn base_chat_prompt(&self, user: &str) -> Result<String> {
         self.render_prompt(self.base_template(), user)
+    }
+
+    /// Whether the adapter carries the chat template its run trained with.
+    pub fn adapter_has_template(&self) -> bool {
+        self.adapter_chat.is_some()
     }
 
     fn tuned_template(&self) -> Option<&ChatTemplate> {
@@ -222,6 +265,15 @@ impl Generator {
         if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
             return Err(Error::Generate(format!("--top-p {}: expected a number in (0, 1]", opts.top_p)));
         }
+        let opts = &SampleOptions {
+            top_k: Some(opts.top_k.or(self.defaults.top_k).unwrap_or(50)),
+            repetition_penalty: Some(opts.repetition_penalty.or(self.defaults.repetition_penalty).unwrap_or(1.0)),
+            ..opts.clone()
+        };
+        let penalty = opts.repetition_penalty.unwrap_or(1.0);
+        if !(penalty.is_finite() && penalty > 0.0) {
+            return Err(Error::Generate(format!("repetition penalty {penalty} (--repetition-penalty, else generation_config.json): expected a number > 0 (1 = none)")));
+        }
         // The last token sampled is not run: the longest sequence is one short of both.
         let longest = prompt.len() + opts.max_new_tokens.saturating_sub(1);
         self.model.cfg.check_positions(longest).map_err(|msg| {
@@ -244,6 +296,17 @@ impl Generator {
                 )));
             }
             offset += input.len();
+            let mut logits = logits;
+            if penalty != 1.0 {
+                // transformers' RepetitionPenaltyLogitsProcessor: every token of the prompt and
+                // of the answer so far, once, before any sampling warper.
+                let mut seen = std::collections::HashSet::new();
+                for &t in prompt.iter().chain(&out) {
+                    if let Some(l) = logits.get_mut(t as usize).filter(|_| seen.insert(t)) {
+                        *l = if *l < 0.0 { *l * penalty as f32 } else { *l / penalty as f32 };
+                    }
+                }
+            }
             let next = sample(&logits, opts, &mut rng);
             if self.stop.contains(&next) {
                 break;
@@ -255,7 +318,8 @@ impl Generator {
     }
 }
 
-/// Greedy (temperature 0) or temperature + nucleus sampling.
+/// Greedy (temperature 0) or temperature, top-k and nucleus sampling (transformers' order:
+/// temperature, then the k likeliest, then the nucleus of those).
 fn sample(logits: &[f32], opts: &SampleOptions, rng: &mut Rng) -> u32 {
     let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
     if opts.temperature <= 0.0 {
@@ -266,6 +330,13 @@ fn sample(logits: &[f32], opts: &SampleOptions, rng: &mut Rng) -> u32 {
     let z: f64 = p.iter().map(|x| x.1).sum();
     p.iter_mut().for_each(|x| x.1 /= z);
     p.sort_by(|a, b| b.1.total_cmp(&a.1));
+    if let Some(k) = opts.top_k.filter(|&k| k > 0 && k < p.len()) {
+        // Ties with the k-th stay, as transformers' `scores < kth` keeps them.
+        let kth = p[k - 1].1;
+        p.retain(|x| x.1 >= kth);
+        let z: f64 = p.iter().map(|x| x.1).sum();
+        p.iter_mut().for_each(|x| x.1 /= z);
+    }
     let mut cum = 0.0;
     let mut keep = p.len();
     for (i, x) in p.iter().enumerate() {
@@ -285,4 +356,24 @@ fn sample(logits: &[f32], opts: &SampleOptions, rng: &mut Rng) -> u32 {
         }
     }
     p.last().map_or_else(argmax, |x| x.0 as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// top_k keeps the k likeliest tokens (transformers' TopKLogitsWarper, default 50 when
+    /// sampling), ties with the k-th included; 0 keeps all.
+    #[test]
+    fn top_k_samples_only_the_k_likeliest_tokens() {
+        let logits = [0.0f32, 3.0, 1.0, 2.0, 2.0];
+        let drawn = |k: usize| {
+            let opts = SampleOptions { temperature: 1.0, top_k: Some(k), ..Default::default() };
+            let mut rng = Rng::new(7);
+            (0..2000).map(|_| sample(&logits, &opts, &mut rng)).collect::<std::collections::BTreeSet<u32>>()
+        };
+        assert_eq!(drawn(1), [1].into());
+        assert_eq!(drawn(2), [1, 3, 4].into(), "the tie with the 2nd likeliest stays");
+        assert_eq!(drawn(0), [0, 1, 2, 3, 4].into());
+    }
 }

@@ -89,6 +89,14 @@ enum Command {
         temperature: f64,
         #[arg(long, default_value_t = 1.0)]
         top_p: f64,
+        /// Sample from the k likeliest tokens only (0: all; default: generation_config.json's
+        /// top_k, else 50, as transformers).
+        #[arg(long)]
+        top_k: Option<usize>,
+        /// transformers' repetition penalty, greedy too (1: none; default:
+        /// generation_config.json's, else 1).
+        #[arg(long)]
+        repetition_penalty: Option<f64>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
@@ -447,6 +455,9 @@ fn eval(model: &str, adapter: Option<&std::path::Path>, data: &std::path::Path, 
     let mut rows = Rows::open(data)?;
     rows.require_columns(&["instruction", "output"])?;
     let opts = finetune::generate::SampleOptions { max_new_tokens, ..Default::default() };
+    if !chat && g.adapter_has_template() {
+        finetune::note!("note: the adapter carries the chat template its run trained with; without --chat both columns are prompted in the alpaca format instead, which measures the tuned model on prompts it was not trained on");
+    }
     let (mut ok_base, mut ok_tuned, mut n) = (0, 0, 0);
     let started = std::time::Instant::now();
     for _ in 0..rows.total_rows {
@@ -726,13 +737,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let r = finetune::gguf::import(&gguf, &out, dtype, limit)?;
             finetune::note!("imported {} tensors into {} ({} shard(s))", r.tensors, out.display(), r.shards);
         }
-        (Some(Command::Generate { model, adapter, prompt, chat, chat_template_kwargs, max_new_tokens, temperature, top_p, seed }), _) => {
+        (Some(Command::Generate { model, adapter, prompt, chat, chat_template_kwargs, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed }), _) => {
             let dir = finetune::weights::ModelDir::resolve(&model, std::path::Path::new("."))?;
             let mut g = finetune::generate::Generator::load(&dir, adapter.as_deref())?;
             if let Some(k) = &chat_template_kwargs {
                 g.set_chat_template_kwargs(k)?;
             }
-            let opts = finetune::generate::SampleOptions { max_new_tokens, temperature, top_p, seed };
+            let opts = finetune::generate::SampleOptions { max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed };
             println!("{}", g.generate(&prompt, chat, &opts)?);
         }
         (Some(Command::Report { run }), _) => {

@@ -186,7 +186,7 @@ pub fn run_with(loaded: &LoadedRecipe, run_opts: &RunOptions) -> Result<RunSumma
     for &(rank, spec) in &layout.local {
         ranks.push((Arc::new(group.member(rank)), open_device(loaded, spec)?));
     }
-    run_ranks(loaded, run_opts, ranks, &|rank, why| group.abort(rank, why), &|| group.failure().map(|f| f.0))
+    run_ranks(loaded, run_opts, ranks, &|rank, why| group.abort(rank, why), &|| group.failure())
 }
 
 /// With `model.dtype` left to "auto", a run that resumes keeps the dtype its checkpoint was
@@ -259,7 +259,7 @@ pub fn run_ranks(
     run_opts: &RunOptions,
     mut ranks: Vec<(Arc<dyn Collective>, candle_core::Device)>,
     abort: &(dyn Fn(usize, &str) + Sync),
-    first_failure: &dyn Fn() -> Option<usize>,
+    first_failure: &dyn Fn() -> Option<(usize, String)>,
 ) -> Result<RunSummary> {
     if ranks.len() == 1 {
         let (comm, dev) = ranks.remove(0);
@@ -285,7 +285,32 @@ pub fn run_ranks(
                 (rank, h)
             })
             .collect();
-        serve_pool_until(|| handles.iter().all(|(_, h)| h.as_ref().map_or(true, |h| h.is_finished())));
+        let finished = |h: &std::io::Result<std::thread::ScopedJoinHandle<'_, Result<RunSummary>>>| h.as_ref().map_or(true, |h| h.is_finished());
+        let failed_at = std::cell::Cell::new(None::<std::time::Instant>);
+        let timeout = Duration::from_secs(loaded.recipe.dist.timeout_s);
+        serve_pool_until(|| {
+            if handles.iter().all(|(_, h)| finished(h)) {
+                return true;
+            }
+            // A rank blocked outside any collective (a file read or write that never returns)
+            // would hold the scope, and the process, forever after the others stopped: as the
+            // NCCL watchdog does, stop the process once timeout_s has passed since a failure.
+            if let Some((rank, why)) = first_failure() {
+                let at = failed_at.get().unwrap_or_else(std::time::Instant::now);
+                failed_at.set(Some(at));
+                if at.elapsed() > timeout {
+                    let stuck: Vec<String> = handles.iter().filter(|(_, h)| !finished(h)).map(|(r, _)| r.to_string()).collect();
+                    let cause = if why.starts_with(&format!("rank {rank}")) { why } else { format!("rank {rank}: {why}") };
+                    crate::note!(
+                        "error: {cause}\nerror: rank {} still running dist.timeout_s = {} s after that, blocked outside any collective (a file read or write that does not return?): stopping the process",
+                        stuck.join(", "),
+                        loaded.recipe.dist.timeout_s
+                    );
+                    std::process::exit(1);
+                }
+            }
+            false
+        });
         handles
             .into_iter()
             .map(|(rank, h)| {
@@ -300,7 +325,7 @@ pub fn run_ranks(
     // The error to show is the cause: the first rank that failed on its own, not the ranks
     // that stopped because of it.
     let cause = |res: &Result<RunSummary>| matches!(res, Err(e) if !matches!(e, Error::PeerFailed { .. }));
-    let first = first_failure();
+    let first = first_failure().map(|f| f.0);
     let pick = results
         .iter()
         .position(|(r, res)| Some(*r) == first && cause(res))

@@ -204,6 +204,39 @@ fn a_rank_that_fails_stops_the_others_with_its_error_not_a_hang() {
     assert!(ck.join("step-000002").is_dir() && !ck.join("step-000003").exists());
 }
 
+/// A rank blocked outside any collective (here the lead opening metrics.jsonl, a FIFO no one
+/// writes: an NFS or FUSE mount that stopped answering) cannot be joined: the others time out,
+/// and dist.timeout_s later the process stops with both errors instead of waiting forever.
+#[test]
+fn a_rank_blocked_outside_a_collective_stops_the_process_after_the_timeout() {
+    let root = workspace("LlamaForCausalLM", false);
+    let dir = root.path().join("fifo");
+    std::fs::create_dir_all(dir.join("out")).unwrap();
+    std::fs::write(dir.join("recipe.toml"), RECIPE).unwrap();
+    let fifo = std::ffi::CString::new(dir.join("out/metrics.jsonl").to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"))
+        .arg("--recipe")
+        .arg(dir.join("recipe.toml"))
+        .args(["--set", "dist.world_size=2", "--set", "train.grad_accum_steps=2", "--set", "dist.timeout_s=2"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("the process still ran 60 s after a rank timed out");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("timed out") && err.contains("rank 0 still running") && err.contains("blocked outside any collective"), "{err}");
+}
+
 #[test]
 fn the_lead_failing_to_write_a_checkpoint_stops_every_rank() {
     let root = workspace("LlamaForCausalLM", false);

@@ -429,7 +429,7 @@ fn generate_refuses_a_nan_temperature_and_nan_logits() {
     finetune::synth::write_tokenizer(&model, 256).unwrap();
     let dir = finetune::weights::ModelDir::resolve(model.to_str().unwrap(), Path::new(".")).unwrap();
     let g = finetune::generate::Generator::load(&dir, None).unwrap();
-    let opts = |temperature: f64| finetune::generate::SampleOptions { max_new_tokens: 4, temperature, top_p: 1.0, seed: 0 };
+    let opts = |temperature: f64| finetune::generate::SampleOptions { max_new_tokens: 4, temperature, ..Default::default() };
     let e = g.generate_ids(&[1, 2, 3], &opts(f64::NAN)).expect_err("NaN temperature").to_string();
     assert!(e.contains("--temperature"), "{e}");
     g.generate_ids(&[1, 2, 3], &opts(0.7)).expect("a finite temperature samples");
@@ -438,6 +438,26 @@ fn generate_refuses_a_nan_temperature_and_nan_logits() {
     let g = finetune::generate::Generator::load(&dir, None).unwrap();
     let e = g.generate_ids(&[1, 2, 3], &opts(0.0)).expect_err("NaN logits").to_string();
     assert!(e.contains("NaN"), "{e}");
+}
+
+/// transformers' `generate` applies generation_config.json's repetition_penalty, greedy too
+/// (Qwen2.5-Instruct ships 1.05): so does ours, and `--repetition-penalty 1` turns it off.
+/// Tokens from `tests/fixtures/generate-penalty/make.py` (transformers 5.24).
+#[test]
+fn generate_follows_generation_config_s_repetition_penalty_as_transformers() {
+    let root = tempfile::tempdir().unwrap();
+    let model = root.path().join("model");
+    copy_dir(&fixture("parity-llama-gqa").join("model"), &model);
+    finetune::synth::write_tokenizer(&model, 256).unwrap();
+    std::fs::write(model.join("generation_config.json"), r#"{"repetition_penalty": 1.3}"#).unwrap();
+    let want: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("generate-penalty").join("expected.json")).unwrap()).unwrap();
+    let ids = |k: &str| -> Vec<u32> { serde_json::from_value(want[k].clone()).unwrap() };
+    let dir = finetune::weights::ModelDir::resolve(model.to_str().unwrap(), Path::new(".")).unwrap();
+    let g = finetune::generate::Generator::load(&dir, None).unwrap();
+    let opts = finetune::generate::SampleOptions { max_new_tokens: 24, ..Default::default() };
+    assert_eq!(g.generate_ids(&ids("prompt"), &opts).unwrap(), ids("tokens_with_penalty"));
+    let off = finetune::generate::SampleOptions { repetition_penalty: Some(1.0), ..opts };
+    assert_eq!(g.generate_ids(&ids("prompt"), &off).unwrap(), ids("tokens_without"));
 }
 
 #[test]
