@@ -257,6 +257,15 @@ impl Generator {
         if prompt.is_empty() {
             return Err(Error::Generate("the prompt is empty (no tokens)".into()));
         }
+        // A tokenizer with added tokens past the embedding's rows (a resized vocabulary the
+        // checkpoint does not have) would fail inside the embedding with a tensor error.
+        if let Some(id) = prompt.iter().find(|&&i| i as usize >= self.model.cfg.vocab_size) {
+            return Err(Error::Generate(format!(
+                "the prompt's token id {id} ({}) is past the model's vocabulary (config.json vocab_size = {})",
+                self.tok_path.display(),
+                self.model.cfg.vocab_size
+            )));
+        }
         // A NaN temperature makes every probability NaN and the sampler falls back to
         // whatever sorts first: garbage text with exit 0. Refuse the options instead.
         if !(opts.temperature.is_finite() && opts.temperature >= 0.0) {

@@ -208,6 +208,9 @@ fn set_aside_by(out_dir: &Path, names: &[PathBuf], copies: &[&str], mv: &mut dyn
     std::fs::create_dir_all(&dest).map_err(|e| Error::io(&dest, e))?;
     for name in copies.iter().filter(|n| out_dir.join(n).is_file()) {
         let (from, to) = (out_dir.join(name), dest.join(name));
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
         crate::fsutil::write_with(&to, |w| std::fs::File::open(&from).and_then(|mut f| std::io::copy(&mut f, w)).map(|_| ()).map_err(|e| Error::io(&from, e)))?;
     }
     for rel in present {

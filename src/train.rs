@@ -282,6 +282,10 @@ pub fn run_ranks(
                     drop(handle);
                     res
                 });
+                // Recorded as the cause, or the others report this rank as one that "left".
+                if let Err(e) = &h {
+                    abort(rank, &format!("rank {rank}: cannot start the rank's thread: {e}"));
+                }
                 (rank, h)
             })
             .collect();
@@ -515,7 +519,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
         account.frozen.store(bytes, Ordering::SeqCst);
     }
     let loader = open_loader(loaded, &model_dir, model.cfg.vocab_size, Role::Train)?;
-    let eval_set = read_eval_set(loaded, &model_dir, model.cfg.vocab_size, &loader.files())?;
+    let eval_set = read_eval_set(loaded, &model_dir, model.cfg.vocab_size, &loader.files(), lead)?;
     if lead {
         let (trainable, all) = trainable_parameters(&model.cfg, &adapters.spec);
         crate::note!("{}", format_trainable(trainable, all));
@@ -616,7 +620,7 @@ fn describe_kernels(lead: bool, kernels: crate::ops::Kernels, device: &candle_co
 /// The evaluation examples, when the recipe asks for evaluation.
 /// `trained`: the files the training loader reads; data.eval must read none of them (an eval
 /// loss on training rows says nothing of held-out ones: `data.eval_fraction` holds rows out).
-fn read_eval_set(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, trained: &[PathBuf]) -> Result<Option<Vec<crate::data::Example>>> {
+fn read_eval_set(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, trained: &[PathBuf], lead: bool) -> Result<Option<Vec<crate::data::Example>>> {
     let r = &loaded.recipe;
     if r.data.eval.is_none() && r.data.eval_fraction <= 0.0 {
         return Ok(None);
@@ -640,6 +644,17 @@ fn read_eval_set(loaded: &LoadedRecipe, model_dir: &ModelDir, vocab: usize, trai
         let key = if r.data.eval.is_some() { "data.eval" } else { "data.eval_fraction" };
         let what = if ex.is_empty() { "no usable records" } else { "no target tokens (every label is -100)" };
         return Err(Error::Recipe { file: loaded.file.display().to_string(), key: key.into(), msg: format!("the evaluation set has {what}") });
+    }
+    // eval_loss is over what is left: say how much that is where data.max_seq_len cut some.
+    let (dropped, truncated) = (l.stats.dropped, l.stats.truncated);
+    if lead && dropped + truncated > 0 {
+        crate::note!(
+            "note: the evaluation set: {dropped} of {} records dropped and {truncated} truncated at data.max_seq_len = {} (data.overflow = \"{}\"): eval_loss is over the {} records and tokens left",
+            ex.len() as u64 + dropped,
+            r.data.max_seq_len,
+            r.data.overflow,
+            ex.len()
+        );
     }
     Ok(Some(ex))
 }
@@ -1334,8 +1349,15 @@ fn set_aside_newer(out_dir: &std::path::Path, step: usize, newer: Vec<PathBuf>, 
         return Ok(());
     }
     let names: Vec<PathBuf> = crate::output::FINAL_OUTPUTS.iter().map(PathBuf::from).chain(newer).collect();
-    if let Some(d) = crate::output::set_aside(out_dir, &names, &["metrics.jsonl"])? {
-        crate::note!("{why} (after step {step}), the final adapter and a copy of metrics.jsonl: moved to {} (nothing was deleted)", d.display());
+    // The resumed run cuts metrics.jsonl and the TensorBoard events back to `step`: copies of
+    // both keep the steps it replaces.
+    let events: Vec<String> = std::fs::read_dir(out_dir.join("tensorboard"))
+        .map(|d| d.flatten().filter(|e| e.path().is_file()).map(|e| format!("tensorboard/{}", e.file_name().to_string_lossy())).collect())
+        .unwrap_or_default();
+    let copies: Vec<&str> = std::iter::once("metrics.jsonl").chain(events.iter().map(String::as_str)).collect();
+    if let Some(d) = crate::output::set_aside(out_dir, &names, &copies)? {
+        let tb = if events.is_empty() { "" } else { " and of the TensorBoard events" };
+        crate::note!("{why} (after step {step}), the final adapter and a copy of metrics.jsonl{tb}: moved to {} (nothing was deleted)", d.display());
     }
     Ok(())
 }

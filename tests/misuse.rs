@@ -133,14 +133,17 @@ fn auto_resume_with_only_damaged_checkpoints_stops_and_changes_nothing() {
 fn resuming_from_an_older_checkpoint_sets_the_newer_ones_aside() {
     let root = tiny_workspace(23, (4, 18), None);
     let dir = run_dir(root.path(), "run", RECIPE);
-    train(&dir, &["train.max_steps=4", "checkpoint.keep_last=0"]).unwrap();
+    train(&dir, &["train.max_steps=4", "checkpoint.keep_last=0", "output.tensorboard=true"]).unwrap();
     let out = dir.join("out");
-    let s = train(&dir, &["train.max_steps=3", "checkpoint.keep_last=0", "checkpoint.resume=out/checkpoints/step-000002"]).unwrap();
+    let events = |d: &Path| std::fs::read_dir(d.join("tensorboard")).unwrap().flatten().map(|e| std::fs::read(e.path()).unwrap()).collect::<Vec<_>>();
+    let before = events(&out);
+    let s = train(&dir, &["train.max_steps=3", "checkpoint.keep_last=0", "checkpoint.resume=out/checkpoints/step-000002", "output.tensorboard=true"]).unwrap();
     assert_eq!(s.steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![3]);
     assert_eq!(checkpoint_steps(&out), vec![1, 2, 3]);
     let previous: Vec<_> = std::fs::read_dir(out.join("previous")).unwrap().flatten().map(|e| e.path()).collect();
     assert_eq!(checkpoint_steps(&previous[0]), vec![3, 4]);
     assert_eq!(read_metrics(&previous[0].join("metrics.jsonl")).len(), 4, "the abandoned steps' metrics are kept");
+    assert_eq!(events(&previous[0]), before, "and their TensorBoard events, which the resumed run cuts back");
 }
 
 #[test]
