@@ -41,10 +41,10 @@ struct GenerationDefaults {
 }
 
 impl GenerationDefaults {
-    /// generation_config.json's values; a note where it asks for sampling, which this does
-    /// only when told (`--temperature`): greedy is what `eval` and a first look want.
-    fn read(dir: &Path) -> Result<Self> {
-        let gen = crate::chat::optional_json(dir, "generation_config.json")?;
+    /// `gen` (generation_config.json in `dir`, or null)'s values; a note where it asks for
+    /// sampling, which this does only when told (`--temperature`): greedy is what `eval` and
+    /// a first look want.
+    fn of(dir: &Path, gen: &serde_json::Value) -> Self {
         if gen.get("do_sample").and_then(|v| v.as_bool()) == Some(true) {
             let t = gen.get("temperature").map_or("1".into(), |v| v.to_string());
             crate::note!(
@@ -52,10 +52,10 @@ impl GenerationDefaults {
                 dir.display()
             );
         }
-        Ok(GenerationDefaults {
+        GenerationDefaults {
             top_k: gen.get("top_k").and_then(|v| v.as_u64()).map(|k| k as usize),
             repetition_penalty: gen.get("repetition_penalty").and_then(|v| v.as_f64()),
-        })
+        }
     }
 }
 
@@ -82,8 +82,12 @@ pub struct Generator {
 /// tokenizer). A union with the tokenizer's eos_token and the usual end-of-turn names cut
 /// answers short where transformers runs on (a base model that writes `</s>` mid-text).
 pub fn stop_ids(dir: &Path) -> Result<Vec<u32>> {
-    let gen = crate::chat::optional_json(dir, "generation_config.json")?;
-    let cfg = if gen.is_null() { crate::chat::optional_json(dir, "config.json")? } else { gen };
+    stop_ids_of(dir, &crate::chat::optional_json(dir, "generation_config.json")?)
+}
+
+/// [`stop_ids`] with generation_config.json (`gen`, null where there is none) read already.
+fn stop_ids_of(dir: &Path, gen: &serde_json::Value) -> Result<Vec<u32>> {
+    let cfg = if gen.is_null() { crate::chat::optional_json(dir, "config.json")? } else { gen.clone() };
     Ok(match cfg.get("eos_token_id") {
         Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
         Some(x) => x.as_u64().map(|x| x as u32).into_iter().collect(),
@@ -111,8 +115,10 @@ impl Generator {
             Some(a) if a.join("tokenizer_config.json").is_file() => ChatTemplate::from_model_dir(a)?,
             _ => None,
         };
-        let stop = stop_ids(&model.dir)?;
-        let defaults = GenerationDefaults::read(&model.dir)?;
+        // One read of generation_config.json for where generation stops and what it defaults to.
+        let gen = crate::chat::optional_json(&model.dir, "generation_config.json")?;
+        let stop = stop_ids_of(&model.dir, &gen)?;
+        let defaults = GenerationDefaults::of(&model.dir, &gen);
         Ok(Generator { model: llama, adapters, tokenizer, chat, adapter_chat, chat_vars: Default::default(), stop, defaults, tok_path })
     }
 

@@ -417,9 +417,7 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify, stop: Some(install_signal_handlers()?), ..Default::default() };
-    if base.gguf.is_none() {
-        note_quantized_merge(a.run.as_deref().and_then(run_quantize).as_deref());
-    }
+    note_quantized_merge(a.run.as_deref().and_then(run_quantize).as_deref());
     let r = merge(&base, &adapter, &a.out, &opts)?;
     print_merge_report(&r);
     Ok(())

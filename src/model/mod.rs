@@ -226,11 +226,6 @@ impl Model {
         Ok(m)
     }
 
-    /// The tensors among `stored` (a checkpoint's names) that no part of this model reads.
-    pub fn unread<'n>(&self, stored: impl Iterator<Item = &'n String>) -> Vec<&'n str> {
-        crate::weights::unread(stored, &self.asked, self.cfg.num_hidden_layers)
-    }
-
     /// Name the tensors of a safetensors base that no part of the model reads, as transformers
     /// lists its unexpected keys: a bias the config does not call for, say, would otherwise be
     /// dropped without a word. A GGUF base is not looked at (its names are llama.cpp's).
@@ -239,7 +234,7 @@ impl Model {
             return;
         }
         let Ok(files) = model_dir.open_weights() else { return };
-        let mut unread = self.unread(files.names());
+        let mut unread = crate::weights::unread(files.names(), &self.asked, self.cfg.num_hidden_layers);
         // A stored head beside a tied config is read only to learn it equals the embedding (the
         // config is untied otherwise: `ModelConfig`), which transformers does not name either.
         unread.retain(|n| !(self.cfg.tie_word_embeddings && *n == "lm_head.weight"));
