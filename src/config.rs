@@ -350,6 +350,7 @@ impl ModelConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(format!("head_dim {head_dim} must be even and positive"));
         }
+        at_most(head_dim, "head_dim", MAX_HEAD_DIM)?;
         let params = hf.rope_parameters.as_ref();
         // transformers 5 keeps theta (and scaling) in rope_parameters; 4.x at the top level.
         let rope_theta = params
@@ -747,6 +748,26 @@ fn positive(n: usize, key: &str) -> std::result::Result<usize, String> {
     Ok(n)
 }
 
+/// Bounds on the sizes a head, a latent or the experts are made of: past these, products of
+/// sizes would overflow or the adapters' allocation would abort before any tensor's shape
+/// is compared with the config (the largest released models use 192, 1536 and 384).
+const MAX_HEAD_DIM: usize = 1 << 12;
+const MAX_LATENT: usize = 1 << 16;
+const MAX_EXPERTS: usize = 1 << 12;
+
+/// `n`, or an error naming `key` when it is past `max`.
+fn at_most(n: usize, key: &str, max: usize) -> std::result::Result<usize, String> {
+    if n > max {
+        return Err(format!("{key} = {n} is more than this tool accepts ({max})"));
+    }
+    Ok(n)
+}
+
+/// A positive size no larger than `max`.
+fn size(n: usize, key: &str, max: usize) -> std::result::Result<usize, String> {
+    at_most(positive(n, key)?, key, max)
+}
+
 /// DeepSeek-V2/V3 attention. Absent keys take the defaults of transformers'
 /// `DeepseekV2Config` / `DeepseekV3Config` (what the reference would run), as does every
 /// DeepSeek key below.
@@ -786,7 +807,10 @@ fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
     if q_lora_rank == Some(0) {
         return Err("q_lora_rank must be null (plain q_proj) or positive, got 0".into());
     }
-    let rope = positive(hf.qk_rope_head_dim.unwrap_or(64), "qk_rope_head_dim")?;
+    if let Some(r) = q_lora_rank {
+        at_most(r, "q_lora_rank", MAX_LATENT)?;
+    }
+    let rope = size(hf.qk_rope_head_dim.unwrap_or(64), "qk_rope_head_dim", MAX_HEAD_DIM)?;
     if rope % 2 != 0 {
         return Err(format!("qk_rope_head_dim must be even, got {rope}"));
     }
@@ -802,10 +826,10 @@ fn resolve_mla(hf: &HfConfig, arch: Arch) -> std::result::Result<Mla, String> {
     };
     Ok(Mla {
         q_lora_rank,
-        kv_lora_rank: positive(hf.kv_lora_rank.unwrap_or(512), "kv_lora_rank")?,
-        qk_nope_head_dim: positive(hf.qk_nope_head_dim.unwrap_or(128), "qk_nope_head_dim")?,
+        kv_lora_rank: size(hf.kv_lora_rank.unwrap_or(512), "kv_lora_rank", MAX_LATENT)?,
+        qk_nope_head_dim: size(hf.qk_nope_head_dim.unwrap_or(128), "qk_nope_head_dim", MAX_HEAD_DIM)?,
         qk_rope_head_dim: rope,
-        v_head_dim: positive(hf.v_head_dim.unwrap_or(128), "v_head_dim")?,
+        v_head_dim: size(hf.v_head_dim.unwrap_or(128), "v_head_dim", MAX_HEAD_DIM)?,
         rope_interleave,
     })
 }
@@ -816,6 +840,7 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
     if experts == 0 {
         return Err("n_routed_experts must be positive (or null for a dense model), got 0".into());
     }
+    at_most(experts, "n_routed_experts", MAX_EXPERTS)?;
     // transformers' DeepseekV2Config has no default (its router would fail): required there.
     let top_k = hf.num_experts_per_tok.or(v3.then_some(8)).ok_or("num_experts_per_tok is required for DeepSeek-V2 MoE models")?;
     let top_k = positive(top_k, "num_experts_per_tok")?;
@@ -874,8 +899,9 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
     let moe = Moe {
         n_routed_experts: experts,
         num_experts_per_tok: top_k,
-        n_shared_experts: hf.n_shared_experts.unwrap_or(if v3 { 1 } else { 2 }),
-        moe_intermediate_size: positive(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 }), "moe_intermediate_size")?,
+        n_shared_experts: at_most(hf.n_shared_experts.unwrap_or(if v3 { 1 } else { 2 }), "n_shared_experts", MAX_EXPERTS)?,
+        // The intermediate_size bound above.
+        moe_intermediate_size: size(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 }), "moe_intermediate_size", 1 << 22)?,
         first_k_dense_replace: hf.first_k_dense_replace.unwrap_or(if v3 { 3 } else { 0 }),
         routing,
         n_group,
@@ -942,6 +968,30 @@ mod tests {
         let text = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4294967296,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":256}"#;
         let e = ModelConfig::resolve(&serde_json::from_str(text).unwrap()).unwrap_err();
         assert!(e.contains("hidden_size") && e.contains("more than this tool accepts"), "{e}");
+    }
+
+    #[test]
+    fn head_latent_and_expert_sizes_past_what_allocation_holds_are_refused() {
+        // They reached the adapters' allocation (an abort) before any tensor was compared.
+        let e = cfg(r#","head_dim":1099511627776"#).unwrap_err();
+        assert!(e.contains("head_dim = 1099511627776") && e.contains("more than this tool accepts"), "{e}");
+        let ds = |key: &str| {
+            let mut v: serde_json::Value = serde_json::from_str(
+                r#"{"architectures":["DeepseekV2ForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+                "num_attention_heads":4,"vocab_size":256,"q_lora_rank":null,"kv_lora_rank":16,"qk_nope_head_dim":16,
+                "qk_rope_head_dim":8,"v_head_dim":16,"n_routed_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":32}"#,
+            )
+            .unwrap();
+            if !key.is_empty() {
+                v[key] = 1_000_000_000.into();
+            }
+            ModelConfig::resolve(&serde_json::from_value(v).unwrap())
+        };
+        assert!(ds("").is_ok());
+        for key in ["n_routed_experts", "n_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size"] {
+            let e = ds(key).unwrap_err();
+            assert!(e.contains(&format!("{key} = 1000000000")) && e.contains("more than this tool accepts"), "{key}: {e}");
+        }
     }
 
     #[test]

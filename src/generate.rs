@@ -149,7 +149,7 @@ impl Generator {
         };
         let llama = Model::load(src.clone(), cfg, &adapters)?;
         src.seal();
-        llama.note_unread(model);
+        crate::weights::note_unread(model, llama.asked(), &llama.cfg);
         Ok((llama, adapters))
     }
 

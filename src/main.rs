@@ -14,7 +14,7 @@ static ALLOC: finetune::alloc::HugePages = finetune::alloc::HugePages;
 #[command(
     name = "finetune",
     version,
-    about = "LoRA fine-tuning of DeepSeek-style models (Llama / Qwen2) in one binary",
+    about = "LoRA fine-tuning of DeepSeek-style models (Llama, Qwen2, DeepSeek-V2/V3) in one binary",
     args_conflicts_with_subcommands = true
 )]
 struct Cli {
@@ -119,7 +119,8 @@ enum Command {
         model: String,
         #[arg(long)]
         adapter: Option<PathBuf>,
-        /// An HF datasets folder or .arrow file of alpaca records.
+        /// Alpaca records: an HF datasets folder (its `test` split by default; `path:split` names
+        /// another), an .arrow, .parquet or .jsonl file, or a folder of them.
         #[arg(long)]
         data: PathBuf,
         /// At least 1 (0 would score an empty expected output as correct).

@@ -365,7 +365,9 @@ pub struct DataSection {
     /// Train on every token instead of only the assistant's.
     #[serde(default)]
     pub train_on_prompt: bool,
-    #[serde(default)]
+    /// On unless set false, as in transformers' Trainer (and so TRL): a file sorted by
+    /// source or length would otherwise be trained on in that order.
+    #[serde(default = "default_shuffle")]
     pub shuffle: bool,
     #[serde(default = "default_shuffle_buffer")]
     pub shuffle_buffer: usize,
@@ -567,8 +569,13 @@ fn default_shuffle_buffer() -> usize {
 fn default_max_seq_len() -> usize {
     2048
 }
+/// transformers' Trainer's (and so TRL's) default: a recipe moved over from there without
+/// `lr_scheduler_type` gets the same learning rates here.
 fn default_scheduler() -> String {
-    "constant".into()
+    "linear".into()
+}
+fn default_shuffle() -> bool {
+    true
 }
 fn default_betas() -> [f64; 2] {
     [0.9, 0.999]
@@ -682,8 +689,22 @@ impl LoadedRecipe {
         Ok(())
     }
 
-    /// Checks that need more than one key or a value range.
+    /// Checks that need more than one key or a value range, section by section.
     fn check_values(&self) -> Result<()> {
+        self.check_lora()?;
+        self.check_sizes()?;
+        self.check_token_batches()?;
+        self.check_train()?;
+        self.check_data()?;
+        self.check_dist()?;
+        let r = &self.recipe;
+        if let Some(s) = &r.export.max_shard_size {
+            crate::export::parse_size(s).map_err(|m| self.err("export.max_shard_size", m))?;
+        }
+        Ok(())
+    }
+
+    fn check_lora(&self) -> Result<()> {
         let r = &self.recipe;
         if r.lora.rank == 0 {
             return Err(self.err("lora.rank", "must be at least 1"));
@@ -708,6 +729,15 @@ impl LoadedRecipe {
                 ));
             }
         }
+        if r.lora.alpha <= 0.0 || !(r.lora.alpha as f32).is_finite() {
+            return Err(self.err("lora.alpha", format!("must be > 0 and below {:e}, an f32 (the LoRA update is scaled by alpha / rank in f32)", f32::MAX)));
+        }
+        Ok(())
+    }
+
+    /// Counts and sizes: at least 1 (2 tokens a row), and at most what memory and arithmetic hold.
+    fn check_sizes(&self) -> Result<()> {
+        let r = &self.recipe;
         for (k, v) in [
             ("train.micro_batch_size", r.train.micro_batch_size),
             ("train.grad_accum_steps", r.train.grad_accum_steps),
@@ -738,16 +768,16 @@ impl LoadedRecipe {
                 return Err(self.err(k, format!("{v} is more than this tool accepts ({max} {what})")));
             }
         }
+        if r.data.max_seq_len < 2 {
+            return Err(self.err("data.max_seq_len", "must be at least 2 (one input, one target)"));
+        }
+        Ok(())
+    }
+
+    /// The optimizer and its schedule.
+    fn check_train(&self) -> Result<()> {
+        let r = &self.recipe;
         let t = &r.train;
-        self.check_token_batches()?;
-        // A buffer of 0 or 1 rows shuffles nothing within a block: the run would look shuffled
-        // and read rows in the file's order.
-        if r.data.shuffle && r.data.shuffle_buffer < 2 {
-            return Err(self.err("data.shuffle_buffer", format!("is {}; with data.shuffle = true it must hold at least 2 rows (or set data.shuffle = false for the files' order)", r.data.shuffle_buffer)));
-        }
-        if r.lora.alpha <= 0.0 || !(r.lora.alpha as f32).is_finite() {
-            return Err(self.err("lora.alpha", format!("must be > 0 and below {:e}, an f32 (the LoRA update is scaled by alpha / rank in f32)", f32::MAX)));
-        }
         if t.weight_decay < 0.0 {
             return Err(self.err("train.weight_decay", "must be >= 0"));
         }
@@ -765,6 +795,27 @@ impl LoadedRecipe {
                     t.warmup_steps
                 ),
             ));
+        }
+        if r.train.lr < 0.0 || !r.train.lr.is_finite() {
+            return Err(self.err("train.lr", "must be a finite number >= 0"));
+        }
+        let [b1, b2] = r.train.adam_betas;
+        if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
+            return Err(self.err("train.adam_betas", "both betas must be in [0, 1)"));
+        }
+        if r.train.max_grad_norm < 0.0 {
+            return Err(self.err("train.max_grad_norm", "must be >= 0 (0 turns clipping off)"));
+        }
+        Ok(())
+    }
+
+    /// Shuffling, column remaps and the evaluation set.
+    fn check_data(&self) -> Result<()> {
+        let r = &self.recipe;
+        // A buffer of 0 or 1 rows shuffles nothing within a block: the run would look shuffled
+        // and read rows in the file's order.
+        if r.data.shuffle && r.data.shuffle_buffer < 2 {
+            return Err(self.err("data.shuffle_buffer", format!("is {}; with data.shuffle = true it must hold at least 2 rows (or set data.shuffle = false for the files' order)", r.data.shuffle_buffer)));
         }
         // A remap the format never reads (a typo: `inpt = "context"`) would silently train
         // without that column.
@@ -795,19 +846,12 @@ impl LoadedRecipe {
         if r.data.eval.is_some() && r.data.eval_fraction > 0.0 {
             return Err(self.err("data.eval_fraction", "set data.eval or data.eval_fraction, not both"));
         }
-        if r.data.max_seq_len < 2 {
-            return Err(self.err("data.max_seq_len", "must be at least 2 (one input, one target)"));
-        }
-        if r.train.lr < 0.0 || !r.train.lr.is_finite() {
-            return Err(self.err("train.lr", "must be a finite number >= 0"));
-        }
-        let [b1, b2] = r.train.adam_betas;
-        if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
-            return Err(self.err("train.adam_betas", "both betas must be in [0, 1)"));
-        }
-        if r.train.max_grad_norm < 0.0 {
-            return Err(self.err("train.max_grad_norm", "must be >= 0 (0 turns clipping off)"));
-        }
+        Ok(())
+    }
+
+    /// Devices and ranks.
+    fn check_dist(&self) -> Result<()> {
+        let r = &self.recipe;
         crate::device::parse_device(&r.model.device).map_err(|m| self.err("model.device", m))?;
         let d = &r.dist;
         if d.zero_stage != 0 && d.zero_stage != 3 {
@@ -833,9 +877,6 @@ impl LoadedRecipe {
                 "ZeRO-3 needs train.activation_checkpointing = true or \"auto\": without it the autograd graph keeps \
                  every gathered layer until backward, i.e. the whole base on every rank",
             ));
-        }
-        if let Some(s) = &r.export.max_shard_size {
-            crate::export::parse_size(s).map_err(|m| self.err("export.max_shard_size", m))?;
         }
         Ok(())
     }
@@ -1065,6 +1106,17 @@ const HF_NAMES: &[(&str, &str)] = &[
     ("output_dir", "output.dir"),
 ];
 
+/// Names from the same tools with no key of the same meaning here: what to write instead.
+const HF_OTHERS: &[(&str, &str)] = &[
+    ("use_rslora", "rsLoRA's scale alpha / sqrt(rank) is plain LoRA's with lora.alpha = alpha x sqrt(rank), the same forward in every tool"),
+    ("use_dora", "DoRA is not implemented; this trains plain LoRA"),
+    ("bf16", "the base's dtype is model.dtype = \"bf16\"; LoRA weights and optimizer state stay f32"),
+    ("fp16", "the base's dtype is model.dtype = \"f16\"; LoRA weights and optimizer state stay f32"),
+    ("optim", "the optimizer is AdamW as torch's adamw_torch; its knobs are train.adam_betas, train.adam_eps and train.weight_decay"),
+    ("dataset_text_field", "data.format = \"text\" reads the column `text`; name another with data.columns = { text = \"...\" }"),
+    ("packing_strategy", "data.packing = true packs whole records into each row, none split (TRL's \"bfd\" in spirit)"),
+];
+
 fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
     let err = |key: String, msg: String| Error::Recipe { file: file.into(), key, msg };
     let sections: Vec<&str> = SCHEMA.iter().map(|s| s.0).collect();
@@ -1087,10 +1139,12 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
         for (k, val) in tab {
             let dotted = format!("{name}.{k}");
             let Some(spec) = keys.iter().find(|s| s.name == k) else {
-                let hint = match (HF_NAMES.iter().find(|(hf, _)| *hf == k), home(k)) {
-                    (Some((hf, ours)), _) => format!(" (`{hf}` in transformers / PEFT / TRL is `{ours}` here)"),
-                    (None, Some(sec)) => format!(" (it is a key of [{sec}]: {sec}.{k})"),
-                    (None, None) => suggest(k, &names),
+                let other = HF_OTHERS.iter().find(|(hf, _)| *hf == k);
+                let hint = match (HF_NAMES.iter().find(|(hf, _)| *hf == k), home(k), other) {
+                    (Some((hf, ours)), _, _) => format!(" (`{hf}` in transformers / PEFT / TRL is `{ours}` here)"),
+                    (None, Some(sec), _) => format!(" (it is a key of [{sec}]: {sec}.{k})"),
+                    (None, None, Some((hf, what))) => format!(" (`{hf}` in transformers / PEFT / TRL: {what})"),
+                    (None, None, None) => suggest(k, &names),
                 };
                 return Err(err(dotted, format!("unknown key{hint}; valid keys in [{name}]: {}", names.join(", "))));
             };
@@ -1276,7 +1330,9 @@ dir = "out"
         assert!(e.contains("`train.activation_checkpointing`") && e.contains("\"auto\""), "{e}");
         assert_eq!(r.lora.targets, None);
         assert_eq!(r.train.adam_betas, [0.9, 0.999]);
-        assert_eq!(r.train.lr_scheduler, "constant");
+        // transformers' Trainer's defaults (TRL's SFTConfig keeps them).
+        assert_eq!(r.train.lr_scheduler, "linear");
+        assert!(r.data.shuffle);
     }
 
     /// `model.dtype = "auto"` keeps a checkpoint stored in bf16 bf16 on every CPU (widened
@@ -1312,6 +1368,11 @@ dir = "out"
         assert!(e.contains("`learning_rate` in transformers / PEFT / TRL is `train.lr` here"), "{e}");
         let e = err_text(MINIMAL, &["train.max_seq_length=512"]);
         assert!(e.contains("is `data.max_seq_len` here"), "{e}");
+        // Names with no key of that meaning here say what to write instead.
+        let e = err_text(MINIMAL, &["lora.use_rslora=true"]);
+        assert!(e.contains("`use_rslora` in transformers / PEFT / TRL: ") && e.contains("lora.alpha = alpha x sqrt(rank)"), "{e}");
+        let e = err_text(MINIMAL, &["train.bf16=true"]);
+        assert!(e.contains("model.dtype = \"bf16\""), "{e}");
         let e = err_text(&MINIMAL.replace("[output]", "[outptu]"), &[]);
         assert!(e.contains("did you mean \"output\""), "{e}");
     }
@@ -1501,8 +1562,9 @@ dir = "out"
 
     #[test]
     fn constant_means_no_warmup_as_in_transformers() {
-        let e = err_text(MINIMAL, &["train.warmup_steps=5"]);
+        let e = err_text(MINIMAL, &["train.warmup_steps=5", "train.lr_scheduler=constant"]);
         assert!(e.contains("`train.lr_scheduler`") && e.contains("constant_with_warmup"), "{e}");
+        load(MINIMAL, &["train.warmup_steps=5"]).unwrap();
         let r = load(MINIMAL, &["train.warmup_steps=5", "train.lr_scheduler=constant_with_warmup"]).unwrap().recipe;
         assert_eq!(r.train.lr_scheduler, "constant_with_warmup");
         load(MINIMAL, &["train.warmup_steps=5", "train.lr_scheduler=cosine"]).unwrap();

@@ -511,7 +511,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     let model = Model::load(src.clone(), cfg, &adapters)?.with_kernels(kernels);
     src.seal();
     if lead {
-        model.note_unread(&model_dir);
+        crate::weights::note_unread(&model_dir, model.asked(), &model.cfg);
     }
     if !sharded && !quantized {
         // ShardedWeights and QuantizedWeights count what they hold as they read it.

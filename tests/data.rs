@@ -255,7 +255,7 @@ fn a_recipes_template_file_trains_and_travels_with_the_adapter() {
     let tmpl_path = d.path().join("templates/train.jinja");
     std::fs::write(&tmpl_path, tmpl).unwrap();
     let recipe = "[model]\npath = \"model\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"chat.jsonl\"\nformat = \"messages\"\ntemplate = \"templates/train.jinja\"\n\
-                  max_seq_len = 32\n[train]\nmax_steps = 2\nmicro_batch_size = 2\nlr = 1e-2\n[checkpoint]\nevery_steps = 1\n[output]\ndir = \"out\"\n";
+                  max_seq_len = 32\nshuffle = false\n[train]\nmax_steps = 2\nmicro_batch_size = 2\nlr = 1e-2\n[checkpoint]\nevery_steps = 1\n[output]\ndir = \"out\"\n";
     std::fs::write(d.path().join("r.toml"), recipe).unwrap();
     let load = |extra: &[&str]| finetune::recipe::LoadedRecipe::load(&d.path().join("r.toml"), &extra.iter().map(|s| s.to_string()).collect::<Vec<_>>());
     // What is trained: the file's generation blocks (the answer and its <|im_end|>).
@@ -564,6 +564,8 @@ fn a_source_with_several_splits_gives_training_train_and_evaluation_test_never_a
     assert_eq!(texts(std::slice::from_ref(&flat), Split::train(Some("train"))).unwrap().len(), 6, "data.split applies where there are splits");
     let e = texts(&[PathBuf::from(format!("{}:test", flat.display()))], Split::eval(None)).err().unwrap().to_string();
     assert!(e.contains("has no splits") && e.contains("`:test`"), "{e}");
+    let e = texts(&[PathBuf::from(format!("{}:train", flat.join("latest.jsonl").display()))], Split::train(None)).err().unwrap().to_string();
+    assert!(e.contains("latest.jsonl") && e.contains("a single file, which has no splits") && e.contains("`:train`"), "{e}");
     // A DatasetDict: train for training, test for evaluation.
     let dd = d.path().join("dict");
     for split in ["train", "test"] {

@@ -28,6 +28,9 @@ max_steps = 5
 micro_batch_size = 1
 grad_accum_steps = 4
 lr = 5e-3
+# Constant: a run stopped at a lower max_steps and resumed (as here) trains its first steps at
+# the learning rates of the straight run (a decaying schedule follows max_steps).
+lr_scheduler = "constant"
 weight_decay = 0.01
 seed = 7
 [checkpoint]

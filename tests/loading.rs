@@ -35,6 +35,7 @@ alpha = 8
 targets = ["q_proj", "v_proj", "down_proj"]
 [data]
 train = "data"
+shuffle = false
 [train]
 max_steps = 3
 micro_batch_size = 2

@@ -96,6 +96,10 @@ fn shard_files_and_split(spec: &Path, split: Split) -> Result<(Vec<PathBuf>, boo
         if d.is_dir() && !spec.exists() {
             return Ok((shard_files(d, split.named(sp))?, false));
         }
+        // "file.jsonl:train": a single file has no splits (what a folder of it says).
+        if d.is_file() && !spec.exists() {
+            return Err(Error::data(d, format!("is a single file, which has no splits, so `:{sp}` names nothing; drop it, or point at the split's own files")));
+        }
     }
     let path = spec;
     if path.is_file() {

@@ -45,7 +45,11 @@ pub fn layout(d: &DistSection, model_device: &str, env: &dyn Fn(&str) -> Option<
             Some(v) => v.trim().parse().map_err(|_| (format!("${name}"), format!("\"{v}\" is not a number"))),
         }
     };
-    let processes = var("WORLD_SIZE", 1)?.max(1);
+    let processes = var("WORLD_SIZE", 1)?;
+    if processes == 0 {
+        // torchrun never sets 0; a hand-written 0 is a typo, not "one process".
+        return Err(("$WORLD_SIZE".into(), "is 0; it counts the run's processes (1 or more), as torchrun sets it".into()));
+    }
     let process = var("RANK", 0)?;
     if process >= processes {
         return Err(("$RANK".into(), format!("RANK={process} but WORLD_SIZE={processes}; ranks are 0..WORLD_SIZE-1")));
@@ -188,5 +192,8 @@ mod tests {
         assert!(msg.contains("2 device(s)"), "{msg}");
         let (key, _) = layout(&DistSection::default(), "cpu", &env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
         assert_eq!(key, "$RANK");
+        let (key, msg) = layout(&DistSection::default(), "cpu", &env(&[("WORLD_SIZE", "0")])).unwrap_err();
+        assert_eq!(key, "$WORLD_SIZE");
+        assert!(msg.contains("is 0"), "{msg}");
     }
 }

@@ -162,7 +162,7 @@ impl<'a> Moe<'a> {
             Routing::SigmoidNoauxTc => sigmoid(&logits)?,
             _ => softmax_rows(&logits)?,
         }; // [N, E] f32
-        let host = scores.detach().flatten_all()?.to_vec1::<f32>()?;
+        let host = scores.detach().flatten_all()?.to_vec1::<f32>()?; // [N * E], row-major
         let chosen = choose_experts(&host, e, &self.cfg, self.e_score_correction_bias.as_deref())?; // N*K expert ids
         let idx = Tensor::from_vec(chosen.clone(), (n, k), x.device())?; // [N, K]
         let mut w = scores.gather(&idx, 1)?; // [N, K]
@@ -216,7 +216,8 @@ impl<'a> Moe<'a> {
         let y = sorted.index_select(&Tensor::from_vec(row_of, n * k, x.device())?, 0)?.reshape((n, k, h))?; // [N, K, H]
         // Weighted in f32 (transformers multiplies the expert outputs by f32 weights), then
         // back to the activations' dtype.
-        Ok(y.to_dtype(DType::F32)?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?.to_dtype(x.dtype())?) // [N, H]
+        let w = w.unsqueeze(2)?; // [N, K, 1]
+        Ok(y.to_dtype(DType::F32)?.broadcast_mul(&w)?.sum(1)?.to_dtype(x.dtype())?) // [N, K, H] -> [N, H]
     }
 }
 

@@ -10,6 +10,10 @@
 //! The model holds no frozen tensors of its own: each block is built by `load(vb, cfg, ..)`
 //! from a [`Frozen`] view just before it runs, so a sharded weight source can gather one
 //! layer at a time.
+//!
+//! Dimension legend (as in `llama.rs`):
+//!   B  micro-batch rows     S  sequence length     N = B * S (flattened tokens)
+//!   H  hidden_size          V  vocab_size          T  positions cached so far plus S (generation)
 
 pub mod deepseek;
 pub mod llama;
@@ -175,7 +179,7 @@ impl<'a> DecoderLayer<'a> {
                 (x + m)?
             }
         };
-        Ok(if y.shape() == &shape { y } else { y.reshape(shape)? })
+        Ok(if y.shape() == &shape { y } else { y.reshape(shape)? }) // [N, H] -> the input's [B, S, H]
     }
 }
 
@@ -226,36 +230,9 @@ impl Model {
         Ok(m)
     }
 
-    /// Name the tensors of a safetensors base that no part of the model reads, as transformers
-    /// lists its unexpected keys: a bias the config does not call for, say, would otherwise be
-    /// dropped without a word. A GGUF base is not looked at (its names are llama.cpp's).
-    pub fn note_unread(&self, model_dir: &crate::weights::ModelDir) {
-        if model_dir.gguf.is_some() {
-            return;
-        }
-        let Ok(files) = model_dir.open_weights() else { return };
-        let mut unread = crate::weights::unread(files.names(), &self.asked, self.cfg.num_hidden_layers);
-        // A stored head beside a tied config is read only to learn it equals the embedding (the
-        // config is untied otherwise: `ModelConfig`), which transformers does not name either.
-        unread.retain(|n| !(self.cfg.tie_word_embeddings && *n == "lm_head.weight"));
-        if unread.is_empty() {
-            return;
-        }
-        let shown = unread.iter().take(4).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
-        let more = if unread.len() > 4 { format!(" and {} more", unread.len() - 4) } else { String::new() };
-        let why = if unread.iter().any(|n| n.ends_with(".bias")) {
-            " (biases are read where the architecture or config.json's attention_bias / mlp_bias call for them)"
-        } else {
-            ""
-        };
-        crate::note!(
-            "note: {} tensor{} in {} {} not read by a {} model with this config.json: {shown}{more}. They are left out, as transformers leaves out what it reports as unexpected keys; if the model needs them, config.json does not match the checkpoint{why}",
-            unread.len(),
-            if unread.len() == 1 { "" } else { "s" },
-            model_dir.dir.display(),
-            if unread.len() == 1 { "is" } else { "are" },
-            self.cfg.architecture_name,
-        );
+    /// Every tensor `load` asked its source for (for [`crate::weights::note_unread`]).
+    pub fn asked(&self) -> &std::collections::BTreeSet<String> {
+        &self.asked
     }
 
     /// Run with `kernels` (the recipe's `model.kernels`).
@@ -325,7 +302,7 @@ impl Model {
         let (b, s) = ids.dims2()?;
         let c = &self.cfg;
         let e = self.src.embedding("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size], &ids.flatten_all()?)?; // [N, H]
-        Ok(e.reshape((b, s, c.hidden_size))?)
+        Ok(e.reshape((b, s, c.hidden_size))?) // [B, S, H]
     }
 
     /// Run decoder layer `i` on x [N, H] or [B, S, H] (same shape out): its frozen weights
@@ -346,7 +323,7 @@ impl Model {
         }
         let h = self.final_norm(&x)?.reshape((b * s, self.cfg.hidden_size))?; // [N, H]
         let logits = h.to_dtype(DType::F32)?.matmul(&self.lm_head()?.to_dtype(DType::F32)?.t()?)?; // [N, V]
-        Ok(logits.reshape((b, s, self.cfg.vocab_size))?)
+        Ok(logits.reshape((b, s, self.cfg.vocab_size))?) // [B, S, V]
     }
 
     /// Generation step: ids [1, S] at positions offset..offset+S, with per-layer caches
@@ -365,7 +342,7 @@ impl Model {
         let last = x.narrow(1, s - 1, 1)?.reshape((b, self.cfg.hidden_size))?; // [B, H]
         let h = self.final_norm(&last)?.to_dtype(DType::F32)?;
         let logits = h.matmul(&self.lm_head()?.to_dtype(DType::F32)?.t()?)?; // [B, V]
-        Ok(logits.get(0)?)
+        Ok(logits.get(0)?) // [V]: B = 1
     }
 
     /// Final RMSNorm: [.., H] -> [.., H]

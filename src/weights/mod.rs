@@ -13,9 +13,11 @@ use std::path::{Path, PathBuf};
 
 pub mod bnb;
 pub mod quantized;
+mod unread;
 pub mod window;
 
 pub use window::{Held, Unit, Window};
+pub use unread::{note_unread, unread, Asked};
 
 /// Where frozen tensors come from. `get` returns the tensor named `name` (full HF key) with the
 /// given shape in the compute dtype, or an error naming the tensor and the files searched.
@@ -80,103 +82,6 @@ pub trait WeightSource: Send + Sync {
     /// what only loading needed (the memory map). Later requests for a tensor not asked for
     /// then are errors. Sources that read on every request keep everything.
     fn seal(&self) {}
-}
-
-/// A source that remembers the name of every tensor asked of it (`Model::load` builds through
-/// one), so that what a checkpoint holds and no layer reads can be named ([`unread`]).
-/// Everything else is the wrapped source's.
-pub struct Asked<'a> {
-    src: &'a dyn WeightSource,
-    names: std::sync::Mutex<std::collections::BTreeSet<String>>,
-}
-
-impl<'a> Asked<'a> {
-    pub fn new(src: &'a dyn WeightSource) -> Self {
-        Asked { src, names: Default::default() }
-    }
-    fn ask(&self, name: &str) {
-        self.names.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string());
-    }
-    pub fn into_names(self) -> std::collections::BTreeSet<String> {
-        self.names.into_inner().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl WeightSource for Asked<'_> {
-    fn get_stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        self.ask(name);
-        self.src.get_stored(name, shape)
-    }
-    fn compute_dtype(&self) -> DType {
-        self.src.compute_dtype()
-    }
-    /// Not an ask: `Model::load` looks for a layer past the last this way.
-    fn contains(&self, name: &str) -> bool {
-        self.src.contains(name)
-    }
-    fn device(&self) -> &Device {
-        self.src.device()
-    }
-    fn matmul_dtype(&self) -> DType {
-        self.src.matmul_dtype()
-    }
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        self.ask(name);
-        self.src.get(name, shape)
-    }
-    fn get_matmul(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        self.ask(name);
-        self.src.get_matmul(name, shape)
-    }
-    fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
-        self.ask(name);
-        self.src.check(name, shape)
-    }
-    fn check_rows(&self, name: &str, shape: &[usize]) -> Result<()> {
-        self.ask(name);
-        self.src.check_rows(name, shape)
-    }
-    fn check_head(&self, name: &str, shape: &[usize]) -> Result<()> {
-        self.ask(name);
-        self.src.check_head(name, shape)
-    }
-    fn bytes_in_files(&self) -> usize {
-        self.src.bytes_in_files()
-    }
-    fn get_matmul_rows(&self, name: &str, shape: &[usize], start: usize, len: usize) -> Result<Tensor> {
-        self.ask(name);
-        self.src.get_matmul_rows(name, shape, start, len)
-    }
-    fn embedding(&self, name: &str, shape: &[usize], ids: &Tensor) -> Result<Tensor> {
-        self.ask(name);
-        self.src.embedding(name, shape, ids)
-    }
-    fn seal(&self) {
-        self.src.seal()
-    }
-}
-
-/// The tensors among `stored` that no layer of a model of `layers` layers reads, given the
-/// names it `asked` for: transformers' "unexpected keys". Not counted: what is stored beside
-/// a tensor read (`….weight_scale_inv` of an FP8 weight, bitsandbytes' `….weight.absmax` and
-/// quant state, its 8-bit `<module>.SCB` row scales and `weight_format`), layers past the last (DeepSeek-V3's multi-token-prediction module;
-/// `Model::load` refuses any other), and old checkpoints' `rotary_emb.inv_freq` buffers
-/// (transformers skips them too).
-pub fn unread<'n>(stored: impl Iterator<Item = &'n String>, asked: &std::collections::BTreeSet<String>, layers: usize) -> Vec<&'n str> {
-    let companion = |name: &str| {
-        let int8 = ["SCB", "weight_format"].iter().find_map(|s| name.strip_suffix(s)).is_some_and(|module| asked.contains(&format!("{module}weight")));
-        int8 || name.match_indices(['.', '_']).any(|(i, _)| asked.contains(&name[..i]))
-    };
-    let past_last = |name: &str| {
-        let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
-        layer.is_some_and(|i| i >= layers)
-    };
-    let mut out: Vec<&str> = stored
-        .map(String::as_str)
-        .filter(|n| !asked.contains(*n) && !companion(n) && !past_last(n) && !n.ends_with("rotary_emb.inv_freq"))
-        .collect();
-    out.sort_unstable();
-    out
 }
 
 /// A view of a [`WeightSource`] under a name prefix, like candle's `VarBuilder::pp`.
