@@ -397,6 +397,8 @@ pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> O
         t.get(s).and_then(|v| v.get(k)).cloned()
     };
     let mut warnings = Vec::new();
+    // Every refused change, so one rerun can fix them all.
+    let mut refused: Vec<(String, String)> = Vec::new();
     // Paths, or lists of them, that lead to the same places.
     let same_places = |old: &toml::Value, new: &toml::Value| {
         let places = |v: &toml::Value| -> Option<Vec<std::path::PathBuf>> {
@@ -430,16 +432,20 @@ pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> O
         if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change || unrecorded_commit || unrecorded_data_commit {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
-            let msg = format!(
-                "changed since the checkpoint ({} -> {}); resuming would not continue the same run. \
-                 Restore it, or start over with checkpoint.resume = \"never\" or a new output.dir",
-                show(&old),
-                show(&new)
-            );
-            return Err((key, msg));
+            refused.push((key, format!("{} -> {}", show(&old), show(&new))));
         }
     }
-    Ok(warnings)
+    let Some(((key, change), others)) = refused.split_first() else { return Ok(warnings) };
+    let also = match others {
+        [] => String::new(),
+        _ => format!(", and so did {}", others.iter().map(|(k, c)| format!("`{k}` ({c})")).collect::<Vec<_>>().join(", ")),
+    };
+    let msg = format!(
+        "changed since the checkpoint ({change}){also}; resuming would not continue the same run. \
+         Restore {}, or start over with checkpoint.resume = \"never\" or a new output.dir",
+        if others.is_empty() { "it" } else { "them" }
+    );
+    Err((key.clone(), msg))
 }
 
 /// Whether data entries `new` are `old` with hub commits recorded where `old` named none,
@@ -487,6 +493,16 @@ dir = "out"
         // defaults out.
         let now = format!("{OLD}[dist]\nzero_stage = 0\noffload_optimizer = \"cpu\"\nprefetch_layers = 1\n");
         assert_eq!(check_recipe_change(OLD, &now, &|_| None), Ok(vec![]));
+    }
+
+    #[test]
+    fn every_refused_change_is_named_at_once() {
+        // A run checkpointed before the defaults became shuffle = true and "linear" names both,
+        // so one rerun restores them.
+        let old = OLD.replace("train = \"d\"", "train = \"d\"\nshuffle = false").replace("lr = 0.001", "lr = 0.001\nlr_scheduler = \"constant\"");
+        let (key, msg) = check_recipe_change(&old, OLD, &|_| None).unwrap_err();
+        assert_eq!(key, "data.shuffle");
+        assert!(msg.contains("(false -> true), and so did `train.lr_scheduler` (\"constant\" -> \"linear\")") && msg.contains("Restore them"), "{msg}");
     }
 
     #[test]

@@ -896,12 +896,19 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
             "norm_topk_prob = true is not supported for DeepSeek-V2 (transformers ignores the key; DeepSeek's own code normalises the chosen experts' weights and skips routed_scaling_factor): set it to false to train as transformers does".into(),
         );
     }
+    let shared = at_most(hf.n_shared_experts.unwrap_or(if v3 { 1 } else { 2 }), "n_shared_experts", MAX_EXPERTS)?;
+    // The intermediate_size bound, for one expert and for the shared experts, which run as one
+    // MLP of their summed width.
+    let moe_intermediate_size = size(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 }), "moe_intermediate_size", 1 << 22)?;
+    let width = shared * moe_intermediate_size;
+    if width > 1 << 22 {
+        return Err(format!("n_shared_experts x moe_intermediate_size = {width} is more than this tool accepts ({}), the shared experts' MLP width", 1 << 22));
+    }
     let moe = Moe {
         n_routed_experts: experts,
         num_experts_per_tok: top_k,
-        n_shared_experts: at_most(hf.n_shared_experts.unwrap_or(if v3 { 1 } else { 2 }), "n_shared_experts", MAX_EXPERTS)?,
-        // The intermediate_size bound above.
-        moe_intermediate_size: size(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 }), "moe_intermediate_size", 1 << 22)?,
+        n_shared_experts: shared,
+        moe_intermediate_size,
         first_k_dense_replace: hf.first_k_dense_replace.unwrap_or(if v3 { 3 } else { 0 }),
         routing,
         n_group,
@@ -975,7 +982,7 @@ mod tests {
         // They reached the adapters' allocation (an abort) before any tensor was compared.
         let e = cfg(r#","head_dim":1099511627776"#).unwrap_err();
         assert!(e.contains("head_dim = 1099511627776") && e.contains("more than this tool accepts"), "{e}");
-        let ds = |key: &str| {
+        let ds_with = |key: &str, more: &[(&str, u64)]| {
             let mut v: serde_json::Value = serde_json::from_str(
                 r#"{"architectures":["DeepseekV2ForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
                 "num_attention_heads":4,"vocab_size":256,"q_lora_rank":null,"kv_lora_rank":16,"qk_nope_head_dim":16,
@@ -985,13 +992,20 @@ mod tests {
             if !key.is_empty() {
                 v[key] = 1_000_000_000.into();
             }
+            for (k, n) in more {
+                v[*k] = (*n).into();
+            }
             ModelConfig::resolve(&serde_json::from_value(v).unwrap())
         };
+        let ds = |key: &str| ds_with(key, &[]);
         assert!(ds("").is_ok());
         for key in ["n_routed_experts", "n_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size"] {
             let e = ds(key).unwrap_err();
             assert!(e.contains(&format!("{key} = 1000000000")) && e.contains("more than this tool accepts"), "{key}: {e}");
         }
+        // Each within its bound, their product (the shared experts' width) past it.
+        let e = ds_with("", &[("n_shared_experts", 4096), ("moe_intermediate_size", 4_194_304)]).unwrap_err();
+        assert!(e.contains("n_shared_experts x moe_intermediate_size"), "{e}");
     }
 
     #[test]

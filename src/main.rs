@@ -194,7 +194,8 @@ enum DataCmd {
         rows: u64,
     },
     /// Print the first examples with the trained tokens marked, the token-length histogram,
-    /// and how many rows would be truncated, dropped or skipped.
+    /// and how many rows would be truncated, dropped or skipped. Rows are read in the files'
+    /// order, one record each (no shuffle, no packing), whatever the recipe says.
     Inspect {
         #[command(flatten)]
         train: TrainArgs,
@@ -230,6 +231,7 @@ fn stream(t: &TrainArgs, rows: u64) -> anyhow::Result<()> {
 fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     use std::io::IsTerminal;
     let mut recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
+    let reordered = [("data.shuffle", recipe.recipe.data.shuffle), ("data.packing", recipe.recipe.data.packing)];
     recipe.recipe.data.shuffle = false;
     recipe.recipe.data.packing = false;
     let r = &recipe.recipe;
@@ -238,7 +240,9 @@ fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     let mut loader = finetune::train::open_loader(&recipe, &model_dir, cfg.vocab_size, finetune::data::Role::Train)?;
     let color = std::io::stdout().is_terminal();
     let (open, close) = if color { ("\x1b[32m", "\x1b[0m") } else { ("«", "»") };
-    println!("data: {} rows; format {}; trained tokens shown as {open}like this{close}\n", loader.total_rows(), r.data.format);
+    let off: Vec<&str> = reordered.iter().filter(|(_, on)| *on).map(|(k, _)| *k).collect();
+    let order = if off.is_empty() { String::new() } else { format!("; in the files' order, one record a row ({} off here; training does them)", off.join(", ")) };
+    println!("data: {} rows; format {}{order}; trained tokens shown as {open}like this{close}\n", loader.total_rows(), r.data.format);
     for i in 0..n.min(loader.total_rows() as usize) {
         let ex = loader.next_example()?;
         // Past the last usable record the loader starts the data over (bad, dropped or

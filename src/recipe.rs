@@ -979,8 +979,10 @@ fn switched_off_knobs(t: &toml::Table) -> Vec<String> {
     let merged = get("export", "merged").and_then(|v| v.as_bool()) == Some(true);
     off("export.dtype", merged, "without export.merged = true (it is the merged model's dtype; the adapter is written as trained)");
     off("export.max_shard_size", merged, "without export.merged = true (it cuts the merged model's shards)");
+    // With batch_by = "tokens" the buffer's size is also the pool a batch is cut from.
     let shuffle = get("data", "shuffle").and_then(|v| v.as_bool()) != Some(false);
-    off("data.shuffle_buffer", shuffle, "with data.shuffle = false (rows are read in the files' order)");
+    let pooled = get("data", "batch_by").and_then(|v| v.as_str()) == Some("tokens");
+    off("data.shuffle_buffer", shuffle || pooled, "with data.shuffle = false (rows are read in the files' order)");
     let auto = get("train", "activation_checkpointing").is_none_or(|v| v.as_str() == Some("auto"));
     off("train.activation_memory_mb", auto, "unless train.activation_checkpointing = \"auto\" (it is what auto may keep)");
     let zero3 = get("dist", "zero_stage").and_then(|v| v.as_integer()) == Some(3);
@@ -1089,7 +1091,7 @@ const HF_NAMES: &[(&str, &str)] = &[
     ("gradient_checkpointing", "train.activation_checkpointing"),
     ("logging_steps", "train.log_every"),
     ("eval_steps", "train.eval_every"),
-    ("warmup_ratio", "train.warmup_steps"),
+    ("warmup_ratio", "train.warmup_steps, in steps (ratio x max_steps)"),
     ("num_train_epochs", "train.max_steps"),
     ("adam_epsilon", "train.adam_eps"),
     ("r", "lora.rank"),
@@ -1155,7 +1157,14 @@ fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
                 // A list written as one string (`targets = "[q_proj]"`; a bare `--set
                 // lora.targets=[q_proj]` is stopped earlier, in `apply_override`).
                 let bare_list = matches!(spec.kind, Kind::StrList | Kind::StrOrList) && val.as_str().is_some_and(|s| s.starts_with('['));
-                let quote = if wants_text {
+                // transformers 5 reads a warmup_steps below 1 as a ratio of the steps (its
+                // warmup_ratio, deprecated); here it counts steps.
+                let ratio = (dotted == "train.warmup_steps").then(|| val.as_float().filter(|f| (0.0..1.0).contains(f))).flatten();
+                let steps = tab.get("max_steps").and_then(|v| v.as_integer()).filter(|&n| n > 0);
+                let quote = if let Some(f) = ratio {
+                    let n = steps.map_or(String::new(), |n| format!(" = {}", (f * n as f64).ceil() as i64));
+                    format!(" (a warmup_steps below 1 is a ratio of the steps in transformers; here it counts steps: ceil({f} x train.max_steps){n})")
+                } else if wants_text {
                     format!(" (quote it as text: {dotted} = \"{val}\", or --set '{dotted}=\"{val}\"')")
                 } else if bare_list {
                     format!(" (quote each element: --set '{dotted}=[\"q_proj\", \"v_proj\"]')")
@@ -1309,6 +1318,8 @@ dir = "out"
         for set in [
             &["export.merged=true", "export.dtype=bf16", "export.max_shard_size=1GB"][..],
             &["data.shuffle_buffer=100"],
+            // The pool a token batch is cut from, shuffled or not.
+            &["data.shuffle=false", "data.batch_by=\"tokens\"", "data.shuffle_buffer=100"],
             &["train.activation_memory_mb=512"],
             &["train.activation_checkpointing=\"auto\"", "train.activation_memory_mb=512"],
             &["dist.zero_stage=3", "dist.prefetch_layers=2"],
@@ -1373,6 +1384,9 @@ dir = "out"
         assert!(e.contains("`use_rslora` in transformers / PEFT / TRL: ") && e.contains("lora.alpha = alpha x sqrt(rank)"), "{e}");
         let e = err_text(MINIMAL, &["train.bf16=true"]);
         assert!(e.contains("model.dtype = \"bf16\""), "{e}");
+        // transformers 5's warmup ratio written as warmup_steps: the steps it means.
+        let e = err_text(MINIMAL, &["train.warmup_steps=0.5"]);
+        assert!(e.contains("ratio of the steps") && e.contains("ceil(0.5 x train.max_steps) = 2"), "{e}");
         let e = err_text(&MINIMAL.replace("[output]", "[outptu]"), &[]);
         assert!(e.contains("did you mean \"output\""), "{e}");
     }

@@ -1214,6 +1214,31 @@ fn a_shuffle_buffer_larger_than_the_dataset_still_visits_every_row_once_per_pass
     }
 }
 
+/// A record truncated to max_seq_len holds only max_seq_len tokens while it waits in the shuffle
+/// buffer or a token-batch pool (it kept its whole length's allocation: a buffer of 5000-token
+/// rows at max_seq_len 256 held 20x what it used), and comes out with its positions and
+/// segments whole.
+#[test]
+fn a_truncated_record_waits_in_the_buffer_at_its_truncated_size() {
+    let d = tempfile::tempdir().unwrap();
+    let m = smol_tokenizer_model(d.path());
+    let p = d.path().join("long.jsonl");
+    write_jsonl(&p, &(0..10).map(|r| serde_json::json!({"text": format!("row {r} ").repeat(200)}).to_string()).collect::<Vec<_>>());
+    for pool in [false, true] {
+        let o = LoaderOptions { shuffle: true, shuffle_buffer: 4, seed: 5, max_seq_len: 8, ..opts() };
+        let mut l = loader(std::slice::from_ref(&p), None, formatter(&m, "text", None, true), o).unwrap();
+        for _ in 0..12 {
+            let examples = if pool { l.next_token_batch(64).unwrap() } else { vec![l.next_example().unwrap()] };
+            for ex in examples {
+                assert_eq!(ex.input_ids.len(), 8);
+                assert!(ex.input_ids.capacity() <= 8 && ex.labels.capacity() <= 8, "pool {pool}: {} and {}", ex.input_ids.capacity(), ex.labels.capacity());
+                assert_eq!(ex.positions, (0..8).collect::<Vec<u32>>());
+                assert_eq!(ex.segments, vec![0; 8]);
+            }
+        }
+    }
+}
+
 #[test]
 fn a_token_batch_pool_never_holds_a_row_twice() {
     let d = tempfile::tempdir().unwrap();

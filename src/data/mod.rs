@@ -33,7 +33,30 @@ impl Example {
         let n = input_ids.len() as u32;
         Example { input_ids, labels, positions: (0..n).collect(), segments: vec![0; n as usize] }
     }
+
+    /// As held while it waits in the shuffle buffer or a token-batch pool: an example read from
+    /// the data is one record (positions 0.., segment 0), so those two are dropped and rebuilt
+    /// by [`Example::unstowed`]: 12 bytes a token held instead of 20.
+    fn stowed(mut self) -> Self {
+        debug_assert!(self.segments.iter().all(|&s| s == 0) && self.positions.iter().enumerate().all(|(i, &p)| p as usize == i));
+        self.positions = Vec::new();
+        self.segments = Vec::new();
+        // Tokenizing leaves slack (an EOS pushed onto an exact-size copy doubles it).
+        self.input_ids.shrink_to_fit();
+        self.labels.shrink_to_fit();
+        self
+    }
+
+    fn unstowed(self) -> Self {
+        Example::new(self.input_ids, self.labels)
+    }
 }
+
+/// Bytes the loader may hold per buffered token ([`Example::stowed`]: an id and a label), and
+/// per buffered row besides (the example's four vectors, its position, two allocations'
+/// headers), for `finetune plan`.
+pub const BUFFERED_BYTES_PER_TOKEN: usize = 4 + 8;
+pub const BUFFERED_BYTES_PER_ROW: usize = 4 * 24 + 40 + 2 * 16;
 
 pub use format::{alpaca_prompt, BadRecord, Formatter, Record};
 
@@ -66,6 +89,10 @@ pub fn is_held_out(index: u64, fraction: f64, seed: u64) -> bool {
     fraction > 0.0 && (crate::rng::mix(index ^ crate::rng::mix(seed ^ 0xE7A1)) >> 11) as f64 / (1u64 << 53) as f64 <= fraction
 }
 
+/// Whether the note on a slow shuffle-buffer fill was printed (once a process: every rank
+/// fills its own).
+static BUFFER_FILL_NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Counts the run reports at the end (and keeps across resumes).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DataStats {
@@ -97,8 +124,8 @@ pub struct Loader {
     rows: Rows,
     fmt: Formatter,
     opts: LoaderOptions,
-    /// Shuffle buffer: examples with the position they were read from (saved in checkpoints
-    /// as positions only and re-read on resume).
+    /// Shuffle buffer: examples ([`Example::stowed`]) with the position they were read from
+    /// (saved in checkpoints as positions only and re-read on resume).
     buffer: Vec<(Example, RowPos)>,
     /// With packing: the example that did not fit in the last row, first in the next.
     carry: Option<(Example, RowPos)>,
@@ -204,7 +231,7 @@ impl Loader {
         self.buffer.clear();
         for &pos in &st.buffer {
             let ex = self.example_at(pos)?;
-            self.buffer.push((ex, pos));
+            self.buffer.push((ex.stowed(), pos));
         }
         self.carry = match st.carry {
             Some(pos) => Some((self.example_at(pos)?, pos)),
@@ -218,7 +245,7 @@ impl Loader {
         for b in &st.pending {
             let mut batch = Vec::with_capacity(b.len());
             for &pos in b {
-                batch.push((self.example_at(pos)?, pos));
+                batch.push((self.example_at(pos)?.stowed(), pos));
             }
             self.pending.push_back(batch);
         }
@@ -308,24 +335,34 @@ impl Loader {
             };
         }
         if self.buffer.is_empty() {
-            self.buffer.extend(self.ahead.take());
+            self.buffer.extend(self.ahead.take().map(|(e, p)| (e.stowed(), p)));
         }
+        let filling = std::time::Instant::now();
         while self.ahead.is_none() && self.buffer.len() < self.opts.shuffle_buffer.max(1) {
             let item = self.read_one()?;
             if self.buffer.first().is_some_and(|(_, p)| p.epoch != item.1.epoch) {
                 self.ahead = Some(item);
             } else {
-                self.buffer.push(item);
+                self.buffer.push((item.0.stowed(), item.1));
+            }
+            if filling.elapsed() > std::time::Duration::from_secs(10) && !BUFFER_FILL_NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                crate::note!(
+                    "note: filling the shuffle buffer ({} of data.shuffle_buffer = {} rows read so far): the first step waits for it, and a resumed run reads it again; \
+                     a smaller data.shuffle_buffer starts sooner and mixes less",
+                    self.buffer.len(),
+                    self.opts.shuffle_buffer
+                );
             }
         }
         let i = self.rng.below(self.buffer.len() as u64) as usize;
-        Ok(self.buffer.swap_remove(i))
+        let (ex, pos) = self.buffer.swap_remove(i);
+        Ok((ex.unstowed(), pos))
     }
 
     /// Undo the last `next_with_pos` (its example is served again later).
     fn put_back(&mut self, item: (Example, RowPos)) {
         if self.opts.shuffle {
-            self.buffer.push(item);
+            self.buffer.push((item.0.stowed(), item.1));
         } else {
             self.ahead = Some(item);
         }
@@ -369,7 +406,7 @@ impl Loader {
                     self.put_back(item);
                     break;
                 }
-                pool.push(item);
+                pool.push((item.0.stowed(), item.1));
             }
             // A record is never split: one longer than the budget would run as a micro-batch
             // over it, past the memory the budget (and checkpointing's plan) allow.
@@ -404,7 +441,7 @@ impl Loader {
             }
             self.pending = batches.into();
         }
-        Ok(self.pending.pop_front().map(|b| b.into_iter().map(|x| x.0).collect()).unwrap_or_default())
+        Ok(self.pending.pop_front().map(|b| b.into_iter().map(|x| x.0.unstowed()).collect()).unwrap_or_default())
     }
 
     /// Token lengths (before truncation) of the first `limit` rows, and the bad records among
@@ -497,10 +534,14 @@ fn convert(fmt: &Formatter, r: &RowRef, opts: &LoaderOptions) -> Result<Converte
         if opts.overflow == "drop" {
             return Ok(Converted::Dropped { full_len });
         }
-        ex.input_ids.truncate(opts.max_seq_len);
+        // Shrunk too: a truncated record held in the shuffle buffer kept its whole length's
+        // allocation (a buffer of 5000-token rows at max_seq_len 256 held 20x what it used).
+        for v in [&mut ex.input_ids, &mut ex.positions, &mut ex.segments] {
+            v.truncate(opts.max_seq_len);
+            v.shrink_to_fit();
+        }
         ex.labels.truncate(opts.max_seq_len);
-        ex.positions.truncate(opts.max_seq_len);
-        ex.segments.truncate(opts.max_seq_len);
+        ex.labels.shrink_to_fit();
     }
     if ex.labels.iter().skip(1).all(|&l| l == IGNORE) {
         let why = if truncated {

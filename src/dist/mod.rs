@@ -107,7 +107,7 @@ pub fn layout(d: &DistSection, model_device: &str, env: &dyn Fn(&str) -> Option<
 
 /// A rank's share of a flat vector of `total` values: [r c, (r+1) c) with c = ceil(total / W),
 /// the last shares shorter (zero-padded to c on the wire). The one partition rule: LoRA
-/// gradients and AdamW state (train.rs), frozen tensors (zero.rs) and `finetune plan` use it.
+/// gradients and AdamW state (train/), frozen tensors (zero.rs) and `finetune plan` use it.
 #[derive(Clone, Copy, Debug)]
 pub struct Partition {
     total: usize,

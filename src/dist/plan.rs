@@ -36,6 +36,9 @@ pub struct Plan {
     pub checkpointing: bool,
     /// A quantized base: what holds it (`GGUF Q4_K, Q6_K, F32` or `model.quantize = q8_0`).
     pub quantized: Option<String>,
+    /// Host bytes the rank's data loader may hold at most: the shuffle buffer's rows, and with
+    /// batch_by = "tokens" the pool of rows a batch is cut from, each up to max_seq_len tokens.
+    pub data_buffer: usize,
 }
 
 impl Plan {
@@ -131,7 +134,17 @@ pub fn plan_with(cfg: &ModelConfig, r: &Recipe, world: usize, on_gpu: bool, quan
         activations_full: full,
         checkpointing: r.train.activation_checkpointing.is_on(),
         quantized: quant.map(|q| q.what.clone()),
+        data_buffer: data_buffer(&r.data),
     }
+}
+
+/// [`Plan::data_buffer`]: the rows the loader can hold at once, at their longest.
+fn data_buffer(d: &crate::recipe::DataSection) -> usize {
+    let tokens = |rows: usize| rows * (d.max_seq_len * crate::data::BUFFERED_BYTES_PER_TOKEN + crate::data::BUFFERED_BYTES_PER_ROW);
+    let shuffle = if d.shuffle { tokens(d.shuffle_buffer) } else { 0 };
+    // The pool is shuffle_buffer rows too, drawn through the shuffle buffer when shuffling.
+    let pool = if d.batch_by == "tokens" { tokens(d.shuffle_buffer) } else { 0 };
+    shuffle + pool
 }
 
 fn head_unit(cfg: &ModelConfig) -> Unit {
@@ -264,6 +277,7 @@ pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> St
         ("host", Box::new(|_| String::new())),
         ("  optimizer state per rank", Box::new(|p| if p.optimizer_on_host { gb(p.optimizer) } else { "-".into() })),
         ("  optimizer state, all ranks", Box::new(|p| if p.optimizer_on_host { gb(p.optimizer * p.world) } else { "-".into() })),
+        ("  data buffer per rank, at most", Box::new(|p| gb(p.data_buffer))),
     ];
     for (label, f) in rows {
         let mut line = format!("{label:<44}");
@@ -274,7 +288,9 @@ pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> St
         out.push('\n');
     }
     out.push_str(
-        "\nExact rows are what a run allocates (a CPU run's account matches them); activations are estimates.\n\
+        "\nExact rows are what a run allocates (a CPU run's account matches them); activations are estimates; the data buffer \
+         is its bound (data.shuffle_buffer rows of up to data.max_seq_len tokens, 12 bytes each, twice that with batch_by = \"tokens\" \
+         and shuffle; smaller where rows are shorter; the allocator's slack, a few percent, and an evaluation set, held whole, come on top).\n\
          With checkpointing off, ZeRO-3 is refused: the autograd graph would keep every gathered layer.\n",
     );
     if on_gpu {
@@ -287,6 +303,21 @@ pub fn render(cfg: &ModelConfig, r: &Recipe, plans: &[Plan], on_gpu: bool) -> St
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_data_buffer_bound_follows_the_shuffle_buffer_and_the_token_pool() {
+        let text = "[model]\npath = \"m\"\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = \"d\"\nmax_seq_len = 100\nshuffle_buffer = 10\n[train]\nmax_steps = 1\nlr = 1e-4\n[output]\ndir = \"o\"\n";
+        let data = |shuffle: bool, batch_by: &str| {
+            let mut r: crate::recipe::Recipe = toml::from_str(text).unwrap();
+            (r.data.shuffle, r.data.batch_by) = (shuffle, batch_by.into());
+            super::data_buffer(&r.data)
+        };
+        let rows = 10 * (100 * 12 + crate::data::BUFFERED_BYTES_PER_ROW);
+        assert_eq!(data(true, "rows"), rows);
+        assert_eq!(data(false, "rows"), 0, "one row at a time");
+        assert_eq!(data(false, "tokens"), rows, "the pool");
+        assert_eq!(data(true, "tokens"), 2 * rows, "the pool, drawn through the shuffle buffer");
+    }
+
     #[test]
     fn parameter_counts_read_at_every_size() {
         let got: Vec<String> = [6.91e9, 12.6e6, 40_100.0, 999.0].map(super::param_count).into();
