@@ -94,6 +94,8 @@ struct DataStats {
     dropped: Option<u64>,
     bad: Option<u64>,
     bad_examples: Vec<String>,
+    /// What the counts are of (0 or absent: not counted by the run that wrote it).
+    read: Option<u64>,
 }
 
 /// Bytes per account, as the memory plan counts them.
@@ -599,8 +601,9 @@ fn data_section(h: &mut String, summary: Option<&Summary>) {
     let count = |v: Option<u64>| v.map(commas).unwrap_or_else(|| "<span class=\"na\">n/a</span>".into());
     let _ = writeln!(
         h,
-        "<table>\n<tr><th>truncated to max length</th><td class=\"n\">{}</td></tr>\n\
+        "<table>\n<tr><th>records read (first pass)</th><td class=\"n\">{}</td></tr>\n<tr><th>truncated to max length</th><td class=\"n\">{}</td></tr>\n\
          <tr><th>dropped</th><td class=\"n\">{}</td></tr>\n<tr><th>bad records</th><td class=\"n\">{}</td></tr>\n</table>",
+        count(d.read.filter(|&n| n > 0)),
         count(d.truncated),
         count(d.dropped),
         count(d.bad)

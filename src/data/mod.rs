@@ -101,16 +101,22 @@ pub struct DataStats {
     pub bad: u64,
     /// The first few bad records' messages.
     pub bad_examples: Vec<String>,
+    /// Records read on the first pass, what the counts above are of: with a shuffle buffer,
+    /// more than were trained on (0 in checkpoints from before it was counted).
+    #[serde(default)]
+    pub read: u64,
 }
 
 impl DataStats {
     pub fn report(&self, max_seq_len: usize) -> Vec<String> {
         let mut out = Vec::new();
+        let counted = self.read >= self.truncated + self.dropped + self.bad && self.read > 0;
+        let of = |n: u64| if counted { format!("{n} of the {} records read", self.read) } else { format!("{n} record(s)") };
         if self.truncated > 0 {
-            out.push(format!("{} record(s) longer than data.max_seq_len = {max_seq_len} were truncated", self.truncated));
+            out.push(format!("{} were longer than data.max_seq_len = {max_seq_len} and truncated", of(self.truncated)));
         }
         if self.dropped > 0 {
-            out.push(format!("{} record(s) longer than data.max_seq_len = {max_seq_len} were dropped (data.overflow = \"drop\")", self.dropped));
+            out.push(format!("{} were longer than data.max_seq_len = {max_seq_len} and dropped (data.overflow = \"drop\")", of(self.dropped)));
         }
         if self.bad > 0 {
             out.push(format!("{} bad record(s) skipped, e.g. {}", self.bad, self.bad_examples.join("; ")));
@@ -283,6 +289,7 @@ impl Loader {
             // the same records again, and the counts say how many of the dataset's records
             // were truncated, dropped or bad (as `data inspect` does).
             let first_pass = pos.epoch == 0;
+            self.stats.read += u64::from(first_pass);
             match convert(fmt, &r, opts)? {
                 Converted::Ok { ex, full_len } => {
                     self.stats.truncated += u64::from(first_pass && full_len > opts.max_seq_len);
@@ -637,6 +644,17 @@ impl MicroBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_counts_say_what_they_are_of() {
+        // A shuffle buffer reads ahead of the steps: 8824 truncated of a 3-step run read as
+        // if the run had trained on them.
+        let s = DataStats { truncated: 8824, read: 10_024, ..Default::default() };
+        assert_eq!(s.report(2048), ["8824 of the 10024 records read were longer than data.max_seq_len = 2048 and truncated"]);
+        // A checkpoint from before reads were counted.
+        let old = DataStats { truncated: 3, ..Default::default() };
+        assert_eq!(old.report(64), ["3 record(s) were longer than data.max_seq_len = 64 and truncated"]);
+    }
 
     #[test]
     fn collate_pads_right_and_shifts_labels() {
