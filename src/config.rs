@@ -328,7 +328,7 @@ impl ModelConfig {
         }
         for (key, v, max) in [
             ("hidden_size", hf.hidden_size, 1 << 20),
-            ("intermediate_size", hf.intermediate_size, 1 << 22),
+            ("intermediate_size", hf.intermediate_size, MAX_INTERMEDIATE),
             ("num_hidden_layers", hf.num_hidden_layers, 1 << 12),
             ("vocab_size", hf.vocab_size, 1 << 24),
             ("num_attention_heads", heads, 1 << 12),
@@ -754,6 +754,8 @@ fn positive(n: usize, key: &str) -> std::result::Result<usize, String> {
 const MAX_HEAD_DIM: usize = 1 << 12;
 const MAX_LATENT: usize = 1 << 16;
 const MAX_EXPERTS: usize = 1 << 12;
+/// An MLP's width: intermediate_size, an expert's, and the shared experts' summed.
+const MAX_INTERMEDIATE: usize = 1 << 22;
 
 /// `n`, or an error naming `key` when it is past `max`.
 fn at_most(n: usize, key: &str, max: usize) -> std::result::Result<usize, String> {
@@ -899,11 +901,8 @@ fn resolve_moe(hf: &HfConfig, arch: Arch) -> std::result::Result<Option<Moe>, St
     let shared = at_most(hf.n_shared_experts.unwrap_or(if v3 { 1 } else { 2 }), "n_shared_experts", MAX_EXPERTS)?;
     // The intermediate_size bound, for one expert and for the shared experts, which run as one
     // MLP of their summed width.
-    let moe_intermediate_size = size(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 }), "moe_intermediate_size", 1 << 22)?;
-    let width = shared * moe_intermediate_size;
-    if width > 1 << 22 {
-        return Err(format!("n_shared_experts x moe_intermediate_size = {width} is more than this tool accepts ({}), the shared experts' MLP width", 1 << 22));
-    }
+    let moe_intermediate_size = size(hf.moe_intermediate_size.unwrap_or(if v3 { 2048 } else { 1407 }), "moe_intermediate_size", MAX_INTERMEDIATE)?;
+    at_most(shared * moe_intermediate_size, "n_shared_experts x moe_intermediate_size (the shared experts' MLP width)", MAX_INTERMEDIATE)?;
     let moe = Moe {
         n_routed_experts: experts,
         num_experts_per_tok: top_k,

@@ -565,7 +565,7 @@ fn a_source_with_several_splits_gives_training_train_and_evaluation_test_never_a
     let e = texts(&[PathBuf::from(format!("{}:test", flat.display()))], Split::eval(None)).err().unwrap().to_string();
     assert!(e.contains("has no splits") && e.contains("`:test`"), "{e}");
     let e = texts(&[PathBuf::from(format!("{}:train", flat.join("latest.jsonl").display()))], Split::train(None)).err().unwrap().to_string();
-    assert!(e.contains("latest.jsonl") && e.contains("a single file, which has no splits") && e.contains("`:train`"), "{e}");
+    assert!(e.contains("latest.jsonl") && e.contains("has no splits (a single file)") && e.contains("`:train`"), "{e}");
     // A DatasetDict: train for training, test for evaluation.
     let dd = d.path().join("dict");
     for split in ["train", "test"] {

@@ -41,7 +41,9 @@ impl Example {
         debug_assert!(self.segments.iter().all(|&s| s == 0) && self.positions.iter().enumerate().all(|(i, &p)| p as usize == i));
         self.positions = Vec::new();
         self.segments = Vec::new();
-        // Tokenizing leaves slack (an EOS pushed onto an exact-size copy doubles it).
+        // Tokenizing leaves slack (an EOS pushed onto an exact-size copy doubles it), and
+        // truncation keeps the whole record's allocation (a buffer of 5000-token rows at
+        // max_seq_len 256 held 20x what it used).
         self.input_ids.shrink_to_fit();
         self.labels.shrink_to_fit();
         self
@@ -541,14 +543,12 @@ fn convert(fmt: &Formatter, r: &RowRef, opts: &LoaderOptions) -> Result<Converte
         if opts.overflow == "drop" {
             return Ok(Converted::Dropped { full_len });
         }
-        // Shrunk too: a truncated record held in the shuffle buffer kept its whole length's
-        // allocation (a buffer of 5000-token rows at max_seq_len 256 held 20x what it used).
-        for v in [&mut ex.input_ids, &mut ex.positions, &mut ex.segments] {
-            v.truncate(opts.max_seq_len);
-            v.shrink_to_fit();
-        }
+        // (The allocation stays: a record that waits in the shuffle buffer is shrunk there,
+        // `Example::stowed`.)
+        ex.input_ids.truncate(opts.max_seq_len);
         ex.labels.truncate(opts.max_seq_len);
-        ex.labels.shrink_to_fit();
+        ex.positions.truncate(opts.max_seq_len);
+        ex.segments.truncate(opts.max_seq_len);
     }
     if ex.labels.iter().skip(1).all(|&l| l == IGNORE) {
         let why = if truncated {

@@ -72,15 +72,12 @@ pub fn shard_files(spec: &Path, split: Split) -> Result<Vec<PathBuf>> {
 /// `:split` of the entry's own) chose among.
 pub(super) fn shard_files_and_split(spec: &Path, split: Split) -> Result<(Vec<PathBuf>, bool)> {
     let s = spec.to_string_lossy();
-    // "dir:split" (only when `dir` is a folder: a colon may be part of a file name).
+    // "dir:split", or "file.jsonl:split" (refused below: a file has no splits); only where
+    // no file is named so, since a colon may be part of a file name.
     if let Some((dir, sp)) = s.rsplit_once(':') {
         let d = Path::new(dir);
-        if d.is_dir() && !spec.exists() {
+        if d.exists() && !spec.exists() {
             return Ok((shard_files(d, split.named(sp))?, false));
-        }
-        // "file.jsonl:train": a single file has no splits (what a folder of it says).
-        if d.is_file() && !spec.exists() {
-            return Err(Error::data(d, format!("is a single file, which has no splits, so `:{sp}` names nothing; drop it, or point at the split's own files")));
         }
     }
     let path = spec;
