@@ -340,7 +340,8 @@ pub fn clean_temporaries(out_dir: &Path) {
 /// Besides these, `checkpoint.*`, `export.*` (what is written after training) and `dist.*`
 /// (checked separately) may change. `data.eval` only chooses what is evaluated; checkpointing
 /// only what is recomputed (the same bits either way), except where it splits micro-batches
-/// into passes (`TrainState::pass_rows`, checked on resume).
+/// into passes (`TrainState::pass_rows`: another split is said on resume not to match bit
+/// for bit).
 const MAY_CHANGE: &[&str] = &[
     "train.max_steps",
     "train.warmup_steps",
@@ -420,9 +421,10 @@ pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> O
             continue;
         }
         let show = |v: &Option<toml::Value>| v.as_ref().map_or("(unset)".to_string(), |v| v.to_string());
-        // Checkpoints are consolidated, so the world size and how it is split may change;
-        // the trainer checks that the micro-batches per step (the global batch) stay equal.
-        let layout_change = key.starts_with("dist.") || key == "train.grad_accum_steps";
+        // Checkpoints are consolidated, so the world size and how a step's examples are split
+        // may change; the trainer checks that the examples per step (the global batch) stay
+        // equal (`train::run_folder::check_same_run`).
+        let layout_change = key.starts_with("dist.") || key == "train.grad_accum_steps" || key == "train.micro_batch_size";
         let after_training = key.starts_with("checkpoint.") || key.starts_with("export.");
         // Checkpoints from before commits were recorded say nothing about the base's commit:
         // continue, but say which one this run uses. A recorded commit that differs is an error.

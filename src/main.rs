@@ -59,9 +59,10 @@ enum Command {
         gguf: PathBuf,
         #[arg(long)]
         out: PathBuf,
-        /// Storage dtype of the weights: f32 or bf16.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
+        /// Storage dtype of the weights: f32, bf16 or f16 [default: the file's, F16 or BF16
+        /// where all its matrices are stored so, else f32, which holds every dequantised value]
+        #[arg(long)]
+        dtype: Option<String>,
         /// Shard the weights above this size.
         #[arg(long, default_value = "5GB")]
         max_shard_size: String,
@@ -405,7 +406,7 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
                 anyhow::bail!("--out {}: the file exists (choose another --out, or remove it first)", a.out.display());
             }
             // Ctrl-C stops it as it stops a merge: no file, exit 130.
-            let stop = install_signal_handlers()?;
+            let stop = install_signal_handlers(EXPORT_STOPPING)?;
             let r = finetune::export::gguf::export_gguf_adapter(&adapter, &base, &a.out, Some(&stop))?;
             finetune::note!("adapter (llama.cpp LoRA GGUF) written to {} ({} bytes); use it with: llama-cli -m <base>.gguf --lora {}", r.out.display(), r.total_bytes, r.out.display());
             return Ok(());
@@ -421,7 +422,7 @@ fn export(a: &ExportArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify, stop: Some(install_signal_handlers()?), ..Default::default() };
+    let opts = ExportOptions { merge: true, dtype, max_shard_size, no_verify: a.no_verify, stop: Some(install_signal_handlers(EXPORT_STOPPING)?), ..Default::default() };
     note_quantized_merge(a.run.as_deref().and_then(run_quantize).as_deref());
     let r = merge(&base, &adapter, &a.out, &opts)?;
     print_merge_report(&r);
@@ -667,7 +668,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match (cli.command, cli.train) {
         (Some(Command::Train(t)), _) | (None, Some(t)) => {
             let recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
-            let stop = install_signal_handlers()?;
+            let stop = install_signal_handlers(TRAIN_STOPPING)?;
             let summary = finetune::train::run_with(&recipe, &finetune::train::RunOptions { stop: Some(stop.clone()), ..Default::default() })?;
             // A signal after the last step stops the end-of-run exports (not the run: its
             // adapter is written), with the command that writes them later.
@@ -731,10 +732,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         (Some(Command::Data { cmd: DataCmd::Inspect { train, n, scan } }), _) => inspect(&train, n, scan)?,
         (Some(Command::Data { cmd: DataCmd::Stream { train, rows } }), _) => stream(&train, rows)?,
         (Some(Command::Import { gguf, out, dtype, max_shard_size }), _) => {
-            let dtype = match dtype.as_str() {
-                "f32" => candle_core::DType::F32,
-                "bf16" => candle_core::DType::BF16,
-                other => anyhow::bail!("--dtype {other}: expected f32 or bf16"),
+            let dtype = match dtype.as_deref() {
+                Some("f32") => candle_core::DType::F32,
+                Some("bf16") => candle_core::DType::BF16,
+                Some("f16") => candle_core::DType::F16,
+                Some(other) => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
+                None => finetune::gguf::open(&gguf)?.weights_dtype(),
             };
             let limit = finetune::export::parse_size(&max_shard_size).map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
             let r = finetune::gguf::import(&gguf, &out, dtype, limit)?;
@@ -772,21 +775,37 @@ fn signal_exit(signal: usize) -> ExitCode {
     ExitCode::from(128u8.saturating_add(signal as u8))
 }
 
-/// First SIGINT/SIGTERM: ask the loop to finish its step and checkpoint. A second one exits
-/// at once (the last complete checkpoint still stands).
-fn install_signal_handlers() -> anyhow::Result<std::sync::Arc<std::sync::atomic::AtomicUsize>> {
+/// What the first stop signal does, said when it arrives: a step can take minutes (a long
+/// micro-batch, the shuffle buffer's first fill), and a signal that seems ignored gets a
+/// second one, which loses the step.
+const TRAIN_STOPPING: &[u8] = b"\nstop requested: training finishes the step in progress, saves a checkpoint and exits (an export after training stops and removes what it wrote); a second Ctrl-C stops at once, without that checkpoint\n";
+const EXPORT_STOPPING: &[u8] = b"\nstop requested: the export stops at its next tensor and removes what it wrote\n";
+
+/// First SIGINT/SIGTERM: say what happens (`first`, on rank 0 only: every rank of a
+/// terminal's launch gets the signal), and ask the work to stop where it can (the training
+/// loop after its step, with a checkpoint). A second one exits at once (the last complete
+/// checkpoint still stands).
+fn install_signal_handlers(first: &'static [u8]) -> anyhow::Result<std::sync::Arc<std::sync::atomic::AtomicUsize>> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     use std::sync::atomic::{AtomicBool, AtomicUsize};
     use std::sync::Arc;
     let which = Arc::new(AtomicUsize::new(0));
     let stopping = Arc::new(AtomicBool::new(false));
+    let lead = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
     for (sig, code) in [(SIGINT, 130), (SIGTERM, 143)] {
-        // Registered before the flag: on the first signal it sees `false` and does nothing.
-        // On the second it says why the run ends there, then exits (write(2) and _exit(2)
-        // are async-signal-safe; nothing else runs in the handler).
+        // Registered before the flag: on the first signal it sees `false` and says what the
+        // stop does. On the second it says why the run ends there, then exits (write(2) and
+        // _exit(2) are async-signal-safe; nothing else runs in the handler).
         let again = stopping.clone();
         let action = move || {
-            if again.load(std::sync::atomic::Ordering::SeqCst) {
+            if !again.load(std::sync::atomic::Ordering::SeqCst) {
+                if lead {
+                    // SAFETY: a plain system call on a static buffer, allowed in a signal handler.
+                    unsafe {
+                        libc::write(2, first.as_ptr().cast(), first.len());
+                    }
+                }
+            } else {
                 const SAID: &[u8] = b"\nsecond stop signal: stopping at once; the last complete checkpoint, if one was saved, stands (checkpoint.resume = \"auto\" continues from it)\n";
                 // SAFETY: plain system calls on a static buffer, allowed in a signal handler.
                 unsafe {

@@ -571,6 +571,28 @@ fn an_expert_no_token_reached_in_a_step_is_not_updated_not_even_by_weight_decay(
     }
 }
 
+/// With routed-expert adapters a resume may not change micro_batch_size, even with the global
+/// batch kept: the padding of rows batched together reaches experts, which AdamW then steps.
+/// Without them the same change continues.
+#[test]
+fn a_resume_with_routed_expert_adapters_refuses_another_micro_batch_size() {
+    for routed in [true, false] {
+        let root = tempfile::tempdir().unwrap();
+        let r = format!("lora.routed_experts={routed}");
+        let o = ["lora.targets=[\"up_proj\"]", &r, "train.micro_batch_size=2", "train.grad_accum_steps=1", "train.max_steps=1"];
+        finetune::train::run(&fresh_recipe(root.path(), &o)).unwrap();
+        let more = ["lora.targets=[\"up_proj\"]", &r, "train.micro_batch_size=1", "train.grad_accum_steps=2", "train.max_steps=2"];
+        let resumed = finetune::train::run(&fresh_recipe(root.path(), &more));
+        match routed {
+            true => {
+                let e = resumed.expect_err("refused").to_string();
+                assert!(e.contains("train.micro_batch_size") && e.contains("routed_experts") && e.contains("checkpoint's was 2"), "{e}");
+            }
+            false => assert_eq!(resumed.unwrap().steps.iter().map(|m| m.step).collect::<Vec<_>>(), vec![2]),
+        }
+    }
+}
+
 #[test]
 fn resume_keeps_the_step_counts_of_experts_that_sat_out_steps() {
     let rows = tempfile::tempdir().unwrap();

@@ -385,6 +385,13 @@ fn an_embedding_length_that_does_not_match_the_tensors_is_an_error_naming_the_ke
 }
 
 #[test]
+fn a_mixtral_style_llama_file_is_refused_naming_expert_count() {
+    // Named for what it is, not by its first tensor this does not read.
+    let e = rejects("expert_count 8", "llama.expert_count", |md, _| set(md, "llama.expert_count", Value::U32(8)));
+    assert!(e.contains("mixture-of-experts") && e.contains("Mixtral"), "{e}");
+}
+
+#[test]
 fn tensors_a_llama_folder_cannot_hold_are_errors_naming_the_tensor() {
     let (_, _, qs) = good_parts();
     let bias = QTensor::quantize(&Tensor::zeros(64, DType::F32, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap();

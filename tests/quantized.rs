@@ -241,6 +241,46 @@ fn a_gguf_base_merges_and_generates_as_its_import() {
     assert_eq!(max_abs_diff(&logits(&gguf), &logits(&imported)), 0.0);
 }
 
+/// A GGUF of F16 (or BF16) matrices merges, and imports, in that dtype by default: every
+/// value fits, and f32 doubled the output. Quantized blocks stay f32 (Q8_0 above and here).
+/// The merged weights are the f32 sum rounded once, as from the imported folder.
+#[test]
+fn a_16_bit_gguf_merges_and_imports_in_its_own_dtype() {
+    use candle_core::DType;
+    for (ggml, want) in [(GgmlDType::F16, DType::F16), (GgmlDType::BF16, DType::BF16), (GgmlDType::Q8_0, DType::F32)] {
+        let d = workspace(&shape(), ggml);
+        cache_env(d.path());
+        let file = d.path().join("model.gguf");
+        assert_eq!(finetune::gguf::open(&file).unwrap().weights_dtype(), want, "{ggml:?}");
+        train(d.path(), "gguf", "model.gguf", &[]);
+        let adapter = finetune::export::PeftAdapter::open(&d.path().join("gguf/out/adapter")).unwrap();
+        let gguf = finetune::weights::ModelDir::resolve("model.gguf", d.path()).unwrap();
+        let out = d.path().join("merged");
+        finetune::export::merge(&gguf, &adapter, &out, &finetune::export::ExportOptions { merge: true, ..Default::default() }).unwrap();
+        let merged = load_tensors(&out.join("model.safetensors"));
+        assert!(merged.values().all(|t| t.dtype() == want), "{ggml:?}: {:?}", merged.iter().map(|(k, t)| (k, t.dtype())).collect::<Vec<_>>());
+        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["torch_dtype"], finetune::weights::torch_dtype_name(want));
+        // The same as merging the import of the file in that dtype.
+        let imported = d.path().join("imported-own");
+        finetune::gguf::import(&file, &imported, want, u64::MAX).unwrap();
+        let from_import = d.path().join("merged-import");
+        let base = finetune::weights::ModelDir::resolve("imported-own", d.path()).unwrap();
+        finetune::export::merge(&base, &adapter, &from_import, &finetune::export::ExportOptions { merge: true, ..Default::default() }).unwrap();
+        let b = load_tensors(&from_import.join("model.safetensors"));
+        for (k, t) in &merged {
+            assert_eq!(max_abs_diff(&t.to_dtype(DType::F32).unwrap(), &b[k].to_dtype(DType::F32).unwrap()), 0.0, "{ggml:?} {k}");
+        }
+        // The matrices' values fit: the import equals the file's. (The norms, F32 in every
+        // GGUF, come from the model's dtype in a real conversion; these random ones round.)
+        let imported = load_tensors(&imported.join("model.safetensors"));
+        let f32_import = load_tensors(&d.path().join("imported/model.safetensors"));
+        for (k, t) in imported.iter().filter(|(_, t)| t.rank() == 2) {
+            assert_eq!(max_abs_diff(&t.to_dtype(DType::F32).unwrap(), &f32_import[k]), 0.0, "{ggml:?} {k}");
+        }
+    }
+}
+
 #[test]
 fn a_bitsandbytes_base_merges_into_its_dequantised_weights() {
     let fx = fixture("parity-bnb-nf4");
@@ -281,6 +321,53 @@ fn a_bitsandbytes_base_merges_into_its_dequantised_weights() {
     finetune::export::merge(&base, &adapter, &d.path().join("merged-v5"), &opts).unwrap();
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d.path().join("merged-v5/config.json")).unwrap()).unwrap();
     assert_eq!((&cfg["dtype"], &cfg["torch_dtype"]), (&"float32".into(), &"float32".into()), "{cfg}");
+}
+
+/// A checkpoint quantised from bf16 (its quant_states say so; its other tensors are bf16)
+/// merges to bf16 unless --dtype says otherwise, as "the base's dtype" promises: its 4-bit
+/// weights dequantise exactly to bf16, and f32 doubled the output. Each merged weight is the
+/// bf16 dequantisation plus the adapter's delta, rounded once.
+#[test]
+fn a_bitsandbytes_base_quantised_from_bf16_merges_to_bf16() {
+    use candle_core::DType;
+    let fx = fixture("parity-bnb-nf4");
+    let d = tempfile::tempdir().unwrap();
+    let bf16 = d.path().join("bf16");
+    copy_dir(&fx.join("model"), &bf16);
+    let st = bf16.join("model.safetensors");
+    let mut tensors = load_tensors(&st);
+    for (name, t) in tensors.iter_mut() {
+        if name.contains(".quant_state.") {
+            let json = String::from_utf8(t.to_vec1::<u8>().unwrap()).unwrap();
+            let json = json.replace(r#""dtype": "float32""#, r#""dtype": "bfloat16""#);
+            *t = candle_core::Tensor::new(json.as_bytes(), &Device::Cpu).unwrap();
+        } else if !finetune::weights::bnb::is_quant_state(name) && t.dtype() == DType::F32 {
+            *t = t.to_dtype(DType::BF16).unwrap();
+        }
+    }
+    candle_core::safetensors::save(&tensors, &st).unwrap();
+    let adapter = finetune::export::PeftAdapter::open(&fx.join("init")).unwrap();
+    let base = finetune::weights::ModelDir::resolve(bf16.to_str().unwrap(), Path::new(".")).unwrap();
+    let out = d.path().join("merged");
+    finetune::export::merge(&base, &adapter, &out, &finetune::export::ExportOptions { merge: true, ..Default::default() }).unwrap();
+    let merged = load_tensors(&out.join("model.safetensors"));
+    let not_bf16: Vec<&String> = merged.iter().filter(|(_, t)| t.dtype() != DType::BF16).map(|(k, _)| k).collect();
+    assert!(not_bf16.is_empty(), "not bf16: {not_bf16:?}");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["torch_dtype"], "bfloat16");
+    let deq = load_tensors(&fx.join("expected/dequantized_sample.safetensors"));
+    let init = load_tensors(&fx.join("init/adapter_model.safetensors"));
+    let key = "model.layers.0.self_attn.q_proj";
+    let a = &init[&format!("base_model.model.{key}.lora_A.weight")];
+    let b = &init[&format!("base_model.model.{key}.lora_B.weight")];
+    let w = deq[&format!("{key}.weight")].to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let want = (w + (b.matmul(a).unwrap() * adapter.spec.scale()).unwrap()).unwrap().to_dtype(DType::BF16).unwrap();
+    let got = &merged[&format!("{key}.weight")];
+    assert_eq!(max_abs_diff(&got.to_dtype(DType::F32).unwrap(), &want.to_dtype(DType::F32).unwrap()), 0.0);
+    // --dtype still decides.
+    let out32 = d.path().join("merged-f32");
+    finetune::export::merge(&base, &adapter, &out32, &finetune::export::ExportOptions { merge: true, dtype: Some(DType::F32), ..Default::default() }).unwrap();
+    assert!(load_tensors(&out32.join("model.safetensors")).values().all(|t| t.dtype() == DType::F32));
 }
 
 // ---------------------------------------------------------------------------------------

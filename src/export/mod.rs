@@ -409,39 +409,46 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
 }
 
 /// Merge into a GGUF base: the base is dequantised into a hidden sibling folder of `out`
-/// (in `--dtype`, default f32), merged from there, and the sibling removed. The merged
+/// (in `--dtype`, default the file's own: F16 or BF16 where all its matrices are, else f32;
+/// see `GgufModel::weights_dtype`), merged from there, and the sibling removed. The merged
 /// model is a plain HF model: a quantized base is merged into its dequantised weights,
 /// as PEFT's `merge_and_unload` on a bitsandbytes base does. Holds the dequantised base in
 /// memory while writing it.
 fn merge_gguf(gguf: &Path, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
-    merge_dequantised(gguf.display().to_string(), adapter, out, opts, |deq| crate::gguf::import(gguf, deq, opts.dtype.unwrap_or(DType::F32), u64::MAX).map(|_| ()))
+    let dtype = match opts.dtype {
+        Some(d) => d,
+        None => crate::gguf::open(gguf)?.weights_dtype(),
+    };
+    merge_dequantised(gguf.display().to_string(), adapter, out, opts, |deq| crate::gguf::import(gguf, deq, dtype, u64::MAX).map(|_| ()))
 }
 
 /// [`merge_gguf`] for a bitsandbytes base: its config without `quantization_config`, the
 /// side files, and every tensor dequantised.
 fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
     use crate::weights::quantized::BlockReader;
+    let names: Vec<String> = files.names().filter(|n| !crate::weights::bnb::is_quant_state(n)).cloned().collect();
+    let mut r = crate::weights::bnb::BnbReader { files, storage: DType::F32 };
+    // "The base's dtype" is the one it was quantised from: a bf16 model's 4-bit weights
+    // dequantise exactly to bf16 (bitsandbytes returns them so), and its merge is bf16, as a
+    // QLoRA merge into the base reloaded in bf16 is (f32 would double the output for nothing).
+    let dtype = match opts.dtype {
+        Some(d) => d,
+        None => r.original_dtype()?,
+    };
     merge_dequantised(base.name.clone(), adapter, out, opts, |deq| {
         std::fs::create_dir_all(deq).map_err(|e| Error::io(deq, e))?;
-        let names: Vec<String> = files
-            .names()
-            .filter(|n| !n.contains(".quant_state.") && !n.ends_with(".absmax") && !n.ends_with(".quant_map") && !n.ends_with(".nested_quant_map") && !n.ends_with(".nested_absmax") && !n.ends_with(".SCB") && !n.ends_with(".weight_format"))
-            .cloned()
-            .collect();
-        let mut r = crate::weights::bnb::BnbReader { files, storage: DType::F32 };
         let mut tensors = Vec::new();
         for n in names {
             opts.check_stop()?;
             let t = r.read(&n, &Device::Cpu)?.dequantize(&Device::Cpu)?;
-            let d = crate::weights::stored_dtype(&n, opts.dtype.unwrap_or(DType::F32));
-            tensors.push((n, t.to_dtype(d)?));
+            tensors.push((n.clone(), t.to_dtype(crate::weights::stored_dtype(&n, dtype))?));
         }
         crate::gguf::write_weights(deq, &tensors, u64::MAX)?;
         let cp = base.config_path();
         let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cp).map_err(|e| Error::io(&cp, e))?).map_err(|e| Error::Config { path: cp.clone(), msg: e.to_string() })?;
         if let Some(o) = config.as_object_mut() {
             o.remove("quantization_config");
-            crate::weights::set_config_dtype(o, opts.dtype.unwrap_or(DType::F32));
+            crate::weights::set_config_dtype(o, dtype);
         }
         crate::fsutil::write_atomic(&deq.join("config.json"), config.to_string().as_bytes())?;
         copy_side_files(&base.dir, deq, &config)

@@ -113,6 +113,11 @@ impl Llama {
             _ => return Err(m.err("general.architecture", format!("is `{arch}`; supported: llama, qwen2, deepseek2"))),
         };
         let k = |key: &str| format!("{a}.{key}");
+        // Mixtral-style files are `llama` with experts: say so before their tensors' names
+        // are refused one by one.
+        if let Some(n) = m.uint(&k("expert_count"))?.filter(|&n| n > 0) {
+            return Err(m.err(&k("expert_count"), format!("is {n}: a mixture-of-experts {a} file (Mixtral's layout) is not supported; the experts read from GGUF are deepseek2's")));
+        }
         let heads = m.count(&k("attention.head_count"), "attention head")?;
         let kv_heads = match m.uint(&k("attention.head_count_kv"))? {
             Some(n) => m.positive(&k("attention.head_count_kv"), n, "key/value head")?,

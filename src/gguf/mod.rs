@@ -155,6 +155,30 @@ impl GgufModel {
         b.dequantize(&Device::Cpu).map_err(|e| gguf_err(&self.path, hf, crate::error::candle_msg(&e)))
     }
 
+    /// The dtype an HF folder of this model holds its weights in unrounded: F16 or BF16 where
+    /// every matrix is stored so (llama.cpp's `-f16` / `-bf16` conversions), else f32 (a
+    /// quantized block dequantises to values no 16-bit type holds, from a dtype the file does
+    /// not record). The MoE router, which transformers keeps in f32 anyway, does not count.
+    pub fn weights_dtype(&self) -> DType {
+        use candle_core::quantized::GgmlDType as G;
+        let infos = &self.content.tensor_infos;
+        let mut kinds = self
+            .sources
+            .iter()
+            .filter(|(hf, _)| crate::weights::stored_dtype(hf, DType::BF16) == DType::BF16)
+            .flat_map(|(_, s)| match s {
+                Source::Tensor { name, .. } | Source::Expert { name, .. } => vec![name],
+                Source::KvB { k_b, v_b } => vec![k_b, v_b],
+            })
+            .filter(|g| infos[*g].shape.rank() >= 2)
+            .map(|g| infos[g].ggml_dtype);
+        match kinds.next() {
+            Some(G::F16) if kinds.all(|k| k == G::F16) => DType::F16,
+            Some(G::BF16) if kinds.all(|k| k == G::BF16) => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
     /// Bytes of tensor data, by ggml type name (what a run holding the blocks holds).
     pub fn bytes_by_type(&self) -> std::collections::BTreeMap<String, u64> {
         let mut out = std::collections::BTreeMap::new();

@@ -639,11 +639,11 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
     // The lead takes the folder (one run per folder) and sets aside what belongs to another
     // run; every rank learns whether it could before reading checkpoints.
     // Whether a checkpoint may be continued: its recipe allows this one, and it is the same
-    // run (global batch, passes, files). Checked before anything in the folder moves.
+    // run (examples per step, files). Checked before anything in the folder moves.
     let resumable = |dir: &std::path::Path| -> Result<()> {
         check_resumable(loaded, dir)?;
         let (state, saved) = crate::checkpoint::read_state(dir)?;
-        check_same_run(rk, &state, &saved, dir)
+        check_same_run(rk, &state, &saved, dir).map(|_| ())
     };
     let claimed = if lead { claim_output(loaded, &rk.out_dir, &resumable).map(Some) } else { Ok(None) };
     let said = from_lead(&*rk.comm, &rk.device, &[claimed.is_ok() as u8 as f64])?;
@@ -661,7 +661,9 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
             crate::note!("warning: {w}");
         }
         let l = crate::checkpoint::load(&dir, &rk.adapters)?;
-        check_same_run(rk, &l.state, &saved, &dir)?;
+        if let Some(note) = check_same_run(rk, &l.state, &saved, &dir)?.filter(|_| lead) {
+            crate::note!("{note}");
+        }
         if let Some(then) = l.state.kernels.as_ref().filter(|k| **k != rk.kernels && lead) {
             crate::note!(
                 "{} was trained on other kernels ({then}) than this run's ({}): the same math, but sums in another order (or activations rounded to bf16 \

@@ -118,9 +118,10 @@ pub(super) fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> R
 }
 
 /// Whether checkpoint `dir` (its state and the recipe it was written with) continues as the
-/// same run under this one: the same micro-batches per step, split into the same passes, over
-/// the same model and data files. An error naming the key that differs otherwise.
-pub(super) fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &str, dir: &std::path::Path) -> Result<()> {
+/// same run under this one: the same examples per step, over the same model and data files.
+/// An error naming the key that differs otherwise; a note where the examples are split into
+/// other micro-batches or passes (the same run, not bit for bit).
+pub(super) fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState, saved: &str, dir: &std::path::Path) -> Result<Option<String>> {
     let (loaded, world) = (rk.loaded, rk.world);
     // A lower max_steps than the run reached would stop at once and record that lower count
     // beside the adapter of the later step.
@@ -139,42 +140,84 @@ pub(super) fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState
             ),
         });
     }
-    let accum = loaded.recipe.train.grad_accum_steps;
-    // The world size may change between runs, the micro-batches per step may not (the
-    // same examples per step is what makes the resumed run the same run).
+    let t = &loaded.recipe.train;
+    let (accum, micro) = (t.grad_accum_steps, t.micro_batch_size);
+    // The world size may change between runs, and so may how a step's examples are split
+    // into micro-batches and passes (to fit another machine's memory); the examples per
+    // step may not (the same examples per step is what makes the resumed run the same run).
+    // The saved recipe's value of a train key (read loosely: a recipe an older version wrote
+    // may not parse as today's), or its default.
+    let saved_train = |key: &str, default: usize| {
+        let t = toml::from_str::<toml::Table>(saved).ok();
+        t.as_ref().and_then(|t| t.get("train")?.get(key)?.as_integer()).map_or(default, |n| n as usize)
+    };
+    // (Both keys default to 1.)
     let saved_mbs = match state.micro_batches_per_step {
-        0 => toml::from_str::<toml::Table>(saved).ok().and_then(|t| t.get("train")?.get("grad_accum_steps")?.as_integer()).unwrap_or(1) as usize,
+        0 => saved_train("grad_accum_steps", 1),
         n => n,
     };
-    if saved_mbs != accum * world {
+    // batch_by = "rows": a step is micro-batches x rows; "tokens": its micro-batches are
+    // token batches, so their count is the step's size (micro_batch_size is not used).
+    let by_rows = loaded.recipe.data.batch_by != "tokens";
+    let saved_micro = if by_rows { saved_train("micro_batch_size", 1) } else { 1 };
+    let micro = if by_rows { micro } else { 1 };
+    let size = |mbs: usize, m: usize| match by_rows {
+        true => format!("{mbs} micro-batches of {m} row{} = {} rows", if m == 1 { "" } else { "s" }, mbs * m),
+        false => format!("{mbs} token batches"),
+    };
+    if saved_mbs * saved_micro != accum * world * micro {
+        let (key, fix) = match (saved_mbs * saved_micro).checked_div(world * micro).filter(|a| a * world * micro == saved_mbs * saved_micro) {
+            Some(a) => ("train.grad_accum_steps", format!(": set train.grad_accum_steps = {a}")),
+            None if saved_micro != micro => ("train.micro_batch_size", format!(": restore train.micro_batch_size = {saved_micro}")),
+            None => ("train.grad_accum_steps", String::new()),
+        };
         return Err(Error::Recipe {
             file: loaded.file.display().to_string(),
-            key: "train.grad_accum_steps".into(),
+            key: key.into(),
             msg: format!(
-                "the checkpoint's steps took {saved_mbs} micro-batches (grad_accum_steps x ranks), this run's take {accum} x {world} = {}; \
-                 the global batch must stay the same to continue the run{} [checkpoint {}]",
-                accum * world,
-                if saved_mbs % world == 0 { format!(": set train.grad_accum_steps = {}", saved_mbs / world) } else { String::new() },
+                "the checkpoint's steps took {}, this run's take {} (grad_accum_steps {accum} x ranks {world}); \
+                 the global batch must stay the same to continue the run{fix} [checkpoint {}]",
+                size(saved_mbs, saved_micro),
+                size(accum * world, micro),
                 dir.display()
             ),
         });
     }
-    // Passes of another size sum the same gradients in another order: not the same run
-    // (an allowed change of train.activation_checkpointing or activation_memory_mb, or
-    // of how the base is held, can change them).
+    // A routed expert that a micro-batch's padding reaches is updated (its gradient is zero,
+    // not absent, as in PEFT): rows padded together otherwise update other experts.
+    if saved_micro != micro && loaded.recipe.lora.routed_experts {
+        return Err(Error::Recipe {
+            file: loaded.file.display().to_string(),
+            key: "train.micro_batch_size".into(),
+            msg: format!(
+                "is {micro}, the checkpoint's was {saved_micro}: with lora.routed_experts, the padding of rows batched together reaches experts, \
+                 and AdamW steps every expert reached, so other micro-batches would update other experts. Restore it (another world size or \
+                 grad_accum_steps with the same micro_batch_size continues the run) [checkpoint {}]",
+                dir.display()
+            ),
+        });
+    }
+    // Another split of the same examples sums the same gradients in another order (and, with
+    // LoRA dropout, draws other masks, which are seeded per micro-batch): the same run in
+    // exact arithmetic, as on another world size, but not bit for bit. Said, not refused: a
+    // run that no longer fits must be able to go on.
     let rows = pass_rows(&loaded.recipe, rk.fused, rk.resident);
-    if let Some(saved_rows) = state.pass_rows.filter(|&n| n != rows) {
-        return Err(Error::Recipe {
-            file: loaded.file.display().to_string(),
-            key: "train.activation_checkpointing".into(),
-            msg: format!(
-                "the checkpoint's micro-batches ran in passes of {saved_rows} rows, this run's would run in passes of {rows}, so their gradients would be summed \
-                 differently: restore train.activation_checkpointing, train.activation_memory_mb and dist.zero_stage as they were (passes split \
-                 micro-batches over 2048 tokens only with \"auto\", no activation_memory_mb and the base held whole, not in ZeRO-3 shards) [checkpoint {}]",
-                dir.display()
-            ),
-        });
+    let mut split = Vec::new();
+    if saved_micro != micro {
+        let masks = if loaded.recipe.lora.dropout > 0.0 { ", drawing other lora.dropout masks" } else { "" };
+        split.push(format!("{} where it ran {}{masks}", size(accum * world, micro), size(saved_mbs, saved_micro)));
     }
+    if let Some(saved_rows) = state.pass_rows.filter(|&n| n != rows && saved_micro == micro) {
+        split.push(format!("passes of {rows} rows where it ran {saved_rows} (train.activation_checkpointing and activation_memory_mb, and how the base is held, set them)"));
+    }
+    let note = (!split.is_empty()).then(|| {
+        format!(
+            "resuming {}: this run splits each step's examples otherwise, {}: the same examples, but the gradients summed in another order, \
+             so the steps from here will not match bit for bit those of the run as it began",
+            dir.display(),
+            split.join("; and ")
+        )
+    });
     // The same paths must hold the same files: a model or dataset replaced in place is
     // not the run's.
     // (A checkpoint's model fingerprint is compared over the files it covered then.)
@@ -200,7 +243,7 @@ pub(super) fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState
             });
         }
     }
-    Ok(())
+    Ok(note)
 }
 
 /// Fingerprints (`fsutil::fingerprint`) of the model's files that training reads (config,

@@ -177,6 +177,12 @@ pub fn is_bnb(files: &SafetensorsFiles) -> bool {
     files.names().any(|n| n.contains(".quant_state.bitsandbytes__") || n.ends_with(".SCB"))
 }
 
+/// Whether `name` is quantisation state beside a weight (its scales, maps, JSON), not a
+/// model tensor.
+pub fn is_quant_state(name: &str) -> bool {
+    name.contains(".quant_state.") || [".absmax", ".quant_map", ".nested_quant_map", ".nested_absmax", ".SCB", ".weight_format"].iter().any(|s| name.ends_with(s))
+}
+
 /// A bitsandbytes checkpoint as a quantized base's block source.
 pub struct BnbReader {
     pub files: SafetensorsFiles,
@@ -185,6 +191,22 @@ pub struct BnbReader {
 }
 
 impl BnbReader {
+    /// The dtype the model was in before quantisation (the base's dtype): what its 4-bit
+    /// weights' `quant_state` says (bitsandbytes dequantises to it), else that of its tensors
+    /// kept as they were (an 8-bit checkpoint), else f32.
+    pub fn original_dtype(&self) -> Result<DType> {
+        let states = ["nf4", "fp4"].map(|q| format!(".quant_state.bitsandbytes__{q}"));
+        if let Some((weight, state)) = self.files.names().find_map(|n| states.iter().find_map(|s| Some((n.strip_suffix(s.as_str())?, n)))) {
+            return Ok(self.read4(weight, state)?.dtype);
+        }
+        for n in self.files.names().filter(|n| !is_quant_state(n)) {
+            if let Some(d) = super::candle_dtype(self.files.raw_view(n)?.dtype()) {
+                return Ok(d);
+            }
+        }
+        Ok(DType::F32)
+    }
+
     fn err(&self, name: &str, msg: impl Into<String>) -> Error {
         Error::Safetensors { file: self.files.file_of(name).map(|p| p.to_path_buf()).unwrap_or_default(), msg: format!("tensor `{name}`: {}", msg.into()) }
     }
