@@ -585,6 +585,32 @@ fn hint(e: &finetune::Error, recipe: bool) -> Option<&'static str> {
     }
 }
 
+/// The hint for a device that ran out of memory (CUDA's and cuBLAS's words for it, whatever
+/// the error's kind: a rank's failure carries them too), which the error's own kind would
+/// otherwise hint at wrongly ("a rank failed or stalled"). Training is what runs on GPUs.
+fn out_of_memory_hint(text: &str, recipe: bool) -> Option<&'static str> {
+    let oom = ["CUDA_ERROR_OUT_OF_MEMORY", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation"].iter().any(|m| text.contains(m));
+    match oom && recipe {
+        false => None,
+        true => Some(
+            "the GPU ran out of memory: `finetune plan` estimates each GPU's share. Halve train.micro_batch_size and double train.grad_accum_steps \
+             (the same examples per step: a resume may change them so, and continues the run from its newest checkpoint), set train.activation_memory_mb lower \
+             or train.activation_checkpointing = true, or shard the base with dist.zero_stage = 3 over more GPUs",
+        ),
+    }
+}
+
+#[cfg(test)]
+mod hint_tests {
+    #[test]
+    fn a_cuda_out_of_memory_error_gets_the_memory_hint_not_its_kinds() {
+        let cuda = "step 3: compute: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")";
+        assert!(super::out_of_memory_hint(cuda, true).is_some_and(|h| h.contains("train.micro_batch_size") && h.contains("grad_accum_steps")));
+        assert!(super::out_of_memory_hint("rank 1 failed: CUBLAS_STATUS_ALLOC_FAILED", true).is_some());
+        assert_eq!(super::out_of_memory_hint("no such file", true), None);
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn synth(out: &std::path::Path, (shape, arch, dtype): (&str, &str, &str), rows: usize, tie: bool, len: (usize, usize), seed: u64, gguf: Option<&str>) -> anyhow::Result<()> {
     use finetune::synth::{counting_rows, write_model, write_tokenized_dataset, write_tokenizer, TinyShape};
@@ -947,7 +973,8 @@ fn main() -> ExitCode {
                     said = text;
                 }
             }
-            if let Some(h) = e.downcast_ref::<finetune::Error>().and_then(|e| hint(e, recipe)) {
+            let text: String = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join("\n");
+            if let Some(h) = out_of_memory_hint(&text, recipe).or_else(|| e.downcast_ref::<finetune::Error>().and_then(|e| hint(e, recipe))) {
                 finetune::note!("hint: {h}");
             }
             match e.downcast_ref::<finetune::Error>() {
