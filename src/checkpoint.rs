@@ -359,7 +359,7 @@ const MAY_CHANGE: &[&str] = &[
 /// gives where a path of the recipe leads (canonical: symbolic links and `..` resolved), or
 /// `None` (not a local path): a path spelt another way (relative then absolute, through a
 /// link) that leads to the same place is no change.
-pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> Option<std::path::PathBuf>) -> std::result::Result<Vec<String>, (String, String)> {
+pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> Option<std::path::PathBuf>, written: &dyn Fn(&str) -> bool) -> std::result::Result<Vec<String>, (String, String)> {
     // Both through the typed recipe first, so keys added since the checkpoint was written
     // compare as their defaults instead of as changes.
     let normal = |s: &str| {
@@ -434,7 +434,13 @@ pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> O
         if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change || unrecorded_commit || unrecorded_data_commit {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
-            refused.push((key, format!("{} -> {}", show(&old), show(&new))));
+            // A key the recipe does not set changed with its default (a newer finetune):
+            // the user changed nothing, so say which value continues the run.
+            let default_moved = match (&old, written(&key)) {
+                (Some(o), false) => format!("; not in the recipe: its default changed since the checkpoint, so write `{key} = {o}`"),
+                _ => String::new(),
+            };
+            refused.push((key, format!("{} -> {}{default_moved}", show(&old), show(&new))));
         }
     }
     let Some(((key, change), others)) = refused.split_first() else { return Ok(warnings) };
@@ -494,7 +500,7 @@ dir = "out"
         // A checkpoint written before [dist] existed resumes under a recipe that spells the
         // defaults out.
         let now = format!("{OLD}[dist]\nzero_stage = 0\noffload_optimizer = \"cpu\"\nprefetch_layers = 1\n");
-        assert_eq!(check_recipe_change(OLD, &now, &|_| None), Ok(vec![]));
+        assert_eq!(check_recipe_change(OLD, &now, &|_| None, &|_| true), Ok(vec![]));
     }
 
     #[test]
@@ -502,53 +508,56 @@ dir = "out"
         // A run checkpointed before the defaults became shuffle = true and "linear" names both,
         // so one rerun restores them.
         let old = OLD.replace("train = \"d\"", "train = \"d\"\nshuffle = false").replace("lr = 0.001", "lr = 0.001\nlr_scheduler = \"constant\"");
-        let (key, msg) = check_recipe_change(&old, OLD, &|_| None).unwrap_err();
+        let (key, msg) = check_recipe_change(&old, OLD, &|_| None, &|_| true).unwrap_err();
         assert_eq!(key, "data.shuffle");
         assert!(msg.contains("(false -> true), and so did `train.lr_scheduler` (\"constant\" -> \"linear\")") && msg.contains("Restore them"), "{msg}");
+        // Keys the recipe never set: their defaults moved, and the message says what to write.
+        let (_, msg) = check_recipe_change(&old, OLD, &|_| None, &|k| k != "data.shuffle").unwrap_err();
+        assert!(msg.contains("(false -> true; not in the recipe: its default changed since the checkpoint, so write `data.shuffle = false`)"), "{msg}");
     }
 
     #[test]
     fn a_checkpoint_from_before_constant_with_warmup_resumes_under_that_name() {
         let old = OLD.replace("lr = 0.001", "lr = 0.001\nlr_scheduler = \"constant\"\nwarmup_steps = 2");
         let now = old.replace("\"constant\"", "\"constant_with_warmup\"");
-        assert_eq!(check_recipe_change(&old, &now, &|_| None), Ok(vec![]));
+        assert_eq!(check_recipe_change(&old, &now, &|_| None, &|_| true), Ok(vec![]));
         let cosine = old.replace("\"constant\"", "\"cosine\"");
-        assert!(check_recipe_change(&old, &cosine, &|_| None).unwrap_err().0.contains("lr_scheduler"));
+        assert!(check_recipe_change(&old, &cosine, &|_| None, &|_| true).unwrap_err().0.contains("lr_scheduler"));
     }
 
     #[test]
     fn a_base_commit_may_be_recorded_late_but_never_change() {
         let pinned = OLD.replace("path = \"m\"", "path = \"m\"\nrevision = \"aaaa\"");
-        let w = check_recipe_change(OLD, &pinned, &|_| None).unwrap();
+        let w = check_recipe_change(OLD, &pinned, &|_| None, &|_| true).unwrap();
         assert!(w.iter().any(|w| w.contains("model.revision")), "{w:?}");
         let moved = OLD.replace("path = \"m\"", "path = \"m\"\nrevision = \"bbbb\"");
-        assert!(check_recipe_change(&pinned, &moved, &|_| None).unwrap_err().0.contains("model.revision"));
+        assert!(check_recipe_change(&pinned, &moved, &|_| None, &|_| true).unwrap_err().0.contains("model.revision"));
     }
 
     #[test]
     fn a_hub_dataset_commit_may_be_recorded_late_but_never_change() {
         let hub = OLD.replace("train = \"d\"", "train = \"org/d:train_sft\"");
         let pinned = hub.replace("org/d", &format!("org/d@{}", "a".repeat(40)));
-        let w = check_recipe_change(&hub, &pinned, &|_| None).unwrap();
+        let w = check_recipe_change(&hub, &pinned, &|_| None, &|_| true).unwrap();
         assert!(w.iter().any(|w| w.contains("data.train")), "{w:?}");
         let moved = hub.replace("org/d", &format!("org/d@{}", "b".repeat(40)));
-        assert!(check_recipe_change(&pinned, &moved, &|_| None).unwrap_err().0.contains("data.train"));
+        assert!(check_recipe_change(&pinned, &moved, &|_| None, &|_| true).unwrap_err().0.contains("data.train"));
         let other = hub.replace("org/d", &format!("org/e@{}", "a".repeat(40)));
-        assert!(check_recipe_change(&hub, &other, &|_| None).unwrap_err().0.contains("data.train"));
+        assert!(check_recipe_change(&hub, &other, &|_| None, &|_| true).unwrap_err().0.contains("data.train"));
         // In a list, entry by entry: one pinned before, one pinned now.
         let (a, b) = ("a".repeat(40), "b".repeat(40));
         let list = |x: &str, y: &str| OLD.replace("train = \"d\"", &format!("train = [\"org/x{x}\", \"org/y{y}\"]"));
-        let w = check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{a}"), &format!("@{b}")), &|_| None).unwrap();
+        let w = check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{a}"), &format!("@{b}")), &|_| None, &|_| true).unwrap();
         assert!(w.iter().any(|w| w.contains("data.train")), "{w:?}");
-        assert!(check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{b}"), &format!("@{b}")), &|_| None).unwrap_err().0.contains("data.train"));
+        assert!(check_recipe_change(&list(&format!("@{a}"), ""), &list(&format!("@{b}"), &format!("@{b}")), &|_| None, &|_| true).unwrap_err().0.contains("data.train"));
     }
 
     #[test]
     fn the_world_size_may_change_but_the_model_may_not() {
         let more = format!("{OLD}[dist]\nworld_size = 4\nzero_stage = 3\n");
-        let w = check_recipe_change(OLD, &more, &|_| None).unwrap();
+        let w = check_recipe_change(OLD, &more, &|_| None, &|_| true).unwrap();
         assert!(w.iter().any(|w| w.contains("dist.world_size")), "{w:?}");
         let other = OLD.replace("rank = 4", "rank = 8");
-        assert!(check_recipe_change(OLD, &other, &|_| None).unwrap_err().0.contains("lora.rank"));
+        assert!(check_recipe_change(OLD, &other, &|_| None, &|_| true).unwrap_err().0.contains("lora.rank"));
     }
 }

@@ -601,6 +601,9 @@ pub struct LoadedRecipe {
     /// `model.dtype` was "auto" (resolved in `recipe.model.dtype`): a resumed run then keeps
     /// the dtype its checkpoint was trained in (`train::run_with`).
     pub dtype_auto: bool,
+    /// The `section.key`s the file and the overrides set (the rest are defaults): a resume
+    /// refused over a key the user never wrote says its default moved.
+    pub written: std::collections::BTreeSet<String>,
 }
 
 impl LoadedRecipe {
@@ -622,6 +625,7 @@ impl LoadedRecipe {
         for o in overrides {
             apply_override(&mut value, o, &fname)?;
         }
+        let written = value.iter().flat_map(|(s, v)| v.as_table().into_iter().flat_map(move |t| t.keys().map(move |k| format!("{s}.{k}")))).collect();
         // Before the schema check, which reads `data.template = "$TEMPLATES/chat.jinja"`
         // by its expanded ending.
         expand_paths(&mut value, &fname)?;
@@ -634,7 +638,7 @@ impl LoadedRecipe {
             Error::Recipe { file: fname.clone(), key: "(structure)".into(), msg: e.message().to_string() }
         })?;
         let dtype_auto = recipe.model.dtype == "auto";
-        let mut loaded = LoadedRecipe { recipe, file: file.to_path_buf(), dir: dir.to_path_buf(), dtype_auto };
+        let mut loaded = LoadedRecipe { recipe, file: file.to_path_buf(), dir: dir.to_path_buf(), dtype_auto, written };
         if dtype_auto {
             loaded.recipe.model.dtype = auto_dtype(&loaded.recipe, &loaded.dir).into();
         }

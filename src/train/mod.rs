@@ -655,7 +655,7 @@ fn resume(rk: &mut RankRun) -> Result<Resumed> {
         // Recipe rules first: a changed LoRA shape should be reported as the key that changed,
         // not as a tensor that no longer fits.
         let saved = std::fs::read_to_string(dir.join("recipe.toml")).map_err(|e| Error::io(dir.join("recipe.toml"), e))?;
-        let warnings = crate::checkpoint::check_recipe_change(&saved, &rk.recipe_text, &|p| recipe_place(loaded, p))
+        let warnings = crate::checkpoint::check_recipe_change(&saved, &rk.recipe_text, &|p| recipe_place(loaded, p), &|k| loaded.written.contains(k))
             .map_err(|(key, msg)| Error::Recipe { file: loaded.file.display().to_string(), key, msg: format!("{msg} [checkpoint {}]", dir.display()) })?;
         for w in warnings.iter().filter(|_| lead) {
             crate::note!("warning: {w}");

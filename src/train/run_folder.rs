@@ -110,7 +110,7 @@ pub(super) fn check_resumable(loaded: &LoadedRecipe, dir: &std::path::Path) -> R
     let model_dir = ModelDir::of_recipe(loaded)?;
     let cfg = model_dir.config()?;
     let current = recorded_recipe(loaded, &cfg, &model_dir)?;
-    crate::checkpoint::check_recipe_change(&saved, &current, &|p| recipe_place(loaded, p)).map(|_| ()).map_err(|(key, msg)| Error::Recipe {
+    crate::checkpoint::check_recipe_change(&saved, &current, &|p| recipe_place(loaded, p), &|k| loaded.written.contains(k)).map(|_| ()).map_err(|(key, msg)| Error::Recipe {
         file: loaded.file.display().to_string(),
         key,
         msg: format!("{msg} [checkpoint {}]; nothing was changed", dir.display()),
