@@ -303,6 +303,10 @@ fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     if bad > 0 {
         println!("{bad} bad record(s) (data.on_bad_record = \"{}\"), e.g. {}", r.data.on_bad_record, bad_examples.join("; "));
     }
+    // What train.max_steps makes of the data, as training says it (the recipe's packing).
+    let world = finetune::dist::layout(&r.dist, &r.model.device, &|k| std::env::var(k).ok()).map_or(1, |l| l.world);
+    let trained = finetune::recipe::Recipe { data: finetune::recipe::DataSection { packing: reordered[1].1, ..r.data.clone() }, ..r.clone() };
+    println!("{}", finetune::train::describe_epoch(&trained, loader.records(), world));
     Ok(())
 }
 
@@ -767,7 +771,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let limit = finetune::export::parse_size(&max_shard_size).map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
             let r = finetune::gguf::import(&gguf, &out, dtype, limit)?;
-            finetune::note!("imported {} tensors into {} ({} shard(s))", r.tensors, out.display(), r.shards);
+            finetune::note!("imported {} tensors into {} ({} shard(s)), in {}", r.tensors, out.display(), r.shards, finetune::weights::torch_dtype_name(dtype));
         }
         (Some(Command::Generate { model, adapter, prompt, chat, chat_template_kwargs, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed }), _) => {
             let dir = finetune::weights::ModelDir::resolve(&model, std::path::Path::new("."))?;

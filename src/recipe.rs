@@ -1096,7 +1096,6 @@ const HF_NAMES: &[(&str, &str)] = &[
     ("logging_steps", "train.log_every"),
     ("eval_steps", "train.eval_every"),
     ("warmup_ratio", "train.warmup_steps, in steps (ratio x max_steps)"),
-    ("num_train_epochs", "train.max_steps"),
     ("adam_epsilon", "train.adam_eps"),
     ("r", "lora.rank"),
     ("lora_r", "lora.rank"),
@@ -1121,6 +1120,7 @@ const HF_OTHERS: &[(&str, &str)] = &[
     ("optim", "the optimizer is AdamW as torch's adamw_torch; its knobs are train.adam_betas, train.adam_eps and train.weight_decay"),
     ("dataset_text_field", "data.format = \"text\" reads the column `text`; name another with data.columns = { text = \"...\" }"),
     ("packing_strategy", "data.packing = true packs whole records into each row, none split (TRL's \"bfd\" in spirit)"),
+    ("num_train_epochs", "a run is train.max_steps optimizer steps: its first lines say how many records the data has and how many steps an epoch is, so epochs x that is the max_steps to write"),
 ];
 
 fn check_schema(t: &toml::Table, file: &str) -> Result<()> {

@@ -323,18 +323,12 @@ fn a_bitsandbytes_base_merges_into_its_dequantised_weights() {
     assert_eq!((&cfg["dtype"], &cfg["torch_dtype"]), (&"float32".into(), &"float32".into()), "{cfg}");
 }
 
-/// A checkpoint quantised from bf16 (its quant_states say so; its other tensors are bf16)
-/// merges to bf16 unless --dtype says otherwise, as "the base's dtype" promises: its 4-bit
-/// weights dequantise exactly to bf16, and f32 doubled the output. Each merged weight is the
-/// bf16 dequantisation plus the adapter's delta, rounded once.
-#[test]
-fn a_bitsandbytes_base_quantised_from_bf16_merges_to_bf16() {
+/// The NF4 fixture's model at `dst` as if quantised from bf16: its quant_states say bfloat16
+/// (so its 4-bit weights dequantise to bf16 values) and its other tensors are bf16.
+fn bnb_quantised_from_bf16(dst: &Path) {
     use candle_core::DType;
-    let fx = fixture("parity-bnb-nf4");
-    let d = tempfile::tempdir().unwrap();
-    let bf16 = d.path().join("bf16");
-    copy_dir(&fx.join("model"), &bf16);
-    let st = bf16.join("model.safetensors");
+    copy_dir(&fixture("parity-bnb-nf4").join("model"), dst);
+    let st = dst.join("model.safetensors");
     let mut tensors = load_tensors(&st);
     for (name, t) in tensors.iter_mut() {
         if name.contains(".quant_state.") {
@@ -346,6 +340,47 @@ fn a_bitsandbytes_base_quantised_from_bf16_merges_to_bf16() {
         }
     }
     candle_core::safetensors::save(&tensors, &st).unwrap();
+}
+
+/// model.dtype = "auto" on a CPU with a bf16 unit runs the base in bf16, and says so where
+/// that rounds its weights: a bitsandbytes checkpoint quantised from f32, a GGUF of F16
+/// matrices; not one quantised from bf16 (its quantisation state is f32, its weights are not:
+/// it was said to round "f32 weights"). Without a bf16 unit "auto" is f32: no note at all.
+#[test]
+fn auto_dtype_says_it_rounds_only_a_base_not_already_bf16() {
+    let unit = finetune::ops::bf16_gemm::available();
+    let fx = fixture("parity-bnb-nf4");
+    let g = workspace(&shape(), GgmlDType::F16);
+    cache_env(g.path());
+    bnb_quantised_from_bf16(&g.path().join("bnb-bf16"));
+    let cases = [
+        ("bnb-f32", fx.join("model"), fx.join("data"), Some("the checkpoint's f32 weights")),
+        ("bnb-from-bf16", g.path().join("bnb-bf16"), fx.join("data"), None),
+        ("gguf-f16", g.path().join("model.gguf"), g.path().join("data"), Some("the GGUF's f16 weights")),
+    ];
+    for (name, model, data, rounds) in cases {
+        let recipe = format!("[model]\npath = {model:?}\n[lora]\nrank = 2\nalpha = 4\n[data]\ntrain = {data:?}\nformat = \"tokenized\"\n[train]\nmax_steps = 1\nlr = 1e-3\n[output]\ndir = \"out\"\n");
+        let out = spawn(&run_dir(g.path(), name, &recipe), &[]).wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {said}");
+        match rounds.filter(|_| unit) {
+            Some(w) => assert!(said.contains(&format!("{w} are rounded to bf16")), "{name}: {said}"),
+            None => assert!(!said.contains("rounded to bf16"), "{name}: {said}"),
+        }
+    }
+}
+
+/// A checkpoint quantised from bf16 (its quant_states say so; its other tensors are bf16)
+/// merges to bf16 unless --dtype says otherwise, as "the base's dtype" promises: its 4-bit
+/// weights dequantise exactly to bf16, and f32 doubled the output. Each merged weight is the
+/// bf16 dequantisation plus the adapter's delta, rounded once.
+#[test]
+fn a_bitsandbytes_base_quantised_from_bf16_merges_to_bf16() {
+    use candle_core::DType;
+    let fx = fixture("parity-bnb-nf4");
+    let d = tempfile::tempdir().unwrap();
+    let bf16 = d.path().join("bf16");
+    bnb_quantised_from_bf16(&bf16);
     let adapter = finetune::export::PeftAdapter::open(&fx.join("init")).unwrap();
     let base = finetune::weights::ModelDir::resolve(bf16.to_str().unwrap(), Path::new(".")).unwrap();
     let out = d.path().join("merged");

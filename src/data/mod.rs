@@ -216,6 +216,16 @@ impl Loader {
         self.rows.total_rows
     }
 
+    /// The records this loader serves: all of them, less those data.eval_fraction holds out
+    /// of training (or only those, for evaluation). Counted by their hashes, not read.
+    pub fn records(&self) -> u64 {
+        let o = &self.opts;
+        if o.eval_fraction <= 0.0 {
+            return self.rows.total_rows;
+        }
+        (0..self.rows.total_rows).filter(|&i| is_held_out(i, o.eval_fraction, o.seed) == (o.role == Role::Eval)).count() as u64
+    }
+
     pub fn state(&self) -> LoaderState {
         LoaderState {
             cursor: self.rows.cursor(),

@@ -53,6 +53,26 @@ pub fn format_trainable(trainable: u64, all: u64) -> String {
     format!("trainable params: {} || all params: {} || trainable%: {pct:.4}", commas(trainable), commas(all))
 }
 
+/// How many records the training data has and what `max_steps` makes of them, as the
+/// transformers Trainer's "Num examples / Num Epochs / Total optimization steps" lines say
+/// (a recipe has steps, not epochs: this tells how many epochs they are).
+pub fn describe_epoch(r: &crate::recipe::Recipe, records: u64, world: usize) -> String {
+    let t = &r.train;
+    let head = format!("training data: {} records; max_steps = {}", commas(records), t.max_steps);
+    if r.data.batch_by == "tokens" {
+        return format!("{head}, each step {} token batches of at most {} tokens (grad_accum_steps x ranks)", t.grad_accum_steps * world, r.data.max_tokens);
+    }
+    let rows = t.micro_batch_size * t.grad_accum_steps * world;
+    let batch = format!("each step {rows} rows (micro_batch_size {} x grad_accum_steps {} x {world} rank{})", t.micro_batch_size, t.grad_accum_steps, if world == 1 { "" } else { "s" });
+    let per_epoch = records as f64 / rows as f64;
+    let epochs = t.max_steps as f64 / per_epoch.max(f64::MIN_POSITIVE);
+    match r.data.packing {
+        // A packed row holds one record or more: an epoch takes that many steps at most.
+        true => format!("{head}, {batch} packed with one record or more: an epoch is at most {per_epoch:.1} steps, so the run reads at least {epochs:.2} epochs"),
+        false => format!("{head}, {batch}: an epoch is {per_epoch:.1} steps, so the run reads {epochs:.2} epochs{}", if r.data.overflow == "drop" || r.data.on_bad_record == "skip" { " (fewer steps an epoch for records dropped or skipped)" } else { "" }),
+    }
+}
+
 /// n with its digits in groups of three (1,234,567), as the trainable-parameter line and the
 /// report print counts.
 pub(crate) fn commas(n: u64) -> String {
@@ -228,14 +248,27 @@ fn note_rounded_auto_dtype(loaded: &LoadedRecipe) {
     if !loaded.dtype_auto || m.dtype != "bf16" || m.quantize.is_some() {
         return;
     }
-    // The tensors a bf16 base holds in bf16 (not the router's, kept f32; not FP8 scales).
-    let rounded = |n: &str| crate::weights::stored_dtype(n, DType::BF16) == DType::BF16 && !n.ends_with("_scale_inv");
-    let Some(stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir, &rounded) else { return };
-    let wider: Vec<&str> = stored.into_iter().filter_map(|d| match d {
-        safetensors::Dtype::F32 => Some("f32"),
-        safetensors::Dtype::F16 => Some("f16"),
-        _ => None,
-    }).collect();
+    // The tensors a bf16 base holds in bf16 (not the router's, kept f32; not FP8 scales,
+    // not a bitsandbytes weight's quantisation state).
+    let rounded = |n: &str| crate::weights::stored_dtype(n, DType::BF16) == DType::BF16 && !n.ends_with("_scale_inv") && !crate::weights::bnb::is_quant_state(n);
+    let Some(mut stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir, &rounded).map(|s| s.into_iter().filter_map(crate::weights::candle_dtype).collect::<Vec<_>>()) else {
+        // A GGUF file: the dtype its matrices hold unrounded.
+        if let Some(g) = ModelDir::of_recipe(loaded).ok().and_then(|d| d.gguf).and_then(|g| crate::gguf::open(&g).ok()) {
+            let d = g.weights_dtype();
+            if d != DType::BF16 {
+                crate::note!(
+                    "note: model.dtype = \"auto\" runs the frozen base in bf16 on this CPU's bf16 unit: the GGUF's {} are rounded to bf16; model.dtype = \"f32\" keeps them exact (slower)",
+                    if d == DType::F16 { "f16 weights" } else { "weights (f32 once dequantised)" }
+                );
+            }
+        }
+        return;
+    };
+    // A bitsandbytes checkpoint's 4-bit weights dequantise to the dtype they were quantised from.
+    if let Some(files) = ModelDir::of_recipe(loaded).ok().and_then(|d| d.open_weights().ok()).filter(crate::weights::bnb::is_bnb) {
+        stored.extend(crate::weights::bnb::BnbReader { files, storage: DType::F32 }.original_dtype().ok());
+    }
+    let wider: Vec<&str> = [(DType::F32, "f32"), (DType::F16, "f16")].into_iter().filter(|(d, _)| stored.contains(d)).map(|(_, name)| name).collect();
     if !wider.is_empty() {
         crate::note!(
             "note: model.dtype = \"auto\" runs the frozen base in bf16 on this CPU's bf16 unit: the checkpoint's {} weights are rounded to bf16; model.dtype = \"f32\" keeps them exact (slower)",
@@ -533,6 +566,7 @@ fn setup(loaded: &LoadedRecipe, comm: Arc<dyn Collective>, device: candle_core::
     if lead {
         let (trainable, all) = trainable_parameters(&model.cfg, &adapters.spec);
         crate::note!("{}", format_trainable(trainable, all));
+        crate::note!("{}", describe_epoch(r, loader.records(), world));
         if world > 1 {
             crate::note!("{world} ranks, zero_stage {}, optimizer state on the host", r.dist.zero_stage);
         }
@@ -1311,6 +1345,18 @@ mod tests {
     /// What `auto` keeps by default for SmolLM2 with LoRA on q/k/v/o, on the fused CPU ops.
     fn kept(dtype: &str, batch: usize, seq: usize) -> Vec<KeepLayer> {
         checkpoint_layers(&recipe(dtype, batch, seq, &[]), &smollm2(), true, true).unwrap()
+    }
+
+    #[test]
+    fn an_epoch_in_steps_is_the_records_over_the_rows_a_step_takes() {
+        let r = recipe("f32", 4, 512, &["train.grad_accum_steps=2", "train.max_steps=250"]);
+        // 1000 records, 4 x 2 x 2 ranks = 16 rows a step: 62.5 steps an epoch, 250 steps 4 epochs.
+        let said = describe_epoch(&r, 1000, 2);
+        assert!(said.contains("1,000 records") && said.contains("an epoch is 62.5 steps, so the run reads 4.00 epochs"), "{said}");
+        let packed = describe_epoch(&recipe("f32", 4, 512, &["train.grad_accum_steps=2", "train.max_steps=250", "data.packing=true"]), 1000, 2);
+        assert!(packed.contains("at most 62.5 steps") && packed.contains("at least 4.00 epochs"), "{packed}");
+        let tokens = describe_epoch(&recipe("f32", 4, 512, &["data.batch_by=\"tokens\"", "data.max_tokens=4096"]), 1000, 1);
+        assert!(tokens.contains("1 token batches of at most 4096 tokens") && !tokens.contains("epoch"), "{tokens}");
     }
 
     #[test]
