@@ -73,8 +73,10 @@ enum Command {
         model: String,
         #[arg(long)]
         adapter: Option<PathBuf>,
-        #[arg(long)]
-        prompt: String,
+        /// Repeatable: the model is loaded once and each prompt answered in turn, under a
+        /// `--- prompt N` line when there are several.
+        #[arg(long, required = true)]
+        prompt: Vec<String>,
         /// Wrap the prompt as a user turn in the model's chat template.
         #[arg(long)]
         chat: bool,
@@ -780,7 +782,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 g.set_chat_template_kwargs(k)?;
             }
             let opts = finetune::generate::SampleOptions { max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed };
-            println!("{}", g.generate(&prompt, chat, &opts)?);
+            for (i, p) in prompt.iter().enumerate() {
+                if prompt.len() > 1 {
+                    println!("{}--- prompt {}", if i > 0 { "\n" } else { "" }, i + 1);
+                }
+                println!("{}", g.generate(p, chat, &opts)?);
+            }
         }
         (Some(Command::Report { run }), _) => {
             let paths = finetune::report::write_report(&run)?;

@@ -413,6 +413,26 @@ fn generate_feeds_a_plain_prompt_with_bos_as_it_was_trained() {
     assert!(e.contains("--chat") && e.contains("no chat template"), "{e}");
 }
 
+/// Several --prompt flags: one load, each prompt answered as it would be alone (its own
+/// cache), under a header naming it.
+#[test]
+fn generate_answers_each_of_several_prompts_as_alone() {
+    let d = tempfile::tempdir().unwrap();
+    let (m, _) = spm_tokenizer_model(d.path());
+    let run = |prompts: &[&str]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_finetune"));
+        c.args(["generate", "--max-new-tokens", "4", "--model"]).arg(&m);
+        for p in prompts {
+            c.args(["--prompt", p]);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let (a, b) = (run(&["hello"]), run(&["the cat"]));
+    assert_eq!(run(&["hello", "the cat"]), format!("--- prompt 1\n{a}\n--- prompt 2\n{b}"));
+}
+
 #[test]
 fn generate_chat_template_kwargs_reach_the_template() {
     // DeepSeek-V3.1's shape: the generation prompt opens <think> only with thinking = true.
