@@ -434,13 +434,13 @@ pub fn check_recipe_change(saved: &str, current: &str, place: &dyn Fn(&str) -> O
         if after_training || MAY_CHANGE.contains(&key.as_str()) || layout_change || unrecorded_commit || unrecorded_data_commit {
             warnings.push(format!("`{key}` changed since the checkpoint: {} -> {}", show(&old), show(&new)));
         } else {
-            // A key the recipe does not set changed with its default (a newer finetune):
-            // the user changed nothing, so say which value continues the run.
-            let default_moved = match (&old, written(&key)) {
-                (Some(o), false) => format!("; not in the recipe: its default changed since the checkpoint, so write `{key} = {o}`"),
+            // A key the recipe does not set (its default moved in a newer finetune, or a
+            // key or --set was dropped): say how to set the value that continues the run.
+            let unset = match (&old, written(&key), key.split_once('.')) {
+                (Some(o), false, Some((sec, k))) => format!("; the recipe does not set it: add `{k} = {o}` under [{sec}], or --set {key}={o}"),
                 _ => String::new(),
             };
-            refused.push((key, format!("{} -> {}{default_moved}", show(&old), show(&new))));
+            refused.push((key, format!("{} -> {}{unset}", show(&old), show(&new))));
         }
     }
     let Some(((key, change), others)) = refused.split_first() else { return Ok(warnings) };
@@ -511,9 +511,9 @@ dir = "out"
         let (key, msg) = check_recipe_change(&old, OLD, &|_| None, &|_| true).unwrap_err();
         assert_eq!(key, "data.shuffle");
         assert!(msg.contains("(false -> true), and so did `train.lr_scheduler` (\"constant\" -> \"linear\")") && msg.contains("Restore them"), "{msg}");
-        // Keys the recipe never set: their defaults moved, and the message says what to write.
+        // A key the recipe does not set (its default moved): the message says how to set it.
         let (_, msg) = check_recipe_change(&old, OLD, &|_| None, &|k| k != "data.shuffle").unwrap_err();
-        assert!(msg.contains("(false -> true; not in the recipe: its default changed since the checkpoint, so write `data.shuffle = false`)"), "{msg}");
+        assert!(msg.contains("(false -> true; the recipe does not set it: add `shuffle = false` under [data], or --set data.shuffle=false)"), "{msg}");
     }
 
     #[test]

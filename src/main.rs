@@ -599,9 +599,9 @@ fn out_of_memory_hint(text: &str, recipe: bool) -> Option<&'static str> {
     match oom && recipe {
         false => None,
         true => Some(
-            "the GPU ran out of memory: `finetune plan` estimates each GPU's share. Halve train.micro_batch_size and double train.grad_accum_steps \
-             (the same examples per step: a resume may change them so, and continues the run from its newest checkpoint), set train.activation_memory_mb lower \
-             or train.activation_checkpointing = true, or shard the base with dist.zero_stage = 3 over more GPUs",
+            "the GPU ran out of memory: `finetune plan` estimates each GPU's share. Lower it with smaller micro-batches (train.micro_batch_size halved and \
+             grad_accum_steps doubled keep the examples a step, and a resume may change them so; with batch_by = \"tokens\", data.max_tokens), a lower \
+             train.activation_memory_mb, or the base sharded with dist.zero_stage = 3 over more GPUs",
         ),
     }
 }
@@ -828,7 +828,8 @@ fn install_signal_handlers(first: &'static [u8]) -> anyhow::Result<std::sync::Ar
     use std::sync::Arc;
     let which = Arc::new(AtomicUsize::new(0));
     let stopping = Arc::new(AtomicBool::new(false));
-    let lead = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
+    // As `dist::layout` reads it; unset is a single process.
+    let lead = std::env::var("RANK").map_or(true, |r| r.trim().parse::<usize>() == Ok(0));
     for (sig, code) in [(SIGINT, 130), (SIGTERM, 143)] {
         // Registered before the flag: on the first signal it sees `false` and says what the
         // stop does. On the second it says why the run ends there, then exits (write(2) and
@@ -846,7 +847,9 @@ fn install_signal_handlers(first: &'static [u8]) -> anyhow::Result<std::sync::Ar
                 const SAID: &[u8] = b"\nsecond stop signal: stopping at once; the last complete checkpoint, if one was saved, stands (checkpoint.resume = \"auto\" continues from it)\n";
                 // SAFETY: plain system calls on a static buffer, allowed in a signal handler.
                 unsafe {
-                    libc::write(2, SAID.as_ptr().cast(), SAID.len());
+                    if lead {
+                        libc::write(2, SAID.as_ptr().cast(), SAID.len());
+                    }
                     libc::_exit(code);
                 }
             }

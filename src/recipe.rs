@@ -1120,7 +1120,7 @@ const HF_OTHERS: &[(&str, &str)] = &[
     ("optim", "the optimizer is AdamW as torch's adamw_torch; its knobs are train.adam_betas, train.adam_eps and train.weight_decay"),
     ("dataset_text_field", "data.format = \"text\" reads the column `text`; name another with data.columns = { text = \"...\" }"),
     ("packing_strategy", "data.packing = true packs whole records into each row, none split (TRL's \"bfd\" in spirit)"),
-    ("num_train_epochs", "a run is train.max_steps optimizer steps: its first lines say how many records the data has and how many steps an epoch is, so epochs x that is the max_steps to write"),
+    ("num_train_epochs", "a run is train.max_steps optimizer steps: `finetune data inspect --recipe ...` (and a run's first lines) say how many records the data has and how many steps an epoch is, so epochs x that is the max_steps to write"),
 ];
 
 fn check_schema(t: &toml::Table, file: &str) -> Result<()> {
@@ -1354,6 +1354,13 @@ dir = "out"
     /// to f32 math where there is no bf16 unit, so nothing is rounded), and rounds an f32 one
     /// to bf16 only where a bf16 unit will run it; a quantised base dequantises into f32
     /// without a unit (bf16 would round its dequantised values).
+    #[test]
+    fn the_keys_a_recipe_writes_are_its_files_and_overrides_not_the_defaults() {
+        let r = LoadedRecipe::from_str(MINIMAL, Path::new("r.toml"), Path::new("."), &["data.shuffle=false".to_string()]).unwrap();
+        assert!(r.written.contains("data.shuffle") && r.written.contains("model.path") && r.written.contains("train.lr"), "{:?}", r.written);
+        assert!(!r.written.contains("train.seed") && !r.written.contains("train.lr_scheduler"), "{:?}", r.written);
+    }
+
     #[test]
     fn auto_dtype_keeps_a_bf16_checkpoint_bf16_on_every_cpu() {
         let root = tempfile::tempdir().unwrap();

@@ -155,7 +155,7 @@ impl GgufModel {
         b.dequantize(&Device::Cpu).map_err(|e| gguf_err(&self.path, hf, crate::error::candle_msg(&e)))
     }
 
-    /// The dtype an HF folder of this model holds its weights in unrounded: F16 or BF16 where
+    /// The dtype an HF folder of this model holds its matrices in unrounded: F16 or BF16 where
     /// every matrix is stored so (llama.cpp's `-f16` / `-bf16` conversions), else f32 (a
     /// quantized block dequantises to values no 16-bit type holds, from a dtype the file does
     /// not record). The MoE router, which transformers keeps in f32 anyway, does not count.

@@ -60,7 +60,12 @@ pub fn describe_epoch(r: &crate::recipe::Recipe, records: u64, world: usize) -> 
     let t = &r.train;
     let head = format!("training data: {} records; max_steps = {}", commas(records), t.max_steps);
     if r.data.batch_by == "tokens" {
-        return format!("{head}, each step {} token batches of at most {} tokens (grad_accum_steps x ranks)", t.grad_accum_steps * world, r.data.max_tokens);
+        let n = t.grad_accum_steps * world;
+        return format!("{head}, each step {n} token batch{} of at most {} tokens (grad_accum_steps x ranks)", if n == 1 { "" } else { "es" }, r.data.max_tokens);
+    }
+    if records == 0 {
+        // The loader says why (every row held out for evaluation, say) when it reads.
+        return head;
     }
     let rows = t.micro_batch_size * t.grad_accum_steps * world;
     let batch = format!("each step {rows} rows (micro_batch_size {} x grad_accum_steps {} x {world} rank{})", t.micro_batch_size, t.grad_accum_steps, if world == 1 { "" } else { "s" });
@@ -251,9 +256,10 @@ fn note_rounded_auto_dtype(loaded: &LoadedRecipe) {
     // The tensors a bf16 base holds in bf16 (not the router's, kept f32; not FP8 scales,
     // not a bitsandbytes weight's quantisation state).
     let rounded = |n: &str| crate::weights::stored_dtype(n, DType::BF16) == DType::BF16 && !n.ends_with("_scale_inv") && !crate::weights::bnb::is_quant_state(n);
-    let Some(mut stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir, &rounded).map(|s| s.into_iter().filter_map(crate::weights::candle_dtype).collect::<Vec<_>>()) else {
-        // A GGUF file: the dtype its matrices hold unrounded.
-        if let Some(g) = ModelDir::of_recipe(loaded).ok().and_then(|d| d.gguf).and_then(|g| crate::gguf::open(&g).ok()) {
+    let Some(stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir, &rounded).map(|s| s.into_iter().filter_map(crate::weights::candle_dtype).collect::<Vec<_>>()) else {
+        // A local GGUF file (not a hub repo yet to download): the dtype its matrices hold.
+        let file = loaded.resolve(std::path::Path::new(&m.path));
+        if let Some(g) = Some(&file).filter(|f| f.is_file() && crate::weights::is_gguf_file(f)).and_then(|f| crate::gguf::open(f).ok()) {
             let d = g.weights_dtype();
             if d != DType::BF16 {
                 crate::note!(
@@ -264,10 +270,6 @@ fn note_rounded_auto_dtype(loaded: &LoadedRecipe) {
         }
         return;
     };
-    // A bitsandbytes checkpoint's 4-bit weights dequantise to the dtype they were quantised from.
-    if let Some(files) = ModelDir::of_recipe(loaded).ok().and_then(|d| d.open_weights().ok()).filter(crate::weights::bnb::is_bnb) {
-        stored.extend(crate::weights::bnb::BnbReader { files, storage: DType::F32 }.original_dtype().ok());
-    }
     let wider: Vec<&str> = [(DType::F32, "f32"), (DType::F16, "f16")].into_iter().filter(|(d, _)| stored.contains(d)).map(|(_, name)| name).collect();
     if !wider.is_empty() {
         crate::note!(
@@ -1356,7 +1358,8 @@ mod tests {
         let packed = describe_epoch(&recipe("f32", 4, 512, &["train.grad_accum_steps=2", "train.max_steps=250", "data.packing=true"]), 1000, 2);
         assert!(packed.contains("at most 62.5 steps") && packed.contains("at least 4.00 epochs"), "{packed}");
         let tokens = describe_epoch(&recipe("f32", 4, 512, &["data.batch_by=\"tokens\"", "data.max_tokens=4096"]), 1000, 1);
-        assert!(tokens.contains("1 token batches of at most 4096 tokens") && !tokens.contains("epoch"), "{tokens}");
+        assert!(tokens.contains("1 token batch of at most 4096 tokens") && !tokens.contains("epoch"), "{tokens}");
+        assert!(!describe_epoch(&r, 0, 1).contains("epoch"), "no epochs of nothing");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The run's folder: claiming `output.dir` (its lock, the previous run's files set aside, a
 //! resumed checkpoint's newer ones too), and whether a checkpoint continues the same run (the
-//! recipe it was written with, the micro-batches per step, and fingerprints of the model, data
+//! recipe it was written with, the examples per step, and fingerprints of the model, data
 //! and template files). `export --run` checks its base here too.
 
 use super::{pass_rows, recorded_recipe, RankRun};
@@ -166,10 +166,13 @@ pub(super) fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState
         false => format!("{mbs} token batches"),
     };
     if saved_mbs * saved_micro != accum * world * micro {
-        let (key, fix) = match (saved_mbs * saved_micro).checked_div(world * micro).filter(|a| a * world * micro == saved_mbs * saved_micro) {
-            Some(a) => ("train.grad_accum_steps", format!(": set train.grad_accum_steps = {a}")),
-            None if saved_micro != micro => ("train.micro_batch_size", format!(": restore train.micro_batch_size = {saved_micro}")),
-            None => ("train.grad_accum_steps", String::new()),
+        // The accumulation that takes the checkpoint's rows a step at micro-batches of `m`.
+        let accum_at = |m: usize| Some(saved_mbs * saved_micro).filter(|rows| rows % (world * m) == 0).map(|rows| rows / (world * m));
+        let keeps_micro = saved_micro == micro || !loaded.recipe.lora.routed_experts;
+        let (key, fix) = match (accum_at(micro).filter(|_| keeps_micro), accum_at(saved_micro)) {
+            (Some(a), _) => ("train.grad_accum_steps", format!(": set train.grad_accum_steps = {a}")),
+            (None, Some(a)) => ("train.micro_batch_size", format!(": restore train.micro_batch_size = {saved_micro} and set train.grad_accum_steps = {a}")),
+            (None, None) => ("train.grad_accum_steps", format!(" (its {} rows do not split over {world} ranks)", saved_mbs * saved_micro)),
         };
         return Err(Error::Recipe {
             file: loaded.file.display().to_string(),

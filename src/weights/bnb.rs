@@ -193,13 +193,19 @@ pub struct BnbReader {
 impl BnbReader {
     /// The dtype the model was in before quantisation (the base's dtype): what its 4-bit
     /// weights' `quant_state` says (bitsandbytes dequantises to it), else that of its tensors
-    /// kept as they were (an 8-bit checkpoint), else f32.
+    /// kept as they were (an 8-bit checkpoint: the embedding's, or the first by name of those
+    /// a 16-bit model holds in 16 bits; not the router's, kept f32), else f32. Names are taken
+    /// in sorted order, so the answer never depends on a hash map's.
     pub fn original_dtype(&self) -> Result<DType> {
+        let mut names: Vec<&String> = self.files.names().collect();
+        names.sort();
         let states = ["nf4", "fp4"].map(|q| format!(".quant_state.bitsandbytes__{q}"));
-        if let Some((weight, state)) = self.files.names().find_map(|n| states.iter().find_map(|s| Some((n.strip_suffix(s.as_str())?, n)))) {
+        if let Some((weight, state)) = names.iter().find_map(|n| states.iter().find_map(|s| Some((n.strip_suffix(s.as_str())?, n.as_str())))) {
             return Ok(self.read4(weight, state)?.dtype);
         }
-        for n in self.files.names().filter(|n| !is_quant_state(n)) {
+        let kept = |n: &&&String| !is_quant_state(n) && stored_dtype(n, DType::BF16) == DType::BF16;
+        names.sort_by_key(|n| !n.ends_with("embed_tokens.weight"));
+        for n in names.iter().filter(kept) {
             if let Some(d) = super::candle_dtype(self.files.raw_view(n)?.dtype()) {
                 return Ok(d);
             }

@@ -230,7 +230,8 @@ pub fn stored_all_bf16(path: &str, revision: Option<&str>, recipe_dir: &Path) ->
     stored_dtypes(path, revision, recipe_dir, &|_| true).is_some_and(|d| d.len() == 1 && d.contains(&safetensors::Dtype::BF16))
 }
 
-/// The dtypes the checkpoint `path` names stores the tensors `which` keeps in, as far as
+/// The dtypes the checkpoint `path` names stores the tensors `which` keeps in (and, for a
+/// bitsandbytes checkpoint, the dtype its 4-bit weights were quantised from), as far as
 /// [`stored_all_bf16`] can tell; `None` where it cannot.
 pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path, which: &dyn Fn(&str) -> bool) -> Option<std::collections::BTreeSet<safetensors::Dtype>> {
     let local = recipe_dir.join(path);
@@ -242,8 +243,19 @@ pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path, whic
         None
     };
     let files = (ModelDir { name: path.to_string(), dir: dir?, commit: None, gguf: None }).open_weights().ok()?;
-    let dtypes: Option<std::collections::BTreeSet<safetensors::Dtype>> = files.names().filter(|n| which(n)).map(|n| files.raw_view(n).ok().map(|v| v.dtype())).collect();
-    dtypes.filter(|d| !d.is_empty())
+    let mut dtypes: std::collections::BTreeSet<safetensors::Dtype> = files.names().filter(|n| which(n)).map(|n| files.raw_view(n).ok().map(|v| v.dtype())).collect::<Option<_>>()?;
+    // A bitsandbytes checkpoint's 4-bit weights (packed u8) dequantise to the dtype they
+    // were quantised from.
+    if super::bnb::is_bnb(&files) {
+        use candle_core::DType;
+        let original = super::bnb::BnbReader { files, storage: DType::F32 }.original_dtype().ok()?;
+        dtypes.insert(match original {
+            DType::BF16 => safetensors::Dtype::BF16,
+            DType::F16 => safetensors::Dtype::F16,
+            _ => safetensors::Dtype::F32,
+        });
+    }
+    Some(dtypes).filter(|d| !d.is_empty())
 }
 
 /// Whether the file at `p` is a GGUF model: by its `.gguf` extension or, named otherwise, by
