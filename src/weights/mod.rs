@@ -316,7 +316,9 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
             seen = pages_cached(&path, table_at, table_end);
         }
-        assert_eq!(seen.0, seen.1, "pages of the table in the page cache, of its pages, 20 s after it was left in its file");
+        // WILLNEED is advice, which a busy kernel may cut short: all of them here alone, 16345
+        // of 16385 during the whole suite in CI (2026-11-29). Without it, 2.
+        assert!(seen.0 * 100 >= seen.1 * 99, "{} of {} pages of the table in the page cache 20 s after it was left in its file", seen.0, seen.1);
     }
 
     /// A head left in its file hands the loss the rows a resident copy would (an f32 table
