@@ -234,7 +234,9 @@ fn stream(t: &TrainArgs, rows: u64) -> anyhow::Result<()> {
 fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     use std::io::IsTerminal;
     let mut recipe = LoadedRecipe::load(&t.recipe, &t.overrides)?;
-    let reordered = [("data.shuffle", recipe.recipe.data.shuffle), ("data.packing", recipe.recipe.data.packing)];
+    // Read here in the files' order, one record a row; the epoch line is the training's.
+    let trained = recipe.recipe.clone();
+    let reordered = [("data.shuffle", trained.data.shuffle), ("data.packing", trained.data.packing)];
     recipe.recipe.data.shuffle = false;
     recipe.recipe.data.packing = false;
     let r = &recipe.recipe;
@@ -305,9 +307,8 @@ fn inspect(t: &TrainArgs, n: usize, scan: Option<u64>) -> anyhow::Result<()> {
     if bad > 0 {
         println!("{bad} bad record(s) (data.on_bad_record = \"{}\"), e.g. {}", r.data.on_bad_record, bad_examples.join("; "));
     }
-    // What train.max_steps makes of the data, as training says it (the recipe's packing).
+    // What train.max_steps makes of the data, as training says it.
     let world = finetune::dist::layout(&r.dist, &r.model.device, &|k| std::env::var(k).ok()).map_or(1, |l| l.world);
-    let trained = finetune::recipe::Recipe { data: finetune::recipe::DataSection { packing: reordered[1].1, ..r.data.clone() }, ..r.clone() };
     println!("{}", finetune::train::describe_epoch(&trained, loader.records(), world));
     Ok(())
 }
@@ -765,15 +766,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         (Some(Command::Data { cmd: DataCmd::Stream { train, rows } }), _) => stream(&train, rows)?,
         (Some(Command::Import { gguf, out, dtype, max_shard_size }), _) => {
             let dtype = match dtype.as_deref() {
-                Some("f32") => candle_core::DType::F32,
-                Some("bf16") => candle_core::DType::BF16,
-                Some("f16") => candle_core::DType::F16,
+                Some("f32") => Some(candle_core::DType::F32),
+                Some("bf16") => Some(candle_core::DType::BF16),
+                Some("f16") => Some(candle_core::DType::F16),
                 Some(other) => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
-                None => finetune::gguf::open(&gguf)?.weights_dtype(),
+                None => None,
             };
             let limit = finetune::export::parse_size(&max_shard_size).map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
             let r = finetune::gguf::import(&gguf, &out, dtype, limit)?;
-            finetune::note!("imported {} tensors into {} ({} shard(s)), in {}", r.tensors, out.display(), r.shards, finetune::weights::torch_dtype_name(dtype));
+            finetune::note!("imported {} tensors into {} ({} shard(s)), in {}", r.tensors, out.display(), r.shards, finetune::weights::torch_dtype_name(r.dtype));
         }
         (Some(Command::Generate { model, adapter, prompt, chat, chat_template_kwargs, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed }), _) => {
             let dir = finetune::weights::ModelDir::resolve(&model, std::path::Path::new("."))?;

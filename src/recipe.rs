@@ -602,7 +602,7 @@ pub struct LoadedRecipe {
     /// the dtype its checkpoint was trained in (`train::run_with`).
     pub dtype_auto: bool,
     /// The `section.key`s the file and the overrides set (the rest are defaults): a resume
-    /// refused over a key the user never wrote says its default moved.
+    /// refused over a key the recipe does not set says how to set it.
     pub written: std::collections::BTreeSet<String>,
 }
 

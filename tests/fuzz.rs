@@ -442,7 +442,7 @@ fn mutated_gguf_files_import_or_are_refused_naming_the_file() {
     fuzz("gguf", 1500, "fuzz.gguf", &mut findings, |seed| {
         let focus = if seed % 5 == 0 { 0..original.len() } else { 0..header };
         std::fs::write(&gguf, mutated(seed, &original, focus)).unwrap();
-        let r = finetune::gguf::import(&gguf, &out, candle_core::DType::F32, 5_000_000_000);
+        let r = finetune::gguf::import(&gguf, &out, Some(candle_core::DType::F32), 5_000_000_000);
         let failed = r.is_err();
         let e = err_text(r);
         if failed && out.exists() {

@@ -21,7 +21,7 @@ fn setup(dtype: GgmlDType, tie: bool) -> (tempfile::TempDir, PathBuf, PathBuf) {
     let g = d.path().join("model.gguf");
     write_gguf(&d.path().join("hf"), &s, dtype, &g);
     let out = d.path().join("imported");
-    import(&g, &out, DType::F32, 5_000_000_000).unwrap();
+    import(&g, &out, Some(DType::F32), 5_000_000_000).unwrap();
     (d, g, out)
 }
 
@@ -181,7 +181,7 @@ fn smollm2_import_matches_transformers_tokenizer_and_candle_s_greedy_tokens() {
     let gguf = smollm2_gguf();
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("smol");
-    import(&gguf, &out, DType::F32, 5_000_000_000).unwrap();
+    import(&gguf, &out, Some(DType::F32), 5_000_000_000).unwrap();
     let f: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("smollm2-tokenizer/expected.json")).unwrap()).unwrap();
     let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
     for t in f["texts"].as_array().unwrap() {
@@ -240,7 +240,7 @@ fn unset(md: &mut Vec<(String, Value)>, key: &str) {
 fn import_error(gguf: &Path) -> finetune::Error {
     let dir = gguf.parent().unwrap();
     let out = dir.join("imported");
-    let got = std::panic::catch_unwind(|| import(gguf, &out, DType::F32, 5_000_000_000));
+    let got = std::panic::catch_unwind(|| import(gguf, &out, Some(DType::F32), 5_000_000_000));
     let err = match got {
         Ok(Ok(_)) => panic!("{}: import succeeded on a broken file", gguf.display()),
         Ok(Err(e)) => e,
@@ -443,7 +443,7 @@ fn each_pre_tokenizer_type_gives_the_original_tokenizers_ids() {
         let g = d.path().join(format!("{pre}.gguf"));
         write_parts(&md, &qs, &g);
         let out = d.path().join(format!("{pre}-hf"));
-        import(&g, &out, DType::F32, 5_000_000_000).unwrap();
+        import(&g, &out, Some(DType::F32), 5_000_000_000).unwrap();
         let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
         for (text, ids) in texts.iter().zip(want.as_array().unwrap()) {
             let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
@@ -486,7 +486,7 @@ fn a_gguf_s_rope_scaling_comes_back_in_config_json() {
         write_parts(md, qs, &g);
         let out = d.join("imported");
         let _ = std::fs::remove_dir_all(&out);
-        import(&g, &out, DType::F32, 5_000_000_000).unwrap();
+        import(&g, &out, Some(DType::F32), 5_000_000_000).unwrap();
         out.join("config.json")
     };
     // Llama 3's scaling (Llama-3.1/3.2, R1-Distill-Llama): llama.cpp writes it as one divisor
@@ -552,12 +552,12 @@ fn import_fills_an_empty_out_folder_and_refuses_a_non_empty_one_untouched() {
     write_parts(&md, &qs, &g);
     let out = d.path().join("empty");
     std::fs::create_dir(&out).unwrap();
-    import(&g, &out, DType::F32, 5_000_000_000).unwrap();
+    import(&g, &out, Some(DType::F32), 5_000_000_000).unwrap();
     assert!(out.join("config.json").is_file() && out.join("model.safetensors").is_file());
     let full = d.path().join("full");
     std::fs::create_dir(&full).unwrap();
     std::fs::write(full.join("keep.txt"), "mine").unwrap();
-    let Err(err) = import(&g, &full, DType::F32, 5_000_000_000) else { panic!("imported into a non-empty folder") };
+    let Err(err) = import(&g, &full, Some(DType::F32), 5_000_000_000) else { panic!("imported into a non-empty folder") };
     let err = err.to_string();
     assert!(err.contains("not an empty folder"), "{err}");
     let left: Vec<_> = std::fs::read_dir(&full).unwrap().flatten().map(|e| e.file_name()).collect();
@@ -694,7 +694,7 @@ fn truncated_or_corrupted_headers_never_panic_or_leave_output() {
         let g = dir.join("flipped.gguf");
         std::fs::write(&g, &b).unwrap();
         let out = dir.join("imported");
-        match std::panic::catch_unwind(|| import(&g, &out, DType::F32, 5_000_000_000)) {
+        match std::panic::catch_unwind(|| import(&g, &out, Some(DType::F32), 5_000_000_000)) {
             Ok(Ok(_)) => assert!(out.join("config.json").is_file()),
             Ok(Err(e)) => {
                 assert!(!out.exists(), "bytes {at}..{}: a failed import left its folder: {e}", at + 8);

@@ -38,7 +38,7 @@ fn workspace(shape: &TinyShape, dtype: GgmlDType) -> tempfile::TempDir {
     let d = tempfile::tempdir().unwrap();
     write_model(&d.path().join("hf"), shape, 5, 1).unwrap();
     write_gguf(&d.path().join("hf"), shape, dtype, &d.path().join("model.gguf"));
-    finetune::gguf::import(&d.path().join("model.gguf"), &d.path().join("imported"), candle_core::DType::F32, u64::MAX).unwrap();
+    finetune::gguf::import(&d.path().join("model.gguf"), &d.path().join("imported"), Some(candle_core::DType::F32), u64::MAX).unwrap();
     write_tokenized_dataset(&d.path().join("data"), &counting_rows(16, shape.vocab, 3, 6, 20)).unwrap();
     d
 }
@@ -261,9 +261,9 @@ fn a_16_bit_gguf_merges_and_imports_in_its_own_dtype() {
         assert!(merged.values().all(|t| t.dtype() == want), "{ggml:?}: {:?}", merged.iter().map(|(k, t)| (k, t.dtype())).collect::<Vec<_>>());
         let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(cfg["torch_dtype"], finetune::weights::torch_dtype_name(want));
-        // The same as merging the import of the file in that dtype.
+        // The same as merging the import of the file in that dtype (import's default).
         let imported = d.path().join("imported-own");
-        finetune::gguf::import(&file, &imported, want, u64::MAX).unwrap();
+        assert_eq!(finetune::gguf::import(&file, &imported, None, u64::MAX).unwrap().dtype, want, "{ggml:?}");
         let from_import = d.path().join("merged-import");
         let base = finetune::weights::ModelDir::resolve("imported-own", d.path()).unwrap();
         finetune::export::merge(&base, &adapter, &from_import, &finetune::export::ExportOptions { merge: true, ..Default::default() }).unwrap();

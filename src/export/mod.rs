@@ -150,12 +150,7 @@ impl safetensors::View for &OutTensor<'_> {
 }
 
 fn st_dtype(d: DType) -> Result<safetensors::Dtype> {
-    Ok(match d {
-        DType::F32 => safetensors::Dtype::F32,
-        DType::BF16 => safetensors::Dtype::BF16,
-        DType::F16 => safetensors::Dtype::F16,
-        other => return Err(Error::Export(format!("cannot export tensors of dtype {other:?}"))),
-    })
+    crate::weights::safetensors_dtype(d).ok_or_else(|| Error::Export(format!("cannot export tensors of dtype {d:?}")))
 }
 
 fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
@@ -415,11 +410,7 @@ pub fn merge(base: &ModelDir, adapter: &PeftAdapter, out: &Path, opts: &ExportOp
 /// as PEFT's `merge_and_unload` on a bitsandbytes base does. Holds the dequantised base in
 /// memory while writing it.
 fn merge_gguf(gguf: &Path, adapter: &PeftAdapter, out: &Path, opts: &ExportOptions) -> Result<ExportReport> {
-    let dtype = match opts.dtype {
-        Some(d) => d,
-        None => crate::gguf::open(gguf)?.weights_dtype(),
-    };
-    merge_dequantised(gguf.display().to_string(), adapter, out, opts, |deq| crate::gguf::import(gguf, deq, dtype, u64::MAX).map(|_| ()))
+    merge_dequantised(gguf.display().to_string(), adapter, out, opts, |deq| crate::gguf::import(gguf, deq, opts.dtype, u64::MAX).map(|_| ()))
 }
 
 /// [`merge_gguf`] for a bitsandbytes base: its config without `quantization_config`, the
@@ -440,8 +431,8 @@ fn merge_bnb(base: &ModelDir, files: crate::weights::SafetensorsFiles, adapter: 
         let mut tensors = Vec::new();
         for n in names {
             opts.check_stop()?;
-            let t = r.read(&n, &Device::Cpu)?.dequantize(&Device::Cpu)?;
-            tensors.push((n.clone(), t.to_dtype(crate::weights::stored_dtype(&n, dtype))?));
+            let t = r.read(&n, &Device::Cpu)?.dequantize(&Device::Cpu)?.to_dtype(crate::weights::stored_dtype(&n, dtype))?;
+            tensors.push((n, t));
         }
         crate::gguf::write_weights(deq, &tensors, u64::MAX)?;
         let cp = base.config_path();

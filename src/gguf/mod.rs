@@ -42,6 +42,8 @@ pub struct ImportReport {
     pub tensors: usize,
     pub config: serde_json::Value,
     pub shards: usize,
+    /// What the weights were written in (the one asked for, or the file's own).
+    pub dtype: DType,
 }
 
 fn gguf_err(file: &Path, key: impl Into<String>, msg: impl Into<String>) -> Error {
@@ -310,7 +312,8 @@ pub fn describe_in_cache(gguf: &Path) -> Result<PathBuf> {
 /// metadata against itself and the tensors, the tokenizer. The folder is then built
 /// under a hidden sibling name and renamed into place, so `out` appears whole or not at all:
 /// a bad file, or a failure while writing, leaves no output behind.
-pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Result<ImportReport> {
+/// `dtype`: what to write the weights in; `None`, the file's own ([`GgufModel::weights_dtype`]).
+pub fn import(gguf: &Path, out: &Path, dtype: Option<DType>, max_shard_bytes: u64) -> Result<ImportReport> {
     // Cheap and before the minutes of dequantizing: the destination must be usable.
     if out.exists() && !std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_none()) {
         return Err(Error::io(out, std::io::Error::new(std::io::ErrorKind::AlreadyExists, "output exists and is not an empty folder (choose another --out)")));
@@ -319,6 +322,7 @@ pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Re
     if g.tokenizer.is_none() {
         return Err(gguf_err(gguf, "tokenizer.ggml.model", "missing: an imported model folder needs a tokenizer"));
     }
+    let dtype = dtype.unwrap_or_else(|| g.weights_dtype());
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     for hf in g.hf_names() {
         let t = g.dequantize(&hf)?;
@@ -334,7 +338,7 @@ pub fn import(gguf: &Path, out: &Path, dtype: DType, max_shard_bytes: u64) -> Re
         g.write_description(dir)?;
         Ok(shards)
     })?;
-    Ok(ImportReport { tensors: tensors.len(), config: g.config, shards })
+    Ok(ImportReport { tensors: tensors.len(), config: g.config, shards, dtype })
 }
 
 /// Fill a hidden sibling folder of `out` with `fill`, then rename it to `out` (which may

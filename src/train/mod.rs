@@ -256,26 +256,25 @@ fn note_rounded_auto_dtype(loaded: &LoadedRecipe) {
     // The tensors a bf16 base holds in bf16 (not the router's, kept f32; not FP8 scales,
     // not a bitsandbytes weight's quantisation state).
     let rounded = |n: &str| crate::weights::stored_dtype(n, DType::BF16) == DType::BF16 && !n.ends_with("_scale_inv") && !crate::weights::bnb::is_quant_state(n);
-    let Some(stored) = crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir, &rounded).map(|s| s.into_iter().filter_map(crate::weights::candle_dtype).collect::<Vec<_>>()) else {
-        // A local GGUF file (not a hub repo yet to download): the dtype its matrices hold.
-        let file = loaded.resolve(std::path::Path::new(&m.path));
-        if let Some(g) = Some(&file).filter(|f| f.is_file() && crate::weights::is_gguf_file(f)).and_then(|f| crate::gguf::open(f).ok()) {
-            let d = g.weights_dtype();
-            if d != DType::BF16 {
-                crate::note!(
-                    "note: model.dtype = \"auto\" runs the frozen base in bf16 on this CPU's bf16 unit: the GGUF's {} are rounded to bf16; model.dtype = \"f32\" keeps them exact (slower)",
-                    if d == DType::F16 { "f16 weights" } else { "weights (f32 once dequantised)" }
-                );
+    // What gets rounded: the checkpoint's wider weights, or a local GGUF's (not a hub repo
+    // yet to download) where its matrices are not bf16.
+    let rounded_weights = match crate::weights::stored_dtypes(&m.path, m.revision.as_deref(), &loaded.dir, &rounded) {
+        Some(stored) => {
+            let wider: Vec<&str> = [(safetensors::Dtype::F32, "f32"), (safetensors::Dtype::F16, "f16")].into_iter().filter(|(d, _)| stored.contains(d)).map(|(_, name)| name).collect();
+            (!wider.is_empty()).then(|| format!("checkpoint's {} weights", wider.join(" and ")))
+        }
+        None => {
+            let file = loaded.resolve(std::path::Path::new(&m.path));
+            let gguf = (file.is_file() && crate::weights::is_gguf_file(&file)).then(|| crate::gguf::open(&file).ok()).flatten();
+            match gguf.map(|g| g.weights_dtype()) {
+                Some(DType::F16) => Some("GGUF's f16 weights".to_string()),
+                Some(DType::F32) => Some("GGUF's weights (f32 once dequantised)".to_string()),
+                _ => None,
             }
         }
-        return;
     };
-    let wider: Vec<&str> = [(DType::F32, "f32"), (DType::F16, "f16")].into_iter().filter(|(d, _)| stored.contains(d)).map(|(_, name)| name).collect();
-    if !wider.is_empty() {
-        crate::note!(
-            "note: model.dtype = \"auto\" runs the frozen base in bf16 on this CPU's bf16 unit: the checkpoint's {} weights are rounded to bf16; model.dtype = \"f32\" keeps them exact (slower)",
-            wider.join(" and ")
-        );
+    if let Some(what) = rounded_weights {
+        crate::note!("note: model.dtype = \"auto\" runs the frozen base in bf16 on this CPU's bf16 unit: the {what} are rounded to bf16; model.dtype = \"f32\" keeps them exact (slower)");
     }
 }
 

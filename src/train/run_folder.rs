@@ -147,10 +147,8 @@ pub(super) fn check_same_run(rk: &RankRun, state: &crate::checkpoint::TrainState
     // step may not (the same examples per step is what makes the resumed run the same run).
     // The saved recipe's value of a train key (read loosely: a recipe an older version wrote
     // may not parse as today's), or its default.
-    let saved_train = |key: &str, default: usize| {
-        let t = toml::from_str::<toml::Table>(saved).ok();
-        t.as_ref().and_then(|t| t.get("train")?.get(key)?.as_integer()).map_or(default, |n| n as usize)
-    };
+    let saved_table = toml::from_str::<toml::Table>(saved).ok();
+    let saved_train = |key: &str, default: usize| saved_table.as_ref().and_then(|t| t.get("train")?.get(key)?.as_integer()).map_or(default, |n| n as usize);
     // (Both keys default to 1.)
     let saved_mbs = match state.micro_batches_per_step {
         0 => saved_train("grad_accum_steps", 1),

@@ -284,6 +284,16 @@ pub fn set_config_dtype(obj: &mut serde_json::Map<String, serde_json::Value>, d:
     }
 }
 
+/// The safetensors dtype a float tensor of `d` is stored as (the inverse of [`candle_dtype`]).
+pub(crate) fn safetensors_dtype(d: DType) -> Option<safetensors::Dtype> {
+    match d {
+        DType::F32 => Some(safetensors::Dtype::F32),
+        DType::BF16 => Some(safetensors::Dtype::BF16),
+        DType::F16 => Some(safetensors::Dtype::F16),
+        _ => None,
+    }
+}
+
 /// The candle dtype of a stored float tensor we read or write (f32, bf16, f16).
 pub(crate) fn candle_dtype(d: safetensors::Dtype) -> Option<DType> {
     match d {

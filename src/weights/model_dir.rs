@@ -247,13 +247,8 @@ pub fn stored_dtypes(path: &str, revision: Option<&str>, recipe_dir: &Path, whic
     // A bitsandbytes checkpoint's 4-bit weights (packed u8) dequantise to the dtype they
     // were quantised from.
     if super::bnb::is_bnb(&files) {
-        use candle_core::DType;
-        let original = super::bnb::BnbReader { files, storage: DType::F32 }.original_dtype().ok()?;
-        dtypes.insert(match original {
-            DType::BF16 => safetensors::Dtype::BF16,
-            DType::F16 => safetensors::Dtype::F16,
-            _ => safetensors::Dtype::F32,
-        });
+        let original = super::bnb::BnbReader { files, storage: candle_core::DType::F32 }.original_dtype().ok()?;
+        dtypes.extend(super::safetensors_dtype(original));
     }
     Some(dtypes).filter(|d| !d.is_empty())
 }
